@@ -1,0 +1,63 @@
+"""Every Kubernetes API call the operator makes, as (apiGroup, resource, verbs).
+
+This is the single list: the Helm chart's ClusterRole is rendered from it (issue 5), and the
+operator's own API client (`kube.py`) refuses any call that is not listed here, so the
+chart can never fall behind the code. The tests record every request the operator sends to
+the API emulator and check each one against this list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Permission:
+    api_group: str  # "" is the core group
+    resource: str  # plural, with "/subresource" where one is used
+    verbs: tuple[str, ...]
+    why: str
+
+
+PERMISSIONS: tuple[Permission, ...] = (
+    # The custom resource itself: kopf watches it, stores its progress in annotations,
+    # adds/removes the finalizer, and writes status through the status subresource.
+    Permission("moeproxy.io", "proxymodels", ("get", "list", "watch", "patch"),
+               "watch ProxyModels; kopf progress annotations and finalizer"),
+    Permission("moeproxy.io", "proxymodels/status", ("get", "patch"),
+               "write status (phase, conditions, proxy summary, plan, outcome)"),
+    # Child workloads: created, followed, and deleted when a new generation replaces them.
+    Permission("batch", "jobs", ("get", "list", "watch", "create", "delete"),
+               "transformer Job and batch/v1 reproduction Job"),
+    Permission("batch.volcano.sh", "jobs", ("get", "list", "watch", "create", "delete"),
+               "reproduction as a Volcano Job (gang scheduling)"),
+    Permission("mindxdl.gitee.com", "ascendjobs", ("get", "list", "watch", "create", "delete"),
+               "reproduction as an Ascend MindCluster AscendJob"),
+    # Pods of those Jobs: the termination message carries the result; waiting/terminated
+    # reasons carry the real failure (OOMKilled, ImagePullBackOff, Unschedulable).
+    Permission("", "pods", ("get", "list", "watch"),
+               "read the Jobs' results and failure reasons from their pods"),
+    # The source checkpoint's config.json is read before any Job is created (architecture,
+    # expert count, plan). Only the Secret the ProxyModel names is read, and only in memory.
+    Permission("", "secrets", ("get",),
+               "S3 credentials named by spec.source.credentialsSecret, for the preflight read"),
+    # Events on the ProxyModel (kopf.event) and kopf's own handler events.
+    Permission("", "events", ("create",), "Events on ProxyModels"),
+    Permission("events.k8s.io", "events", ("create",), "Events on ProxyModels (newer API)"),
+    # kopf's runtime discovery: namespaces when watching by pattern, CRDs to resolve resources.
+    Permission("", "namespaces", ("list", "watch"), "kopf: follow watched namespaces"),
+    Permission("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
+               "kopf: discover the ProxyModel resource"),
+)
+
+
+def allowed(api_group: str, resource: str, verb: str) -> bool:
+    """True when (api_group, resource, verb) is one of PERMISSIONS."""
+    return any(p.api_group == api_group and p.resource == resource and verb in p.verbs
+               for p in PERMISSIONS)
+
+
+def as_rules() -> list[dict]:
+    """PERMISSIONS as ClusterRole `rules` (one rule per group and resource)."""
+    return [{"apiGroups": [p.api_group], "resources": [p.resource], "verbs": list(p.verbs)}
+            for p in PERMISSIONS]
