@@ -1,0 +1,1 @@
+"""One module per `moe-proxy` subcommand; see moe_proxy.cli.COMMANDS."""

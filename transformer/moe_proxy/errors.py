@@ -1,0 +1,49 @@
+"""The errors moe-proxy raises on bad input. Each message names the problem and what to do."""
+
+
+class MoeProxyError(Exception):
+    """Base class: the CLI prints these as one clear line and exits non-zero."""
+
+
+class UnsupportedArchitecture(MoeProxyError):
+    """config.json names an architecture moe-proxy has no description for."""
+
+
+class NotMoE(MoeProxyError):
+    """The checkpoint has no routed experts (a dense model)."""
+
+
+class InvalidExpertCount(MoeProxyError):
+    """The requested experts per layer cannot be kept (too many, too few, breaks grouped routing)."""
+
+
+class CorruptCheckpoint(MoeProxyError):
+    """A file of the checkpoint is malformed, truncated, or missing."""
+
+
+class DestinationExists(MoeProxyError):
+    """The destination already holds a different proxy (pass --overwrite to replace it)."""
+
+
+class StorageError(MoeProxyError):
+    """Object storage refused or failed a request (missing object, access denied, unreachable)."""
+
+
+class InvalidReproConfig(MoeProxyError):
+    """A reproduction-run setting is out of range or inconsistent (repro, --fail-on, faults)."""
+
+
+class MalformedMetrics(MoeProxyError):
+    """A run's metrics.jsonl cannot be read (not JSON, no step, missing file)."""
+
+
+class ObjectNotFound(StorageError):
+    """The bucket or the object does not exist."""
+
+
+class AccessDenied(StorageError):
+    """The store refused the credentials (denied, unknown key, wrong secret) or none were found."""
+
+
+class EndpointUnreachable(StorageError):
+    """The object store did not answer (wrong endpoint URL, network down), even after retries."""

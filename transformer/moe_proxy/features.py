@@ -1,0 +1,103 @@
+"""One feature vector per expert of an MoE block, for clustering.
+
+- `router`: the expert's router row(s) (plus any per-expert router bias). Cheap: only the
+  router tensors are read.
+- `weights`: a compact, deterministic projection of each of the expert's matrices,
+  R_out^T W R_in with fixed Gaussian sketches, so experts with similar weights land close.
+  Reads every expert's weights (dequantising block-FP8 with its scale companion).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint, TensorInfo
+from .errors import MoeProxyError
+from .layout import MoeBlock
+
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+    "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+SKETCH = 8  # sketch width per matrix side: 64 numbers per matrix
+
+
+def to_tensor(data: bytes, t: TensorInfo, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    if t.dtype not in TORCH_DTYPES:
+        raise MoeProxyError(f"{t.name}: dtype {t.dtype} cannot be read as numbers")
+    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[t.dtype]).reshape(shape or t.shape)
+
+
+def router_features(ckpt: Checkpoint, block: MoeBlock) -> np.ndarray:
+    parts = []
+    for t, axis in block.router.values():
+        x = to_tensor(ckpt.read(t.name), t).float().movedim(axis, 0)
+        parts.append(x.reshape(block.n_experts, -1))
+    return torch.cat(parts, dim=1).double().numpy()
+
+
+def router_bytes(ckpt: Checkpoint, block: MoeBlock) -> bytes:
+    """Raw router tensor bytes (the source identity hashes them)."""
+    return b"".join(ckpt.read(t.name) for t, _ in block.router.values())
+
+
+def _sketch(n: int, tag: str) -> torch.Tensor:
+    seed = int.from_bytes(tag.encode()[-8:].rjust(8, b"\0"), "little") ^ n
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, SKETCH, generator=g, dtype=torch.float32) / SKETCH**0.5
+
+
+def _project(w: torch.Tensor) -> torch.Tensor:
+    out, inn = w.shape
+    return (_sketch(out, "out").T @ w @ _sketch(inn, "in")).flatten()
+
+
+def _dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Block FP8: `scale[i, j]` multiplies block (i, j) of the weight."""
+    bo, bi = -(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1])
+    s = scale.float().repeat_interleave(bo, 0)[: w.shape[0]].repeat_interleave(bi, 1)[:, : w.shape[1]]
+    return w.float() * s
+
+
+def weight_features(ckpt: Checkpoint, block: MoeBlock) -> np.ndarray:
+    rows = []
+    for e in range(block.n_experts):
+        parts = []
+        for rest, t in sorted(block.per_expert.get(e, {}).items()):
+            if not _is_matrix(rest, t):
+                continue
+            w = to_tensor(ckpt.read(t.name), t).float()
+            scale = block.per_expert[e].get(rest + "_scale_inv")
+            if scale is not None:
+                w = _dequant(w, to_tensor(ckpt.read(scale.name), scale))
+            parts.append(_project(w))
+        for rest, t in sorted(block.fused.items()):
+            if not _is_matrix(rest, t, fused=True):
+                continue
+            w = to_tensor(ckpt.read_slices(t.name, 0, [e]), t, t.shape[1:]).float()
+            parts.append(_project(w))
+        if not parts:
+            dtypes = sorted({t.dtype for t in block.expert_tensors()})
+            raise MoeProxyError(
+                f"{block.prefix}: no floating-point expert matrices to build weight features from "
+                f"(expert dtypes {dtypes}, e.g. MXFP4 blocks); use --features router"
+            )
+        rows.append(torch.cat(parts))
+    return torch.stack(rows).double().numpy()
+
+
+def _is_matrix(rest: str, t: TensorInfo, fused: bool = False) -> bool:
+    rank = len(t.shape) - (1 if fused else 0)
+    return rank == 2 and t.dtype in FLOAT_DTYPES and not rest.endswith(("_scale_inv", "scale", "_bias"))
+
+
+def expert_features(ckpt: Checkpoint, block: MoeBlock, source: str) -> np.ndarray:
+    if source == "router":
+        return router_features(ckpt, block)
+    if source == "weights":
+        return weight_features(ckpt, block)
+    raise MoeProxyError(f"unknown feature source {source!r}: use router or weights")

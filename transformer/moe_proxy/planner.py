@@ -1,0 +1,364 @@
+"""Resource planning: how many accelerators an RL step needs, for the original and for a proxy.
+
+From a checkpoint's config.json alone (no weights, no torch) it counts parameters (total and
+active per token) of the original and of the proxy, estimates RL-training memory, and finds
+the smallest whole number of nodes that holds each. The operator uses it to size the
+reproduction Job (`devices: auto`); `moe-proxy plan` prints it.
+
+The memory model, stated so that it can be checked by hand (bytes per parameter P):
+- policy weights `w` bytes (bf16: 2, fp16: 2, fp32: 4), gradients `w` bytes,
+- Adam: fp32 master copy + two moments = 12 bytes (4 + 4 + 4) when w < 4, else 8,
+- frozen reference policy for the KL term: `w` bytes (`reference=True`),
+all sharded across devices (ZeRO-3 / FSDP); plus, on every device, activations of one
+micro-batch with selective recomputation (Korthikanti et al. 2022: 34 * H bytes per token per
+layer at 16-bit) and routed-expert intermediates (top_k * 3 * I * w bytes per token per MoE
+layer), plus a fixed runtime reserve per device. A device is usable up to `utilization` of
+its memory.
+
+Step time, for the device-hours ratio: compute time = 12 * active params * tokens per step
+(rollout 2 + reference forward 2 + old-logprob forward 2 + train 6 FLOPs per parameter per token)
+over (devices * peak FLOP/s * MFU), plus optimizer time = the sharded static bytes read and
+written once over HBM bandwidth. Device-hours per step = devices * step time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .architectures import Arch, detect, expert_count, groups, top_k
+from .errors import InvalidExpertCount
+
+GIB = 1 << 30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    resource: str  # Kubernetes extended resource name
+    memory_gb: float  # per device, decimal GB as vendors state it
+    peak_tflops: float  # dense 16-bit
+    hbm_tbps: float  # memory bandwidth, TB/s
+
+
+# Known accelerators; memory is overridable per plan. Unknown names use the Ascend figures.
+ACCELERATORS: dict[str, Accelerator] = {
+    "huawei.com/Ascend910": Accelerator("huawei.com/Ascend910", 64, 313, 1.6),  # 910B
+    "huawei.com/npu": Accelerator("huawei.com/npu", 64, 313, 1.6),
+    "nvidia.com/gpu": Accelerator("nvidia.com/gpu", 80, 989, 3.35),  # H100 SXM
+}
+
+BYTES_PER_PARAM = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    experts: int | None = None  # routed experts per layer to keep ...
+    keep_ratio: float | None = None  # ... or the fraction to keep
+    top_k: int | None = None  # the proxy's top-k (default: the original's, capped at experts)
+    precision: str = "bf16"
+    accelerator: str = "huawei.com/Ascend910"
+    device_memory_gb: float | None = None  # default: the accelerator's
+    devices_per_node: int = 8
+    micro_batch_tokens: int = 4096  # tokens per device per micro-batch
+    tokens_per_step: int = 512 * 2048  # rollout tokens per RL step (all devices)
+    reference: bool = True  # a frozen reference policy is resident (KL term)
+    utilization: float = 0.9  # usable fraction of device memory
+    reserve_gb: float = 4.0  # runtime, communication buffers, fragmentation, per device
+    mfu: float = 0.3
+
+
+@dataclass(frozen=True)
+class Params:
+    total: int
+    active: int  # per token: backbone + top-k routed experts + shared experts
+
+
+@dataclass(frozen=True)
+class Memory:
+    weights: int  # bytes, all devices together
+    gradients: int
+    optimizer: int
+    reference: int
+    activations_per_device: int  # bytes on every device
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.reference
+
+
+@dataclass(frozen=True)
+class Side:
+    """One model (the original or the proxy) planned on the accelerator."""
+
+    experts_per_layer: int
+    top_k: int
+    params: Params
+    memory: Memory
+    devices: int  # smallest whole-node count that holds it
+    nodes: int
+    step_seconds: float  # estimated, see module docstring
+
+    @property
+    def device_hours_per_step(self) -> float:
+        return self.devices * self.step_seconds / 3600
+
+
+@dataclass(frozen=True)
+class Plan:
+    architecture: str
+    moe_layers: int
+    precision: str
+    accelerator: str
+    device_memory_gb: float
+    devices_per_node: int
+    original: Side
+    proxy: Side
+
+    @property
+    def device_reduction(self) -> float:
+        """Fraction of devices saved, e.g. 0.875 for 64 -> 8."""
+        return 1 - self.proxy.devices / self.original.devices
+
+    @property
+    def device_hours_ratio(self) -> float:
+        """Proxy device-hours per RL step over the original's."""
+        return self.proxy.device_hours_per_step / self.original.device_hours_per_step
+
+    def summary(self) -> dict:
+        """A JSON-ready dict (the ProxyModel status keeps this)."""
+        out = asdict(self)
+        out["device_reduction"] = round(self.device_reduction, 4)
+        out["device_hours_ratio"] = round(self.device_hours_ratio, 4)
+        return out
+
+
+# --- reading config.json -------------------------------------------------------------------
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a config (multimodal checkpoints nest it in text_config)."""
+    inner = config.get("text_config")
+    if isinstance(inner, dict) and "hidden_size" not in config:
+        return {**inner, "model_type": inner.get("model_type", config.get("model_type"))}
+    return config
+
+
+def _int(config: dict, *keys: str, default: int | None = None) -> int:
+    for key in keys:
+        if isinstance(config.get(key), int):
+            return config[key]
+    if default is None:
+        raise InvalidExpertCount(f"config.json lacks {' / '.join(keys)}, needed to plan")
+    return default
+
+
+def moe_layer_indices(config: dict) -> list[int]:
+    """Indices of the decoder layers that hold routed experts (MTP layers not counted)."""
+    n = _int(config, "num_hidden_layers")
+    if "first_k_dense_replace" in config:  # DeepSeek, GLM, Kimi
+        first, freq = config.get("first_k_dense_replace") or 0, config.get("moe_layer_freq") or 1
+        return [i for i in range(n) if i >= first and i % freq == 0]
+    if "moe_layer_start_index" in config:  # ERNIE
+        start, end = config["moe_layer_start_index"], config.get("moe_layer_end_index", -1)
+        end = n - 1 if end in (-1, None) else end
+        step = config.get("moe_layer_interval") or 1
+        return [i for i in range(n) if start <= i <= end and (i + 1) % step == 0]
+    if "decoder_sparse_step" in config or "mlp_only_layers" in config:  # Qwen2/3-MoE
+        step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or [])
+        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if isinstance(config.get("moe_layers"), list):  # Llama-4
+        return list(config["moe_layers"])
+    return list(range(n))  # Mixtral, OLMoE, GPT-OSS, MiniMax
+
+
+# --- the expert target ---------------------------------------------------------------------
+
+
+def target_experts(n: int, arch: Arch, n_group: int, experts: int | None, keep_ratio: float | None) -> int:
+    """The routed experts per layer to keep, validated; errors suggest valid values."""
+    if (experts is None) == (keep_ratio is None):
+        raise InvalidExpertCount("give exactly one of experts per layer or a keep ratio")
+    if keep_ratio is not None:
+        if not 0 < keep_ratio <= 1:
+            raise InvalidExpertCount(f"keep ratio must be in (0, 1], got {keep_ratio}")
+        experts = max(n_group * arch.min_per_group, round(n * keep_ratio / n_group) * n_group)
+    assert experts is not None
+    valid = list(range(n_group * arch.min_per_group, n + 1, n_group))
+    if experts < 1 or experts > n or experts % n_group or experts // n_group < arch.min_per_group:
+        why = (
+            f"the model has {n} routed experts per layer" if experts < 1 or experts > n
+            else f"grouped routing has {n_group} groups (each must keep the same number, at least "
+                 f"{arch.min_per_group})"
+        )
+        shown = ", ".join(map(str, valid[:12])) + (" ..." if len(valid) > 12 else "")
+        raise InvalidExpertCount(f"cannot keep {experts} experts per layer: {why}; valid values: {shown}")
+    return experts
+
+
+# --- parameter counting --------------------------------------------------------------------
+
+
+def _attention_params(c: dict) -> int:
+    h, heads = c["hidden_size"], _int(c, "num_attention_heads")
+    if c.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
+        rope, nope, v = c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
+        q_rank = c.get("q_lora_rank")
+        q = h * q_rank + q_rank + q_rank * heads * (nope + rope) if q_rank else h * heads * (nope + rope)
+        kv = h * (c["kv_lora_rank"] + rope) + c["kv_lora_rank"] + c["kv_lora_rank"] * heads * (nope + v)
+        return q + kv + heads * v * h
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    total = h * q + 2 * h * kv + q * h
+    if c.get("attention_bias") or c.get("qkv_bias") or c.get("model_type") == "qwen2_moe":
+        total += q + 2 * kv + (h if c.get("attention_bias") else 0)
+    if c.get("model_type") == "qwen3_moe":  # per-head RMSNorm on q and k
+        total += 2 * head_dim
+    elif c.get("model_type") == "olmoe":  # RMSNorm over all q and k channels
+        total += q + kv
+    elif c.get("model_type") == "gpt_oss":  # attention sinks
+        total += heads
+    return total
+
+
+def _expert_width(c: dict) -> int:
+    return c.get("moe_intermediate_size") or c["intermediate_size"]
+
+
+def _expert_params(c: dict) -> int:
+    """One routed expert (gated MLP: gate, up, down)."""
+    h, i = c["hidden_size"], _expert_width(c)
+    return 3 * h * i + (2 * i + h if c.get("model_type") == "gpt_oss" else 0)
+
+
+def _router_params(c: dict, arch: Arch, n_experts: int) -> int:
+    """Router rows plus the per-expert vectors that ride with them (bias, correction bias)."""
+    return n_experts * (c["hidden_size"] + len(arch.router) - 1)
+
+
+def _shared_params(c: dict) -> int:
+    h = c["hidden_size"]
+    if c.get("shared_expert_intermediate_size"):  # Qwen2-MoE, Qwen3-Next: one gated shared expert
+        return 3 * h * c["shared_expert_intermediate_size"] + h
+    if c.get("n_shared_experts"):  # DeepSeek, GLM: one MLP of n_shared times the expert width
+        return 3 * h * _expert_width(c) * c["n_shared_experts"]
+    return 0
+
+
+def count_params(config: dict, experts: int | None = None, k: int | None = None) -> Params:
+    """Parameters of the checkpoint described by config.json, with `experts` routed experts per
+    MoE layer (default: as the config says) and top-`k` routing (default: as the config says)."""
+    c = text_config(config)
+    arch = detect(c)
+    n = expert_count(arch, c) if experts is None else experts
+    k = top_k(arch, c) if k is None else k
+    h, vocab, layers = c["hidden_size"], c["vocab_size"], _int(c, "num_hidden_layers")
+    moe = set(moe_layer_indices(c))
+    embed = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
+    backbone = embed + h  # final norm
+    routed_total = routed_active = 0
+    for i in range(layers):
+        backbone += _attention_params(c) + 2 * h
+        if i in moe:
+            backbone += _router_params(c, arch, n) + _shared_params(c)
+            routed_total += n * _expert_params(c)
+            routed_active += min(k, n) * _expert_params(c)
+        else:
+            backbone += 3 * h * c["intermediate_size"]
+    return Params(total=backbone + routed_total, active=backbone + routed_active)
+
+
+# --- memory and devices --------------------------------------------------------------------
+
+
+def _memory(c: dict, params: Params, k: int, n_moe: int, opts: PlanOptions) -> Memory:
+    w = BYTES_PER_PARAM[opts.precision]
+    layers, h = _int(c, "num_hidden_layers"), c["hidden_size"]
+    per_token = layers * 34 * h * w // 2 + n_moe * k * 3 * _expert_width(c) * w
+    return Memory(
+        weights=params.total * w,
+        gradients=params.total * w,
+        optimizer=params.total * (12 if w < 4 else 8),
+        reference=params.total * w if opts.reference else 0,
+        activations_per_device=opts.micro_batch_tokens * per_token,
+    )
+
+
+def devices_needed(memory: Memory, device_bytes: float, opts: PlanOptions) -> int:
+    """Smallest multiple of devices_per_node whose devices hold the sharded static memory plus
+    each device's activations and reserve."""
+    room = device_bytes * opts.utilization - opts.reserve_gb * GB - memory.activations_per_device
+    if room <= 0:
+        raise InvalidExpertCount(
+            f"one micro-batch of {opts.micro_batch_tokens} tokens does not fit on a "
+            f"{device_bytes / GB:g} GB device; lower micro_batch_tokens"
+        )
+    nodes = max(1, math.ceil(memory.static / room / opts.devices_per_node))
+    return nodes * opts.devices_per_node
+
+
+def _step_seconds(params: Params, memory: Memory, devices: int, acc: Accelerator, opts: PlanOptions) -> float:
+    compute = 12 * params.active * opts.tokens_per_step / (devices * acc.peak_tflops * 1e12 * opts.mfu)
+    optimizer = 2 * memory.static / devices / (acc.hbm_tbps * 1e12)
+    return compute + optimizer
+
+
+def plan(config: dict, opts: PlanOptions) -> Plan:
+    """Plan the original and the proxy described by `opts` (see PlanOptions)."""
+    if opts.precision not in BYTES_PER_PARAM:
+        raise InvalidExpertCount(f"precision {opts.precision!r}: expected one of {', '.join(BYTES_PER_PARAM)}")
+    if opts.devices_per_node < 1:
+        raise InvalidExpertCount(f"devices per node must be at least 1, got {opts.devices_per_node}")
+    c = text_config(config)
+    arch = detect(c)
+    n, k = expert_count(arch, c), top_k(arch, c)
+    n_group, _ = groups(arch, c)
+    kept = target_experts(n, arch, n_group, opts.experts, opts.keep_ratio)
+    proxy_k = min(opts.top_k or k, kept)
+    if opts.top_k is not None and not 1 <= opts.top_k <= kept:
+        raise InvalidExpertCount(f"top-k {opts.top_k} must be between 1 and the kept experts ({kept})")
+    acc = ACCELERATORS.get(opts.accelerator, Accelerator(opts.accelerator, 64, 313, 1.6))
+    device_gb = opts.device_memory_gb or acc.memory_gb
+    n_moe = len(moe_layer_indices(c))
+
+    def side(experts: int, top: int) -> Side:
+        params = count_params(c, experts, top)
+        memory = _memory(c, params, top, n_moe, opts)
+        devices = devices_needed(memory, device_gb * GB, opts)
+        return Side(experts, top, params, memory, devices, devices // opts.devices_per_node,
+                    _step_seconds(params, memory, devices, acc, opts))
+
+    return Plan(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
+                original=side(n, k), proxy=side(kept, proxy_k))
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a short table a person reads."""
+
+    def row(label: str, o, x) -> str:
+        return f"  {label:<28}{o:>18}{x:>18}"
+
+    def gib(b: int) -> str:
+        return f"{b / GIB:,.1f} GiB"
+
+    o, x = p.original, p.proxy
+    lines = [
+        f"{p.architecture}: {p.moe_layers} MoE layers, {p.precision}, {p.accelerator} "
+        f"({p.device_memory_gb:g} GB, {p.devices_per_node} per node)",
+        row("", "original", "proxy"),
+        row("routed experts per layer", o.experts_per_layer, x.experts_per_layer),
+        row("top-k", o.top_k, x.top_k),
+        row("parameters (total)", f"{o.params.total:,}", f"{x.params.total:,}"),
+        row("parameters (active)", f"{o.params.active:,}", f"{x.params.active:,}"),
+        row("weights", gib(o.memory.weights), gib(x.memory.weights)),
+        row("gradients", gib(o.memory.gradients), gib(x.memory.gradients)),
+        row("optimizer states", gib(o.memory.optimizer), gib(x.memory.optimizer)),
+        row("reference policy", gib(o.memory.reference), gib(x.memory.reference)),
+        row("activations per device", gib(o.memory.activations_per_device), gib(x.memory.activations_per_device)),
+        row("devices (whole nodes)", f"{o.devices} ({o.nodes} nodes)", f"{x.devices} ({x.nodes} nodes)"),
+        row("device-hours per step", f"{o.device_hours_per_step:.4g}", f"{x.device_hours_per_step:.4g}"),
+        f"  devices saved: {p.device_reduction:.1%}; device-hours per step, proxy/original: "
+        f"{p.device_hours_ratio:.3f}",
+    ]
+    return "\n".join(lines)

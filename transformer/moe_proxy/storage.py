@@ -1,0 +1,156 @@
+"""Where checkpoints live: a local directory or (see s3.py) an object-store prefix.
+
+A `Store` is a flat namespace of files under one root. Everything the transformer does goes
+through these few calls, so reading (ranged) and writing (atomic, streamed) behave the same
+whether the checkpoint is on disk or in a bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Iterator, Protocol
+
+from .errors import CorruptCheckpoint, StorageError
+
+
+class Writer(Protocol):
+    """A file being written: bytes go in with `write`; nothing is visible under its final
+    name until `commit`. `abort` throws the partial file away."""
+
+    def write(self, data: bytes | memoryview) -> int: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class Store(Protocol):
+    uri: str
+
+    def exists(self, name: str) -> bool: ...
+    def size(self, name: str) -> int: ...
+    def read_range(self, name: str, start: int, length: int) -> bytes: ...
+    def read_bytes(self, name: str) -> bytes: ...
+    def list(self) -> list[str]: ...
+    def writer(self, name: str) -> Writer: ...
+    def delete(self, name: str) -> None: ...
+
+
+def open_store(uri: str, **options) -> Store:
+    """A store for a local path or an `s3://bucket/prefix` URI."""
+    if uri.startswith("s3://"):
+        from .s3 import S3Store  # boto3 only when needed
+
+        return S3Store(uri, **options)
+    if "://" in uri:
+        raise StorageError(f"unsupported location {uri!r}: use a local path or s3://bucket/prefix")
+    return LocalStore(uri)
+
+
+def write_bytes(store: Store, name: str, data: bytes) -> None:
+    w = store.writer(name)
+    try:
+        w.write(data)
+    except BaseException:
+        w.abort()
+        raise
+    w.commit()
+
+
+def sha256_of(store: Store, name: str, chunk: int = 64 << 20) -> str:
+    """sha256 of a stored file, read in bounded chunks."""
+    h = hashlib.sha256()
+    total = store.size(name)
+    for start in range(0, total, chunk):
+        h.update(store.read_range(name, start, min(chunk, total - start)))
+    return h.hexdigest()
+
+
+class LocalStore:
+    """A directory on local disk. Writes go to a hidden temporary file renamed into place on
+    commit, so a crash never leaves a truncated file under a real name."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.uri = str(self.root)
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def size(self, name: str) -> int:
+        try:
+            return self._path(name).stat().st_size
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{self._path(name)}: file not found") from None
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(name), "rb") as f:
+                f.seek(start)
+                data = f.read(length)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{self._path(name)}: file not found") from None
+        if len(data) != length:
+            raise CorruptCheckpoint(
+                f"{self._path(name)}: wanted bytes {start}..{start + length} but the file has "
+                f"{self.size(name)} bytes (truncated?)"
+            )
+        return data
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{self._path(name)}: file not found") from None
+
+    def list(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            str(p.relative_to(self.root))
+            for p in self.root.rglob("*")
+            if p.is_file() and not p.name.startswith(".moe-proxy-tmp-")
+        )
+
+    def writer(self, name: str) -> "LocalWriter":
+        return LocalWriter(self._path(name))
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+
+class LocalWriter:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        fd, tmp = tempfile.mkstemp(prefix=".moe-proxy-tmp-", dir=path.parent)
+        self.tmp = Path(tmp)
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes | memoryview) -> int:
+        return self.file.write(data)
+
+    def commit(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def remove_tree(uri: str) -> None:
+    """Delete a local directory tree (used by tests and --overwrite of local destinations)."""
+    shutil.rmtree(uri, ignore_errors=True)
+
+
+def iter_chunks(data: memoryview, chunk: int) -> Iterator[memoryview]:
+    for start in range(0, len(data), chunk):
+        yield data[start : start + chunk]
