@@ -10,9 +10,10 @@ The memory model, stated so that it can be checked by hand (bytes per parameter 
 - Adam: fp32 master copy + two moments = 12 bytes (4 + 4 + 4) when w < 4, else 8,
 - frozen reference policy for the KL term: `w` bytes (`reference=True`),
 all sharded across devices (ZeRO-3 / FSDP); plus, on every device, activations of one
-micro-batch with selective recomputation (Korthikanti et al. 2022: 34 * H bytes per token per
-layer at 16-bit) and routed-expert intermediates (top_k * 3 * I * w bytes per token per MoE
-layer), plus a fixed runtime reserve per device. A device is usable up to `utilization` of
+micro-batch with full activation checkpointing, as RL frameworks run MoE models: each layer's
+input (H * w bytes per token per layer) plus one layer's working set while it is recomputed
+(Korthikanti et al. 2022: 34 * H bytes per token at 16-bit, and top_k * 3 * I * w bytes of
+routed-expert intermediates), plus a fixed runtime reserve per device. A device is usable up to `utilization` of
 its memory.
 
 Step time, for the device-hours ratio: compute time = 12 * active params * tokens per step
@@ -275,7 +276,7 @@ def count_params(config: dict, experts: int | None = None, k: int | None = None)
 def _memory(c: dict, params: Params, k: int, n_moe: int, opts: PlanOptions) -> Memory:
     w = BYTES_PER_PARAM[opts.precision]
     layers, h = _int(c, "num_hidden_layers"), c["hidden_size"]
-    per_token = layers * 34 * h * w // 2 + n_moe * k * 3 * _expert_width(c) * w
+    per_token = layers * h * w + 34 * h * w // 2 + (k * 3 * _expert_width(c) * w if n_moe else 0)
     return Memory(
         weights=params.total * w,
         gradients=params.total * w,

@@ -1,0 +1,159 @@
+"""The planner against hand computations and against transformers' own parameter counts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_proxy.errors import InvalidExpertCount, NotMoE, UnsupportedArchitecture
+from moe_proxy.planner import GB, PlanOptions, count_params, format_plan, moe_layer_indices, plan
+
+# A tiny Qwen3-MoE: H=64, vocab 256, 2 layers (layer 0 dense), 4 heads of 16, 2 KV heads,
+# 8 experts of width 32, top-2, untied embeddings.
+QWEN3 = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+    "num_experts_per_tok": 2, "mlp_only_layers": [0], "decoder_sparse_step": 1,
+    "tie_word_embeddings": False,
+}
+
+
+def test_qwen3_params_by_hand():
+    embed = 2 * 256 * 64  # embed_tokens + lm_head = 32768
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16  # q, k, v, o, q_norm, k_norm = 12320
+    norms = 2 * 64
+    dense_mlp = 3 * 64 * 96  # 18432
+    router = 8 * 64  # 512
+    expert = 3 * 64 * 32  # 6144
+    total = embed + 64 + 2 * (attention + norms) + dense_mlp + router + 8 * expert
+    active = total - 6 * expert  # top-2 of 8
+    params = count_params(QWEN3)
+    assert (params.total, params.active) == (total, active) == (125824, 88960)
+    # The proxy with 4 experts: 4 router rows and 4 experts fewer.
+    assert count_params(QWEN3, experts=4).total == total - 4 * expert - 4 * 64
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen3_moe", dict(num_experts=8, moe_intermediate_size=32, mlp_only_layers=[0])),
+    ("mixtral", dict(num_local_experts=8)),
+    ("qwen2_moe", dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       mlp_only_layers=[0])),
+    ("deepseek_v3", dict(n_routed_experts=8, moe_intermediate_size=32, first_k_dense_replace=1, n_group=2,
+                         topk_group=1, q_lora_rank=16, kv_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1)),
+    ("olmoe", dict(num_experts=8)),
+    ("gpt_oss", dict(num_local_experts=8)),
+    ("glm4_moe", dict(n_routed_experts=8, moe_intermediate_size=32, first_k_dense_replace=1,
+                      n_shared_experts=1)),
+])
+def test_params_match_what_transformers_stores(model_type, extra):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, num_experts_per_tok=2, tie_word_embeddings=False,
+        **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    stored = sum(t.numel() for t in model.state_dict().values())
+    assert count_params(json.loads(config.to_json_string())).total == stored
+
+
+def test_deepseek_v3_full_size_is_671b_with_37b_active():
+    config = {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "n_group": 8, "topk_group": 4, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "tie_word_embeddings": False,
+    }
+    params = count_params(config)
+    assert round(params.total / 1e9) == 671 and round(params.active / 1e9) == 38  # 37.55B
+    p = plan(config, PlanOptions(experts=32))
+    assert p.moe_layers == 58
+    assert p.proxy.devices < p.original.devices
+    assert p.original.devices % 8 == 0 and p.proxy.devices % 8 == 0
+
+
+def test_memory_and_devices_by_hand():
+    # 1 GB devices, no reserve, full utilisation, 1 device per node: devices = ceil(static / room).
+    opts = PlanOptions(experts=4, device_memory_gb=0.001, devices_per_node=1, micro_batch_tokens=1,
+                       utilization=1.0, reserve_gb=0.0)
+    p = plan(QWEN3, opts)
+    o = p.original
+    assert o.memory.weights == o.memory.gradients == o.memory.reference == 125824 * 2
+    assert o.memory.optimizer == 125824 * 12
+    assert o.memory.static == 125824 * 18  # 2 + 2 + 12 + 2 bytes per parameter
+    # Activations per token: layer inputs 2*64*2 + one layer 34*64 + routed 2*3*32*2 bytes.
+    per_token = 2 * 64 * 2 + 34 * 64 + 2 * 3 * 32 * 2
+    assert o.memory.activations_per_device == per_token == 2816
+    room = 0.001 * GB - per_token
+    assert o.devices == -(-125824 * 18 // room)  # ceil = 3
+    assert o.devices == 3
+    proxy_total = 125824 - 4 * 6144 - 4 * 64
+    assert p.proxy.params.total == proxy_total
+    assert p.proxy.devices == -(-proxy_total * 18 // room) == 2
+    assert p.device_reduction == pytest.approx(1 / 3)
+    # fp32: 4 + 4 + 8 + 4 bytes per parameter.
+    assert plan(QWEN3, PlanOptions(experts=4, precision="fp32")).original.memory.static == 125824 * 20
+
+
+def test_whole_nodes():
+    p = plan(QWEN3, PlanOptions(experts=4, devices_per_node=8))
+    assert (p.original.devices, p.original.nodes) == (8, 1)
+
+
+def test_keep_ratio_and_grouped_routing():
+    v3 = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+          "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "n_routed_experts": 64,
+          "num_experts_per_tok": 4, "first_k_dense_replace": 1, "n_group": 8, "topk_group": 2}
+    assert moe_layer_indices(v3) == [1, 2]
+    assert plan(v3, PlanOptions(keep_ratio=0.25)).proxy.experts_per_layer == 16
+    with pytest.raises(InvalidExpertCount, match="8 groups.*valid values: 16, 24"):
+        plan(v3, PlanOptions(experts=12))
+    with pytest.raises(InvalidExpertCount, match="64 routed experts"):
+        plan(v3, PlanOptions(experts=80))
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(NotMoE):
+        plan({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64}, PlanOptions(experts=2))
+    with pytest.raises(UnsupportedArchitecture):
+        plan({"model_type": "jamba", "num_experts": 16}, PlanOptions(experts=2))
+    with pytest.raises(InvalidExpertCount, match="top-k 5"):
+        plan(QWEN3, PlanOptions(experts=4, top_k=5))
+    with pytest.raises(InvalidExpertCount, match="exactly one"):
+        plan(QWEN3, PlanOptions())
+    with pytest.raises(InvalidExpertCount, match="does not fit"):
+        plan(QWEN3, PlanOptions(experts=4, device_memory_gb=1, micro_batch_tokens=10**9))
+
+
+def test_format_and_summary():
+    p = plan(QWEN3, PlanOptions(experts=4))
+    text = format_plan(p)
+    assert "Qwen3-MoE" in text and "125,824" in text and "devices saved" in text
+    summary = json.loads(json.dumps(p.summary()))
+    assert summary["original"]["params"]["total"] == 125824
+    assert summary["proxy"]["experts_per_layer"] == 4
+
+
+def test_plan_command(tmp_path, capsys):
+    from moe_proxy.commands import plan as plan_command
+    import argparse
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    parser = argparse.ArgumentParser()
+    plan_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", str(tmp_path), "--experts", "4", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["original"]["params"]["total"] == 125824 and out["proxy"]["experts_per_layer"] == 4
+
+
+def test_planner_and_operator_never_import_torch():
+    code = ("import sys, moe_proxy.planner, moe_proxy.commands.plan; "
+            "bad = [m for m in ('torch', 'safetensors', 'sklearn') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

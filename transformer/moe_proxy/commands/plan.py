@@ -1,0 +1,64 @@
+"""`moe-proxy plan`: parameters, RL-training memory and accelerator count of an original
+checkpoint and of its proxy, from config.json alone (no weights are read)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+from ..errors import CorruptCheckpoint
+from ..planner import ACCELERATORS, BYTES_PER_PARAM, PlanOptions, format_plan, plan
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="accelerators needed for RL on the original and on a proxy (reads config.json only)",
+        description=__doc__,
+    )
+    p.add_argument("checkpoint", help="checkpoint directory, its config.json, or an s3:// prefix")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--experts", type=int, help="routed experts per layer to keep")
+    size.add_argument("--keep-ratio", type=float, help="fraction of routed experts to keep")
+    p.add_argument("--top-k", type=int, help="the proxy's top-k (default: the original's)")
+    p.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="bf16")
+    p.add_argument("--accelerator", default="huawei.com/Ascend910",
+                   help=f"resource name; known: {', '.join(ACCELERATORS)}")
+    p.add_argument("--device-memory-gb", type=float, help="memory per device (default: the accelerator's)")
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--micro-batch-tokens", type=int, default=PlanOptions.micro_batch_tokens)
+    p.add_argument("--tokens-per-step", type=int, default=PlanOptions.tokens_per_step)
+    p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
+    p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def read_config(location: str, endpoint_url: str | None = None) -> dict:
+    """config.json of a checkpoint given as a directory, the file itself, or an s3:// prefix."""
+    from ..storage import open_store  # the S3 client only when asked for
+
+    if location.endswith("config.json"):
+        location, name = location.rsplit("/", 1) if "/" in location else (".", location)
+    else:
+        name = "config.json"
+    options = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    raw = open_store(location, **options).read_bytes(name)
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{location}/{name} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CorruptCheckpoint(f"{location}/{name} is not a JSON object")
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    config = read_config(args.checkpoint, args.endpoint_url)
+    known = {f.name for f in fields(PlanOptions)}
+    opts = PlanOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
+                       reference=not args.no_reference)
+    result = plan(config, opts)
+    print(json.dumps(result.summary(), indent=2) if args.json else format_plan(result))
+    return 0
