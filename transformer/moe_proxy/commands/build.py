@@ -1,0 +1,107 @@
+"""`moe-proxy build SRC DST`: build a proxy checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..build import build_proxy
+from ..errors import MoeProxyError
+from ..selection import CLUSTERINGS, METHODS
+from ..summary import human
+from ._common import add_storage_args, store_options
+
+
+def parse_pins(values: list[str]) -> dict[int, list[int]]:
+    pins: dict[int, list[int]] = {}
+    for value in values:
+        for item in filter(None, value.split(",")):
+            try:
+                layer, expert = (int(x) for x in item.split(":"))
+            except ValueError:
+                raise MoeProxyError(f"--pin {item!r}: expected LAYER:EXPERT, e.g. 3:17") from None
+            pins.setdefault(layer, []).append(expert)
+    return pins
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("build", help="build a proxy checkpoint (fewer routed experts per MoE layer)",
+                       description=__doc__)
+    p.add_argument("src", help="source checkpoint directory or s3://bucket/prefix")
+    p.add_argument("dst", help="destination directory or s3://bucket/prefix")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--experts", type=int, metavar="N", help="routed experts to keep per MoE layer")
+    size.add_argument("--keep-ratio", type=float, metavar="R", help="fraction of routed experts to keep, e.g. 0.125")
+    p.add_argument("--method", choices=METHODS, default="cluster",
+                   help="cluster (default: one medoid per cluster); random and first-n are baselines")
+    p.add_argument("--features", choices=("router", "weights"), default="router",
+                   help="what to cluster on: router rows (default, cheap) or a projection of expert weights")
+    p.add_argument("--clustering", choices=CLUSTERINGS, default="kmeans")
+    p.add_argument("--top-k", type=int, metavar="K", help="experts per token in the proxy (default: kept, clamped)")
+    p.add_argument("--pin", action="append", default=[], metavar="LAYER:EXPERT[,...]",
+                   help="always keep these experts (e.g. ones implicated in a failure)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace a different proxy at DST")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--termination-log", metavar="PATH",
+                   help="write a short JSON result here (Kubernetes: /dev/termination-log)")
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        manifest = build_proxy(
+            args.src, args.dst, experts=args.experts, keep_ratio=args.keep_ratio, method=args.method,
+            features=args.features, clustering=args.clustering, seed=args.seed, top_k=args.top_k,
+            pins=parse_pins(args.pin), overwrite=args.overwrite, progress=not args.no_progress,
+            store_options=store_options(args),
+        )
+    except MoeProxyError as exc:
+        _termination(args, {"error": type(exc).__name__, "message": str(exc)[:3000]})
+        raise
+    _termination(args, result(manifest, args.dst))
+    print(json.dumps(manifest, indent=2) if args.json else summary(manifest))
+    return 0
+
+
+def result(m: dict, dst: str) -> dict:
+    """The short result the operator reads from the container's termination message."""
+    import hashlib
+
+    return {
+        "proxy_uri": dst,
+        "manifest_sha256": hashlib.sha256(json.dumps(m.get("files"), sort_keys=True).encode()).hexdigest(),
+        "architecture": m["source"]["architecture"],
+        "experts_per_layer": {"before": m["experts"]["before"], "after": m["experts"]["after"],
+                              "top_k": m["experts"]["top_k_after"]},
+        "params": m["params"],
+        "bytes": m["bytes"],
+    }
+
+
+def _termination(args: argparse.Namespace, payload: dict) -> None:
+    if args.termination_log:
+        Path(args.termination_log).write_text(json.dumps(payload, separators=(",", ":")))
+
+
+def summary(m: dict) -> str:
+    e, p, b = m["experts"], m["params"], m["bytes"]
+    lines = [
+        f"proxy of {m['source']['uri']} ({m['source']['architecture']})",
+        f"  experts per MoE layer  {e['before']} -> {e['after']}   top-k {e['top_k_before']} -> {e['top_k_after']}",
+        f"  parameters total       {human(p['total_before'])} -> {human(p['total_after'])}"
+        f"  ({p['total_after'] / p['total_before']:.1%})",
+        f"  parameters active      {human(p['active_before'])} -> {human(p['active_after'])}",
+        f"  shard bytes            {human(b['before'], 'B')} -> {human(b['after'], 'B')}"
+        f"  ({b['after'] / b['before']:.1%})",
+        "  kept experts per layer:",
+    ]
+    for prefix, layer in m["layers"].items():
+        sizes = ",".join(map(str, layer["cluster_sizes"]))
+        lines.append(f"    {prefix:<36} {layer['kept']}  cluster sizes [{sizes}]")
+    lines += [f"  note: {n}" for n in m.get("notes", [])]
+    return "\n".join(lines)

@@ -1,0 +1,24 @@
+"""`moe-proxy inspect SRC`: architecture, layers, experts, parameters and bytes of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..checkpoint import open_checkpoint
+from ..summary import describe, text
+from ._common import add_storage_args, store_options
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="describe a checkpoint (reads config and headers only)", description=__doc__)
+    p.add_argument("src", help="checkpoint directory or s3://bucket/prefix")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    d = describe(open_checkpoint(args.src, **store_options(args)))
+    print(json.dumps(d, indent=2) if args.json else text(d))
+    return 0

@@ -1,0 +1,26 @@
+"""`moe-proxy verify DST`: check a proxy's manifest hashes, config against tensors, and a forward pass."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..verify import as_json, text, verify
+from ._common import add_storage_args, store_options
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("verify", help="check a proxy: hashes, config vs tensors, transformers forward pass",
+                       description=__doc__)
+    p.add_argument("dst", help="proxy directory or s3://bucket/prefix")
+    p.add_argument("--no-forward", action="store_true", help="skip loading the model with transformers")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = verify(args.dst, forward=not args.no_forward, progress=not args.no_progress,
+                    store_options=store_options(args))
+    print(as_json(report) if args.json else text(report))
+    return 0 if report.ok else 1

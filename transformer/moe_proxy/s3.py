@@ -1,0 +1,377 @@
+"""`s3://bucket/prefix` as a Store: ranged reads and streamed multipart writes, through boto3.
+
+Credentials and region come from boto3's standard chain (environment variables, shared
+config/credentials files and AWS_PROFILE, web identity / IRSA, container or instance roles).
+The endpoint is `endpoint_url` (the CLI's --endpoint-url) or AWS_ENDPOINT_URL(_S3); with a
+custom endpoint, addressing is path-style, which on-premise stores (MinIO, Ceph RGW, OBS,
+SeaweedFS) need.
+
+Transient faults (5xx, timeouts, refused or dropped connections) are retried by botocore's
+"standard" retry mode, with exponential backoff and jitter. The one fault botocore cannot
+retry, a connection dropped while a response body is being read, is retried here by asking
+again for the missing bytes only.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError as BotoConnectionError,
+    HTTPClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
+
+from . import __version__
+from .errors import AccessDenied, CorruptCheckpoint, EndpointUnreachable, ObjectNotFound, StorageError
+
+log = logging.getLogger(__name__)
+
+# botocore's DEBUG log prints every request's headers, and the Authorization header names the
+# access key: keep boto's own chatter out of `moe-proxy -v` unless someone configured it.
+for _name in ("botocore", "boto3", "s3transfer", "urllib3"):
+    if logging.getLogger(_name).level == logging.NOTSET:
+        logging.getLogger(_name).setLevel(logging.WARNING)
+
+PART_SIZE = 64 << 20  # multipart part size; S3 wants >= 5 MiB for every part but the last
+MAX_PARTS = 10_000  # S3's limit per upload
+READ_CHUNK = 1 << 20  # response bodies are read in pieces of this size
+NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+DENIED = {"403", "AccessDenied", "Forbidden", "AllAccessDisabled", "AccountProblem"}
+BAD_TOKEN = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """`s3://bucket/some/prefix/` -> ("bucket", "some/prefix")."""
+    if not uri.startswith("s3://"):
+        raise StorageError(f"not an s3:// URI: {uri!r}")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    if not bucket:
+        raise StorageError(f"{uri!r} names no bucket: use s3://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+class S3Store:
+    """A checkpoint directory under an S3 prefix (see the module docstring).
+
+    Options (all optional, passed through open_store): endpoint_url, region, addressing_style
+    ("path" or "virtual"), part_size and max_concurrency (upload memory is about
+    (max_concurrency + 1) x part_size per file being written), max_attempts (per request,
+    first try included), connect_timeout / read_timeout in seconds.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        addressing_style: str | None = None,
+        part_size: int = PART_SIZE,
+        max_concurrency: int = 4,
+        max_attempts: int = 5,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+    ):
+        self.bucket, self.prefix = parse_uri(uri)
+        self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.part_size, self.max_concurrency, self.max_attempts = part_size, max_concurrency, max_attempts
+        custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if addressing_style is None and custom_endpoint:
+            addressing_style = "path"
+        config = Config(
+            s3={"addressing_style": addressing_style} if addressing_style else None,
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_pool_connections=max(10, 2 * max_concurrency),
+            # We send our own SHA256 with every PUT and part (below); this keeps botocore from
+            # adding CRC trailers that some S3-compatible stores reject.
+            request_checksum_calculation="when_required",
+            user_agent_extra=f"moe-proxy/{__version__}",
+        )
+        self.session = boto3.session.Session(region_name=region)
+        self.client = self.session.client("s3", endpoint_url=endpoint_url, config=config)
+        self.bytes_downloaded = 0  # response-body bytes of GETs, for build summaries
+        self._count_lock = threading.Lock()
+        self._bucket_checked = False
+
+    # ------------------------------------------------------------ names and errors
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _call(self, operation: str, name: str | None = None, **params):
+        """Call one S3 operation (botocore retries transient faults), mapping failures to
+        moe-proxy's StorageError family."""
+        if name is not None:
+            params["Key"] = self._key(name)
+        try:
+            return getattr(self.client, operation)(Bucket=self.bucket, **params)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, operation, name) from exc
+
+    def _credential_source(self) -> str:
+        # The *kind* of source (env, shared-credentials-file, assume-role-with-web-identity, ...),
+        # never a value.
+        creds = self.session.get_credentials()
+        return getattr(creds, "method", None) or "none found"
+
+    def _error(self, exc: Exception, operation: str, name: str | None) -> StorageError:
+        where = f"s3://{self.bucket}/{self._key(name)}" if name is not None else self.uri
+        endpoint = self.client.meta.endpoint_url
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return AccessDenied(
+                f"{where}: no usable AWS credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                f"AWS_PROFILE, or a web identity token (IRSA)"
+            )
+        if isinstance(exc, (BotoConnectionError, HTTPClientError)):  # refused, timed out, dropped
+            return EndpointUnreachable(
+                f"{where}: the object store at {endpoint} did not answer {operation} after "
+                f"{self.max_attempts} attempts ({type(exc).__name__}); check --endpoint-url / "
+                f"AWS_ENDPOINT_URL and the network"
+            )
+        if not isinstance(exc, ClientError):
+            return StorageError(f"{where}: {operation} failed: {type(exc).__name__}: {exc}")
+        error = exc.response.get("Error", {})
+        code, status = str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        source = self._credential_source()
+        if code == "NoSuchBucket":
+            return ObjectNotFound(f"{where}: bucket {self.bucket!r} does not exist at {endpoint}")
+        if code in NOT_FOUND:
+            return ObjectNotFound(f"{where}: no such object")
+        if code == "InvalidAccessKeyId":
+            return AccessDenied(
+                f"{where}: the store does not know this access key (credentials from: {source}); "
+                f"check AWS_ACCESS_KEY_ID / AWS_PROFILE and --endpoint-url"
+            )
+        if code == "SignatureDoesNotMatch":
+            return AccessDenied(
+                f"{where}: request signature rejected: the secret key does not match the access key "
+                f"(credentials from: {source}); check AWS_SECRET_ACCESS_KEY / AWS_PROFILE"
+            )
+        if code in BAD_TOKEN:
+            return AccessDenied(f"{where}: the session token is expired or invalid (credentials from: {source})")
+        if code in DENIED:
+            return AccessDenied(f"{where}: access denied for {operation} (credentials from: {source})")
+        return StorageError(f"{where}: {operation} failed: {code} (HTTP {status}): {error.get('Message', '')}")
+
+    def _check_bucket(self) -> None:
+        """HEAD answers a bare 404 both for a missing key and a missing bucket; tell them apart
+        once, so a wrong bucket name is reported as such."""
+        if self._bucket_checked:
+            return
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code")) in NOT_FOUND | {"NoSuchBucket"}:
+                raise ObjectNotFound(f"{self.uri}: bucket {self.bucket!r} does not exist at "
+                                     f"{self.client.meta.endpoint_url}") from exc
+            # 403 and the like: we may read objects without being allowed to HEAD the bucket.
+        except BotoCoreError as exc:
+            raise self._error(exc, "head_bucket", None) from exc
+        self._bucket_checked = True
+
+    def _head(self, name: str, **params) -> dict | None:
+        try:
+            return self._call("head_object", name, **params)
+        except ObjectNotFound:
+            self._check_bucket()
+            return None
+
+    # ------------------------------------------------------------ reading
+
+    def exists(self, name: str) -> bool:
+        return self._head(name) is not None
+
+    def size(self, name: str) -> int:
+        head = self._head(name)
+        if head is None:
+            raise ObjectNotFound(f"s3://{self.bucket}/{self._key(name)}: no such object")
+        return int(head["ContentLength"])
+
+    def checksum(self, name: str) -> str | None:
+        """The SHA256 checksum the store keeps for the object (of the whole object, or
+        "<sha256 of part sha256s>-<parts>" for a multipart upload), without downloading it;
+        falls back to the ETag where the store keeps no SHA256."""
+        head = self._head(name, ChecksumMode="ENABLED")
+        if head is None:
+            return None
+        return head.get("ChecksumSHA256") or head.get("ETag")
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        buf, etag, drops = bytearray(), None, 0
+        while len(buf) < length:
+            first, last = start + len(buf), start + length - 1
+            # After a drop, ask only for the missing bytes, and only of the same object version.
+            resp = self._call("get_object", name, Range=f"bytes={first}-{last}", **({"IfMatch": etag} if etag else {}))
+            etag = resp.get("ETag")
+            expected = int(resp["ContentLength"])
+            try:
+                for chunk in resp["Body"].iter_chunks(READ_CHUNK):
+                    buf += chunk
+                    with self._count_lock:
+                        self.bytes_downloaded += len(chunk)
+            except S3_RETRYABLE_DOWNLOAD_ERRORS as exc:
+                drops += 1
+                if drops >= self.max_attempts:
+                    raise EndpointUnreachable(
+                        f"s3://{self.bucket}/{self._key(name)}: the connection dropped {drops} times while "
+                        f"reading bytes {first}..{last} ({type(exc).__name__})"
+                    ) from exc
+                log.debug("%s: connection dropped mid-read (%s), resuming at byte %d", name, exc, start + len(buf))
+                time.sleep(min(0.1 * 2**drops, 5))
+                continue
+            if expected < last - first + 1:
+                raise CorruptCheckpoint(
+                    f"s3://{self.bucket}/{self._key(name)}: wanted bytes {start}..{start + length} but the "
+                    f"object ends at {first + expected} (truncated?)"
+                )
+        return bytes(buf)
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.read_range(name, 0, self.size(name))
+
+    def list(self) -> list[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base)
+            return sorted(o["Key"][len(base) :] for page in pages for o in page.get("Contents", []))
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, "list_objects_v2", None) from exc
+
+    # ------------------------------------------------------------ writing
+
+    def writer(self, name: str) -> "S3Writer":
+        self.abort_incomplete_uploads(name)
+        return S3Writer(self, name)
+
+    def delete(self, name: str) -> None:
+        self._call("delete_object", name)
+
+    def abort_incomplete_uploads(self, name: str | None = None) -> int:
+        """Abort multipart uploads left by interrupted attempts, for `name` or the whole prefix.
+        Their parts are invisible but billed; a store that will not list them is skipped."""
+        prefix = self._key(name) if name is not None else (f"{self.prefix}/" if self.prefix else "")
+        aborted = 0
+        try:
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
+                for up in page.get("Uploads", []):
+                    if name is None or up["Key"] == prefix:
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                        log.info("aborted an incomplete upload of s3://%s/%s from an interrupted attempt",
+                                 self.bucket, up["Key"])
+                        aborted += 1
+        except ClientError as exc:
+            error = self._error(exc, "list_multipart_uploads", name)
+            if not isinstance(error, AccessDenied):
+                raise error from exc
+            log.debug("not allowed to list incomplete uploads under %s: skipped", prefix)
+        except BotoCoreError as exc:
+            raise self._error(exc, "list_multipart_uploads", name) from exc
+        return aborted
+
+
+class S3Writer:
+    """One object being uploaded, bytes pushed in with write(). Full parts go up as a
+    multipart upload while the caller keeps producing (at most max_concurrency parts in
+    flight, so memory stays bounded); a file smaller than one part is a single PUT. Every
+    PUT and part carries its SHA256, which the store checks on receipt, and commit checks the
+    store's checksum of the whole object. Nothing is visible under the key before commit."""
+
+    def __init__(self, store: S3Store, name: str):
+        self.store, self.name = store, name
+        self.buffer = bytearray()
+        self.upload_id: str | None = None
+        self.digests: list[bytes] = []  # SHA256 of each part, in order
+        self.parts: list[Future] = []  # -> {"PartNumber", "ETag", "ChecksumSHA256"}
+        self.pool: ThreadPoolExecutor | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.buffer += data
+        size = self.store.part_size
+        while len(self.buffer) >= size:
+            self._send(bytes(self.buffer[:size]))
+            del self.buffer[:size]
+        return len(data)
+
+    def _send(self, part: bytes) -> None:
+        store = self.store
+        if self.upload_id is None:
+            self.upload_id = store._call("create_multipart_upload", self.name, ChecksumAlgorithm="SHA256")["UploadId"]
+            self.pool = ThreadPoolExecutor(store.max_concurrency, thread_name_prefix="s3-upload")
+        number = len(self.parts) + 1
+        if number > MAX_PARTS:
+            raise StorageError(f"{self.name}: more than {MAX_PARTS} parts; use a larger part_size")
+        # Bounded memory: wait for the oldest part in flight before buffering another.
+        in_flight = [f for f in self.parts if not f.done()]
+        if len(in_flight) >= store.max_concurrency:
+            in_flight[0].result()
+        digest = hashlib.sha256(part).digest()
+        self.digests.append(digest)
+        self.parts.append(self.pool.submit(self._upload_part, number, part, _b64(digest)))
+
+    def _upload_part(self, number: int, part: bytes, checksum: str) -> dict:
+        r = self.store._call("upload_part", self.name, UploadId=self.upload_id, PartNumber=number,
+                             Body=part, ChecksumSHA256=checksum)
+        return {"PartNumber": number, "ETag": r["ETag"], "ChecksumSHA256": checksum}
+
+    def commit(self) -> None:
+        store = self.store
+        if self.upload_id is None:
+            data = bytes(self.buffer)
+            store._call("put_object", self.name, Body=data, ChecksumSHA256=_b64(hashlib.sha256(data).digest()))
+            return
+        if self.buffer:
+            self._send(bytes(self.buffer))  # the last part may be short
+            self.buffer.clear()
+        parts = [f.result() for f in self.parts]
+        self.pool.shutdown()
+        # The store's checksum of a multipart object: SHA256 of the parts' SHA256s, "-<parts>".
+        expected = f"{_b64(hashlib.sha256(b''.join(self.digests)).digest())}-{len(parts)}"
+        try:
+            r = store._call("complete_multipart_upload", self.name, UploadId=self.upload_id,
+                            MultipartUpload={"Parts": parts})
+            got = r.get("ChecksumSHA256")
+        except StorageError as exc:
+            # A retried complete whose first attempt succeeded finds no upload any more: the
+            # object is there if its checksum is ours.
+            code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+            if code != "NoSuchUpload" or store.checksum(self.name) != expected:
+                raise
+            got = expected
+        if got is not None and got != expected:
+            raise StorageError(f"s3://{store.bucket}/{store._key(self.name)}: the store's checksum {got} of the "
+                               f"uploaded object differs from the data sent ({expected})")
+
+    def abort(self) -> None:
+        """Throw the partial upload away. Never raises: it runs while another error propagates,
+        and an upload it fails to abort is aborted by the next attempt's writer()."""
+        for f in self.parts:
+            f.cancel()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        if self.upload_id is not None:
+            try:
+                self.store._call("abort_multipart_upload", self.name, UploadId=self.upload_id)
+            except StorageError as exc:
+                log.warning("could not abort the incomplete upload of %s (%s); the next attempt will", self.name, exc)
+        self.buffer.clear()
