@@ -211,8 +211,8 @@ def _check_destination(dst: Store, src: Store, build_id: str, overwrite: bool) -
 
 
 def build_proxy(
-    src: str,
-    dst: str,
+    src: str | Store,
+    dst: str | Store,
     experts: int | None = None,
     keep_ratio: float | None = None,
     method: str = "cluster",
@@ -230,7 +230,7 @@ def build_proxy(
     options = Options(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}))
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
-    dst_store = open_store(dst, **(store_options or {}))
+    dst_store = open_store(dst, **(store_options or {})) if isinstance(dst, str) else dst
 
     identity = source_identity(ckpt, layout)
     params = asdict(options)

@@ -19,7 +19,7 @@ from .architectures import detect, expert_count, groups, top_k
 from .checkpoint import MANIFEST, open_checkpoint, read_json
 from .errors import CorruptCheckpoint
 from .layout import find_layout
-from .storage import sha256_of
+from .storage import open_store, sha256_of
 
 
 @dataclass
@@ -35,10 +35,11 @@ class Report:
 
 
 def verify(uri: str, *, forward: bool = True, progress: bool = False, store_options: dict | None = None) -> Report:
-    ckpt = open_checkpoint(uri, **(store_options or {}))
+    store = open_store(uri, **(store_options or {}))
+    if not store.exists(MANIFEST):
+        raise CorruptCheckpoint(f"{store.uri}: no {MANIFEST}: not a complete proxy (interrupted build?)")
+    ckpt = open_checkpoint(store)
     report = Report(ckpt.uri)
-    if not ckpt.store.exists(MANIFEST):
-        raise CorruptCheckpoint(f"{ckpt.uri}: no {MANIFEST}: not a complete proxy (interrupted build?)")
     manifest = read_json(ckpt.store, MANIFEST)
     for name, rec in tqdm(sorted(manifest.get("files", {}).items()), desc="hashing", unit="file", disable=not progress):
         if not ckpt.store.exists(name):
