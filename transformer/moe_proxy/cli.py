@@ -17,6 +17,8 @@ COMMANDS = [
     "moe_proxy.commands.inspect",
     "moe_proxy.commands.verify",
     "moe_proxy.commands.plan",
+    "moe_proxy.commands.repro",
+    "moe_proxy.commands.compare",
 ]
 
 

@@ -1,0 +1,98 @@
+"""compare: correlation 1 for a run with itself, less for a shifted one; report numbers equal a
+hand computation; malformed metrics give one clear error line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_proxy.cli import main
+from moe_proxy.compare import compare_runs, load_run
+from moe_proxy.errors import MalformedMetrics
+
+STEPS = 30
+
+
+def write_run(path, curve, failures=None):
+    path.mkdir(parents=True)
+    with (path / "metrics.jsonl").open("w") as f:
+        for step, value in enumerate(curve):
+            f.write(json.dumps({"step": step, "data": {"actor/grad_norm": value, "actor/pg_loss": -value / 10,
+                                                       "timing_s/gen": 0.1}}) + "\n")
+    if failures is not None:
+        (path / "summary.json").write_text(json.dumps({"failures": failures}))
+    return path
+
+
+def curve(shift=0):
+    t = np.arange(STEPS) + shift
+    return (2 + np.sin(t / 3) + 0.05 * t).tolist()
+
+
+def test_self_correlation_is_one_and_shift_lowers_it(tmp_path):
+    a = write_run(tmp_path / "a", curve())
+    b = write_run(tmp_path / "b", curve(shift=4))
+    runs = [load_run(a), load_run(a, "a-again"), load_run(b)]
+    ref, same, shifted = compare_runs(runs)
+    assert same.metrics["actor/grad_norm"].pearson == pytest.approx(1.0)
+    assert same.metrics["actor/grad_norm"].spearman == pytest.approx(1.0)
+    assert same.metrics["actor/grad_norm"].normalised_error == 0.0
+    assert shifted.metrics["actor/grad_norm"].pearson < 0.9
+    assert "timing_s/gen" not in same.metrics  # timings are not dynamics
+
+
+def test_report_files_and_hand_computation(tmp_path, capsys):
+    x, y = np.array(curve()), np.array(curve(shift=4))
+    write_run(tmp_path / "orig", x, failures={"divergence": {"step": 20, "detail": ""}})
+    write_run(tmp_path / "proxy", y, failures={"divergence": {"step": 23, "detail": ""}, "nan": {"step": 25}})
+    assert main(["compare", str(tmp_path / "orig"), str(tmp_path / "proxy"), "--out", str(tmp_path / "rep")]) == 0
+    for name in ("report.json", "report.md", "curves.png"):
+        assert (tmp_path / "rep" / name).stat().st_size > 0
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    proxy = report["comparisons"][1]
+    stats = proxy["metrics"]["actor/grad_norm"]
+    ranks = lambda v: np.argsort(np.argsort(v))  # no ties in these curves
+    assert stats["pearson"] == pytest.approx(np.corrcoef(x, y)[0, 1])
+    assert stats["spearman"] == pytest.approx(np.corrcoef(ranks(x), ranks(y))[0, 1])
+    assert stats["normalised_error"] == pytest.approx(np.abs(y - x).mean() / np.abs(x).mean())
+    assert stats["steps"] == STEPS
+    assert proxy["onsets"] == {"divergence": 23, "nan": 25}
+    assert proxy["onset_shift"] == {"divergence": 3, "nan": None}
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "adds nan" in md and "![curves](curves.png)" in md
+
+
+def test_onsets_detected_from_metrics_when_no_summary(tmp_path):
+    values = [1.0, 1.0, 1.0, 1.0, 50.0, 60.0, 1.0]
+    run = load_run(write_run(tmp_path / "verl", values))
+    assert run.onsets == {"divergence": 4}
+
+
+def test_alignment_uses_common_finite_steps(tmp_path):
+    a = write_run(tmp_path / "a", curve())
+    b = write_run(tmp_path / "b", curve()[:20] + [float("nan")] * 10)
+    stats = compare_runs([load_run(a), load_run(b)])[1].metrics["actor/grad_norm"]
+    assert stats.steps == 20 and stats.pearson == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"step": 0, "data": {"x": 1}}\n{"step": 1, "data": \n', ":2: not JSON"),
+    ('{"data": {"x": 1}}\n', ":1: missing or non-integer \"step\""),
+    ('[1, 2]\n', ":1: a line must be a JSON object"),
+    ('', "no steps recorded"),
+])
+def test_malformed_metrics_is_one_clear_line(tmp_path, capsys, content, message):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text(content)
+    good = write_run(tmp_path / "good", curve())
+    assert main(["compare", str(good), str(bad), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moe-proxy compare: error:") and message in err and "\n" not in err
+    with pytest.raises(MalformedMetrics):
+        load_run(bad)
+
+
+def test_missing_run_directory(tmp_path):
+    with pytest.raises(MalformedMetrics, match="no metrics.jsonl"):
+        load_run(tmp_path / "nope")

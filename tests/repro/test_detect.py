@@ -1,0 +1,49 @@
+"""The failure rules on hand-made metric rows."""
+
+import math
+
+from moe_proxy.repro import FailureDetector, Signature, Thresholds
+
+
+def feed(detector, rows):
+    for step, row in enumerate(rows):
+        detector.update(step, row)
+    return {name: onset.step for name, onset in detector.onsets.items()}
+
+
+def test_divergence_onset_is_first_step_of_the_streak():
+    rows = [{"actor/grad_norm": g} for g in (1.0, 1.2, 0.8, 1.1, 15.0, 1.0, 12.0, 20.0, 30.0)]
+    # step 4 alone is a spike, not a divergence (patience 2); 6-7 is
+    assert feed(FailureDetector(), rows) == {"divergence": 6}
+
+
+def test_no_divergence_during_baseline():
+    rows = [{"actor/grad_norm": g} for g in (1.0, 100.0, 100.0)]
+    assert feed(FailureDetector(), rows) == {}
+
+
+def test_overflow_without_and_with_loss_scaling():
+    assert feed(FailureDetector(), [{"numerics/grad_overflow": 0}, {"numerics/grad_overflow": 1}]) == {"overflow": 1}
+    scaled = [{"numerics/grad_overflow": o, "numerics/loss_scale": 2.0**s} for o, s in
+              [(1, 15), (1, 14), (0, 14), (1, 13), (1, 12), (1, 11), (1, 10)]]
+    assert feed(FailureDetector(), scaled) == {"overflow": 3}  # 3 skipped in a row from step 3
+    collapsed = [{"numerics/grad_overflow": 1, "numerics/loss_scale": 0.5}]
+    assert feed(FailureDetector(), collapsed) == {"overflow": 0}
+
+
+def test_nan_is_not_also_an_overflow():
+    rows = [{"actor/pg_loss": math.nan, "numerics/grad_overflow": 1}]
+    assert feed(FailureDetector(), rows) == {"nan": 0}
+
+
+def test_collapse_needs_more_experts_than_top_k():
+    row = {"moe/load_max_share": 0.95, "moe/load_uniform_share": 0.25}
+    assert feed(FailureDetector(), [row]) == {"collapse": 0}
+    trivial = {"moe/load_max_share": 1.0, "moe/load_uniform_share": 1.0}  # keep <= top-k: always 1
+    assert feed(FailureDetector(), [trivial]) == {}
+
+
+def test_user_threshold_with_patience():
+    sig = Signature.parse("actor/grad_norm>5:2")
+    rows = [{"actor/grad_norm": g} for g in (6.0, 1.0, 6.0, 7.0)]
+    assert feed(FailureDetector(Thresholds(divergence_factor=1e9), extra=[sig]), rows) == {sig.name: 2}

@@ -1,0 +1,103 @@
+"""`moe-proxy repro CKPT --out RUN_DIR`: RL steps on a checkpoint, metrics and failure onsets."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..repro.config import LOSS_SCALING, LR_SCHEDULES, OP_FAULT_MODES, PRECISIONS, Faults, ReproConfig
+from ..repro.detect import Signature, Thresholds
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "repro", help="run GRPO-style RL steps on a checkpoint and record training dynamics",
+        description="Run RL post-training steps (GRPO on a built-in arithmetic task, KL to a frozen "
+        "reference) on an original or proxy checkpoint. Writes RUN_DIR/metrics.jsonl (verl's "
+        "{step, data} lines) and RUN_DIR/summary.json (first step of each failure).")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or s3:// prefix")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="directory for metrics.jsonl and summary.json")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cpu, cuda, npu, ... (default: NPU, else CUDA, else CPU)")
+    p.add_argument("--fail-on", metavar="SIGNATURE",
+                   help="stop once this failure is seen: overflow, underflow, nan, divergence, collapse, "
+                   "or METRIC>VALUE[:STEPS] (e.g. actor/grad_norm>100:3)")
+    p.add_argument("--termination-log", metavar="PATH",
+                   help="also write {reproduced, signature, step, metrics} JSON here (Kubernetes' "
+                   "/dev/termination-log)")
+
+    rl = p.add_argument_group("RL settings")
+    rl.add_argument("--batch-size", type=int, default=8, help="prompts per step")
+    rl.add_argument("--group-size", type=int, default=4, help="answers sampled per prompt")
+    rl.add_argument("--max-new-tokens", type=int, default=8)
+    rl.add_argument("--temperature", type=float, default=1.0)
+    rl.add_argument("--lr", type=float, default=1e-5)
+    rl.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant")
+    rl.add_argument("--warmup-steps", type=int, default=0)
+    rl.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
+    rl.add_argument("--mini-batches", type=int, default=2, help="optimizer updates per step")
+    rl.add_argument("--clip-ratio", type=float, default=0.2)
+    rl.add_argument("--kl-coef", type=float, default=0.01)
+    rl.add_argument("--router-aux-coef", type=float, default=0.0)
+    rl.add_argument("--router-z-coef", type=float, default=0.0)
+    rl.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    rl.add_argument("--loss-scaling", choices=LOSS_SCALING, default="dynamic", help="with fp16 only")
+
+    f = p.add_argument_group("fault injection (off by default)")
+    f.add_argument("--fault-fp16-no-scaling", type=int, metavar="STEP", help="fp16 without loss scaling from STEP")
+    f.add_argument("--fault-lr-spike", metavar="STEP[:FACTOR]", help="multiply the lr of STEP (default x100)")
+    f.add_argument("--fault-router-scale", metavar="STEP[:FACTOR]", help="scale router logits from STEP (default x10)")
+    f.add_argument("--fault-op", metavar="MODULE@STEP", help="perturb MODULE's output from STEP, e.g. model.layers.1.mlp@5")
+    f.add_argument("--fault-op-mode", choices=OP_FAULT_MODES, default="scale")
+    f.add_argument("--fault-op-value", type=float, default=100.0, help="factor (scale) or relative std (noise)")
+    p.set_defaults(func=run)
+
+
+def _step_factor(text: str | None, default: float, flag: str) -> tuple[int | None, float]:
+    if text is None:
+        return None, default
+    step, _, factor = text.partition(":")
+    try:
+        return int(step), float(factor) if factor else default
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected STEP or STEP:FACTOR") from None
+
+
+def config_from_args(args: argparse.Namespace) -> ReproConfig:
+    lr_step, lr_factor = _step_factor(args.fault_lr_spike, 100.0, "--fault-lr-spike")
+    router_step, router_factor = _step_factor(args.fault_router_scale, 10.0, "--fault-router-scale")
+    op_module, op_step = None, None
+    if args.fault_op:
+        op_module, _, step = args.fault_op.rpartition("@")
+        if not op_module or not step.isdigit():
+            raise argparse.ArgumentTypeError(f"--fault-op {args.fault_op!r}: expected MODULE@STEP")
+        op_step = int(step)
+    faults = Faults(fp16_no_scaling_step=args.fault_fp16_no_scaling, lr_spike_step=lr_step,
+                    lr_spike_factor=lr_factor, router_scale_step=router_step, router_scale_factor=router_factor,
+                    op_module=op_module, op_step=op_step, op_mode=args.fault_op_mode, op_value=args.fault_op_value)
+    return ReproConfig(
+        steps=args.steps, seed=args.seed, batch_size=args.batch_size, group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
+        mini_batches=args.mini_batches, clip_ratio=args.clip_ratio, kl_coef=args.kl_coef,
+        router_aux_coef=args.router_aux_coef, router_z_coef=args.router_z_coef, precision=args.precision,
+        loss_scaling=args.loss_scaling, faults=faults)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import InvalidReproConfig
+    from ..repro.runner import run_repro  # torch and transformers load only when a run starts
+
+    try:
+        config = config_from_args(args)
+    except argparse.ArgumentTypeError as exc:
+        raise InvalidReproConfig(str(exc)) from None
+    fail_on = Signature.parse(args.fail_on) if args.fail_on else None
+    result = run_repro(args.checkpoint, args.out, config, fail_on=fail_on, thresholds=Thresholds(),
+                       device=args.device, termination_log=args.termination_log)
+    if result.signature:
+        print(f"{result.signature} at step {result.step}" + (" (reproduced)" if fail_on else ""))
+    else:
+        print(f"no failure in {result.steps_completed} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
+    print(f"metrics: {args.out}/metrics.jsonl  summary: {args.out}/summary.json")
+    return 0

@@ -1,0 +1,182 @@
+"""Compare training dynamics of runs (original vs proxies): align by step, then per metric
+Pearson and Spearman correlation and normalised error against the first run, and the onset
+step of each failure. Writes report.json, report.md and PNG plots.
+
+normalised error = mean |b_t - a_t| / mean |a_t| over the aligned steps where both are finite
+(a = the reference run). Correlations are left empty (null) when either curve is constant or
+fewer than 3 steps align.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+from .errors import MalformedMetrics
+from .repro.detect import FailureDetector
+from .repro.metrics_io import read_metrics, read_summary
+
+# The curves a person looks at first; also the ones the verdict is computed from.
+KEY_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",
+               "response_length/mean", "moe/router_entropy/mean", "moe/load_max_share", "numerics/max_activation")
+# Not dynamics: settings echoed per step, and wall-clock timings (compared separately).
+SKIP_PREFIXES = ("timing_s/", "perf/", "training/", "actor/lr", "actor/kl_coef")
+TRACKS_PEARSON = 0.7  # verdict "tracks": median Pearson over the key metrics at least this
+
+
+@dataclass
+class Run:
+    name: str
+    path: str
+    rows: dict[int, dict[str, float]]
+    onsets: dict[str, int]
+    step_time: float | None
+
+
+@dataclass
+class MetricStats:
+    steps: int
+    pearson: float | None
+    spearman: float | None
+    normalised_error: float | None
+
+
+@dataclass
+class RunComparison:
+    run: str
+    median_pearson: float | None
+    verdict: str
+    onsets: dict[str, int]
+    onset_shift: dict[str, int | None]  # signature -> this run's onset minus the reference's
+    step_time_ratio: float | None
+    metrics: dict[str, MetricStats] = field(default_factory=dict)
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    rows = read_metrics(path)
+    summary = read_summary(path) if Path(path).is_dir() else None
+    if summary and isinstance(summary.get("failures"), dict):
+        onsets = {sig: int(v["step"]) for sig, v in summary["failures"].items()}
+    else:  # a run recorded elsewhere: detect from its metrics with the same rules as repro
+        detector = FailureDetector()
+        for step, metrics in rows.items():
+            detector.update(step, metrics)
+        onsets = {sig: o.step for sig, o in detector.onsets.items()}
+    times = [m["perf/time_per_step"] for m in rows.values() if _finite(m.get("perf/time_per_step"))]
+    return Run(name or Path(path).name or str(path), str(path), rows, onsets,
+               statistics.median(times) if times else None)
+
+
+def metric_stats(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], metric: str) -> MetricStats:
+    steps = [s for s in sorted(set(a) & set(b))
+             if _finite(a[s].get(metric)) and _finite(b[s].get(metric))]
+    x = np.array([a[s][metric] for s in steps])
+    y = np.array([b[s][metric] for s in steps])
+    pearson = spearman = error = None
+    if len(steps) >= 3 and np.ptp(x) > 0 and np.ptp(y) > 0:
+        pearson = float(stats.pearsonr(x, y).statistic)
+        spearman = float(stats.spearmanr(x, y).statistic)
+    if len(steps) and np.abs(x).mean() > 0:
+        error = float(np.abs(y - x).mean() / np.abs(x).mean())
+    return MetricStats(len(steps), pearson, spearman, error)
+
+
+def compare_runs(runs: list[Run], metrics: list[str] | None = None) -> list[RunComparison]:
+    """Each run against runs[0] (the reference; itself included, as a sanity row)."""
+    if len(runs) < 2:
+        raise MalformedMetrics("compare needs at least two runs")
+    ref = runs[0]
+    names = metrics or sorted(
+        k for k in set.intersection(*(set().union(*r.rows.values()) for r in runs))
+        if not k.startswith(SKIP_PREFIXES))
+    out = []
+    for run in runs:
+        per_metric = {m: metric_stats(ref.rows, run.rows, m) for m in names}
+        key = [per_metric[m].pearson for m in KEY_METRICS if m in per_metric and per_metric[m].pearson is not None]
+        median = statistics.median(key) if key else None
+        shift = {sig: (run.onsets[sig] - ref.onsets[sig] if sig in run.onsets else None) for sig in ref.onsets}
+        for sig in run.onsets.keys() - ref.onsets.keys():
+            shift[sig] = None
+        ratio = run.step_time / ref.step_time if run.step_time and ref.step_time else None
+        out.append(RunComparison(run.name, median, _verdict(median, ref.onsets, run.onsets), run.onsets, shift,
+                                 ratio, per_metric))
+    return out
+
+
+def _verdict(median: float | None, ref: dict[str, int], run: dict[str, int]) -> str:
+    missed = sorted(ref.keys() - run.keys())
+    extra = sorted(run.keys() - ref.keys())
+    notes = [f"misses {', '.join(missed)}"] if missed else []
+    notes += [f"adds {', '.join(extra)}"] if extra else []
+    if median is None:
+        head = "no comparable curves"
+    else:
+        head = "tracks" if median >= TRACKS_PEARSON else "does not track"
+    return head + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def write_report(runs: list[Run], results: list[RunComparison], out_dir: str | Path) -> Path:
+    from .plots import plot_curves
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"reference": runs[0].name, "runs": [{"name": r.name, "path": r.path} for r in runs],
+              "tracks_pearson": TRACKS_PEARSON, "comparisons": [_jsonable(asdict(c)) for c in results]}
+    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    plots = plot_curves(runs, [m for m in KEY_METRICS if all(_has(r, m) for r in runs)], out)
+    (out / "report.md").write_text(_markdown(runs, results, plots))
+    return out
+
+
+def _markdown(runs: list[Run], results: list[RunComparison], plots: list[Path]) -> str:
+    ref = runs[0]
+    lines = [f"# Training dynamics: {len(runs) - 1} run(s) against `{ref.name}`", "",
+             f"Verdict: *tracks* when the median Pearson correlation of the key curves is at least "
+             f"{TRACKS_PEARSON}. Onset shift: the run's failure step minus the reference's.", "",
+             "| run | verdict | median Pearson | failures (step) | onset shift | step time vs ref |",
+             "|---|---|---|---|---|---|"]
+    for c in results[1:]:
+        failures = ", ".join(f"{k} ({v})" for k, v in sorted(c.onsets.items(), key=lambda i: i[1])) or "none"
+        shift = ", ".join(f"{k} {'+' if v and v > 0 else ''}{v if v is not None else 'n/a'}"
+                          for k, v in c.onset_shift.items()) or "-"
+        lines.append(f"| {c.run} | {c.verdict} | {_fmt(c.median_pearson)} | {failures} | {shift} | "
+                     f"{_fmt(c.step_time_ratio, 'x')} |")
+    ref_failures = ", ".join(f"{k} ({v})" for k, v in ref.onsets.items()) or "none"
+    lines += ["", f"Reference failures: {ref_failures}.", "", "## Key metrics", "",
+              "| metric | " + " | ".join(f"{c.run}: Pearson / Spearman / norm. err" for c in results[1:]) + " |",
+              "|---|" + "---|" * (len(results) - 1)]
+    for m in KEY_METRICS:
+        if all(m in c.metrics for c in results):
+            cells = [f"{_fmt(s.pearson)} / {_fmt(s.spearman)} / {_fmt(s.normalised_error)}"
+                     for s in (c.metrics[m] for c in results[1:])]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def _has(run: Run, metric: str) -> bool:
+    return any(metric in m for m in run.rows.values())
+
+
+def _fmt(value: float | None, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.3f}{suffix}"
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _jsonable(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,45 @@
+"""PNG plots of training curves, several runs overlaid per metric, failure onsets marked."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .compare import Run
+
+
+def plot_curves(runs: list[Run], metrics: list[str], out_dir: Path, name: str = "curves.png") -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    if not metrics:
+        return []
+    cols = min(3, len(metrics))
+    rows = math.ceil(len(metrics) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, metric in zip(axes.flat, metrics):
+        for i, run in enumerate(runs):
+            steps = [s for s, m in run.rows.items() if metric in m]
+            values = [run.rows[s][metric] for s in steps]
+            colour = colours[i % len(colours)]
+            ax.plot(steps, values, label=run.name, color=colour, lw=2.2 if i == 0 else 1.2,
+                    alpha=1.0 if i == 0 else 0.85)
+            for sig, step in run.onsets.items():  # dotted line at each failure onset
+                ax.axvline(step, color=colour, ls=":", lw=1)
+        ax.set_title(metric, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(runs), 4), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.94 if len(runs) <= 4 else 0.9))
+    path = out_dir / name
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,176 @@
+"""Failure detection on the per-step metrics: the first step of overflow, NaN/inf, divergence
+and routing collapse, plus user thresholds (`actor/grad_norm>100:3`).
+
+It reads nothing but the metric rows, so `compare` runs the same detector over any
+metrics.jsonl (including runs recorded elsewhere) and gets the same onsets as `repro`.
+
+Definitions (thresholds in `Thresholds`):
+- nan: the loss or the updated parameters are not finite (the forward pass or an update broke).
+- overflow: gradients hold inf/NaN while the loss was finite. Without loss scaling the step is
+  lost: detected at once. With dynamic loss scaling skipped steps are normal while the scale
+  settles, so it is an overflow only after `overflow_patience` skipped steps in a row or when
+  the scale falls below `min_loss_scale` (Megatron's hysteresis / min_scale).
+- divergence: a watched magnitude (`DIVERGENCE_METRICS`) at least `divergence_factor` times its
+  median over the first `baseline_steps` steps, for `divergence_patience` steps in a row, or the
+  KL to the reference above `kl_limit` for as long. The onset is the first step of that run.
+  Faults injected before `baseline_steps` are part of the baseline and cannot be seen this way.
+- underflow: more than `underflow_frac` of the dense weights' gradient elements are exactly 0.
+  Every token contributes to a dense weight's gradient, so in fp32/bf16 none is 0; zeros are
+  values below fp16's smallest subnormal (6e-8) flushed away, the sign of fp16 without loss
+  scaling. How many flush depends on the gradients' size (tokens per batch, model width).
+- collapse: one expert receives at least `collapse_share` of a layer's tokens (uniform routing
+  gives top_k / experts; layers where that is already above the threshold are skipped).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from ..errors import InvalidReproConfig
+
+SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse")
+DIVERGENCE_METRICS = ("actor/grad_norm", "moe/router_logit_max", "numerics/max_activation")
+NAN_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
+_THRESHOLD = re.compile(r"^(?P<metric>[\w/.\-]+)\s*(?P<op>[<>])\s*(?P<value>[-+0-9.eEinfINF]+)(?::(?P<k>\d+))?$")
+
+
+@dataclass
+class Thresholds:
+    divergence_factor: float = 10.0
+    divergence_patience: int = 2
+    baseline_steps: int = 3
+    kl_limit: float = 0.02
+    overflow_patience: int = 3
+    min_loss_scale: float = 1.0
+    collapse_share: float = 0.9
+    underflow_frac: float = 0.0
+
+
+@dataclass
+class Signature:
+    """What --fail-on names: a built-in failure, or `metric>value[:steps]` (also `<`)."""
+
+    name: str
+    metric: str | None = None
+    op: str = ">"
+    value: float = 0.0
+    patience: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Signature:
+        text = text.strip()
+        if text in SIGNATURES:
+            return cls(name=text)
+        match = _THRESHOLD.match(text)
+        if not match:
+            raise InvalidReproConfig(
+                f"--fail-on {text!r}: expected one of {', '.join(SIGNATURES)} or METRIC>VALUE[:STEPS], "
+                "e.g. actor/grad_norm>100:3")
+        try:
+            value = float(match["value"])
+        except ValueError:
+            raise InvalidReproConfig(f"--fail-on {text!r}: {match['value']!r} is not a number") from None
+        patience = int(match["k"] or 1)
+        if patience < 1:
+            raise InvalidReproConfig(f"--fail-on {text!r}: the step count must be at least 1")
+        return cls(name=text, metric=match["metric"], op=match["op"], value=value, patience=patience)
+
+
+@dataclass
+class Onset:
+    step: int
+    detail: str
+
+
+@dataclass
+class FailureDetector:
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    extra: list[Signature] = field(default_factory=list)  # user thresholds, watched besides the built-ins
+    onsets: dict[str, Onset] = field(default_factory=dict)
+    _baseline: dict[str, list[float]] = field(default_factory=dict)
+    _streaks: dict[str, list[int]] = field(default_factory=dict)  # signature -> steps of the current run
+    _steps_seen: int = 0
+
+    def update(self, step: int, metrics: dict[str, float]) -> list[str]:
+        """Feed one step's metrics; returns the signatures whose onset was found now."""
+        found = []
+        for name, (hit, detail, patience) in self._checks(metrics).items():
+            if name in self.onsets:
+                continue
+            streak = self._streaks.setdefault(name, [])
+            if not hit:
+                streak.clear()
+                continue
+            streak.append(step)
+            if len(streak) >= patience:
+                self.onsets[name] = Onset(step=streak[0], detail=detail)
+                found.append(name)
+        self._record_baseline(metrics)
+        self._steps_seen += 1
+        return found
+
+    def first(self) -> tuple[str, Onset] | None:
+        if not self.onsets:
+            return None
+        return min(self.onsets.items(), key=lambda item: item[1].step)
+
+    def _checks(self, m: dict[str, float]) -> dict[str, tuple[bool, str, int]]:
+        t = self.thresholds
+        checks: dict[str, tuple[bool, str, int]] = {}
+
+        bad = [k for k in NAN_METRICS if k in m and not _finite(m[k])]
+        if m.get("numerics/params_nonfinite", 0) > 0:
+            bad.append("numerics/params_nonfinite")
+        checks["nan"] = (bool(bad), f"not finite: {', '.join(bad)}", 1)
+
+        grads_bad = m.get("numerics/grad_overflow", 0) > 0 and not bad
+        scale = m.get("numerics/loss_scale")
+        if scale is None:  # no loss scaling: a lost step is an overflow at once
+            checks["overflow"] = (grads_bad, "non-finite gradients without loss scaling", 1)
+        elif scale < t.min_loss_scale:
+            checks["overflow"] = (True, f"loss scale {scale:g} < {t.min_loss_scale:g}", 1)
+        else:
+            checks["overflow"] = (grads_bad, f"{t.overflow_patience} skipped steps in a row", t.overflow_patience)
+
+        zero_frac = m.get("numerics/dense_grad_zero_frac", 0.0)
+        checks["underflow"] = (zero_frac > t.underflow_frac, f"{zero_frac:.2g} of dense gradients are 0", 1)
+
+        diverged = []
+        if self._steps_seen >= t.baseline_steps:
+            for key in DIVERGENCE_METRICS:
+                base = statistics.median(self._baseline.get(key) or [math.nan])
+                value = m.get(key)
+                if _finite(value) and _finite(base) and base > 0 and value >= t.divergence_factor * base:
+                    diverged.append(f"{key} {value:.4g} >= {t.divergence_factor:g} x baseline {base:.4g}")
+        kl = m.get("actor/kl_loss")
+        if kl is not None and _finite(kl) and kl > t.kl_limit:
+            diverged.append(f"actor/kl_loss {kl:.4g} > {t.kl_limit:g}")
+        checks["divergence"] = (bool(diverged), "; ".join(diverged), t.divergence_patience)
+
+        share, uniform = m.get("moe/load_max_share"), m.get("moe/load_uniform_share", 0.0)
+        collapsed = share is not None and uniform < t.collapse_share <= share
+        checks["collapse"] = (collapsed, f"one expert takes {share} of a layer's tokens", 1)
+
+        for sig in self.extra:
+            value = m.get(sig.metric)
+            hit = value is not None and (value > sig.value if sig.op == ">" else value < sig.value)
+            if value is not None and not _finite(value):
+                hit = True  # a metric gone non-finite is past any threshold
+            checks[sig.name] = (hit, f"{sig.metric}={value}", sig.patience)
+        return checks
+
+    def _record_baseline(self, m: dict[str, float]) -> None:
+        for key in DIVERGENCE_METRICS:
+            values = self._baseline.setdefault(key, [])
+            if len(values) < self.thresholds.baseline_steps and key in m and _finite(m[key]):
+                values.append(m[key])
+
+    def to_dict(self) -> dict:
+        return {name: asdict(onset) for name, onset in sorted(self.onsets.items(), key=lambda i: i[1].step)}
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)

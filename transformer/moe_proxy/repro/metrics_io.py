@@ -1,0 +1,76 @@
+"""metrics.jsonl in verl's FileLogger format: one line per step, `{"step": N, "data": {...}}`.
+
+Non-finite values are written as the bare tokens NaN / Infinity, as Python's json (and so
+verl) writes them. Readers accept that format and flat lines (`{"step": N, "metric": value}`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..errors import MalformedMetrics
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def append_step(path: Path, step: int, data: dict[str, float]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps({"step": step, "data": data}) + "\n")
+        f.flush()
+
+
+def metrics_path(run: str | Path) -> Path:
+    """A run directory's metrics.jsonl, or the .jsonl file itself."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise MalformedMetrics(f"{run}: no {METRICS_FILE} there (pass a run directory or a .jsonl file)")
+    return path
+
+
+def read_metrics(run: str | Path) -> dict[int, dict[str, float]]:
+    """step -> {metric: value}. Later lines for the same step update earlier ones."""
+    path = metrics_path(run)
+    rows: dict[int, dict[str, float]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MalformedMetrics(f"{where}: not JSON ({exc.msg}); each line must be one JSON object") from None
+        if not isinstance(record, dict):
+            raise MalformedMetrics(f"{where}: a line must be a JSON object, got {type(record).__name__}")
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
+            raise MalformedMetrics(f"{where}: missing or non-integer \"step\"")
+        data = record["data"] if isinstance(record.get("data"), dict) else {
+            k: v for k, v in record.items() if k != "step"}
+        values = {}
+        for key, value in data.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue  # strings, lists: not a curve
+            values[key] = float(value)
+        rows.setdefault(int(step), {}).update(values)
+    if not rows:
+        raise MalformedMetrics(f"{path}: no steps recorded")
+    return dict(sorted(rows.items()))
+
+
+def read_summary(run: str | Path) -> dict | None:
+    path = Path(run) / SUMMARY_FILE if Path(run).is_dir() else Path(run).with_name(SUMMARY_FILE)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MalformedMetrics(f"{path}: not JSON ({exc.msg})") from None
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """For JSON meant for strict parsers (termination log, report.json)."""
+    return value if value is not None and math.isfinite(value) else None

@@ -1,0 +1,137 @@
+"""Taps on a loaded model's routers: capture router logits in the forward pass, derive the
+MoE metrics (entropy, expert load, logit size) and the router auxiliary / z losses.
+
+Routers are found by shape, not by class, so every architecture transformers runs is covered:
+a submodule named `gate` or `router` whose 2-D weight has one row per routed expert."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import NotMoE
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def expert_count(config) -> int | None:
+    for key in EXPERT_COUNT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass
+class Router:
+    name: str
+    layer: int
+    module: nn.Module
+
+
+def find_routers(model: nn.Module) -> list[Router]:
+    experts = expert_count(model.config)
+    routers = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        layer = _LAYER.search(name)
+        if (name.rsplit(".", 1)[-1] in ("gate", "router") and layer and isinstance(weight, torch.Tensor)
+                and weight.dim() == 2 and weight.shape[0] == experts):
+            routers.append(Router(name, int(layer.group(1)), module))
+    if not routers:
+        raise NotMoE(f"{type(model).__name__}: no router with {experts} experts found; repro needs an MoE model")
+    return routers
+
+
+class RouterTap:
+    """Records each router's logits (and chosen experts when the router returns them) while
+    `recording` is on. `token_mask` (flattened attention mask) drops padding positions."""
+
+    def __init__(self, model: nn.Module, top_k: int):
+        self.routers = find_routers(model)
+        self.top_k = top_k
+        self.recording = False
+        self.token_mask: torch.Tensor | None = None
+        self.logits: dict[int, torch.Tensor] = {}
+        self.chosen: dict[int, torch.Tensor] = {}
+        for router in self.routers:
+            router.module.register_forward_hook(self._hook(router.layer))
+
+    def _hook(self, layer: int):
+        def hook(_module, _inputs, output):
+            if not self.recording:
+                return
+            logits = output[0] if isinstance(output, tuple) else output
+            chosen = None
+            if isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point():
+                chosen = output[2]
+            logits = logits.reshape(-1, logits.shape[-1])
+            if self.token_mask is not None and self.token_mask.numel() == logits.shape[0]:
+                logits = logits[self.token_mask]
+                chosen = chosen.reshape(self.token_mask.numel(), -1)[self.token_mask] if chosen is not None else None
+            self.logits[layer] = logits
+            if chosen is not None:
+                self.chosen[layer] = chosen
+        return hook
+
+    def start(self, attention_mask: torch.Tensor) -> None:
+        self.logits.clear()
+        self.chosen.clear()
+        self.token_mask = attention_mask.reshape(-1).bool()
+        self.recording = True
+
+    def stop(self) -> None:
+        self.recording = False
+
+    def aux_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(load-balancing loss, z-loss), averaged over layers, with gradients."""
+        aux, z = [], []
+        for layer, logits in self.logits.items():
+            logits = logits.float()
+            probs = logits.softmax(-1)
+            chosen = self._chosen(layer, logits)
+            experts = logits.shape[-1]
+            # Switch Transformer: E * sum_e (share of routed slots to e) * (mean router prob of e).
+            slots = torch.zeros(experts, device=logits.device).index_add_(
+                0, chosen.reshape(-1), torch.ones(chosen.numel(), device=logits.device))
+            aux.append(experts * (slots / chosen.numel() * probs.mean(0)).sum())
+            z.append(torch.logsumexp(logits, -1).pow(2).mean())
+        return torch.stack(aux).mean(), torch.stack(z).mean()
+
+    def metrics(self) -> dict[str, float]:
+        """Per-layer and summary MoE metrics of the last recorded forward pass."""
+        out: dict[str, float] = {}
+        entropies, max_shares, min_shares, logit_max = [], [], [], []
+        for layer in sorted(self.logits):
+            logits = self.logits[layer].detach().float()
+            probs = logits.softmax(-1)
+            entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean().item()
+            chosen = self._chosen(layer, logits)
+            # Share of tokens routed to each expert; uniform routing gives top_k / experts.
+            share = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).float() / max(1, logits.shape[0])
+            values = {"router_entropy": entropy, "load_max_share": share.max().item(),
+                      "load_min_share": share.min().item(), "router_logit_max": logits.abs().max().item()}
+            for key, value in values.items():
+                out[f"moe/{key}/layer_{layer}"] = value
+            entropies.append(entropy)
+            max_shares.append(values["load_max_share"])
+            min_shares.append(values["load_min_share"])
+            logit_max.append(values["router_logit_max"])
+        if entropies:
+            out["moe/router_entropy/mean"] = sum(entropies) / len(entropies)
+            out["moe/load_max_share"] = max(max_shares)
+            out["moe/load_min_share"] = min(min_shares)
+            out["moe/router_logit_max"] = max(logit_max)
+            out["moe/load_uniform_share"] = self.top_k / next(iter(self.logits.values())).shape[-1]
+        return out
+
+    def _chosen(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
+        # Routers that return their choice (Qwen, Mixtral) are exact; for the others (grouped or
+        # bias-corrected routing) the plain top-k of the logits is an approximation.
+        if layer in self.chosen:
+            return self.chosen[layer]
+        return logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices
