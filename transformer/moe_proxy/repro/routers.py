@@ -93,7 +93,7 @@ class RouterTap:
         for layer, logits in self.logits.items():
             logits = logits.float()
             probs = logits.softmax(-1)
-            chosen = self._chosen(layer, logits)
+            chosen = self.chosen_experts(layer, logits)
             experts = logits.shape[-1]
             # Switch Transformer: E * sum_e (share of routed slots to e) * (mean router prob of e).
             slots = torch.zeros(experts, device=logits.device).index_add_(
@@ -110,7 +110,7 @@ class RouterTap:
             logits = self.logits[layer].detach().float()
             probs = logits.softmax(-1)
             entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean().item()
-            chosen = self._chosen(layer, logits)
+            chosen = self.chosen_experts(layer, logits)
             # Share of tokens routed to each expert; uniform routing gives top_k / experts.
             share = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).float() / max(1, logits.shape[0])
             values = {"router_entropy": entropy, "load_max_share": share.max().item(),
@@ -129,7 +129,7 @@ class RouterTap:
             out["moe/load_uniform_share"] = self.top_k / next(iter(self.logits.values())).shape[-1]
         return out
 
-    def _chosen(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
+    def chosen_experts(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
         # Routers that return their choice (Qwen, Mixtral) are exact; for the others (grouped or
         # bias-corrected routing) the plain top-k of the logits is an approximation.
         if layer in self.chosen:
