@@ -10,6 +10,8 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 from .errors import CorruptCheckpoint
 from .storage import Store, open_store
@@ -102,6 +104,28 @@ def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: 
             out.append(blob[s - start : s - start + n])
         i = j
     return out
+
+
+def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: int) -> list[Callable[[], bytes]]:
+    """Split the reading of `ranges` (in order) into tasks of about `part` bytes each, so a
+    pool can fetch them concurrently while earlier ones are being written."""
+    pieces: list[tuple[int, int]] = []
+    for start, length in ranges:  # split ranges larger than a part
+        pieces += [(s, min(part, start + length - s)) for s in range(start, start + length, part)] or [(start, 0)]
+    tasks, batch, size = [], [], 0
+    for r in pieces:
+        if batch and size + r[1] > part:
+            tasks.append(batch)
+            batch, size = [], 0
+        batch.append(r)
+        size += r[1]
+    if batch:
+        tasks.append(batch)
+    return [partial(_read_batch, store, file, b) for b in tasks]
+
+
+def _read_batch(store: Store, file: str, batch: list[tuple[int, int]]) -> bytes:
+    return b"".join(read_coalesced(store, file, batch))
 
 
 def read_header(store: Store, file: str, file_size: int) -> tuple[dict[str, TensorInfo], dict]:

@@ -40,11 +40,6 @@ def router_features(ckpt: Checkpoint, block: MoeBlock) -> np.ndarray:
     return torch.cat(parts, dim=1).double().numpy()
 
 
-def router_bytes(ckpt: Checkpoint, block: MoeBlock) -> bytes:
-    """Raw router tensor bytes (the source identity hashes them)."""
-    return b"".join(ckpt.read(t.name) for t, _ in block.router.values())
-
-
 def _sketch(n: int, tag: str) -> torch.Tensor:
     seed = int.from_bytes(tag.encode()[-8:].rjust(8, b"\0"), "little") ^ n
     g = torch.Generator().manual_seed(seed)

@@ -6,6 +6,8 @@ and MTP layers are all found the same way. Torch-free.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -113,3 +115,14 @@ def _validate(b: MoeBlock, n: int, arch: Arch) -> None:
     for rest, t in b.fused.items():
         if not t.shape or t.shape[0] != n:
             raise CorruptCheckpoint(f"{where}: fused tensor experts.{rest} {list(t.shape)} has not {n} experts on axis 0")
+
+
+def source_identity(ckpt: Checkpoint, layout: Layout) -> str:
+    """Tells two checkpoints apart, even two steps of one run: config, tensor table, router bytes."""
+    h = hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode())
+    for t in ckpt.tensors.values():
+        h.update(f"{t.name}|{t.dtype}|{t.shape}|{t.file}|{t.start}|{t.end}\n".encode())
+    for b in layout.blocks:
+        for t, _ in b.router.values():
+            h.update(ckpt.read(t.name))
+    return h.hexdigest()

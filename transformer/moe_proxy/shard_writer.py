@@ -1,7 +1,7 @@
 """Stream a safetensors file: the header is computed up front from each tensor's dtype and
-shape, then tensor bytes are written in order as they arrive, so no more than one tensor
-(or one chunk of it) is ever held. The safetensors package can only serialise tensors that
-are all in memory at once, hence this small writer; the format is its documented one:
+shape, then tensor bytes are written in order as they arrive, so only a bounded window of
+parts (each about 64 MB) is ever held. The safetensors package can only serialise tensors
+that are all in memory at once, hence this small writer; the format is its documented one:
 8-byte little-endian header length, JSON header padded with spaces to 8 bytes, data.
 """
 
@@ -11,6 +11,8 @@ import hashlib
 import json
 import math
 import struct
+from collections import deque
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -23,7 +25,7 @@ class OutTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    chunks: Callable[[], Iterable[bytes]]  # produces exactly nbytes, lazily
+    parts: list[Callable[[], bytes]]  # read in order, they give exactly nbytes
 
     @property
     def nbytes(self) -> int:
@@ -41,6 +43,27 @@ def header_bytes(tensors: list[OutTensor], metadata: dict[str, str] | None = Non
     return struct.pack("<Q", len(raw)) + raw
 
 
+def shard_size(tensors: list[OutTensor]) -> int:
+    return len(header_bytes(tensors)) + sum(t.nbytes for t in tensors)
+
+
+def shard_pieces(tensors: list[OutTensor], pool: Executor | None = None, window: int = 4) -> Iterable[bytes]:
+    """The shard's bytes in order. With a pool, up to `window` parts are fetched ahead while
+    earlier ones are written, overlapping download and upload."""
+    yield header_bytes(tensors)
+    parts = (p for t in tensors for p in t.parts)
+    if pool is None:
+        yield from (p() for p in parts)
+        return
+    ahead: deque = deque()
+    for p in parts:
+        ahead.append(pool.submit(p))
+        if len(ahead) >= window:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
+
+
 @dataclass
 class Written:
     name: str
@@ -48,7 +71,8 @@ class Written:
     sha256: str
 
 
-def write_file(store: Store, name: str, pieces: Iterable[bytes], on_bytes: Callable[[int], None] = lambda n: None) -> Written:
+def write_file(store: Store, name: str, pieces: Iterable[bytes], on_bytes: Callable[[int], None] = lambda n: None,
+               expected_size: int | None = None) -> Written:
     """Write `pieces` to `store/name` atomically, hashing as we go."""
     h, size = hashlib.sha256(), 0
     w = store.writer(name)
@@ -58,19 +82,10 @@ def write_file(store: Store, name: str, pieces: Iterable[bytes], on_bytes: Calla
             w.write(piece)
             size += len(piece)
             on_bytes(len(piece))
+        if expected_size is not None and size != expected_size:  # a bug, never a user error
+            raise AssertionError(f"{name}: produced {size} bytes, expected {expected_size}")
     except BaseException:
         w.abort()
         raise
     w.commit()
     return Written(name, size, h.hexdigest())
-
-
-def shard_pieces(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> Iterable[bytes]:
-    yield header_bytes(tensors, metadata)
-    for t in tensors:
-        n = 0
-        for chunk in t.chunks():
-            n += len(chunk)
-            yield chunk
-        if n != t.nbytes:  # a bug, never a user error: refuse to write a corrupt shard
-            raise AssertionError(f"{t.name}: produced {n} bytes, header says {t.nbytes}")

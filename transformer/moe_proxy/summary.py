@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .architectures import detect, expert_count, groups, top_k
-from .build import count_params
+from .pruning_plan import count_params
 from .checkpoint import Checkpoint
 from .layout import find_layout
 

@@ -46,6 +46,11 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a different proxy at DST")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    scale = p.add_argument_group("scale-out (a Kubernetes Indexed Job: --worker $(JOB_COMPLETION_INDEX))")
+    scale.add_argument("--workers", type=int, default=1, metavar="W", help="number of workers sharing the build")
+    scale.add_argument("--worker", type=int, metavar="I", help="write only worker I's shards (0-based)")
+    scale.add_argument("--finalize", action="store_true",
+                       help="after all W workers: check their shards, write config, index and manifest")
     p.add_argument("--termination-log", metavar="PATH",
                    help="write a short JSON result here (Kubernetes: /dev/termination-log)")
     add_storage_args(p)
@@ -53,16 +58,25 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.worker is not None and args.finalize:
+        raise MoeProxyError("--worker and --finalize are separate steps: run the workers, then finalize once")
     try:
         manifest = build_proxy(
             args.src, args.dst, experts=args.experts, keep_ratio=args.keep_ratio, method=args.method,
             features=args.features, clustering=args.clustering, seed=args.seed, top_k=args.top_k,
             pins=parse_pins(args.pin), overwrite=args.overwrite, progress=not args.no_progress,
-            store_options=store_options(args),
+            store_options=store_options(args), worker=args.worker, workers=args.workers,
+            finalize_only=args.finalize,
         )
     except MoeProxyError as exc:
         _termination(args, {"error": type(exc).__name__, "message": str(exc)[:3000]})
         raise
+    if args.worker is not None:  # a worker's share only: no manifest yet
+        _termination(args, {"worker": args.worker, "workers": args.workers, "files": len(manifest["files"])})
+        print(json.dumps(manifest, indent=2) if args.json else
+              f"worker {args.worker} of {args.workers}: wrote {len(manifest['files'])} shard(s); "
+              f"run --finalize once all workers are done")
+        return 0
     _termination(args, result(manifest, args.dst))
     print(json.dumps(manifest, indent=2) if args.json else summary(manifest))
     return 0

@@ -1,0 +1,119 @@
+"""Plan a proxy: per MoE block, expert features -> clustering -> the kept experts (ascending,
+renumbered 0..k-1 in that order), with the expert count, new top-k and grouped-routing
+fields checked against the architecture's constraints. Errors suggest valid values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from .architectures import Arch, expert_count, groups, top_k
+from .checkpoint import Checkpoint
+from .errors import InvalidExpertCount
+from .features import expert_features
+from .layout import Layout
+from .selection import Selection, select
+
+
+@dataclass
+class Options:
+    experts: int | None = None
+    keep_ratio: float | None = None
+    method: str = "cluster"
+    features: str = "router"
+    clustering: str = "kmeans"
+    seed: int = 0
+    top_k: int | None = None
+    pins: dict[int, list[int]] = field(default_factory=dict)  # layer -> expert ids to keep
+
+
+@dataclass
+class Plan:
+    arch: Arch
+    experts_before: int
+    experts_after: int
+    top_k_before: int
+    top_k_after: int
+    n_group: int
+    topk_group: int
+    selections: dict[str, Selection]  # block prefix -> selection
+    notes: list[str]
+
+
+def target_experts(n: int, options: Options, arch: Arch, n_group: int, topk_group: int) -> int:
+    """The experts per layer to keep, validated; errors suggest valid values."""
+    if (options.experts is None) == (options.keep_ratio is None):
+        raise InvalidExpertCount("give exactly one of --experts N or --keep-ratio R")
+    if options.keep_ratio is not None:
+        if not 0 < options.keep_ratio <= 1:
+            raise InvalidExpertCount(f"--keep-ratio must be in (0, 1], got {options.keep_ratio}")
+        k = max(n_group * arch.min_per_group, round(n * options.keep_ratio / n_group) * n_group)
+    else:
+        k = options.experts
+    valid = [v for v in range(n_group * arch.min_per_group, n + 1, n_group)]
+    if k is None or k < 1 or k > n or k % n_group or k // n_group < arch.min_per_group:
+        why = (
+            f"the model has {n} routed experts per layer" if k is None or k < 1 or k > n
+            else f"grouped routing has {n_group} groups (each must keep the same number, at least "
+                 f"{arch.min_per_group})"
+        )
+        shown = ", ".join(map(str, valid[:12])) + (" ..." if len(valid) > 12 else "")
+        raise InvalidExpertCount(f"cannot keep {k} experts per layer: {why}; valid values: {shown}")
+    return k
+
+
+def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool = False) -> Plan:
+    arch, config = layout.arch, ckpt.config
+    n, k0 = expert_count(arch, config), top_k(arch, config)
+    n_group, topk_group = groups(arch, config)
+    if n % n_group:
+        raise InvalidExpertCount(f"config has {n} experts in {n_group} groups: not an equal split")
+    k = target_experts(n, options, arch, n_group, topk_group)
+    notes = []
+    limit = min(k, topk_group * (k // n_group)) if n_group > 1 else k
+    if options.top_k is not None:
+        if not 1 <= options.top_k <= limit:
+            raise InvalidExpertCount(f"--top-k {options.top_k} must be between 1 and {limit} with {k} experts kept")
+        new_top_k = options.top_k
+    else:
+        new_top_k = min(k0, limit)
+        if new_top_k != k0:
+            notes.append(f"top-k clamped from {k0} to {new_top_k}: only {k} experts kept"
+                         + (f" ({k // n_group} in each of {topk_group} selected groups)" if n_group > 1 else ""))
+    unknown = set(options.pins) - {b.layer for b in layout.blocks}
+    if unknown:
+        raise InvalidExpertCount(
+            f"--pin names layer(s) {sorted(unknown)} which have no routed experts; MoE layers: "
+            f"{[b.layer for b in layout.blocks]}"
+        )
+    selections = {}
+    for block in tqdm(layout.blocks, desc="selecting experts", unit="layer", disable=not progress):
+        pins = options.pins.get(block.layer, [])
+        bad = [e for e in pins if not 0 <= e < n]
+        if bad:
+            raise InvalidExpertCount(f"--pin {block.layer}:{bad[0]}: experts are numbered 0..{n - 1}")
+        if len(set(pins)) > k:
+            raise InvalidExpertCount(f"{len(set(pins))} experts pinned in layer {block.layer} but only {k} kept")
+        # Baselines ignore features but still report cluster sizes, from the cheap router rows.
+        feats = expert_features(ckpt, block, options.features if options.method == "cluster" else "router")
+        selections[block.prefix] = select(
+            feats, k, n_group=n_group, method=options.method, clustering=options.clustering,
+            seed=options.seed, pins=sorted(set(pins)),
+        )
+    return Plan(arch, n, k, k0, new_top_k, n_group, topk_group, selections, notes)
+
+
+def count_params(ckpt: Checkpoint, layout: Layout, plan: Plan | None = None) -> dict[str, int]:
+    """Stored elements, total and active per token (top-k of the routed experts)."""
+    total = sum(t.numel for t in ckpt.tensors.values())
+    n, k0 = expert_count(layout.arch, ckpt.config), top_k(layout.arch, ckpt.config)
+    experts = sum(b.expert_numel for b in layout.blocks)
+    router = sum(t.numel for b in layout.blocks for t, _ in b.router.values())
+    out = {"total_before": total, "active_before": total - experts + experts * k0 // n}
+    if plan:
+        k, tk = plan.experts_after, plan.top_k_after
+        after = total - experts - router + experts * k // n + router * k // n
+        out |= {"total_after": after, "active_after": after - experts * k // n + experts * tk // n}
+    return out
