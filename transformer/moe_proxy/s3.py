@@ -63,6 +63,11 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
+def _code(exc: BaseException | None) -> str:
+    """The S3 error code of a botocore ClientError ("" for anything else)."""
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+
 def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
 
@@ -150,7 +155,7 @@ class S3Store:
         if not isinstance(exc, ClientError):
             return StorageError(f"{where}: {operation} failed: {type(exc).__name__}: {exc}")
         error = exc.response.get("Error", {})
-        code, status = str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code, status = _code(exc), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         source = self._credential_source()
         if code == "NoSuchBucket":
             return ObjectNotFound(f"{where}: bucket {self.bucket!r} does not exist at {endpoint}")
@@ -180,7 +185,7 @@ class S3Store:
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
-            if str(exc.response.get("Error", {}).get("Code")) in NOT_FOUND | {"NoSuchBucket"}:
+            if _code(exc) in NOT_FOUND | {"NoSuchBucket"}:
                 raise ObjectNotFound(f"{self.uri}: bucket {self.bucket!r} does not exist at "
                                      f"{self.client.meta.endpoint_url}") from exc
             # 403 and the like: we may read objects without being allowed to HEAD the bucket.
@@ -194,6 +199,12 @@ class S3Store:
         except ObjectNotFound:
             self._check_bucket()
             return None
+        except AccessDenied as exc:
+            # A HEAD answer has no body, so its 403 does not say why (unknown key, wrong
+            # secret, policy); a one-byte GET gets the store's reason.
+            if _code(exc.__cause__) == "403":
+                self._call("get_object", name, Range="bytes=0-0")
+            raise
 
     # ------------------------------------------------------------ reading
 
@@ -354,8 +365,7 @@ class S3Writer:
         except StorageError as exc:
             # A retried complete whose first attempt succeeded finds no upload any more: the
             # object is there if its checksum is ours.
-            code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
-            if code != "NoSuchUpload" or store.checksum(self.name) != expected:
+            if _code(exc.__cause__) != "NoSuchUpload" or store.checksum(self.name) != expected:
                 raise
             got = expected
         if got is not None and got != expected:

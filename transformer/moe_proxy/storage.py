@@ -36,6 +36,9 @@ class Store(Protocol):
     def list(self) -> list[str]: ...
     def writer(self, name: str) -> Writer: ...
     def delete(self, name: str) -> None: ...
+    # A content checksum the store itself keeps for a file, fetched without reading the file
+    # (S3: the object's SHA256 checksum); None where there is none (local files: hash them).
+    def checksum(self, name: str) -> str | None: ...
 
 
 def open_store(uri: str, **options) -> Store:
@@ -122,6 +125,9 @@ class LocalStore:
 
     def delete(self, name: str) -> None:
         self._path(name).unlink(missing_ok=True)
+
+    def checksum(self, name: str) -> str | None:
+        return None
 
 
 class LocalWriter:

@@ -1,0 +1,174 @@
+"""A TCP proxy between the S3 client and SeaweedFS that counts bytes and injects faults.
+
+Each accepted connection draws one fate from a seeded RNG: pass through, "drop" (forward up to a
+random number of response bytes, then reset the connection: mid-body, between responses or
+before any), "delay" (hold the response back, sometimes past the client's read timeout) or
+"500" (answer the first request with 500 InternalError and close). A faulted connection is
+always followed by a healthy one, so every request can get through within two tries while
+faults keep coming. `stall_after_up` freezes all client->server traffic once that many bytes
+went up, to freeze a build mid-upload before killing it.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+
+_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>injected</Message></Error>'
+ERROR_500 = (
+    b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
+)
+
+
+class FaultProxy:
+    def __init__(self, upstream_port: int, faults: dict[str, float] | None = None, seed: int = 0,
+                 delay: tuple[float, float] = (0.2, 1.5), drop_max: int = 128 << 10):
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.faults = dict(faults or {})  # fate -> probability per connection
+        self.rng = random.Random(seed)
+        self.delay, self.drop_max = delay, drop_max
+        self.bytes_down = 0  # server -> client, all connections
+        self.bytes_up = 0  # client -> server
+        self.fates: Counter[str] = Counter()
+        self.stall_after_up: int | None = None
+        self.lock = threading.Lock()
+        self.last_faulted = False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closed = False
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "FaultProxy":
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closed = True
+        self.listener.close()
+
+    def reset_counts(self) -> None:
+        with self.lock:
+            self.bytes_down = self.bytes_up = 0
+            self.fates.clear()
+
+    def _fate(self) -> str:
+        with self.lock:
+            fate = "ok"
+            if not self.last_faulted:
+                r, acc = self.rng.random(), 0.0
+                for name, p in self.faults.items():
+                    acc += p
+                    if r < acc:
+                        fate = name
+                        break
+            self.last_faulted = fate != "ok"
+            self.fates[fate] += 1
+            return fate
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        fate = self._fate()
+        try:
+            if fate == "500":
+                self._answer_500(client)
+                return
+            server = socket.create_connection(self.upstream)
+        except OSError:
+            client.close()
+            return
+        budget = self.rng.randint(0, self.drop_max) if fate == "drop" else None
+        hold = self.rng.uniform(*self.delay) if fate == "delay" else 0.0
+        up = threading.Thread(target=self._pump_up, args=(client, server), daemon=True)
+        up.start()
+        self._pump_down(server, client, budget, hold)
+        up.join(timeout=5)
+
+    def _answer_500(self, client: socket.socket) -> None:
+        data = b""
+        client.settimeout(10)
+        while b"\r\n\r\n" not in data:
+            chunk = client.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        client.sendall(ERROR_500)
+        client.close()
+
+    def _pump_up(self, client: socket.socket, server: socket.socket) -> None:
+        try:
+            while True:
+                data = client.recv(65536)
+                if not data:
+                    break
+                while self.stall_after_up is not None and self.bytes_up + len(data) > self.stall_after_up:
+                    time.sleep(0.05)  # frozen until the test kills the client
+                with self.lock:
+                    self.bytes_up += len(data)
+                server.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(server)
+
+    def _pump_down(self, server: socket.socket, client: socket.socket, budget: int | None, hold: float) -> None:
+        try:
+            first = True
+            while True:
+                data = server.recv(65536)
+                if not data:
+                    break
+                if first and hold:
+                    time.sleep(hold)
+                first = False
+                if budget is not None:
+                    if len(data) >= budget:
+                        data = data[:budget]
+                        self._send_down(client, data)
+                        _reset(client)
+                        return
+                    budget -= len(data)
+                self._send_down(client, data)
+        except OSError:
+            pass
+        finally:
+            _close(client)
+            _close(server)
+
+    def _send_down(self, client: socket.socket, data: bytes) -> None:
+        with self.lock:
+            self.bytes_down += len(data)
+        client.sendall(data)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
+
+
+def _reset(s: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0): what a dropped connection looks like to the client."""
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    s.close()
