@@ -153,7 +153,7 @@ def test_plan_command(tmp_path, capsys):
 
 
 def test_planner_and_operator_never_import_torch():
-    code = ("import sys, moe_proxy.planner, moe_proxy.commands.plan; "
+    code = ("import sys, moe_proxy.planner, moe_proxy.commands.plan, proxymodel_operator.handlers, proxymodel_operator.__main__; "
             "bad = [m for m in ('torch', 'safetensors', 'sklearn') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,31 @@
+"""`python -m proxymodel_operator`: run the operator with the settings from the environment
+(see settings.py): watched namespaces or cluster-wide, a liveness endpoint, JSON logs."""
+
+from __future__ import annotations
+
+import sys
+
+import kopf
+
+from . import handlers  # noqa: F401 - registers the handlers
+from .settings import SettingsError, from_env
+
+
+def main() -> int:
+    try:
+        settings = from_env()
+    except SettingsError as exc:
+        print(f"proxymodel-operator: {exc}", file=sys.stderr)
+        return 2
+    kopf.configure(log_format=kopf.LogFormat[settings.log_format.upper()])
+    kopf.run(
+        standalone=True,  # one replica (Deployment strategy Recreate); no peering objects
+        clusterwide=settings.cluster_wide,
+        namespaces=settings.namespaces,
+        liveness_endpoint=settings.liveness or None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

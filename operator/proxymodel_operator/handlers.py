@@ -1,0 +1,457 @@
+"""The kopf handlers. Read top-down: operator set-up, the ProxyModel pipeline (create and
+resume, then spec changes), the handlers that follow the children, clean-up on deletion.
+
+Status is the single source of truth: `status.pipeline` records which spec the pipeline
+runs for (`specHash`), the generation its children are named after, and their names. A
+handler decides what to do from it, so an operator restart never redoes a finished step and
+never makes a second child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from typing import Any
+
+import kopf
+
+from . import kube, settings as settings_module
+from .children import REPRODUCTION, TRANSFORMER
+from .outcome import FAILED, SUCCEEDED, outcome
+from .preflight import PreflightError, preflight
+from .reproduction import reproduction_workload
+from .resources import (ASCEND_JOBS, GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE,
+                        PODS, PROXYMODELS, RUNTIMES, VERSION, VOLCANO_JOBS, Resource)
+from .spec import SIGNATURE_REASONS, InvalidSpec, ProxyModelSpec, parse
+from .status import (ACCEPTED, FAILED as PHASE_FAILED, NOT_REPRODUCED, PENDING, PROXY_READY,
+                     PROXY_READY_CONDITION, REPRODUCED, REPRODUCED_CONDITION, REPRODUCING, SUSPENDED,
+                     SUSPENDED_CONDITION, TERMINAL, TRANSFORMING, arrow, condition, plan_summary, proxy_summary,
+                     reproduction_summary, with_condition)
+from .transformer_job import transformer_job
+
+PXM = (GROUP, VERSION, "proxymodels")
+RETRY_DELAY = 30  # seconds before a step that waits on the outside world is tried again
+# Spec fields that change how the pipeline runs, not what it builds: no restart for them.
+RUN_CONTROL_FIELDS = ("suspend", "ttlSecondsAfterFinished")
+
+config = settings_module.Settings()  # replaced from the environment at start-up
+_locks: dict[tuple[str, str], asyncio.Lock] = {}  # one child verdict at a time per ProxyModel
+
+
+# --- operator set-up -------------------------------------------------------------------------
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    global config
+    config = settings_module.from_env()
+    _locks.clear()  # they belong to the event loop of a previous run (tests restart the operator)
+    # kopf's own bookkeeping goes in annotations, so status stays ours.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/cleanup"
+    settings.posting.level = logging.WARNING  # handler failures become Events; successes do not
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    logger.info("watching %s; default accelerator %s; preflight %s",
+                ", ".join(config.namespaces) or "all namespaces", config.accelerator,
+                "on" if config.preflight else "off")
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf's own logins (in-cluster service account, else kubeconfig); our client uses the same."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        kube.configure(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def close_client(**_: Any) -> None:
+    await kube.close()
+
+
+# --- helpers over status ---------------------------------------------------------------------
+
+
+def spec_hash(spec: dict) -> str:
+    """What the pipeline builds depends on every spec field except the run-control ones."""
+    essence = {k: v for k, v in spec.items() if k not in RUN_CONTROL_FIELDS}
+    return hashlib.sha256(json.dumps(essence, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _status(patch: kopf.Patch, status: dict, key: str) -> Any:
+    """A status field as it will be after this handler: the pending patch wins."""
+    return patch.status[key] if key in patch.status else status.get(key)
+
+
+def _set_condition(patch: kopf.Patch, status: dict, new: dict) -> None:
+    patch.status["conditions"] = with_condition(_status(patch, status, "conditions"), new)
+
+
+def _parse(spec: dict, namespace: str, name: str) -> ProxyModelSpec:
+    return parse(dict(spec), namespace, name, config)
+
+
+def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str) -> None:
+    """Bad input: say so in status and an Event, then stop (kopf.PermanentError)."""
+    _set_condition(patch, status, condition(ACCEPTED, False, reason, message, generation))
+    patch.status["phase"] = PHASE_FAILED
+    patch.status["message"] = message
+    kopf.warn(body, reason=reason, message=message)
+    raise kopf.PermanentError(f"{reason}: {message}")
+
+
+async def _delete_children(namespace: str, proxymodel: str, keep_generation: int | None) -> list[str]:
+    """Delete the children of other generations (all of them when keep_generation is None)."""
+    deleted = []
+    for resource in {JOBS, VOLCANO_JOBS, ASCEND_JOBS}:
+        try:
+            children = await kube.list_(resource, namespace, {LABEL_PROXYMODEL: proxymodel})
+        except kube.ApiError as exc:
+            if exc.status == 404:  # that runtime's CRD is not installed
+                continue
+            raise
+        for child in children:
+            meta = child["metadata"]
+            if keep_generation is None or meta.get("labels", {}).get(LABEL_GENERATION) != str(keep_generation):
+                if await kube.delete(resource, namespace, meta["name"]):
+                    deleted.append(meta["name"])
+    return deleted
+
+
+# --- the pipeline: create and resume -----------------------------------------------------------
+
+
+@kopf.on.resume(*PXM)
+@kopf.on.create(*PXM)
+async def pipeline(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
+                   name: str, patch: kopf.Patch, **_: Any) -> None:
+    """Run the pipeline for this spec unless status shows it already runs (a resume after a
+    restart, or the create event seen again)."""
+    ran = status.get("pipeline") or {}
+    if ran.get("specHash") == spec_hash(dict(spec)) and ran.get("transformerJob"):
+        return
+    if spec.get("suspend"):
+        _suspend(patch, status, meta.get("generation") or 1)
+        return
+    # Steps one at a time, in order; kopf records each one done in an annotation.
+    await kopf.execute(fns={"validate": validate, "transform": transform}, lifecycle=kopf.lifecycles.one_by_one)
+
+
+def _suspend(patch: kopf.Patch, status: dict, generation: int) -> None:
+    patch.status["phase"] = SUSPENDED
+    patch.status["observedGeneration"] = generation
+    _set_condition(patch, status, condition(SUSPENDED_CONDITION, True, "SuspendedBySpec",
+                                            "spec.suspend is true: no new child is created", generation))
+
+
+async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
+                   name: str, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    """Step 1: the spec beyond the schema, then the source checkpoint's config.json and a plan."""
+    generation = meta.get("generation") or 1
+    patch.status["observedGeneration"] = generation
+    try:
+        parsed = _parse(spec, namespace, name)
+    except InvalidSpec as exc:
+        _refuse(body, patch, status, generation, "InvalidSpec", str(exc))
+    if parsed.reproduction.enabled and parsed.reproduction.accelerator.devices is None and not config.preflight:
+        _refuse(body, patch, status, generation, "InvalidSpec",
+                "spec.reproduction.accelerator.devices is auto, which needs the preflight read of config.json "
+                "(disabled in this operator): set a device count")
+
+    plan = None
+    if config.preflight:
+        try:
+            plan = (await preflight(namespace, parsed, config)).plan
+        except PreflightError as exc:
+            if not exc.retry:
+                _refuse(body, patch, status, generation, exc.reason, exc.message)
+            _set_condition(patch, status, condition(ACCEPTED, False, exc.reason, exc.message, generation))
+            patch.status["phase"] = PENDING
+            raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_DELAY)
+
+    patch.status["pipeline"] = {"specHash": spec_hash(dict(spec)), "generation": generation,
+                                "transformerJob": None, "reproductionJob": None, "reproductionKind": None}
+    patch.status.update(phase=PENDING, message=None, proxy=None, reproduction=None,
+                        plan=plan_summary(plan) if plan else None)
+    conditions = [c for c in status.get("conditions") or [] if c.get("type") == ACCEPTED]
+    patch.status["conditions"] = conditions
+    if plan:
+        patch.status["experts"] = arrow(plan.original.experts_per_layer, plan.proxy.experts_per_layer)
+        devices = parsed.reproduction.accelerator.devices or plan.proxy.devices
+        patch.status["accelerators"] = arrow(plan.original.devices, devices)
+        message = (f"{plan.architecture}: {plan.original.experts_per_layer} -> {plan.proxy.experts_per_layer} experts "
+                   f"per layer; {plan.original.devices} -> {devices} x {plan.accelerator}")
+    else:
+        message = "spec accepted (preflight disabled)"
+    _set_condition(patch, status, condition(ACCEPTED, True, "SpecValid", message, generation))
+    logger.info(message)
+
+
+async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
+                    name: str, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    """Step 2: replace older generations' children by this generation's transformer Job."""
+    generation = meta.get("generation") or 1
+    parsed = _parse(spec, namespace, name)
+    deleted = await _delete_children(namespace, name, keep_generation=generation)
+    if deleted:
+        kopf.info(body, reason="ChildrenReplaced", message=f"deleted {', '.join(sorted(deleted))} of an older spec")
+    job = transformer_job(name, namespace, generation, parsed)
+    kopf.adopt(job, owner=body)
+    _, created = await kube.create(JOBS, namespace, job)
+    job_name = job["metadata"]["name"]
+    patch.status["pipeline"] = {**(status.get("pipeline") or {}), "specHash": spec_hash(dict(spec)),
+                                "generation": generation, "transformerJob": job_name}
+    patch.status["phase"] = TRANSFORMING
+    _set_condition(patch, status, condition(PROXY_READY_CONDITION, False, "TransformerRunning",
+                                            f"Job {job_name} builds the proxy at {parsed.destination}", generation))
+    if created:
+        kopf.info(body, reason="TransformerCreated", message=f"Job {job_name} builds {parsed.destination}")
+    logger.info("transformer Job %s %s", job_name, "created" if created else "already exists")
+
+
+# --- spec changes ------------------------------------------------------------------------------
+
+
+@kopf.on.update(*PXM, field="spec")
+async def spec_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
+                       name: str, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    """A new spec restarts the pipeline (old children deleted); suspend and TTL alone do not."""
+    generation = meta.get("generation") or 1
+    ran = status.get("pipeline") or {}
+    if ran.get("specHash") != spec_hash(dict(spec)):
+        if spec.get("suspend"):
+            deleted = await _delete_children(namespace, name, keep_generation=None)
+            patch.status.update(pipeline=None, proxy=None, reproduction=None, plan=None)
+            _suspend(patch, status, generation)
+            logger.info("spec changed while suspended; deleted %s", deleted or "nothing")
+            return
+        logger.info("spec changed: restarting the pipeline at generation %s", generation)
+        await kopf.execute(fns={"validate": validate, "transform": transform}, lifecycle=kopf.lifecycles.one_by_one)
+        return
+
+    patch.status["observedGeneration"] = generation
+    if spec.get("suspend"):
+        if status.get("phase") not in TERMINAL:
+            _suspend(patch, status, generation)
+        return
+    _set_condition(patch, status, condition(SUSPENDED_CONDITION, False, "Resumed",
+                                            "spec.suspend is false", generation))
+    if not ran.get("transformerJob"):  # suspended before the first Job: start now
+        await kopf.execute(fns={"validate": validate, "transform": transform}, lifecycle=kopf.lifecycles.one_by_one)
+        return
+    if status.get("phase") == SUSPENDED:
+        patch.status["phase"] = REPRODUCING if ran.get("reproductionJob") else (
+            PROXY_READY if status.get("proxy") else TRANSFORMING)
+        if status.get("proxy") and not ran.get("reproductionJob"):
+            fresh = await kube.get(PROXYMODELS, namespace, name)
+            await _start_reproduction({**fresh, "spec": dict(spec)}, patch_into=patch.status)
+
+
+# --- following the children --------------------------------------------------------------------
+
+
+def _resource_of(kopf_resource: kopf.Resource) -> Resource:
+    for r in (JOBS, VOLCANO_JOBS, ASCEND_JOBS):
+        if (r.group, r.version, r.plural) == (kopf_resource.group, kopf_resource.version, kopf_resource.plural):
+            return r
+    raise ValueError(f"not a child resource: {kopf_resource}")
+
+
+CHILD_LABELS = {LABEL_PROXYMODEL: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT}
+
+
+@kopf.on.event(JOBS.group, JOBS.version, JOBS.plural, labels=CHILD_LABELS)
+@kopf.on.event(VOLCANO_JOBS.group, VOLCANO_JOBS.version, VOLCANO_JOBS.plural, labels=CHILD_LABELS)
+@kopf.on.event(ASCEND_JOBS.group, ASCEND_JOBS.version, ASCEND_JOBS.plural, labels=CHILD_LABELS)
+async def child_changed(event: dict, body: kopf.Body, resource: kopf.Resource, namespace: str,
+                        logger: logging.Logger, **_: Any) -> None:
+    """A child workload changed: maybe it finished."""
+    if event.get("type") == "DELETED":
+        return
+    labels = body.get("metadata", {}).get("labels", {})
+    await judge_child(_resource_of(resource), namespace, labels, dict(body), logger)
+
+
+@kopf.on.event(PODS.group, PODS.version, PODS.plural, labels={LABEL_CHILD: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT})
+async def pod_changed(event: dict, body: kopf.Body, namespace: str, logger: logging.Logger, **_: Any) -> None:
+    """A child's pod changed: a pull that never succeeds or an unschedulable pod shows only here."""
+    if event.get("type") == "DELETED":
+        return
+    labels = body.get("metadata", {}).get("labels", {})
+    await judge_child(None, namespace, labels, None, logger)
+
+
+async def judge_child(resource: Resource | None, namespace: str, labels: dict, workload: dict | None,
+                      logger: logging.Logger) -> None:
+    """Read the child's verdict and carry it into its ProxyModel's status."""
+    proxymodel, role, child = labels.get(LABEL_PROXYMODEL), labels.get(LABEL_ROLE), labels.get(LABEL_CHILD)
+    if not (proxymodel and role in (TRANSFORMER, REPRODUCTION) and child):
+        return
+    async with _locks.setdefault((namespace, proxymodel), asyncio.Lock()):
+        try:
+            parent = await kube.get(PROXYMODELS, namespace, proxymodel)
+        except kube.ApiError as exc:
+            if exc.status == 404:
+                return  # the ProxyModel is gone; its children follow through owner references
+            raise
+        status = parent.get("status") or {}
+        ran = status.get("pipeline") or {}
+        current = ran.get("transformerJob") if role == TRANSFORMER else ran.get("reproductionJob")
+        if child != current:
+            return  # a child of an older spec, being deleted
+        if role == TRANSFORMER and status.get("proxy") or role == REPRODUCTION and status.get("reproduction"):
+            return  # this step's verdict is in status already
+        if status.get("phase") == PHASE_FAILED:
+            return
+        if resource is None:  # from a pod event: read the workload it belongs to
+            resource = JOBS if role == TRANSFORMER else RUNTIMES[ran.get("reproductionKind") or "Job"]
+        if workload is None:
+            workload = await kube.get(resource, namespace, child)
+        pods = await kube.list_(PODS, namespace, {LABEL_CHILD: child})
+        verdict = outcome(resource, workload, pods)
+        if role == TRANSFORMER:
+            await _transformer_verdict(parent, verdict, logger)
+        else:
+            await _reproduction_verdict(parent, verdict, logger)
+
+
+async def _patch_parent(parent: dict, status_patch: dict) -> None:
+    meta = parent["metadata"]
+    await kube.patch_status(PROXYMODELS, meta["namespace"], meta["name"], status_patch)
+
+
+def _generation(parent: dict) -> int:
+    return (parent.get("status") or {}).get("pipeline", {}).get("generation") or 1
+
+
+async def _transformer_verdict(parent: dict, verdict, logger: logging.Logger) -> None:
+    status, generation = parent.get("status") or {}, _generation(parent)
+    conditions = status.get("conditions") or []
+    if await _unfinished(parent, verdict, PROXY_READY_CONDITION, False, "transformer"):
+        return
+    report = verdict.report
+    if not report.get("proxy_uri"):
+        await _fail(parent, PROXY_READY_CONDITION, "NoProxyReport",
+                    "the transformer Job succeeded without reporting a proxy in its termination message", "transformer")
+        return
+    proxy = proxy_summary(report)
+    experts = proxy["expertsPerLayer"]
+    message = f"proxy at {proxy['uri']}: {experts['before']} -> {experts['after']} experts per layer"
+    patch = {"phase": PROXY_READY, "proxy": proxy, "experts": arrow(experts["before"], experts["after"]),
+             "conditions": with_condition(conditions, condition(PROXY_READY_CONDITION, True, "ProxyBuilt",
+                                                                message, generation))}
+    kopf.info(parent, reason="ProxyReady", message=message)
+    logger.info(message)
+    spec = parse(parent.get("spec") or {}, parent["metadata"]["namespace"], parent["metadata"]["name"], config)
+    if spec.reproduction.enabled and not spec.suspend:
+        parent = {**parent, "status": {**status, **patch}}
+        await _start_reproduction(parent, patch_into=patch)
+    elif spec.suspend:
+        patch["phase"] = SUSPENDED
+    await _patch_parent(parent, patch)
+
+
+async def _start_reproduction(parent: dict, patch_into: dict) -> None:
+    """Create the reproduction workload on the planned (or requested) device count."""
+    meta, status = parent["metadata"], parent.get("status") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    spec = parse(parent.get("spec") or {}, namespace, name, config)
+    generation = _generation(parent)
+    devices = spec.reproduction.accelerator.devices or ((status.get("plan") or {}).get("proxy") or {}).get("devices")
+    if not devices:
+        raise kopf.PermanentError("no device count: the plan is missing and spec.reproduction.accelerator.devices is auto")
+    proxy = status.get("proxy") or {}
+    manifest = reproduction_workload(name, namespace, generation, spec, proxy["uri"], proxy.get("manifestSha256") or "",
+                                     devices)
+    kopf.adopt(manifest, owner=parent)
+    _, created = await kube.create(RUNTIMES[spec.reproduction.runtime], namespace, manifest)
+    child = manifest["metadata"]["name"]
+    patch_into["pipeline"] = {**(status.get("pipeline") or {}), "reproductionJob": child,
+                              "reproductionKind": spec.reproduction.runtime}
+    patch_into["phase"] = REPRODUCING
+    conditions = patch_into.get("conditions", status.get("conditions"))
+    patch_into["conditions"] = with_condition(conditions, condition(
+        REPRODUCED_CONDITION, None, "ReproductionRunning",
+        f"{spec.reproduction.runtime} {child} runs up to {spec.reproduction.max_steps} steps on {devices} x "
+        f"{spec.reproduction.accelerator.resource}", generation))
+    if created:
+        kopf.info(parent, reason="ReproductionCreated",
+                  message=f"{spec.reproduction.runtime} {child} on {devices} x {spec.reproduction.accelerator.resource}")
+
+
+async def _reproduction_verdict(parent: dict, verdict, logger: logging.Logger) -> None:
+    status, generation = parent.get("status") or {}, _generation(parent)
+    conditions = status.get("conditions") or []
+    if await _unfinished(parent, verdict, REPRODUCED_CONDITION, None, "reproduction"):
+        return
+    result = reproduction_summary(verdict.report)
+    if not verdict.report:
+        phase, ok, reason = NOT_REPRODUCED, False, "NoReport"
+        message = "the reproduction finished without a termination message; see its logs"
+    elif result["reproduced"]:
+        signature = str(result["signature"] or "")
+        phase, ok = REPRODUCED, True
+        reason = SIGNATURE_REASONS.get(signature, "MetricThreshold" if signature else "FailureReproduced")
+        message = f"{signature} at step {result['step']}"
+    else:
+        phase, ok, reason = NOT_REPRODUCED, False, "NotObserved"
+        message = "the failure signature was not seen within the run"
+    await _patch_parent(parent, {
+        "phase": phase, "reproduction": result,
+        "conditions": with_condition(conditions, condition(REPRODUCED_CONDITION, ok, reason, message, generation)),
+    })
+    kopf.event(parent, type="Normal" if ok else "Warning", reason=reason if ok else "NotReproduced", message=message)
+    logger.info("reproduction: %s (%s)", phase, message)
+
+
+async def _unfinished(parent: dict, verdict, kind: str, running_status: bool | None, step: str) -> bool:
+    """Carry a running child's notable state (e.g. Unschedulable) or a failure into status;
+    True unless the child succeeded."""
+    if verdict.state == SUCCEEDED:
+        return False
+    if verdict.state == FAILED:
+        await _fail(parent, kind, verdict.reason, verdict.message, step)
+        return True
+    conditions = (parent.get("status") or {}).get("conditions") or []
+    if verdict.reason and not any(c.get("reason") == verdict.reason for c in conditions):
+        new = condition(kind, running_status, verdict.reason, verdict.message, _generation(parent))
+        await _patch_parent(parent, {"conditions": with_condition(conditions, new)})
+    return True
+
+
+async def _fail(parent: dict, kind: str, reason: str, message: str, step: str) -> None:
+    status = parent.get("status") or {}
+    conditions = with_condition(status.get("conditions"), condition(kind, False, reason, message, _generation(parent)))
+    await _patch_parent(parent, {"phase": PHASE_FAILED, "message": f"{step} failed: {reason}: {message}"[:1024],
+                                 "conditions": conditions})
+    kopf.warn(parent, reason=reason, message=f"{step} failed: {message}"[:1024])
+
+
+# --- deletion ----------------------------------------------------------------------------------
+
+
+def _wants_cleanup(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("cleanup") or {}).get("deleteProxy"))
+
+
+@kopf.on.delete(*PXM, when=_wants_cleanup, retries=3, backoff=10, timeout=300)
+async def delete_proxy(spec: kopf.Spec, namespace: str, name: str, retry: int, logger: logging.Logger,
+                       **_: Any) -> None:
+    """Only when spec.cleanup.deleteProxy asks: remove the proxy from object storage. Best
+    effort: after the last retry the finalizer goes anyway, so deletion never hangs."""
+    from .cleanup import delete_prefix
+
+    parsed = _parse(spec, namespace, name)
+    try:
+        count = await delete_prefix(namespace, parsed)
+        logger.info("deleted %d objects under %s", count, parsed.destination)
+    except Exception as exc:  # noqa: BLE001 - reported, then released
+        if retry < 2:
+            raise kopf.TemporaryError(f"deleting {parsed.destination}: {exc}", delay=10) from None
+        logger.warning("giving up deleting %s (%s); the ProxyModel is released anyway", parsed.destination, exc)

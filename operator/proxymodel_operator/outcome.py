@@ -1,0 +1,129 @@
+"""What a child workload's objects say happened: still running, succeeded with a report, or
+failed, and for a failure the most specific reason there is.
+
+A Job's own condition only says `BackoffLimitExceeded`; the pods say why: the container's
+termination message (our JSON, e.g. {"error": "S3AccessDenied", ...}), a terminated reason
+(`OOMKilled`), or a waiting reason that will never resolve by itself (`ImagePullBackOff`).
+The most specific one wins, so status names the real cause.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .resources import ASCEND_JOBS, JOBS, VOLCANO_JOBS, Resource
+
+RUNNING, SUCCEEDED, FAILED = "Running", "Succeeded", "Failed"
+MAX_MESSAGE = 4096  # the kubelet keeps at most 4 KiB of a termination message
+# Waiting reasons that never resolve without a change to the spec: fail instead of hanging.
+STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+                 "CreateContainerError")
+
+
+# (succeeded, failed) condition types of the workloads that report by conditions.
+CONDITION_TYPES = {JOBS: ("Complete", "Failed"), ASCEND_JOBS: ("Succeeded", "Failed")}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: str  # Running | Succeeded | Failed
+    reason: str = ""  # CamelCase, for conditions and Events
+    message: str = ""
+    report: dict = field(default_factory=dict)  # the parsed termination message, if any
+
+
+def _condition(obj: dict, kind: str) -> dict | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == "True":
+            return c
+    return None
+
+
+def workload_state(resource: Resource, obj: dict) -> Outcome:
+    """The workload's own verdict, before looking at its pods."""
+    status = obj.get("status") or {}
+    if resource in CONDITION_TYPES:  # batch/v1 Job and AscendJob: a condition says it
+        done, failed_type = CONDITION_TYPES[resource]
+        if _condition(obj, done):
+            return Outcome(SUCCEEDED)
+        failed = _condition(obj, failed_type)
+        if failed:
+            return Outcome(FAILED, failed.get("reason") or "JobFailed", failed.get("message", ""))
+    elif resource == VOLCANO_JOBS:  # a Volcano Job: its state's phase says it
+        state = status.get("state") or {}
+        phase = state.get("phase")
+        if phase == "Completed":
+            return Outcome(SUCCEEDED)
+        if phase in ("Failed", "Aborted", "Terminated"):
+            return Outcome(FAILED, state.get("reason") or f"VolcanoJob{phase}", state.get("message", ""))
+        if phase == "Pending" and state.get("reason"):
+            return Outcome(RUNNING, state["reason"], state.get("message", ""))  # e.g. gang unschedulable
+    return Outcome(RUNNING)
+
+
+def parse_report(text: str | None) -> dict:
+    """A termination message as a JSON object; {} when absent or not ours."""
+    if not text or len(text) > MAX_MESSAGE:
+        return {}
+    try:
+        report = json.loads(text)
+    except ValueError:
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+@dataclass
+class PodFindings:
+    success_report: dict = field(default_factory=dict)
+    error_report: dict = field(default_factory=dict)
+    terminated_reason: str = ""  # e.g. OOMKilled
+    terminated_message: str = ""
+    stuck_reason: str = ""  # e.g. ImagePullBackOff
+    stuck_message: str = ""
+    unschedulable: str = ""
+
+
+def examine_pods(pods: list[dict]) -> PodFindings:
+    found = PodFindings()
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp") or ""):
+        status = pod.get("status") or {}
+        for c in status.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                found.unschedulable = c.get("message") or "no node can hold the pod"
+        for cs in status.get("containerStatuses") or []:
+            state = cs.get("state") or {}
+            terminated, waiting = state.get("terminated"), state.get("waiting")
+            if terminated:
+                report = parse_report(terminated.get("message"))
+                if terminated.get("exitCode") == 0 and report:
+                    found.success_report = report
+                elif report.get("error"):
+                    found.error_report = report
+                if terminated.get("reason") not in (None, "Completed", "Error"):
+                    found.terminated_reason = terminated["reason"]
+                    found.terminated_message = f"container {cs.get('name')} exited with code {terminated.get('exitCode')}"
+            if waiting and waiting.get("reason") in STUCK_WAITING:
+                found.stuck_reason = waiting["reason"]
+                found.stuck_message = (waiting.get("message") or "")[:500]
+    return found
+
+
+def outcome(resource: Resource, obj: dict, pods: list[dict]) -> Outcome:
+    """The verdict on a child workload, from the workload and its pods."""
+    verdict = workload_state(resource, obj)
+    found = examine_pods(pods)
+    if verdict.state == SUCCEEDED:
+        return Outcome(SUCCEEDED, report=found.success_report)
+    if verdict.state == FAILED or found.stuck_reason:
+        if found.error_report:
+            return Outcome(FAILED, str(found.error_report["error"]), str(found.error_report.get("message", "")),
+                           found.error_report)
+        if found.terminated_reason:
+            return Outcome(FAILED, found.terminated_reason, found.terminated_message)
+        if found.stuck_reason:
+            return Outcome(FAILED, found.stuck_reason, found.stuck_message)
+        return verdict
+    if found.unschedulable:
+        return Outcome(RUNNING, "Unschedulable", found.unschedulable)
+    return verdict

@@ -1,0 +1,235 @@
+"""A ProxyModel's spec, read into dataclasses with the operator's defaults applied.
+
+The CRD's schema rejects what a schema can (types, enums, minimums, required fields, one of
+experts/keepRatio). What it cannot check is checked here, and each problem is reported with
+the field it is about, so `kubectl describe` tells the user what to change.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .resources import RUNTIMES
+from .settings import Settings
+
+SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse", "threshold")
+# The CamelCase reason each failure signature shows in status and Events.
+SIGNATURE_REASONS = {
+    "overflow": "GradientOverflow", "underflow": "GradientUnderflow", "nan": "NaN",
+    "divergence": "Divergence", "collapse": "RoutingCollapse", "threshold": "MetricThreshold",
+}
+_PIN = re.compile(r"^\d+:\d+$")
+_S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
+
+
+class InvalidSpec(ValueError):
+    """The spec passed the schema but cannot work; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Source:
+    uri: str
+    endpoint: str  # "" = the operator's default, else the AWS default
+    region: str
+    credentials_secret: str  # "" = pods use their own identity (IRSA, node role)
+
+
+@dataclass(frozen=True)
+class Pruning:
+    experts: int | None
+    keep_ratio: float | None
+    method: str = "cluster"
+    features: str = "router"
+    clustering: str = "kmeans"
+    top_k: int | None = None
+    pins: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both Jobs share: where and how their pods run."""
+
+    image: str
+    image_pull_policy: str | None = None
+    resources: dict = field(default_factory=dict)
+    node_selector: dict = field(default_factory=dict)
+    tolerations: list = field(default_factory=list)
+    service_account: str | None = None
+    backoff_limit: int = 0
+    active_deadline_seconds: int | None = None
+    env: list = field(default_factory=list)
+    command: list | None = None
+    args: list | None = None
+
+
+@dataclass(frozen=True)
+class FailOn:
+    signature: str
+    metric: str | None = None
+    operator: str = ">"
+    value: float | None = None
+    steps: int = 1
+
+    def cli(self) -> str:
+        """The `moe-proxy repro --fail-on` form: a built-in name or METRIC>VALUE[:STEPS]."""
+        if self.signature != "threshold":
+            return self.signature
+        return f"{self.metric}{self.operator}{self.value:g}" + (f":{self.steps}" if self.steps > 1 else "")
+
+    @property
+    def reason(self) -> str:
+        return SIGNATURE_REASONS[self.signature]
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    resource: str
+    devices_per_node: int
+    devices: int | None  # None = planned (`auto`)
+    memory_gb: float | None  # None = the accelerator's (planner) or the operator default
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    enabled: bool
+    runtime: str  # Job | VolcanoJob | AscendJob
+    workload: Workload
+    accelerator: Accelerator
+    precision: str = "bf16"
+    max_steps: int = 50
+    fail_on: FailOn | None = None
+    template: dict | None = None  # the user's own pod template (verl, MindSpeed-RL, ...)
+    scheduler_name: str | None = None
+    volcano_queue: str | None = None
+
+
+@dataclass(frozen=True)
+class ProxyModelSpec:
+    source: Source
+    destination: str
+    pruning: Pruning
+    transformer: Workload
+    reproduction: Reproduction
+    suspend: bool = False
+    ttl_seconds_after_finished: int | None = None
+    queue_name: str | None = None  # Kueue LocalQueue, set as a label on child batch/v1 Jobs
+    delete_proxy_on_delete: bool = False
+
+
+def default_destination(source_uri: str, namespace: str, name: str) -> str:
+    """Next to the source checkpoint, never inside it: `<source>-proxies/<namespace>/<name>/`."""
+    return f"{source_uri.rstrip('/')}-proxies/{namespace}/{name}/"
+
+
+def _workload(raw: dict, image: str, backoff_limit: int) -> Workload:
+    return Workload(
+        image=raw.get("image") or image,
+        image_pull_policy=raw.get("imagePullPolicy"),
+        resources=dict(raw.get("resources") or {}),
+        node_selector=dict(raw.get("nodeSelector") or {}),
+        tolerations=list(raw.get("tolerations") or []),
+        service_account=raw.get("serviceAccountName"),
+        backoff_limit=raw.get("backoffLimit", backoff_limit),
+        active_deadline_seconds=raw.get("activeDeadlineSeconds"),
+        env=list(raw.get("env") or []),
+        command=raw.get("command"),
+        args=raw.get("args"),
+    )
+
+
+def _fail_on(raw: dict | None) -> FailOn | None:
+    if not raw:
+        return None
+    signature = raw.get("signature")
+    if signature not in SIGNATURES:
+        raise InvalidSpec(f"spec.reproduction.failOn.signature {signature!r}: expected one of {', '.join(SIGNATURES)}")
+    if signature != "threshold":
+        return FailOn(signature)
+    metric, value = raw.get("metric"), raw.get("value")
+    if not metric:
+        raise InvalidSpec("spec.reproduction.failOn: a threshold needs `metric` (e.g. actor/grad_norm)")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InvalidSpec(f"spec.reproduction.failOn.value {value!r}: a threshold needs a number") from None
+    return FailOn("threshold", metric, raw.get("operator", ">"), number, int(raw.get("steps", 1)))
+
+
+def _accelerator(raw: dict, settings: Settings) -> Accelerator:
+    per_node = raw.get("devicesPerNode") or settings.devices_per_node
+    devices = raw.get("devices", "auto")
+    if devices == "auto":
+        count = None
+    else:
+        try:
+            count = int(devices)
+        except (TypeError, ValueError):
+            raise InvalidSpec(f"spec.reproduction.accelerator.devices {devices!r}: a whole number or \"auto\"") from None
+        if count < 1:
+            raise InvalidSpec(f"spec.reproduction.accelerator.devices {devices!r}: must be at least 1")
+        if count > per_node and count % per_node:
+            raise InvalidSpec(
+                f"spec.reproduction.accelerator.devices {count}: more than one node's {per_node} devices "
+                f"must be whole nodes (a multiple of devicesPerNode)")
+    return Accelerator(raw.get("resource") or settings.accelerator, per_node, count, raw.get("memoryGB"))
+
+
+def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -> ProxyModelSpec:
+    """The spec with defaults applied; InvalidSpec names the first field that cannot work."""
+    src = spec.get("source") or {}
+    uri = src.get("uri", "")
+    if not _S3.match(uri):
+        raise InvalidSpec(f"spec.source.uri {uri!r}: expected s3://bucket/prefix")
+    endpoint = src.get("endpoint") or settings.s3_endpoint
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        raise InvalidSpec(f"spec.source.endpoint {endpoint!r}: must start with http:// or https://")
+    source = Source(uri, endpoint, src.get("region") or settings.s3_region, src.get("credentialsSecret") or "")
+
+    destination = (spec.get("destination") or {}).get("uri") or default_destination(uri, namespace, name)
+    if not _S3.match(destination):
+        raise InvalidSpec(f"spec.destination.uri {destination!r}: expected s3://bucket/prefix")
+    src_dir, dst_dir = uri.rstrip("/") + "/", destination.rstrip("/") + "/"
+    if dst_dir.startswith(src_dir) or src_dir.startswith(dst_dir):
+        raise InvalidSpec(f"spec.destination.uri {destination!r} overlaps the source {uri!r}: "
+                          "a proxy must never be written into its source checkpoint")
+
+    p = spec.get("pruning") or {}
+    if ("experts" in p) == ("keepRatio" in p):
+        raise InvalidSpec("spec.pruning: give exactly one of `experts` (per layer) or `keepRatio`")
+    for pin in p.get("pin") or []:
+        if not _PIN.match(str(pin)):
+            raise InvalidSpec(f"spec.pruning.pin {pin!r}: expected LAYER:EXPERT, e.g. 3:17")
+    ratio = p.get("keepRatio")
+    pruning = Pruning(
+        experts=p.get("experts"), keep_ratio=float(ratio) if ratio is not None else None,
+        method=p.get("method", "cluster"), features=p.get("features", "router"),
+        clustering=p.get("clustering", "kmeans"), top_k=p.get("topK"),
+        pins=tuple(str(x) for x in p.get("pin") or []), seed=p.get("seed", 0),
+    )
+
+    r = spec.get("reproduction") or {}
+    runtime = r.get("runtime", "Job")
+    if runtime not in RUNTIMES:
+        raise InvalidSpec(f"spec.reproduction.runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+    template = r.get("template")
+    if template is not None and not (template.get("spec") or {}).get("containers"):
+        raise InvalidSpec("spec.reproduction.template: a pod template needs spec.containers")
+    reproduction = Reproduction(
+        enabled=r.get("enabled", True), runtime=runtime,
+        workload=_workload(r, settings.repro_image, 0),
+        accelerator=_accelerator(r.get("accelerator") or {}, settings),
+        precision=r.get("precision", "bf16"), max_steps=r.get("maxSteps", 50),
+        fail_on=_fail_on(r.get("failOn")), template=template,
+        scheduler_name=r.get("schedulerName"), volcano_queue=r.get("queue"),
+    )
+    return ProxyModelSpec(
+        source=source, destination=destination, pruning=pruning,
+        transformer=_workload(spec.get("transformer") or {}, settings.transformer_image, 1),
+        reproduction=reproduction, suspend=bool(spec.get("suspend", False)),
+        ttl_seconds_after_finished=spec.get("ttlSecondsAfterFinished"),
+        queue_name=spec.get("queueName"),
+        delete_proxy_on_delete=bool((spec.get("cleanup") or {}).get("deleteProxy", False)),
+    )

@@ -1,0 +1,143 @@
+"""The operator for real, against an emulated Kubernetes API and a real S3 server.
+
+- `cluster`: kmock's KubernetesEmulator on 127.0.0.1 (CRUD, watch streams, finalizers), with the
+  resources the operator uses declared, and a kubeconfig pointing at it (the operator logs in
+  through kopf's own kubeconfig login, as it would outside a cluster).
+- `s3`: SeaweedFS on 127.0.0.1 with source checkpoints' config.json.
+- `operator`: kopf running the operator's handlers in the test's event loop.
+The emulator assigns no uid and no generation: `Api.create` sets them as an API server would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import aiohttp
+import kmock
+import kopf
+import pytest
+import pytest_asyncio
+
+from moe_proxy.seaweed import SeaweedFS
+from proxymodel_operator import handlers  # noqa: F401 - registers the handlers
+
+from .harness import ACCESS_KEY, BUCKET, DENSE, QWEN3, SECRET_KEY, Api
+
+
+_versions = itertools.count(1)
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus what an API server adds on every write: a uid and creation time,
+    a resourceVersion, and a generation bumped on spec changes (kopf and the operator rely on
+    them)."""
+
+    async def _handle(self, request):
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            meta = data.setdefault("metadata", {}) if request.action in (kmock.action.CREATE, kmock.action.UPDATE) \
+                else None
+            if meta is not None:
+                meta["resourceVersion"] = str(next(_versions))
+            if request.action == kmock.action.CREATE:
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("generation", 1)
+                meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            elif request.action == kmock.action.UPDATE and request.subresource is None and "spec" in data:
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects and not self.objects[key].deleted:
+                    old = dict(self.objects[key].raw)
+                    if old.get("spec") != {**(old.get("spec") or {}), **data["spec"]}:
+                        meta["generation"] = (old.get("metadata") or {}).get("generation", 1) + 1
+        return await super()._handle(request)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory) -> SeaweedFS:
+    with SeaweedFS(tmp_path_factory.mktemp("seaweed"), ACCESS_KEY, SECRET_KEY, buckets=[BUCKET]) as server:
+        client = server.client()
+        client.put_object(Bucket=BUCKET, Key="qwen3-moe/global_step_100/config.json", Body=json.dumps(QWEN3).encode())
+        client.put_object(Bucket=BUCKET, Key="llama/config.json", Body=json.dumps(DENSE).encode())
+        client.put_object(Bucket=BUCKET, Key="broken/config.json", Body=b"{not json")
+        yield server
+
+
+@pytest.fixture()
+def operator_env(monkeypatch, s3) -> dict[str, str]:
+    env = {"MOEPROXY_S3_ENDPOINT": s3.endpoint_url, "MOEPROXY_TRANSFORMER_IMAGE": "registry.local/moe-proxy:test",
+           "MOEPROXY_REPRO_IMAGE": "registry.local/moe-proxy-repro:test", "MOEPROXY_LOG_FORMAT": "plain"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # The operator pod has no AWS identity of its own: only the Secret's credentials work.
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    return env
+
+
+@pytest_asyncio.fixture()
+async def cluster(tmp_path, monkeypatch) -> AsyncIterator[Api]:
+    async with Emulator() as emulator, kmock.Server(emulator):
+        emulator.resources.load_bundled()
+        info = dict(namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"})
+        emulator.resources["moeproxy.io/v1alpha1/proxymodels"] = kmock.ResourceInfo(
+            kind="ProxyModel", subresources={"status"}, shortnames={"pxm"}, **info)
+        emulator.resources["batch.volcano.sh/v1alpha1/jobs"] = kmock.ResourceInfo(kind="Job", **info)
+        emulator.resources["mindxdl.gitee.com/v1/ascendjobs"] = kmock.ResourceInfo(kind="AscendJob", **info)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": str(emulator.url)}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
+                                                               "namespace": "default"}}],
+            "users": [{"name": "tester", "user": {"token": "emulator-token"}}],
+        }))
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        async with aiohttp.ClientSession(base_url=str(emulator.url).rstrip("/") + "/") as session:
+            yield Api(emulator, session)
+
+
+class Operator:
+    """The operator's handlers run by kopf in a thread with its own event loop, as `kopf run`
+    would. (In the test's loop kopf would cancel the test's own tasks when it stops.)"""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.stop_flag = threading.Event()
+        self.error: BaseException | None = None
+
+    def _run(self, ready: threading.Event) -> None:
+        try:
+            asyncio.run(kopf.operator(clusterwide=True, standalone=True, stop_flag=self.stop_flag, ready_flag=ready))
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.error = exc
+
+    async def start(self) -> None:
+        ready = threading.Event()
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), name="operator", daemon=True)
+        self.thread.start()
+        assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
+        await asyncio.sleep(0.3)  # let the watch streams open
+
+    async def stop(self) -> None:
+        if self.thread is not None:
+            self.stop_flag.set()
+            await asyncio.to_thread(self.thread.join, 20)
+            assert not self.thread.is_alive(), "the operator did not stop"
+            self.thread = None
+        assert self.error is None, f"the operator failed: {self.error!r}"
+
+
+@pytest_asyncio.fixture()
+async def operator(cluster: Api, operator_env) -> AsyncIterator[Operator]:
+    running = Operator()
+    await running.start()
+    yield running
+    await running.stop()

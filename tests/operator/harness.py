@@ -1,0 +1,160 @@
+"""What the operator tests share: a kubectl for the emulator, waiting, example objects."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Callable
+
+import aiohttp
+import kmock
+
+from proxymodel_operator.resources import JOBS, PODS, PROXYMODELS, SECRETS, Resource
+
+ACCESS_KEY, SECRET_KEY = "AKIAMOEPROXYTEST", "s3cr3t-never-in-status-0123456789"
+BUCKET = "ckpt"
+SOURCE = f"s3://{BUCKET}/qwen3-moe/global_step_100"
+QWEN3 = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
+}  # Qwen3-30B-A3B
+DENSE = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2}
+
+
+class Api:
+    """A test's kubectl: requests to the emulator over HTTP (so watch streams see them)."""
+
+    def __init__(self, emulator: kmock.KubernetesEmulator, session: aiohttp.ClientSession):
+        self.emulator, self.session = emulator, session
+
+    async def _call(self, method: str, path: str, body: dict | None = None, merge: bool = False) -> dict:
+        headers = {"Content-Type": "application/merge-patch+json"} if merge else {}
+        async with self.session.request(method, path.lstrip("/"), json=body, headers=headers) as response:
+            data = await response.json(content_type=None)
+            assert response.status < 400, (method, path, response.status, data)
+            return data
+
+    async def create(self, resource: Resource, namespace: str, obj: dict) -> dict:
+        obj.setdefault("metadata", {}).setdefault("namespace", namespace)
+        obj.setdefault("apiVersion", resource.api_version)
+        obj.setdefault("kind", resource.kind)
+        return await self._call("POST", resource.path(namespace), obj)
+
+    async def patch(self, resource: Resource, namespace: str, name: str, body: dict) -> dict:
+        return await self._call("PATCH", resource.path(namespace, name), body, merge=True)
+
+    async def patch_spec(self, resource: Resource, namespace: str, name: str, spec: dict) -> dict:
+        return await self.patch(resource, namespace, name, {"spec": spec})
+
+    async def delete(self, resource: Resource, namespace: str, name: str) -> dict:
+        return await self._call("DELETE", resource.path(namespace, name))
+
+    def key(self, resource: Resource) -> str:
+        return f"{resource.group}/{resource.version}/{resource.plural}".lstrip("/")
+
+    def get(self, resource: Resource, namespace: str, name: str) -> dict | None:
+        """The emulator's current state of an object (None if absent or deleted)."""
+        key = (kmock.resource(self.key(resource)), namespace, name)
+        if key not in self.emulator.objects or self.emulator.objects[key].deleted:
+            return None
+        return json.loads(json.dumps(dict(self.emulator.objects[key].raw)))
+
+    def names(self, resource: Resource, namespace: str) -> list[str]:
+        out = []
+        for (res, ns, name), obj in list(self.emulator.objects.items()):
+            if res == kmock.resource(self.key(resource)) and ns == namespace and not obj.deleted:
+                out.append(name)
+        return sorted(out)
+
+    def status(self, namespace: str, name: str) -> dict:
+        return (self.get(PROXYMODELS, namespace, name) or {}).get("status") or {}
+
+    def condition(self, namespace: str, name: str, kind: str) -> dict:
+        for c in self.status(namespace, name).get("conditions") or []:
+            if c["type"] == kind:
+                return c
+        return {}
+
+    async def secret(self, namespace: str, name: str, **data: str) -> None:
+        encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+        await self.create(SECRETS, namespace, {"metadata": {"name": name}, "type": "Opaque", "data": encoded})
+
+    # --- what the Job controller and the kubelet would do -------------------------------------
+
+    async def finish_pod(self, namespace: str, job: dict, container: str, exit_code: int, message: str = "",
+                         reason: str | None = None, index: int = 0) -> None:
+        """A pod of `job` whose container terminated (with a termination message)."""
+        labels = job["spec"]["template"]["metadata"]["labels"] if "template" in job["spec"] else \
+            _first_template(job)["metadata"]["labels"]
+        pod = {
+            "metadata": {"name": f"{job['metadata']['name']}-{index}", "labels": {**labels, "job-name": job["metadata"]["name"]}},
+            "spec": {"containers": [{"name": container, "image": "x"}]},
+            "status": {"phase": "Succeeded" if exit_code == 0 else "Failed", "containerStatuses": [{
+                "name": container, "state": {"terminated": {
+                    "exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0 else "Error"),
+                    "message": message}}}]},
+        }
+        await self.create(PODS, namespace, pod)
+
+    async def waiting_pod(self, namespace: str, job: dict, container: str, reason: str) -> None:
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        pod = {"metadata": {"name": f"{job['metadata']['name']}-w", "labels": labels},
+               "spec": {"containers": [{"name": container, "image": "x"}]},
+               "status": {"phase": "Pending", "containerStatuses": [{
+                   "name": container, "state": {"waiting": {"reason": reason, "message": "Back-off pulling image"}}}]}}
+        await self.create(PODS, namespace, pod)
+
+    async def job_condition(self, namespace: str, name: str, kind: str, reason: str = "") -> None:
+        cond = {"type": kind, "status": "True", "reason": reason, "message": ""}
+        await self.patch(JOBS, namespace, name, {"status": {"conditions": [cond]}})
+
+
+def _first_template(workload: dict) -> dict:
+    spec = workload["spec"]
+    if "tasks" in spec:
+        return spec["tasks"][0]["template"]
+    return spec["replicaSpecs"]["Master"]["template"]
+
+
+async def eventually(check: Callable[[], object], timeout: float = 20.0, what: str = "") -> object:
+    """Poll until `check()` is truthy (returns it) or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or check}")
+        await asyncio.sleep(0.05)
+
+
+def proxymodel(name: str, **spec_overrides) -> dict:
+    """A ProxyModel of the session's Qwen3-30B-A3B checkpoint, to 16 experts per layer."""
+    spec = {
+        "source": {"uri": SOURCE, "credentialsSecret": "s3-creds", "region": "us-east-1"},
+        "pruning": {"experts": 16, "method": "cluster", "features": "router", "seed": 7, "pin": ["3:17"]},
+        "reproduction": {"runtime": "Job", "maxSteps": 30, "failOn": {"signature": "overflow"},
+                         "accelerator": {"devices": "auto"}},
+    }
+    for key, value in spec_overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+TRANSFORMER_REPORT = {
+    "proxy_uri": "s3://ckpt/qwen3-moe/global_step_100-proxies/team-a/q3/",
+    "manifest_sha256": "ab" * 32, "architecture": "Qwen3-MoE",
+    "experts_per_layer": {"before": 128, "after": 16, "top_k": 8},
+    "params": {"total_before": 30532122624, "total_after": 4559142912, "active_before": 3347822592,
+               "active_after": 3347822592},
+    "bytes": {"before": 61064245248, "after": 9118285824},
+}
+
+

@@ -1,0 +1,142 @@
+"""The operator end to end: kopf for real against the emulated API, SeaweedFS for the source.
+
+Each test plays the user (kubectl apply), the Job controller and the kubelet (Job conditions,
+pods with termination messages), and checks what the operator made of it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxymodel_operator.resources import ASCEND_JOBS, JOBS, PROXYMODELS, VOLCANO_JOBS
+
+from .harness import ACCESS_KEY, SECRET_KEY, SOURCE, TRANSFORMER_REPORT, eventually, proxymodel
+
+NS = "team-a"
+
+
+async def _apply(cluster, name: str = "q3", **overrides) -> None:
+    await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    await cluster.create(PROXYMODELS, NS, proxymodel(name, **overrides))
+
+
+async def _transformer_done(cluster, name: str = "q3", generation: int = 1) -> dict:
+    job_name = f"{name}-transform-g{generation}"
+    job = await eventually(lambda: cluster.get(JOBS, NS, job_name), what=f"Job {job_name}")
+    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
+    await cluster.job_condition(NS, job_name, "Complete")
+    return job
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container["env"]}
+
+
+async def test_apply_to_reproduced(cluster, operator):
+    await _apply(cluster)
+
+    # The transformer Job: image, args, credentials by reference only, owned by the ProxyModel.
+    job = await eventually(lambda: cluster.get(JOBS, NS, "q3-transform-g1"), what="transformer Job")
+    pxm = cluster.get(PROXYMODELS, NS, "q3")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "registry.local/moe-proxy:test"
+    assert container["command"] == ["moe-proxy"]
+    assert container["args"][:3] == ["build", SOURCE, f"{SOURCE}-proxies/{NS}/q3/"]
+    args = container["args"]
+    assert args[args.index("--experts") + 1] == "16" and args[args.index("--pin") + 1] == "3:17"
+    assert args[args.index("--termination-log") + 1] == "/dev/termination-log"
+    assert args[args.index("--endpoint-url") + 1].startswith("http://127.0.0.1:")
+    env = _env(container)
+    assert env["AWS_ACCESS_KEY_ID"] == {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {
+        "secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}}}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "AWS_SECRET_ACCESS_KEY"
+    assert env["AWS_REGION"]["value"] == "us-east-1"
+    owner = job["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == \
+        ("ProxyModel", "q3", pxm["metadata"]["uid"], True)
+    assert job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]
+
+    # Before any Job: the plan from config.json (Qwen3-30B-A3B, 128 -> 16 experts).
+    await eventually(lambda: cluster.status(NS, "q3").get("phase") == "Transforming", what="Transforming")
+    status = cluster.status(NS, "q3")
+    assert status["experts"] == "128->16"
+    assert status["plan"]["original"]["paramsTotal"] == 30_532_122_624
+    assert status["plan"]["proxy"]["devices"] < status["plan"]["original"]["devices"]
+    assert cluster.condition(NS, "q3", "Accepted")["status"] == "True"
+
+    # The transformer succeeds: ProxyReady with its summary, then the reproduction Job.
+    await _transformer_done(cluster)
+    repro = await eventually(lambda: cluster.get(JOBS, NS, "q3-repro-g1"), what="reproduction Job")
+    status = cluster.status(NS, "q3")
+    assert status["proxy"]["uri"] == TRANSFORMER_REPORT["proxy_uri"]
+    assert status["proxy"]["manifestSha256"] == "ab" * 32
+    assert status["proxy"]["params"]["totalAfter"] == 4559142912
+    assert cluster.condition(NS, "q3", "ProxyReady")["reason"] == "ProxyBuilt"
+    assert status["phase"] == "Reproducing"
+    planned = status["plan"]["proxy"]["devices"]
+    assert status["accelerators"] == f"{status['plan']['original']['devices']}->{planned}"
+    rc = repro["spec"]["template"]["spec"]["containers"][0]
+    assert rc["resources"]["limits"]["huawei.com/Ascend910"] == min(planned, 8)
+    assert rc["args"][:2] == ["repro", TRANSFORMER_REPORT["proxy_uri"]]
+    assert rc["args"][rc["args"].index("--fail-on") + 1] == "overflow"
+    assert _env(rc)["MOEPROXY_PROXY_URI"]["value"] == TRANSFORMER_REPORT["proxy_uri"]
+
+    # The reproduction sees the overflow at step 17.
+    report = {"reproduced": True, "signature": "overflow", "step": 17,
+              "metrics": {"actor/grad_norm": float("inf"), "actor/pg_loss": 0.31}}
+    await cluster.finish_pod(NS, repro, "reproduction", 0, json.dumps(report))
+    await cluster.job_condition(NS, "q3-repro-g1", "Complete")
+    await eventually(lambda: cluster.status(NS, "q3").get("phase") == "Reproduced", what="Reproduced")
+    status = cluster.status(NS, "q3")
+    assert status["reproduction"] == {"reproduced": True, "signature": "overflow", "step": 17,
+                                      "metrics": {"actor/grad_norm": "inf", "actor/pg_loss": "0.31"}}
+    reproduced = cluster.condition(NS, "q3", "FailureReproduced")
+    assert (reproduced["status"], reproduced["reason"]) == ("True", "GradientOverflow")
+    assert "step 17" in reproduced["message"]
+
+
+async def test_not_reproduced(cluster, operator):
+    await _apply(cluster)
+    await _transformer_done(cluster)
+    repro = await eventually(lambda: cluster.get(JOBS, NS, "q3-repro-g1"))
+    await cluster.finish_pod(NS, repro, "reproduction", 0, json.dumps(
+        {"reproduced": False, "signature": None, "step": None, "metrics": {}}))
+    await cluster.job_condition(NS, "q3-repro-g1", "Complete")
+    await eventually(lambda: cluster.status(NS, "q3").get("phase") == "NotReproduced")
+    assert cluster.condition(NS, "q3", "FailureReproduced")["reason"] == "NotObserved"
+
+
+@pytest.mark.parametrize("runtime, resource, devices", [
+    ("VolcanoJob", VOLCANO_JOBS, 16),
+    ("AscendJob", ASCEND_JOBS, 16),
+    ("Job", JOBS, 16),
+])
+async def test_runtimes_get_the_device_count(cluster, operator, runtime, resource, devices):
+    await _apply(cluster, reproduction={"runtime": runtime, "accelerator": {"devices": devices},
+                                        "queue": "rl", "env": [{"name": "INF_NAN_MODE_ENABLE", "value": "0"}]})
+    await _transformer_done(cluster)
+    child = await eventually(lambda: cluster.get(resource, NS, "q3-repro-g1"), what=f"{runtime}")
+    assert child["metadata"]["ownerReferences"][0]["name"] == "q3"
+    if runtime == "Job":  # two nodes: an Indexed Job, one pod per node
+        assert (child["spec"]["completionMode"], child["spec"]["parallelism"]) == ("Indexed", 2)
+        templates = [child["spec"]["template"]]
+    elif runtime == "VolcanoJob":
+        assert child["spec"]["minAvailable"] == 2 and child["spec"]["queue"] == "rl"
+        templates = [t["template"] for t in child["spec"]["tasks"]]
+        assert child["spec"]["tasks"][0]["replicas"] == 2
+    else:
+        replicas = child["spec"]["replicaSpecs"]
+        assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 1
+        assert child["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 2, "queue": "rl"}
+        assert child["metadata"]["labels"]["ring-controller.atlas"] == "ascend-910b"
+        templates = [r["template"] for r in replicas.values()]
+    for template in templates:
+        container = template["spec"]["containers"][0]
+        assert container["resources"]["limits"]["huawei.com/Ascend910"] == 8
+        assert container["resources"]["requests"]["huawei.com/Ascend910"] == 8
+        assert _env(container)["INF_NAN_MODE_ENABLE"]["value"] == "0"
+        if runtime == "AscendJob":
+            assert container["name"] == "ascend"
+    assert cluster.status(NS, "q3")["accelerators"].endswith("->16")
