@@ -156,3 +156,25 @@ def test_feature_rules_follow_their_values(tmp_path):
         on = grants(one(render_objects(chart, {"checkpointWatch": {"enabled": True}}), "ClusterRole")["rules"])
     cw = {("moeproxy.io", "checkpointwatches", v) for v in ("get", "list", "watch", "patch")}
     assert off == permissions() and on == permissions() | cw
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
+def test_kopf_can_serve_every_registered_handler(chart, values):
+    """kopf's own calls bypass the operator's API client: each resource a handler is
+    registered for must be listable and watchable, and the ones kopf keeps state on
+    (progress annotations, finalizer) patchable."""
+    kopf = pytest.importorskip("kopf")
+    import proxymodel_operator.handlers  # noqa: F401 - registers the handlers
+
+    registry = kopf.get_default_registry()
+    objects = render_objects(chart, values)
+    granted = set().union(*(grants(r["rules"]) for r in objects if r["kind"] in ("Role", "ClusterRole")))
+    stateful = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
+    stateless = [*registry._watching.get_all_handlers(), *registry._indexing.get_all_handlers()]
+    assert stateful and stateless
+    for handler in stateful + stateless:
+        selector = handler.selector
+        plural = selector.plural or selector.any_name
+        for verb in ("list", "watch") + (("patch",) if handler in stateful else ()):
+            assert (selector.group or "", plural, verb) in granted, (selector, verb)
+    assert ("", "events", "create") in granted  # kopf posts handler failures as Events
