@@ -1,23 +1,26 @@
 """A TCP proxy between the S3 client and SeaweedFS that counts bytes and injects faults.
 
-Each accepted connection draws one fate from a seeded RNG: pass through, "drop" (forward up to a
-random number of response bytes, then reset the connection: mid-body, between responses or
-before any), "delay" (hold the response back, sometimes past the client's read timeout) or
-"500" (answer the first request with 500 InternalError and close). A faulted connection is
-always followed by a healthy one, so every request can get through within two tries while
-faults keep coming. `stall_after_up` freezes all client->server traffic once that many bytes
-went up, to freeze a build mid-upload before killing it.
+Each request (a client chunk that starts with an HTTP request line) draws one fate from a
+seeded RNG: pass through, "drop" (forward the request, then reset the connection after a
+random number of response bytes: mid-body, between responses, or before any), "delay" (hold
+the response back, sometimes past the client's read timeout) or "500" (answer 500
+InternalError without forwarding, and close). A faulted request is always followed by a
+healthy one, so every request gets through within two tries while faults keep coming.
+`stall_after_up` freezes all client->server traffic once that many bytes went up, to freeze a
+build mid-upload before killing it.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import socket
 import struct
 import threading
 import time
 from collections import Counter
 
+REQUEST_LINE = re.compile(rb"^(GET|PUT|POST|HEAD|DELETE) /")
 _BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>injected</Message></Error>'
 ERROR_500 = (
     b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\nConnection: close\r\n"
@@ -56,11 +59,6 @@ class FaultProxy:
         self.closed = True
         self.listener.close()
 
-    def reset_counts(self) -> None:
-        with self.lock:
-            self.bytes_down = self.bytes_up = 0
-            self.fates.clear()
-
     def _fate(self) -> str:
         with self.lock:
             fate = "ok"
@@ -84,39 +82,31 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
-        fate = self._fate()
         try:
-            if fate == "500":
-                self._answer_500(client)
-                return
             server = socket.create_connection(self.upstream)
         except OSError:
             client.close()
             return
-        budget = self.rng.randint(0, self.drop_max) if fate == "drop" else None
-        hold = self.rng.uniform(*self.delay) if fate == "delay" else 0.0
-        up = threading.Thread(target=self._pump_up, args=(client, server), daemon=True)
+        # What the current request's fate asks of the response direction.
+        state = {"budget": None, "hold": 0.0}
+        up = threading.Thread(target=self._pump_up, args=(client, server, state), daemon=True)
         up.start()
-        self._pump_down(server, client, budget, hold)
+        self._pump_down(server, client, state)
         up.join(timeout=5)
 
-    def _answer_500(self, client: socket.socket) -> None:
-        data = b""
-        client.settimeout(10)
-        while b"\r\n\r\n" not in data:
-            chunk = client.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        client.sendall(ERROR_500)
-        client.close()
-
-    def _pump_up(self, client: socket.socket, server: socket.socket) -> None:
+    def _pump_up(self, client: socket.socket, server: socket.socket, state: dict) -> None:
         try:
             while True:
                 data = client.recv(65536)
                 if not data:
                     break
+                if REQUEST_LINE.match(data):
+                    fate = self._fate()
+                    if fate == "500":
+                        client.sendall(ERROR_500)
+                        break
+                    state["budget"] = self.rng.randint(0, self.drop_max) if fate == "drop" else None
+                    state["hold"] = self.rng.uniform(*self.delay) if fate == "delay" else 0.0
                 while self.stall_after_up is not None and self.bytes_up + len(data) > self.stall_after_up:
                     time.sleep(0.05)  # frozen until the test kills the client
                 with self.lock:
@@ -126,24 +116,24 @@ class FaultProxy:
             pass
         finally:
             _close(server)
+            _close(client)
 
-    def _pump_down(self, server: socket.socket, client: socket.socket, budget: int | None, hold: float) -> None:
+    def _pump_down(self, server: socket.socket, client: socket.socket, state: dict) -> None:
         try:
-            first = True
             while True:
                 data = server.recv(65536)
                 if not data:
                     break
-                if first and hold:
-                    time.sleep(hold)
-                first = False
+                if state["hold"]:
+                    time.sleep(state["hold"])
+                    state["hold"] = 0.0
+                budget = state["budget"]
+                if budget is not None and len(data) >= budget:
+                    self._send_down(client, data[:budget])
+                    _reset(client)
+                    return
                 if budget is not None:
-                    if len(data) >= budget:
-                        data = data[:budget]
-                        self._send_down(client, data)
-                        _reset(client)
-                        return
-                    budget -= len(data)
+                    state["budget"] = budget - len(data)
                 self._send_down(client, data)
         except OSError:
             pass

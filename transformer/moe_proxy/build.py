@@ -159,18 +159,28 @@ def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) 
               unit="B", unit_scale=True, disable=not progress) as bar, ThreadPoolExecutor(READ_THREADS) as pool:
         for f in mine:
             done = journal.get(f)
-            if done and p.dst.exists(f) and p.dst.size(f) == done["size"] and sha256_of(p.dst, f) == done["sha256"]:
-                log.info("%s: already complete from an interrupted run (sha256 matches), kept", f)
+            if done and _matches(p.dst, f, done):
+                log.info("%s: already complete from an interrupted run (checksum matches), kept", f)
                 written[f] = Written(f, done["size"], done["sha256"])
                 bar.update(done["size"])
                 continue
             tensors = p.shards[f]
             written[f] = write_file(p.dst, f, shard_pieces(tensors, pool), bar.update, shard_size(tensors))
-            journal[f] = {"size": written[f].size, "sha256": written[f].sha256}
+            journal[f] = {"size": written[f].size, "sha256": written[f].sha256, "checksum": p.dst.checksum(f)}
             write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": journal}).encode())
     if not mine:  # an idle worker still leaves its journal, so finalize knows it ran
         write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": {}}).encode())
     return written
+
+
+def _matches(dst: Store, name: str, rec: dict) -> bool:
+    """Is dst's `name` the file a journal recorded? An object store's own checksum, recorded
+    when the file was written, is compared without downloading it; local files are re-hashed."""
+    if not dst.exists(name) or dst.size(name) != rec["size"]:
+        return False
+    if rec.get("checksum"):
+        return dst.checksum(name) == rec["checksum"]
+    return sha256_of(dst, name) == rec["sha256"]
 
 
 def _read_journal(dst: Store, name: str, build_id: str) -> dict:
@@ -196,7 +206,7 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False) -> dict:
             rec = journal.get(f)
             if rec is None or not p.dst.exists(f):
                 raise CorruptCheckpoint(f"worker {worker}'s shard {f} is missing from {p.dst.uri}; rerun worker {worker}")
-            if p.dst.size(f) != rec["size"] or sha256_of(p.dst, f) != rec["sha256"]:
+            if not _matches(p.dst, f, rec):
                 raise CorruptCheckpoint(f"worker {worker}'s shard {f} is corrupt (size or sha256 differs from "
                                         f"its journal); rerun worker {worker}")
             written[f] = Written(f, rec["size"], rec["sha256"])

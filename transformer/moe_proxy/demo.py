@@ -2,7 +2,8 @@
 
 Generates a small DeepSeek-V3-style checkpoint (grouped routing, shared experts, an MTP
 layer, several shards) with transformers, builds a 32 -> 8 expert proxy, verifies it (hashes,
-config vs tensors, a transformers forward pass) and prints the summary.
+config vs tensors, a transformers forward pass) and prints the summary; then does the same
+from and to S3 on an embedded SeaweedFS (demo_s3.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from . import demo_s3
 from .build import build_proxy
 from .checkpoint import open_checkpoint
 from .commands.build import summary
@@ -43,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== 3. moe-proxy verify")
     report = verify(str(dst))
     print(verify_text(report))
-    return 0 if report.ok else 1
+
+    print("\n== 4. the same build from and to S3 (an embedded SeaweedFS on 127.0.0.1)")
+    s3_ok = demo_s3.run(src, out / "seaweedfs", experts=8)
+    return 0 if report.ok and s3_ok else 1
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ class S3Store:
     first try included), connect_timeout / read_timeout in seconds.
     """
 
+    downloaded_total = 0  # response-body bytes of all stores in this process (demo summary)
+    _total_lock = threading.Lock()
+
     def __init__(
         self,
         uri: str,
@@ -113,8 +116,7 @@ class S3Store:
         )
         self.session = boto3.session.Session(region_name=region)
         self.client = self.session.client("s3", endpoint_url=endpoint_url, config=config)
-        self.bytes_downloaded = 0  # response-body bytes of GETs, for build summaries
-        self._count_lock = threading.Lock()
+        self.bytes_downloaded = 0  # response-body bytes of this store's GETs
         self._bucket_checked = False
 
     # ------------------------------------------------------------ names and errors
@@ -239,8 +241,9 @@ class S3Store:
             try:
                 for chunk in resp["Body"].iter_chunks(READ_CHUNK):
                     buf += chunk
-                    with self._count_lock:
+                    with S3Store._total_lock:
                         self.bytes_downloaded += len(chunk)
+                        S3Store.downloaded_total += len(chunk)
             except S3_RETRYABLE_DOWNLOAD_ERRORS as exc:
                 drops += 1
                 if drops >= self.max_attempts:
@@ -249,7 +252,7 @@ class S3Store:
                         f"reading bytes {first}..{last} ({type(exc).__name__})"
                     ) from exc
                 log.debug("%s: connection dropped mid-read (%s), resuming at byte %d", name, exc, start + len(buf))
-                time.sleep(min(0.1 * 2**drops, 5))
+                time.sleep(min(0.05 * 2**drops, 2))  # the backoff botocore uses for transient errors
                 continue
             if expected < last - first + 1:
                 raise CorruptCheckpoint(
