@@ -77,7 +77,8 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, li
             if t.name in slices:
                 axis, kept = slices[t.name]
                 shape = t.shape[:axis] + (len(kept),) + t.shape[axis + 1 :]
-                out.append(OutTensor(t.name, t.dtype, shape,
+                healed = plan.router_overrides.get(t.name)  # --heal: re-fitted router rows
+                out.append(OutTensor(t.name, t.dtype, shape, [lambda healed=healed: healed] if healed else
                                      part_readers(ckpt.store, f, slice_ranges(t, axis, kept), PART)))
             elif t.name in renames:
                 if renames[t.name] is not None:
@@ -133,12 +134,20 @@ def prepare(src: str | Store, dst: str | Store, options: Options, overwrite: boo
     layout = find_layout(ckpt, detect(ckpt.config))
     dst_store = open_store(dst, **(store_options or {})) if isinstance(dst, str) else dst
     identity = source_identity(ckpt, layout)
-    build_id = hashlib.sha256(json.dumps([identity, asdict(options), __version__], sort_keys=True).encode()).hexdigest()
+    calibration = None
+    if options.calibration:  # usage statistics: must be of this very checkpoint
+        from .calibration import load as load_calibration
+
+        calibration = load_calibration(options.calibration, **(store_options or {}))
+        calibration.check_source(identity, ckpt.uri)
+    build_id = hashlib.sha256(json.dumps([identity, asdict(options), __version__]
+                                         + ([calibration.summary["tokens"]["sha256"]] if calibration else []),
+                                         sort_keys=True).encode()).hexdigest()
     existing = _check_destination(dst_store, ckpt.store, build_id, overwrite)
     if existing is not None:
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
         return existing | {"up_to_date": True}
-    plan = make_plan(ckpt, layout, options, progress)
+    plan = make_plan(ckpt, layout, options, progress, calibration=calibration)
     for note in plan.notes:
         log.warning(note)
     # Unpublish: from here until finalize writes the manifest, dst is visibly incomplete.
@@ -250,11 +259,16 @@ def build_proxy(
     worker: int | None = None,
     workers: int = 1,
     finalize_only: bool = False,
+    calibration: str | None = None,
+    keep_super: bool = True,
+    representative: str | None = None,
+    heal: bool = False,
 ) -> dict:
     """Build the proxy of checkpoint `src` into `dst` and return its manifest (a dict).
     Rerunning an identical build is a no-op that returns the existing manifest.
     With `worker`, write only that worker's shards and return {"worker", "workers", "files"}."""
-    options = Options(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}))
+    options = Options(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}),
+                      calibration, keep_super, representative, heal)
     p = prepare(src, dst, options, overwrite, progress, store_options)
     if isinstance(p, dict):
         return p
@@ -284,9 +298,10 @@ def make_manifest(p: Prepared, written: dict[str, Written]) -> dict:
                     "top_k_before": plan.top_k_before, "top_k_after": plan.top_k_after,
                     "n_group": plan.n_group, "topk_group": plan.topk_group},
         "notes": plan.notes,
+        **({"calibration": plan.calibration} if plan.calibration else {}),
         "layers": {
             b.prefix: {"layer": b.layer, "kept": plan.selections[b.prefix].kept,
-                       "cluster_sizes": plan.selections[b.prefix].cluster_sizes}
+                       "cluster_sizes": plan.selections[b.prefix].cluster_sizes} | plan.selections[b.prefix].record
             for b in p.layout.blocks
         },
         "params": count_params(ckpt, p.layout, plan),

@@ -13,6 +13,7 @@ from .errors import MoeProxyError
 
 # Subcommand modules, in the order `moe-proxy --help` lists them.
 COMMANDS = [
+    "moe_proxy.commands.calibrate",
     "moe_proxy.commands.build",
     "moe_proxy.commands.inspect",
     "moe_proxy.commands.verify",

@@ -12,7 +12,7 @@ import json
 import math
 import struct
 from collections import deque
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -73,19 +73,21 @@ class Written:
 
 def write_file(store: Store, name: str, pieces: Iterable[bytes], on_bytes: Callable[[int], None] = lambda n: None,
                expected_size: int | None = None) -> Written:
-    """Write `pieces` to `store/name` atomically, hashing as we go."""
+    """Write `pieces` to `store/name` atomically, hashing as we go. The hash runs on its own
+    thread (hashlib releases the GIL), overlapping with the write; one thread keeps order."""
     h, size = hashlib.sha256(), 0
     w = store.writer(name)
-    try:
-        for piece in pieces:
-            h.update(piece)
-            w.write(piece)
-            size += len(piece)
-            on_bytes(len(piece))
-        if expected_size is not None and size != expected_size:  # a bug, never a user error
-            raise AssertionError(f"{name}: produced {size} bytes, expected {expected_size}")
-    except BaseException:
-        w.abort()
-        raise
-    w.commit()
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+        try:
+            for piece in pieces:
+                hasher.submit(h.update, piece)
+                w.write(piece)
+                size += len(piece)
+                on_bytes(len(piece))
+            if expected_size is not None and size != expected_size:  # a bug, never a user error
+                raise AssertionError(f"{name}: produced {size} bytes, expected {expected_size}")
+        except BaseException:
+            w.abort()
+            raise
+    w.commit()  # the pool has drained (with-exit), so the digest is complete
     return Written(name, size, h.hexdigest())
