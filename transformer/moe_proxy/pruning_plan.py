@@ -14,7 +14,8 @@ from .checkpoint import Checkpoint
 from .errors import InvalidExpertCount
 from .features import expert_features
 from .layout import Layout
-from .selection import Selection, select
+from .selection import SCORED_METHODS, Selection, select
+from .usage import CALIBRATED_FEATURES, usage_select
 
 
 @dataclass
@@ -27,6 +28,11 @@ class Options:
     seed: int = 0
     top_k: int | None = None
     pins: dict[int, list[int]] = field(default_factory=dict)  # layer -> expert ids to keep
+    # Usage-aware selection (usage.py), from `moe-proxy calibrate` statistics at this location.
+    calibration: str | None = None
+    keep_super: bool = True
+    representative: str | None = None  # medoid | saliency (default saliency with calibration)
+    heal: bool = False  # re-fit the kept router rows (heal.py)
 
 
 @dataclass
@@ -40,6 +46,8 @@ class Plan:
     topk_group: int
     selections: dict[str, Selection]  # block prefix -> selection
     notes: list[str]
+    calibration: dict | None = None  # the statistics' identity, for the manifest
+    router_overrides: dict[str, bytes] = field(default_factory=dict)  # healed router tensors, source dtype
 
 
 def target_experts(n: int, options: Options, arch: Arch, n_group: int, topk_group: int) -> int:
@@ -64,8 +72,17 @@ def target_experts(n: int, options: Options, arch: Arch, n_group: int, topk_grou
     return k
 
 
-def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool = False) -> Plan:
+def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool = False,
+              calibration=None) -> Plan:
+    """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
     arch, config = layout.arch, ckpt.config
+    needs = [flag for flag, used in (
+        (f"--method {options.method}", options.method in SCORED_METHODS),
+        (f"--features {options.features}", options.features in CALIBRATED_FEATURES),
+        ("--representative saliency", options.representative == "saliency"),
+        ("--heal", options.heal)) if used]
+    if needs and calibration is None:
+        raise InvalidExpertCount(f"{', '.join(needs)} need(s) --calibration STATS (from moe-proxy calibrate)")
     n, k0 = expert_count(arch, config), top_k(arch, config)
     n_group, topk_group = groups(arch, config)
     if n % n_group:
@@ -96,13 +113,30 @@ def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool
             raise InvalidExpertCount(f"--pin {block.layer}:{bad[0]}: experts are numbered 0..{n - 1}")
         if len(set(pins)) > k:
             raise InvalidExpertCount(f"{len(set(pins))} experts pinned in layer {block.layer} but only {k} kept")
+        stats = calibration.layers.get(block.prefix) if calibration is not None else None
+        if stats is not None:
+            selections[block.prefix] = usage_select(ckpt, block, stats, calibration.super.get(block.prefix, []),
+                                                    k, n_group, options, sorted(set(pins)))
+            continue
+        if calibration is not None:
+            notes.append(f"{block.prefix}: no calibration statistics (MTP layer), selected without them")
         # Baselines ignore features but still report cluster sizes, from the cheap router rows.
         feats = expert_features(ckpt, block, options.features if options.method == "cluster" else "router")
         selections[block.prefix] = select(
-            feats, k, n_group=n_group, method=options.method, clustering=options.clustering,
-            seed=options.seed, pins=sorted(set(pins)),
+            feats, k, n_group=n_group, method="cluster" if options.method in SCORED_METHODS else options.method,
+            clustering=options.clustering, seed=options.seed, pins=sorted(set(pins)),
         )
-    return Plan(arch, n, k, k0, new_top_k, n_group, topk_group, selections, notes)
+    plan = Plan(arch, n, k, k0, new_top_k, n_group, topk_group, selections, notes)
+    if calibration is not None:
+        plan.calibration = calibration.record()
+    if k <= new_top_k:
+        notes.append(f"{k} experts kept with top-k {new_top_k}: every token uses every kept expert, so load "
+                     f"imbalance and routing collapse cannot show; keep at least {2 * k0} experts if you can")
+    if options.heal:
+        from .heal import heal_routers  # torch-heavy, only when asked
+
+        plan.router_overrides = heal_routers(ckpt, layout, plan, calibration, progress)
+    return plan
 
 
 def count_params(ckpt: Checkpoint, layout: Layout, plan: Plan | None = None) -> dict[str, int]:

@@ -5,20 +5,28 @@ k-means or agglomerative) and keep, per cluster, the member nearest its centre (
 Pinned experts are kept whatever happens: each becomes the representative of its cluster.
 `random` (seeded) and `first-n` are baselines. With grouped routing, selection runs within
 each group, keeping the same number per group so the group structure stays valid.
+
+With calibration statistics (calibration.py) the caller also passes `scores` (one number per
+expert, higher = more worth keeping: gate mass or REAP saliency) and `alive` (False for
+experts dead on the calibration data). `frequency` / `saliency` keep the top-scoring experts;
+`representative="saliency"` makes each cluster's highest-scoring member its representative;
+dead experts are never kept unless pinned.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from sklearn.cluster import AgglomerativeClustering, KMeans
 
 from .errors import MoeProxyError
 
-METHODS = ("cluster", "random", "first-n")
+METHODS = ("cluster", "random", "first-n", "frequency", "saliency")
+SCORED_METHODS = ("frequency", "saliency")  # need calibration scores
 CLUSTERINGS = ("kmeans", "agglomerative")
+REPRESENTATIVES = ("medoid", "saliency")
 
 
 @dataclass
@@ -26,6 +34,7 @@ class Selection:
     kept: list[int]  # ascending old expert ids; new id j = kept[j]
     cluster_sizes: list[int]  # experts represented by kept[j] (sums to the old count)
     assignment: list[int]  # per old expert: the new id of its representative
+    record: dict = field(default_factory=dict)  # extra per-layer manifest fields (calibrated builds)
 
 
 def select(
@@ -37,8 +46,14 @@ def select(
     clustering: str = "kmeans",
     seed: int = 0,
     pins: list[int] | tuple[int, ...] = (),
+    scores: np.ndarray | None = None,
+    alive: np.ndarray | None = None,
+    representative: str = "medoid",
 ) -> Selection:
     n = len(features)
+    alive = np.ones(n, dtype=bool) if alive is None else np.asarray(alive, dtype=bool)
+    if (method in SCORED_METHODS or representative == "saliency") and scores is None:
+        raise MoeProxyError(f"--method {method} / --representative {representative} need calibration scores")
     if method not in METHODS:
         raise MoeProxyError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     if clustering not in CLUSTERINGS:
@@ -52,23 +67,35 @@ def select(
             raise MoeProxyError(
                 f"{len(local_pins)} pinned experts in routing group {g} but only {k_per} are kept per group"
             )
-        x = features[members]
+        # Candidates: alive experts and pins (all experts without calibration).
+        cands = [i for i in range(per) if alive[members[i]] or i in local_pins]
+        if len(cands) < k_per:
+            raise MoeProxyError(
+                f"routing group {g}: only {len(cands)} experts are alive or pinned, cannot keep {k_per}"
+            )
+        x = features[members[cands]]
+        cand_pins = [cands.index(p) for p in local_pins]
+        rest = [i for i in range(len(cands)) if i not in cand_pins]
         if method == "cluster":
-            chosen = _cluster(x, k_per, clustering, seed, local_pins)
+            rep_scores = scores[members[cands]] if representative == "saliency" else None
+            chosen = _cluster(x, k_per, clustering, seed, cand_pins, rep_scores)
+        elif method in SCORED_METHODS:
+            ranked = sorted(rest, key=lambda i: -scores[members[cands[i]]])
+            chosen = cand_pins + ranked[: k_per - len(cand_pins)]
         elif method == "random":
-            rest = [i for i in range(per) if i not in local_pins]
             rng = np.random.default_rng([seed, g])
-            chosen = local_pins + sorted(rng.choice(rest, k_per - len(local_pins), replace=False).tolist())
+            chosen = cand_pins + sorted(rng.choice(rest, k_per - len(cand_pins), replace=False).tolist())
         else:
-            chosen = local_pins + [i for i in range(per) if i not in local_pins][: k_per - len(local_pins)]
-        reps += [int(members[i]) for i in chosen]
+            chosen = cand_pins + rest[: k_per - len(cand_pins)]
+        reps += [int(members[cands[i]]) for i in chosen]
     kept = sorted(reps)
     assignment = _assign(features, kept, n_group)
     sizes = [assignment.count(j) for j in range(len(kept))]
     return Selection(kept, sizes, assignment)
 
 
-def _cluster(x: np.ndarray, k: int, clustering: str, seed: int, pins: list[int]) -> list[int]:
+def _cluster(x: np.ndarray, k: int, clustering: str, seed: int, pins: list[int],
+             scores: np.ndarray | None = None) -> list[int]:
     n = len(x)
     if k >= n:
         return list(range(n))
@@ -86,7 +113,10 @@ def _cluster(x: np.ndarray, k: int, clustering: str, seed: int, pins: list[int])
     labels = np.asarray(labels).ravel()
     clusters = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     centres = [x[m].mean(axis=0) for m in clusters]
-    reps = [int(m[np.argmin(np.linalg.norm(x[m] - c, axis=1))]) for m, c in zip(clusters, centres)]
+    if scores is None:  # the medoid: the member nearest its cluster's centre
+        reps = [int(m[np.argmin(np.linalg.norm(x[m] - c, axis=1))]) for m, c in zip(clusters, centres)]
+    else:  # the member the model relies on most
+        reps = [int(m[np.argmax(scores[m])]) for m in clusters]
 
     # Pins take over the cluster they fall in; a second pin in one cluster takes the cluster
     # with the nearest centre that has no pin yet.

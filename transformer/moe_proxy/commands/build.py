@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..build import build_proxy
 from ..errors import MoeProxyError
-from ..selection import CLUSTERINGS, METHODS
+from ..selection import CLUSTERINGS, METHODS, REPRESENTATIVES
 from ..summary import human
 from ._common import add_storage_args, store_options
 
@@ -35,14 +35,25 @@ def add_parser(sub) -> None:
     size.add_argument("--experts", type=int, metavar="N", help="routed experts to keep per MoE layer")
     size.add_argument("--keep-ratio", type=float, metavar="R", help="fraction of routed experts to keep, e.g. 0.125")
     p.add_argument("--method", choices=METHODS, default="cluster",
-                   help="cluster (default: one medoid per cluster); random and first-n are baselines")
-    p.add_argument("--features", choices=("router", "weights"), default="router",
-                   help="what to cluster on: router rows (default, cheap) or a projection of expert weights")
+                   help="cluster (default: one representative per cluster); frequency / saliency (top-N by gate "
+                        "mass / REAP saliency, need --calibration); random and first-n are baselines")
+    p.add_argument("--features", choices=("router", "weights", "routing", "output"), default="router",
+                   help="what to cluster on: router rows (default, cheap), a projection of expert weights, or "
+                        "with --calibration: routing (router logits on probe tokens) / output (expert outputs)")
     p.add_argument("--clustering", choices=CLUSTERINGS, default="kmeans")
     p.add_argument("--top-k", type=int, metavar="K", help="experts per token in the proxy (default: kept, clamped)")
     p.add_argument("--pin", action="append", default=[], metavar="LAYER:EXPERT[,...]",
                    help="always keep these experts (e.g. ones implicated in a failure)")
     p.add_argument("--seed", type=int, default=0)
+    usage = p.add_argument_group("usage-aware selection (statistics from moe-proxy calibrate)")
+    usage.add_argument("--calibration", metavar="STATS",
+                       help="statistics of this checkpoint: dead experts are never kept, super experts always are")
+    usage.add_argument("--no-keep-super", dest="keep_super", action="store_false",
+                       help="do not force super experts (massive output activations) into the proxy")
+    usage.add_argument("--representative", choices=REPRESENTATIVES,
+                       help="each cluster's kept expert: saliency (default with --calibration) or medoid")
+    usage.add_argument("--heal", action="store_true",
+                       help="re-fit the kept router rows so each proxy MoE block matches the original's output")
     p.add_argument("--overwrite", action="store_true", help="replace a different proxy at DST")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -66,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
             features=args.features, clustering=args.clustering, seed=args.seed, top_k=args.top_k,
             pins=parse_pins(args.pin), overwrite=args.overwrite, progress=not args.no_progress,
             store_options=store_options(args), worker=args.worker, workers=args.workers,
-            finalize_only=args.finalize,
+            finalize_only=args.finalize, calibration=args.calibration, keep_super=args.keep_super,
+            representative=args.representative, heal=args.heal,
         )
     except MoeProxyError as exc:
         _termination(args, {"error": type(exc).__name__, "message": str(exc)[:3000]})

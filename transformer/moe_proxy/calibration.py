@@ -1,0 +1,316 @@
+"""`moe-proxy calibrate`: per-expert usage statistics of an MoE checkpoint on calibration
+tokens, computed one decoder layer at a time (layerwise.py), stored once and reused by
+every build of the same checkpoint.
+
+Per MoE layer and routed expert (float64 sums over the calibration tokens; the routing is
+the model's own, read from the arguments its MoE block passes to its experts):
+
+| tensor `layers.<L>.<name>` | shape | meaning |
+|---|---|---|
+| `tokens`        | [E]      | tokens routed to the expert (top-k slots) |
+| `gate_mass`     | [E]      | sum of the routing weights it received |
+| `saliency`      | [E]      | REAP: mean over its routed tokens of gate weight x L2 norm of its output |
+| `max_abs`       | [E]      | largest magnitude in its output, on its routed tokens and on the probe tokens |
+| `output_mean`   | [E, 64]  | its mean output over its routed tokens, through a fixed Gaussian sketch |
+| `output_probe`  | [E, 256] | its outputs on 16 probe tokens (the same for every expert), each sketched to 16 numbers |
+| `routing_probe` | [E, 64]  | its router logit on 64 probe tokens, centred per token |
+
+plus `tokens` [samples, seq_len] (the calibration token ids, so a build can replay them for
+`--heal`). `calibration.json` (written last: its presence marks the statistics complete)
+holds the schema version, the source's identity (build.source_identity: config, tensor
+table, router bytes), the tokens' sha256 and origin, and per layer the dead and super
+experts under the default criteria below.
+
+Criteria (also applied by `build --calibration`):
+- dead: gate-mass share below DEAD_SHARE x the uniform share 1/E (default 1% of uniform);
+- super: max_abs at least SUPER_RATIO (10) x the layer's median max_abs and at least
+  1/10 of the largest max_abs of any layer (REAP's rule, after "Unveiling Super Experts").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from tqdm.auto import tqdm
+
+from . import __version__
+from .architectures import detect, expert_count
+from .calibration_data import calibration_tokens
+from .checkpoint import Checkpoint, open_checkpoint, read_json
+from .errors import MoeProxyError
+from .layout import Layout, find_layout, source_identity
+from .layerwise import HiddenStates, LayerwiseModel, MoeModules, moe_modules
+from .storage import Store, open_store, write_bytes
+
+log = logging.getLogger(__name__)
+FORMAT = "moe-proxy-calibration/v1"
+SUMMARY, TENSORS = "calibration.json", "calibration.safetensors"
+DEAD_SHARE = 0.01
+SUPER_RATIO = 10.0
+SUPER_GLOBAL = 0.1
+SKETCH_DIM, PROBE_TOKENS, PROBE_DIM, ROUTING_PROBE = 64, 16, 16, 64
+
+
+class CalibrationError(MoeProxyError):
+    """Statistics that cannot be used: incomplete, another format, or of another checkpoint."""
+
+
+def _sketch(n: int, d: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n * 1000 + d)
+    return torch.randn(n, d, generator=g, dtype=torch.float64) / d**0.5
+
+
+@dataclass
+class LayerStats:
+    prefix: str
+    layer: int
+    tokens: torch.Tensor
+    gate_mass: torch.Tensor
+    saliency: torch.Tensor
+    max_abs: torch.Tensor
+    output_mean: torch.Tensor
+    output_probe: torch.Tensor
+    routing_probe: torch.Tensor
+
+    NAMES = ("tokens", "gate_mass", "saliency", "max_abs", "output_mean", "output_probe", "routing_probe")
+
+    @property
+    def share(self) -> torch.Tensor:
+        """Each expert's share of the layer's gate mass."""
+        total = self.gate_mass.sum()
+        return self.gate_mass / total if total > 0 else torch.zeros_like(self.gate_mass)
+
+    def dead(self, threshold: float = DEAD_SHARE) -> list[int]:
+        n = len(self.gate_mass)
+        return [e for e in range(n) if self.share[e] < threshold / n]
+
+    def load_imbalance(self) -> float:
+        """Most-loaded expert's tokens over the mean (1.0 = perfectly balanced)."""
+        mean = self.tokens.mean()
+        return float(self.tokens.max() / mean) if mean > 0 else 0.0
+
+
+def super_experts(layers: dict[str, LayerStats]) -> dict[str, list[int]]:
+    top = max((float(s.max_abs.max()) for s in layers.values()), default=0.0)
+    out = {}
+    for prefix, s in layers.items():
+        median = float(s.max_abs.median())
+        out[prefix] = [e for e, v in enumerate(s.max_abs.tolist())
+                       if v >= SUPER_RATIO * median and v >= SUPER_GLOBAL * top and v > 0]
+    return out
+
+
+class ExpertObserver:
+    """Accumulates one MoE layer's statistics from the calls its block makes to its experts."""
+
+    def __init__(self, prefix: str, layer: int, mods: MoeModules, n_experts: int, hidden: int):
+        self.prefix, self.layer, self.mods, self.n = prefix, layer, mods, n_experts
+        f64 = dict(dtype=torch.float64)
+        self.tokens = torch.zeros(n_experts, **f64)
+        self.gate_mass = torch.zeros(n_experts, **f64)
+        self.saliency_sum = torch.zeros(n_experts, **f64)
+        self.max_abs = torch.zeros(n_experts, **f64)
+        self.output_sum = torch.zeros(n_experts, hidden, **f64)
+        self.output_probe = torch.zeros(n_experts, PROBE_TOKENS * PROBE_DIM, **f64)
+        self.routing_probe = torch.zeros(n_experts, ROUTING_PROBE, **f64)
+        self._probed = False
+        self._inside = False
+        self._hook = mods.experts.register_forward_pre_hook(self._observe)
+
+    def expert_output(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's own output on tokens x, computed by the model's experts module."""
+        idx = torch.full((len(x), 1), e, dtype=torch.long)
+        self._inside = True
+        try:
+            with torch.no_grad():
+                return self.mods.experts(x, idx, torch.ones(len(x), 1, dtype=x.dtype))
+        finally:
+            self._inside = False
+
+    def _observe(self, module, args) -> None:
+        if self._inside:
+            return
+        x, index, weights = args[0], args[1], args[2]
+        flat_idx, flat_w = index.reshape(-1), weights.reshape(-1).double()
+        self.tokens += torch.bincount(flat_idx, minlength=self.n)[: self.n].double()
+        self.gate_mass.index_add_(0, flat_idx, flat_w)
+        for e in torch.unique(flat_idx).tolist():
+            if e >= self.n:
+                continue
+            tok, slot = torch.where(index == e)
+            out = self.expert_output(x[tok], e).double()
+            w = weights[tok, slot].double()
+            self.saliency_sum[e] += (w * out.norm(dim=-1)).sum()
+            self.max_abs[e] = max(self.max_abs[e], out.abs().max())
+            self.output_sum[e] += out.sum(dim=0)
+        if not self._probed:
+            self._probe(x)
+
+    def _probe(self, x: torch.Tensor) -> None:
+        """All experts on the same few tokens: comparable outputs, and outliers of rarely routed experts."""
+        self._probed = True
+        pick = torch.linspace(0, len(x) - 1, PROBE_TOKENS).long()
+        sketch = _sketch(x.shape[-1], PROBE_DIM)
+        for e in range(self.n):
+            out = self.expert_output(x[pick], e).double()
+            self.max_abs[e] = max(self.max_abs[e], out.abs().max())
+            self.output_probe[e] = (out @ sketch).flatten()
+        router = self.mods.router
+        bias = getattr(router, "bias", None)
+        pick = torch.linspace(0, len(x) - 1, ROUTING_PROBE).long()
+        logits = torch.nn.functional.linear(x[pick].double(), router.weight.double(),
+                                            bias.double() if isinstance(bias, torch.Tensor) else None)
+        self.routing_probe = (logits - logits.mean(dim=1, keepdim=True)).T.contiguous()
+
+    def finish(self) -> LayerStats:
+        self._hook.remove()
+        routed = self.tokens.clamp(min=1)
+        mean_out = self.output_sum / routed[:, None]
+        return LayerStats(self.prefix, self.layer, self.tokens, self.gate_mass, self.saliency_sum / routed,
+                          self.max_abs, mean_out @ _sketch(mean_out.shape[1], SKETCH_DIM),
+                          self.output_probe, self.routing_probe)
+
+
+# ---------------------------------------------------------------- the artifact
+
+
+@dataclass
+class Calibration:
+    summary: dict
+    layers: dict[str, LayerStats]  # MoE block prefix -> statistics
+    token_ids: torch.Tensor
+    uri: str = ""
+    super: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> str:
+        return self.summary["source"]["identity"]
+
+    def record(self) -> dict:
+        """What a proxy's manifest says about the statistics it was built from."""
+        return {"uri": self.uri, "format": self.summary["format"], "tokens": self.summary["tokens"],
+                "criteria": self.summary["criteria"],
+                "super": {p: v for p, v in self.super.items() if v}}
+
+    def check_source(self, identity: str, uri: str) -> None:
+        if identity != self.identity:
+            raise CalibrationError(
+                f"{self.uri}: these statistics were computed on {self.summary['source']['uri']} "
+                f"(identity {self.identity[:12]}), not on {uri} (identity {identity[:12]}): another checkpoint "
+                f"or another step of the run; run moe-proxy calibrate {uri} --out STATS"
+            )
+
+
+def save(store: Store, cal: Calibration) -> None:
+    tensors = {"tokens": cal.token_ids.to(torch.int64).contiguous()}
+    for s in cal.layers.values():
+        for name in LayerStats.NAMES:
+            tensors[f"layers.{s.layer}.{name}"] = getattr(s, name).contiguous()
+    store.delete(SUMMARY)  # unpublish first: stale statistics never sit beside new tensors
+    write_bytes(store, TENSORS, st_save(tensors, metadata={"format": FORMAT}))
+    write_bytes(store, SUMMARY, (json.dumps(cal.summary, indent=2) + "\n").encode())
+
+
+def load(uri: str | Store, **store_options) -> Calibration:
+    store = open_store(uri, **store_options) if isinstance(uri, str) else uri
+    if not store.exists(SUMMARY):
+        raise CalibrationError(f"{store.uri}: no {SUMMARY}: not a calibration, or an incomplete one; "
+                               f"run moe-proxy calibrate")
+    summary = read_json(store, SUMMARY)
+    if summary.get("format") != FORMAT:
+        raise CalibrationError(f"{store.uri}/{SUMMARY}: format {summary.get('format')!r}, expected {FORMAT!r}")
+    if not store.exists(TENSORS):
+        raise CalibrationError(f"{store.uri}: {TENSORS} is missing beside {SUMMARY}")
+    try:
+        tensors = st_load(store.read_bytes(TENSORS))
+    except Exception as exc:
+        raise CalibrationError(f"{store.uri}/{TENSORS}: unreadable ({exc})") from None
+    layers = {}
+    for prefix, info in summary["layers"].items():
+        try:
+            layers[prefix] = LayerStats(prefix, info["layer"],
+                                        *(tensors[f"layers.{info['layer']}.{n}"] for n in LayerStats.NAMES))
+        except KeyError as exc:
+            raise CalibrationError(f"{store.uri}/{TENSORS}: missing tensor {exc}") from None
+    return Calibration(summary, layers, tensors["tokens"], store.uri, super_experts(layers))
+
+
+# ---------------------------------------------------------------- the pass
+
+
+def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, samples: int = 64,
+              seq_len: int = 256, seed: int = 0, batch_size: int = 8, progress: bool = False,
+              store_options: dict | None = None) -> dict:
+    """Compute and store the statistics; returns the summary (also `calibration.json`)."""
+    ckpt = open_checkpoint(src, **(store_options or {}))
+    layout = find_layout(ckpt, detect(ckpt.config))
+    out_store = open_store(out, **(store_options or {})) if isinstance(out, str) else out
+    max_pos = ckpt.config.get("max_position_embeddings")
+    if isinstance(max_pos, int) and seq_len > max_pos:
+        raise MoeProxyError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+    tokens = calibration_tokens(ckpt.store, dataset, samples, seq_len, seed, int(ckpt.config["vocab_size"]))
+    if tokens.random:
+        log.warning("calibration tokens: %s", tokens.origin)
+    identity = source_identity(ckpt, layout)
+
+    if out_store.exists(SUMMARY):
+        try:
+            old = read_json(out_store, SUMMARY)
+        except MoeProxyError:
+            old = {}
+        if (old.get("format") == FORMAT and old.get("source", {}).get("identity") == identity
+                and old.get("tokens", {}).get("sha256") == tokens.sha256 and out_store.exists(TENSORS)):
+            log.info("%s already holds these statistics (same checkpoint and tokens): nothing to do", out_store.uri)
+            return old | {"up_to_date": True}
+
+    layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress)
+    supers = super_experts(layers)
+    summary = {
+        "format": FORMAT,
+        "tool_version": __version__,
+        "source": {"uri": ckpt.uri, "identity": identity, "architecture": layout.arch.name,
+                   "model_type": ckpt.config.get("model_type")},
+        "tokens": {"samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
+                   "sha256": tokens.sha256, "origin": tokens.origin, "random": tokens.random, "seed": seed},
+        "criteria": {"dead_share_of_uniform": DEAD_SHARE, "super_ratio_to_median": SUPER_RATIO,
+                     "super_share_of_global_max": SUPER_GLOBAL},
+        "experts": expert_count(layout.arch, ckpt.config),
+        "layers": {
+            p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": supers[p],
+                "load_imbalance": round(s.load_imbalance(), 4)}
+            for p, s in layers.items()
+        },
+        "skipped": {b.prefix: "not part of the transformers model (MTP layer): no statistics; builds select "
+                              "its experts without calibration"
+                    for b in layout.blocks if b.prefix not in layers},
+    }
+    save(out_store, Calibration(summary, layers, tokens.ids))
+    return summary
+
+
+def run_statistics(ckpt: Checkpoint, layout: Layout, token_ids: torch.Tensor, batch_size: int = 8,
+                   progress: bool = False) -> dict[str, LayerStats]:
+    model = LayerwiseModel(ckpt)
+    n = expert_count(layout.arch, ckpt.config)
+    states = HiddenStates(model, token_ids, batch_size)
+    stats: dict[str, LayerStats] = {}
+    bar = tqdm(range(model.n_layers), desc="calibrating", unit="layer", disable=not progress)
+    for i in bar:
+        block = next((b for b in layout.blocks if b.layer == i), None)
+        with model.layer(i) as layer:
+            mods = moe_modules(layer)
+            observer = ExpertObserver(block.prefix, i, mods, n, model.config.hidden_size) \
+                if mods is not None and block is not None else None
+            states.advance(layer, i)
+            if observer is not None:
+                s = stats[block.prefix] = observer.finish()
+                if progress:
+                    bar.write(f"layer {i:>3}: dead {len(s.dead())}/{n} {s.dead()[:8]}  load imbalance "
+                              f"{s.load_imbalance():.2f}  max |output| {float(s.max_abs.max()):.3g} "
+                              f"(expert {int(s.max_abs.argmax())})")
+    return stats

@@ -1,0 +1,162 @@
+"""Calibration tokens: documents from a dataset file, tokenised with the checkpoint's own
+tokenizer, packed into `samples` rows of `seq_len` tokens. Without a dataset, or when the
+checkpoint ships no usable tokenizer, seeded random token ids (the caller says so plainly).
+
+Dataset formats (by file name):
+- `.jsonl` / `.json`: one JSON object per line with a `text` string, a `prompt` string, or a
+  verl-style chat `prompt` (a list of {"role", "content"} messages, rendered with the
+  tokenizer's chat template);
+- `.parquet` (verl's dataset format; needs pyarrow): the same fields as columns;
+- anything else: plain UTF-8 text, documents separated by blank lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import MoeProxyError
+from .storage import Store
+
+log = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+class BadDataset(MoeProxyError):
+    """The calibration dataset is missing, empty or malformed."""
+
+
+@dataclass
+class Tokens:
+    ids: torch.Tensor  # [samples, seq_len] int64
+    origin: str  # what the ids are, in words (dataset + tokenizer, or random)
+    random: bool
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.ids.to(torch.int64).numpy().tobytes()).hexdigest()
+
+
+def read_documents(path: str) -> list[str | list[dict]]:
+    """The dataset's documents: strings, or chat message lists still to be rendered."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadDataset(f"dataset {path}: no such file")
+    if p.suffix == ".parquet":
+        docs = _parquet(p)
+    elif p.suffix in (".jsonl", ".json"):
+        docs = _jsonl(p)
+    else:
+        text = p.read_text(encoding="utf-8", errors="strict")
+        docs = [d.strip() for d in text.split("\n\n") if d.strip()]
+    docs = [d for d in docs if d]
+    if not docs:
+        raise BadDataset(f"dataset {path}: no documents (the file is empty or every record is blank)")
+    return docs
+
+
+def _record(obj, where: str) -> str | list[dict]:
+    if not isinstance(obj, dict):
+        raise BadDataset(f"{where}: expected a JSON object with a 'text' or 'prompt' field, got {type(obj).__name__}")
+    value = obj.get("text", obj.get("prompt"))
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in value]
+    if hasattr(value, "tolist"):  # parquet list columns arrive as numpy arrays
+        return _record({"prompt": value.tolist()}, where)
+    raise BadDataset(
+        f"{where}: no usable 'text' string or 'prompt' (string or list of {{role, content}} messages); "
+        f"fields present: {sorted(obj)}"
+    )
+
+
+def _jsonl(p: Path) -> list:
+    docs = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise BadDataset(f"dataset {p}, line {n}: not valid JSON ({exc})") from None
+        docs.append(_record(obj, f"dataset {p}, line {n}"))
+    return docs
+
+
+def _parquet(p: Path) -> list:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise BadDataset(f"dataset {p}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except Exception as exc:  # pyarrow raises many kinds for a broken file
+        raise BadDataset(f"dataset {p}: not a readable parquet file ({exc})") from None
+    return [_record(r, f"dataset {p}, row {i}") for i, r in enumerate(rows)]
+
+
+def load_tokenizer(store: Store):
+    """The checkpoint's tokenizer, or None when it ships none that transformers can load."""
+    from transformers import AutoTokenizer
+
+    present = [f for f in TOKENIZER_FILES if store.exists(f)]
+    if "tokenizer.json" not in present and "tokenizer.model" not in present and "vocab.json" not in present:
+        return None
+    with tempfile.TemporaryDirectory(prefix="moe-proxy-tok-") as tmp:
+        for f in present:
+            Path(tmp, f).write_bytes(store.read_bytes(f))
+        try:
+            return AutoTokenizer.from_pretrained(tmp)
+        except Exception as exc:  # a broken or exotic tokenizer: fall back to random ids, said plainly
+            log.warning("the checkpoint's tokenizer could not be loaded (%s)", exc)
+            return None
+
+
+def _render(doc: str | list[dict], tokenizer) -> str:
+    if isinstance(doc, str):
+        return doc
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(doc, tokenize=False)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in doc)
+
+
+def calibration_tokens(store: Store, dataset: str | None, samples: int, seq_len: int, seed: int,
+                       vocab_size: int) -> Tokens:
+    if samples < 1 or seq_len < 1:
+        raise MoeProxyError(f"--samples and --seq-len must be positive (got {samples}, {seq_len})")
+    docs = read_documents(dataset) if dataset else None
+    tokenizer = load_tokenizer(store) if docs else None
+    if docs is None or tokenizer is None:
+        why = "no --dataset given" if docs is None else "the checkpoint has no usable tokenizer"
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (samples, seq_len), generator=g)
+        return Tokens(ids, f"seeded random token ids (seed {seed}; {why}): routing statistics of random text", True)
+
+    stream: list[int] = []
+    eos = tokenizer.eos_token_id
+    for doc in docs:
+        stream += tokenizer(_render(doc, tokenizer), add_special_tokens=True)["input_ids"]
+        if eos is not None:
+            stream.append(eos)
+        if len(stream) >= samples * seq_len:
+            break
+    rows = len(stream) // seq_len
+    if rows == 0:
+        raise BadDataset(f"dataset {dataset}: {len(stream)} tokens in all, fewer than one sequence of {seq_len}")
+    if rows < samples:
+        log.warning("dataset %s holds %d tokens: %d samples of %d instead of %d", dataset, len(stream), rows,
+                    seq_len, samples)
+    n = min(rows, samples)
+    ids = torch.tensor(stream[: n * seq_len], dtype=torch.int64).reshape(n, seq_len)
+    bad = int(ids.max())
+    if bad >= vocab_size:
+        raise BadDataset(f"the tokenizer produced id {bad}, outside the model's vocabulary of {vocab_size}")
+    return Tokens(ids, f"{dataset}, {len(docs)} documents, tokenised with the checkpoint's tokenizer", False)

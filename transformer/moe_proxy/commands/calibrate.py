@@ -1,0 +1,51 @@
+"""`moe-proxy calibrate SRC --out STATS`: per-expert usage statistics (routing mass, saliency,
+output magnitude) on calibration tokens, computed one decoder layer at a time, for
+`moe-proxy build --calibration STATS`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..calibration import calibrate
+from ._common import add_storage_args, store_options
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="expert usage statistics on calibration tokens (layer by layer)",
+                       description=__doc__)
+    p.add_argument("src", help="source checkpoint directory or s3://bucket/prefix")
+    p.add_argument("--out", required=True, metavar="STATS", help="statistics directory or s3://bucket/prefix")
+    p.add_argument("--dataset", metavar="FILE",
+                   help="JSONL (text, prompt, or verl chat prompt), parquet (needs pyarrow) or plain text; "
+                        "default: seeded random token ids")
+    p.add_argument("--samples", type=int, default=64, metavar="N", help="calibration sequences (default 64)")
+    p.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = calibrate(args.src, args.out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
+                        seed=args.seed, batch_size=args.batch_size, progress=not args.no_progress,
+                        store_options=store_options(args))
+    print(json.dumps(summary, indent=2) if args.json else text(summary))
+    return 0
+
+
+def text(s: dict) -> str:
+    t = s["tokens"]
+    lines = [
+        f"calibration of {s['source']['uri']} ({s['source']['architecture']})"
+        + ("  [up to date: reused]" if s.get("up_to_date") else ""),
+        f"  tokens  {t['samples']} x {t['seq_len']}: {t['origin']}",
+        f"  {'layer':<36} {'dead':>5} {'super experts':<16} load imbalance",
+    ]
+    for prefix, layer in s["layers"].items():
+        lines.append(f"  {prefix:<36} {len(layer['dead']):>5} {str(layer['super']):<16} {layer['load_imbalance']:.2f}")
+    lines += [f"  skipped {p}: {why}" for p, why in s.get("skipped", {}).items()]
+    return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""Run a checkpoint one decoder layer at a time, with transformers' own modules.
+
+The model is instantiated on the `meta` device (no memory), so every module is the model's
+own class with the model's own config: attention, norms, rotary embedding, router scoring
+function, grouped routing with DeepSeek's correction bias, renormalisation. Only one decoder
+layer at a time gets real tensors, read lazily from the checkpoint (hub layout converted to
+the module layout: per-expert tensors stacked into transformers' fused `gate_up_proj` /
+`down_proj`, Mixtral's `block_sparse_moe.w1/w2/w3` renamed, block-FP8 dequantised) and
+freed back to `meta` after the calibration hidden states went through it. Peak memory is one
+layer plus the hidden states, whatever the depth.
+
+What each layer receives besides the hidden states (causal / sliding-window masks, rotary
+position embeddings, position ids) is captured from the model's own `forward`: its decoder
+layers are swapped for recorders that pass hidden states through unchanged, so nothing of
+the model's input preparation is re-implemented here.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .checkpoint import Checkpoint
+from .errors import CorruptCheckpoint, MoeProxyError
+from .features import FLOAT_DTYPES, _dequant, to_tensor
+
+COMPUTE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class _Stop(Exception):
+    """Raised by the last recorder: the model's forward has prepared every layer's inputs."""
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self, index: int, last: int, store: dict):
+        super().__init__()
+        self.index, self.last, self.store = index, last, store
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.store[self.index] = (args, kwargs)
+        if self.index == self.last:
+            raise _Stop
+        return hidden_states
+
+
+@dataclass
+class MoeModules:
+    """The parts of a decoder layer's MoE block the statistics need."""
+
+    block: torch.nn.Module  # the sparse-MoE module (`layer.mlp`)
+    router: torch.nn.Module  # `mlp.gate` or `mlp.router`
+    experts: torch.nn.Module  # called as experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])
+
+
+def moe_modules(layer: torch.nn.Module) -> MoeModules | None:
+    mlp = getattr(layer, "mlp", None)
+    experts = getattr(mlp, "experts", None)
+    router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+    if experts is None or router is None:
+        return None  # a dense layer (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers)
+    return MoeModules(mlp, router, experts)
+
+
+def transformers_config(config: dict):
+    import transformers
+
+    model_type = config.get("model_type")
+    try:
+        cls = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise MoeProxyError(f"transformers {transformers.__version__} has no model class for {model_type!r}") from None
+    return cls.from_dict(config)
+
+
+class LayerwiseModel:
+    """A checkpoint's decoder stack, materialised one layer at a time."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype | None = None):
+        import transformers
+
+        self.ckpt = ckpt
+        self.config = transformers_config(ckpt.config)
+        self.dtype = dtype or self._checkpoint_dtype()
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+        self.base = model.model
+        # Rotary tables are computed at construction, so build that module for real (no weights).
+        if hasattr(self.base, "rotary_emb"):
+            self.base.rotary_emb = type(self.base.rotary_emb)(config=self.base.config)
+        self.layers = list(self.base.layers)
+        self.n_layers = len(self.layers)
+        self._load(self.base.embed_tokens, "model.embed_tokens.")
+
+    def _checkpoint_dtype(self) -> torch.dtype:
+        t = self.ckpt.tensors.get("model.embed_tokens.weight")
+        if t is None:
+            raise CorruptCheckpoint(f"{self.ckpt.uri}: no model.embed_tokens.weight, cannot embed calibration tokens")
+        return COMPUTE_DTYPES.get(t.dtype, torch.bfloat16)
+
+    # ---------------------------------------------------------------- inputs
+
+    def layer_inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        """Embedded tokens and, per decoder layer, the extra (args, kwargs) the model passes it."""
+        store: dict[int, tuple[tuple, dict]] = {}
+        recorders = [_Recorder(i, self.n_layers - 1, store) for i in range(self.n_layers)]
+        self.base.layers = torch.nn.ModuleList(recorders)
+        try:
+            with torch.no_grad():
+                self.base(input_ids=input_ids, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            self.base.layers = torch.nn.ModuleList(self.layers)
+        hidden = self.base.embed_tokens(input_ids)
+        return hidden, [store[i] for i in range(self.n_layers)]
+
+    # ---------------------------------------------------------------- one layer
+
+    @contextmanager
+    def layer(self, index: int) -> Iterator[torch.nn.Module]:
+        """Decoder layer `index` with its real tensors; freed back to `meta` on exit."""
+        module = self.layers[index]
+        self._load(module, f"model.layers.{index}.")
+        try:
+            yield module
+        finally:
+            module.to("meta")
+
+    def _load(self, module: torch.nn.Module, prefix: str) -> None:
+        wanted = module.state_dict()
+        loaded = {key: self._tensor(prefix + key, meta) for key, meta in wanted.items()}
+        module.load_state_dict(loaded, strict=True, assign=True)
+        module.eval()
+
+    def _tensor(self, name: str, meta: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's tensor for module parameter `name`, in the module's layout and dtype."""
+        for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+            if candidate in self.ckpt.tensors:
+                x = self._read(candidate)
+                break
+        else:
+            x = self._stacked_experts(name)
+        if x.shape != meta.shape and x.dim() == 3 and x.transpose(1, 2).shape == meta.shape:
+            x = x.transpose(1, 2)  # Qwen3-VL style hub layout, transposed relative to the module
+        if x.shape != meta.shape:
+            raise CorruptCheckpoint(
+                f"{self.ckpt.uri}: tensor for {name} has shape {list(x.shape)}, the model expects {list(meta.shape)}"
+            )
+        return x.to(meta.dtype).contiguous()
+
+    def _read(self, name: str) -> torch.Tensor:
+        t = self.ckpt.tensors[name]
+        if t.dtype not in FLOAT_DTYPES:
+            raise MoeProxyError(
+                f"{name}: dtype {t.dtype} (e.g. MXFP4 blocks) cannot be run layer by layer yet; "
+                f"calibrate a floating-point or block-FP8 checkpoint"
+            )
+        x = to_tensor(self.ckpt.read(name), t)
+        scale = self.ckpt.tensors.get(name + "_scale_inv")
+        if t.dtype.startswith("F8") and scale is not None:
+            x = _dequant(x, to_tensor(self.ckpt.read(scale.name), scale))
+        return x
+
+    def _stacked_experts(self, name: str) -> torch.Tensor:
+        """transformers' fused `experts.gate_up_proj` [N, 2I, H] / `experts.down_proj` [N, H, I]
+        from the hub's per-expert tensors (gate/up/down_proj, or Mixtral's w1/w3/w2)."""
+        head, _, leaf = name.rpartition(".")
+        blocks = [head, head.replace(".mlp.", ".block_sparse_moe.")]
+        parts = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+        for block in blocks:
+            for names in parts.get(leaf, ()):
+                first = f"{block}.0.{names[0]}.weight"
+                if first not in self.ckpt.tensors:
+                    continue
+                experts = []
+                e = 0
+                while f"{block}.{e}.{names[0]}.weight" in self.ckpt.tensors:
+                    experts.append(torch.cat([self._read(f"{block}.{e}.{p}.weight") for p in names], dim=0))
+                    e += 1
+                return torch.stack(experts)
+        raise CorruptCheckpoint(f"{self.ckpt.uri}: no tensor for the model's parameter {name}")
+
+
+def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, extra: tuple[tuple, dict]) -> torch.Tensor:
+    args, kwargs = extra
+    with torch.no_grad():
+        out = layer(hidden, *args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class HiddenStates:
+    """The calibration hidden states, batch by batch, carried forward one layer at a time."""
+
+    def __init__(self, model: LayerwiseModel, token_ids: torch.Tensor, batch_size: int):
+        self.hidden: list[torch.Tensor] = []
+        self.extras: list[list[tuple[tuple, dict]]] = []
+        for ids in token_ids.split(batch_size):
+            h, extra = model.layer_inputs(ids)
+            self.hidden.append(h)
+            self.extras.append(extra)
+
+    def advance(self, layer: torch.nn.Module, index: int) -> None:
+        """Push every batch through decoder layer `index`."""
+        for b, h in enumerate(self.hidden):
+            self.hidden[b] = run_layer(layer, h, self.extras[b][index])

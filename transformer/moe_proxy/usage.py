@@ -1,0 +1,65 @@
+"""Usage-aware selection for one MoE block, from `moe-proxy calibrate` statistics.
+
+- Dead experts (calibration.DEAD_SHARE) are never kept unless pinned.
+- Super experts (calibration.super_experts) are pinned, unless `keep_super` is off.
+- `--method frequency` keeps the experts with the most gate mass, `--method saliency` the
+  highest REAP saliency, both within routing groups.
+- `--method cluster` clusters the alive experts on `--features` (`routing`: router logits
+  on probe tokens; `output`: expert outputs on probe tokens; or the data-free `router` /
+  `weights`), and each cluster's representative is its most salient member
+  (`--representative saliency`, the default here) or its medoid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .calibration import DEAD_SHARE, LayerStats
+from .checkpoint import Checkpoint
+from .errors import InvalidExpertCount, MoeProxyError
+from .features import expert_features
+from .layout import MoeBlock
+from .selection import Selection, select
+
+CALIBRATED_FEATURES = {"routing": "routing_probe", "output": "output_probe"}
+
+
+def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: list[int], k: int, n_group: int,
+                 options, pins: list[int]) -> Selection:
+    n = block.n_experts
+    if len(stats.gate_mass) != n:
+        raise MoeProxyError(f"{block.prefix}: statistics cover {len(stats.gate_mass)} experts, the checkpoint {n}")
+    dead = set(stats.dead(DEAD_SHARE))
+    forced = sorted(set(pins) | (set(supers) if options.keep_super else set()))
+    if len(forced) > k:
+        raise InvalidExpertCount(
+            f"layer {block.layer}: {len(forced)} experts must be kept (pinned {sorted(set(pins))}, super {supers}) "
+            f"but only {k} are kept per layer; raise --experts or pass --no-keep-super"
+        )
+    alive = np.array([e not in dead for e in range(n)])
+    per, k_per = n // n_group, k // n_group
+    for g in range(n_group):
+        usable = [e for e in range(g * per, (g + 1) * per) if alive[e] or e in forced]
+        if len(usable) < k_per:
+            where = f" in routing group {g} (experts {g * per}..{(g + 1) * per - 1})" if n_group > 1 else ""
+            raise InvalidExpertCount(
+                f"layer {block.layer}: only {int(alive[g * per:(g + 1) * per].sum())} of {per} experts are alive"
+                f"{where} on the calibration data (gate-mass share >= {DEAD_SHARE:g} x uniform), so {k_per} "
+                f"cannot be kept there without keeping dead experts; use fewer --experts or --pin them"
+            )
+    if options.features in CALIBRATED_FEATURES:
+        feats = getattr(stats, CALIBRATED_FEATURES[options.features]).double().numpy()
+    else:
+        feats = expert_features(ckpt, block, options.features if options.method == "cluster" else "router")
+    scores = (stats.gate_mass if options.method == "frequency" else stats.saliency).double().numpy()
+    sel = select(feats, k, n_group=n_group, method=options.method, clustering=options.clustering,
+                 seed=options.seed, pins=forced, scores=scores, alive=alive,
+                 representative=options.representative or "saliency")
+    share = stats.share
+    sel.record = {
+        "gate_mass_kept": round(float(share[sel.kept].sum()), 6),
+        "super": [e for e in supers if e in sel.kept],
+        "super_dropped": [e for e in supers if e not in sel.kept],
+        "dead": sorted(dead),
+    }
+    return sel
