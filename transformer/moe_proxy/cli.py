@@ -16,6 +16,7 @@ COMMANDS = [
     "moe_proxy.commands.calibrate",
     "moe_proxy.commands.build",
     "moe_proxy.commands.inspect",
+    "moe_proxy.commands.checkpoints",
     "moe_proxy.commands.verify",
     "moe_proxy.commands.plan",
     "moe_proxy.commands.repro",

@@ -1,0 +1,178 @@
+"""`moe_proxy.checkpoints` on a local training run: which directories are checkpoints, at
+which step, complete or not and why, and that only headers and small JSON files are read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_proxy.checkpoints import (DENSE, MOE, PROXY, UNKNOWN, CountingStore, find, latest_before, list_checkpoints,
+                                   matches, step_of)
+from moe_proxy.errors import StorageError
+from moe_proxy.storage import LocalStore
+
+from . import synthetic
+from .conftest import HF
+
+VERL = "global_step_*/actor/huggingface"
+
+
+def by_step(entries):
+    return {c.step: c for c in entries}
+
+
+def test_verl_layout_by_pattern(local_run):
+    found = list_checkpoints(str(local_run), pattern=VERL)
+    assert [c.step for c in found] == [50, 100, 200, 300, 400, 500, 600, 1000]  # by number, not by text
+    c = by_step(found)
+    for step in (50, 100, 200, 1000):
+        assert c[step].complete and c[step].kind == MOE and c[step].source, c[step]
+        assert c[step].architecture == "Qwen3-MoE" and c[step].reason is None
+        assert c[step].uri == f"{local_run}/global_step_{step}/{HF}"
+    assert c[50].shards == 1 and c[100].shards == 2
+    # Still uploading: the missing shard is named.
+    assert not c[300].complete and not c[300].source
+    assert c[300].reason == "1 of 2 shards named in model.safetensors.index.json missing: " \
+                            "model-00002-of-00002.safetensors"
+    # A crashed writer: the short shard and by how much.
+    assert not c[400].complete
+    assert c[400].reason.startswith("model-00002-of-00002.safetensors")
+    assert "truncated" in c[400].reason
+    # A matching directory without config.json yet.
+    assert not c[500].complete and c[500].reason == "config.json missing" and c[500].kind == UNKNOWN
+    # A dense model is complete but no source.
+    assert c[600].complete and c[600].kind == DENSE and not c[600].source
+    assert "not a mixture-of-experts" in c[600].reason
+    # Sizes are the directory's files, from the listing.
+    expected = sum(len(v) for k, v in synthetic.files().items())
+    assert c[100].bytes == expected
+
+
+def test_default_finds_every_config_json(local_run):
+    found = list_checkpoints(str(local_run))
+    paths = {c.path: c for c in found}
+    # No pattern: directories with a config.json, the proxy and the Hydra folder included,
+    # step 500 (no config.json yet) not.
+    assert f"global_step_500/{HF}" not in paths
+    proxy = paths[f"global_step_200/{HF}-proxies/team-a/run-step-200"]
+    assert proxy.kind == PROXY and proxy.complete and not proxy.source and proxy.step == 200
+    hydra = paths["hydra"]
+    assert hydra.kind == UNKNOWN and not hydra.source and hydra.step is None
+    assert "names no model" in hydra.reason
+    assert found[-1] is hydra  # no step: listed last
+    assert [c.step for c in found if c.source] == [50, 100, 200, 1000]
+
+
+def test_a_proxy_being_written_is_not_a_source(tmp_path):
+    """Under a *-proxies/ folder (moe-proxy's default destinations) even before its manifest."""
+    content = synthetic.files()
+    synthetic.write(tmp_path / "global_step_7-proxies" / "ns" / "p", content)
+    (entry,) = list_checkpoints(str(tmp_path))
+    assert entry.kind == PROXY and entry.complete and not entry.source
+
+
+def test_reads_only_headers_and_json(local_run, tree):
+    """Every byte read is a JSON file or a shard's length prefix and header: never tensor data."""
+    reads: list[tuple[str, int, int]] = []
+
+    class Recording(CountingStore):
+        def read_range(self, name, start, length):
+            reads.append((name, start, length))
+            return super().read_range(name, start, length)
+
+        def read_bytes(self, name):
+            reads.append((name, 0, len(tree[name])))
+            return super().read_bytes(name)
+
+    store = Recording(LocalStore(local_run))
+    found = list_checkpoints(store, pattern=VERL)
+    assert len(found) == 8
+    for name, start, length in reads:
+        if name.endswith(".json"):
+            assert (start, length) == (0, len(tree[name])), name
+        else:
+            assert name.endswith(".safetensors")
+            assert start + length <= synthetic.header_size(tree[name]), (name, start, length)
+    assert store.bytes_read == sum(n for _, _, n in reads)
+    # What the listing needs, and no more: each JSON once, each present shard's header once
+    # (twice the 8-byte prefix); a step whose config or shard list is incomplete stops early.
+    total = sum(len(v) for v in tree.values())
+    assert store.bytes_read < total / 50
+    shards_read = {name for name, _, _ in reads if name.endswith(".safetensors")}
+    assert not any(name.startswith(("global_step_300/", "global_step_500/")) for name in shards_read)
+
+
+def test_step_from_path():
+    assert step_of("global_step_300/actor/huggingface") == 300
+    assert step_of("run2/ckpt-7/iter_0000300") == 300  # the last integer by default
+    assert step_of("run2/ckpt-7/iter_0000300", r"ckpt-(\d+)") == 7
+    assert step_of("hf", r"step_(\d+)") is None
+    assert step_of("hydra") is None
+
+
+def test_glob_stays_within_a_segment():
+    assert matches("global_step_1/actor/huggingface", VERL)
+    assert not matches("global_step_1/actor/huggingface-proxies/a/b", VERL)
+    assert not matches("x/global_step_1/actor/huggingface", VERL)
+    assert matches("x/global_step_1/actor/huggingface", "**/global_step_*/actor/huggingface")
+    assert matches("global_step_1/actor/huggingface", "**/global_step_*/actor/huggingface")
+
+
+def test_step_regex_filters_and_numbers(tmp_path):
+    for path in ("iter_0000100/hf", "iter_0000200/hf", "best/hf"):
+        synthetic.write(tmp_path / path, synthetic.files(shards=1))
+    found = list_checkpoints(str(tmp_path), step_regex=r"iter_(\d+)")
+    assert [(c.path, c.step) for c in found] == [("iter_0000100/hf", 100), ("iter_0000200/hf", 200), ("best/hf", None)]
+
+
+def test_latest_before_picks_the_checkpoint_before_a_failure(local_run):
+    found = list_checkpoints(str(local_run), pattern=VERL)
+    assert latest_before(found, 1000).step == 200  # 300 and 400 are incomplete, 600 is dense
+    assert latest_before(found, 201).step == 200
+    assert latest_before(found, 200).step == 100
+    assert latest_before(found, 50) is None
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: d[:5], "too short for a safetensors file"),
+    (lambda d: d[:8] + b"{not json" + d[17:], "header is not valid JSON"),
+    (lambda d: d + b"\0" * 16, "trailing bytes"),
+], ids=["stub", "garbage-header", "trailing-bytes"])
+def test_damaged_shards_are_named(tmp_path, damage, reason):
+    content = synthetic.files()
+    content["model-00001-of-00002.safetensors"] = damage(content["model-00001-of-00002.safetensors"])
+    synthetic.write(tmp_path / "global_step_9", content)
+    (entry,) = list_checkpoints(str(tmp_path))
+    assert not entry.complete and not entry.source
+    assert entry.reason.startswith("model-00001-of-00002.safetensors") and reason in entry.reason, entry.reason
+
+
+def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
+    content = synthetic.files()
+    index = json.loads(content["model.safetensors.index.json"])
+    index["weight_map"]["model.extra.weight"] = "model-00001-of-00002.safetensors"
+    content["model.safetensors.index.json"] = json.dumps(index).encode()
+    synthetic.write(tmp_path / "step_1", content)
+    (entry,) = list_checkpoints(str(tmp_path))
+    assert not entry.complete and "'model.extra.weight'" in entry.reason
+
+
+def test_a_real_transformers_checkpoint_is_complete(tmp_path):
+    from moe_proxy.tiny import make_tiny
+
+    make_tiny("qwen3_moe", tmp_path / "global_step_3" / "actor" / "huggingface", max_shard_size="100KB")
+    (entry,) = list_checkpoints(str(tmp_path), pattern=VERL)
+    assert entry.complete and entry.source and entry.shards > 1 and entry.step == 3, entry
+
+
+def test_missing_directory_is_an_error(tmp_path):
+    with pytest.raises(StorageError, match="no such directory"):
+        list_checkpoints(str(tmp_path / "nope"))
+
+
+def test_find_reads_nothing(local_run):
+    store = CountingStore(LocalStore(local_run))
+    candidates = find(store, VERL)
+    assert [c.step for c in candidates] == [50, 100, 200, 300, 400, 500, 600, 1000]
+    assert store.bytes_read == 0 and store.reads == 0

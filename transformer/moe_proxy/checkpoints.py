@@ -1,0 +1,339 @@
+"""The checkpoints under a prefix: which directories hold one, at which training step, and
+whether each is complete. Torch-free: the operator's CheckpointWatch lists with this too.
+
+A training run writes a checkpoint every N steps, e.g. verl's
+`<run>/global_step_<N>/actor/huggingface/`. Listing a prefix costs one object listing (file
+names and sizes) plus, per checkpoint, its config.json, its shard index and each shard's
+safetensors *header*, read by range: never tensor data. A checkpoint is complete when
+config.json is there, the index (or a single model.safetensors) is there, every shard the
+index names is there, and each shard is exactly as long as its header says (header length
+plus the data the header declares). Anything less is a writer still uploading or one that
+crashed, and the entry's `reason` names the missing or short file.
+
+Two steps, so a caller can skip what it already knows:
+    candidates = find(store, pattern, step_regex)      # names and sizes only
+    entries = inspect(store, candidates)                 # reads config, index and headers
+or both at once with `list_checkpoints(uri)`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import posixpath
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from .architectures import detect
+from .checkpoint import INDEX, MANIFEST, SINGLE, read_header
+from .errors import CorruptCheckpoint, NotMoE, ObjectNotFound, StorageError, UnsupportedArchitecture
+from .storage import LocalStore, Store, open_store
+
+CONFIG = "config.json"
+PROXIES_SUFFIX = "-proxies"  # moe-proxy's default destinations: <checkpoint>-proxies/<ns>/<name>/
+MAX_JSON = 64 << 20  # config and index files larger than this are not checkpoint metadata
+
+# What a directory holds, for `Checkpoint.kind`.
+MOE = "moe"  # a mixture-of-experts checkpoint moe-proxy can prune: a source
+PROXY = "proxy"  # a proxy moe-proxy built (proxy-manifest.json, or under a *-proxies/ folder)
+DENSE = "dense"  # a model without routed experts
+UNSUPPORTED = "unsupported"  # an MoE architecture moe-proxy has no description for
+UNKNOWN = "unknown"  # config.json missing or unreadable
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A directory that may hold a checkpoint, as seen in the listing (nothing read yet)."""
+
+    path: str  # relative to the listed prefix ("" for the prefix itself)
+    step: int | None
+    files: dict[str, int]  # file name (relative to `path`) -> size in bytes
+
+
+@dataclass
+class Checkpoint:
+    """One listed checkpoint. `source` is what a proxy can be built from: complete, MoE,
+    supported, and not itself a proxy."""
+
+    step: int | None
+    uri: str
+    path: str
+    complete: bool
+    kind: str
+    reason: str | None = None  # why it is not complete (or not a source)
+    architecture: str | None = None
+    model_type: str | None = None
+    bytes: int = 0  # every file in the directory
+    shards: int = 0
+
+    @property
+    def source(self) -> bool:
+        return self.complete and self.kind == MOE
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if v is not None or k == "step"}
+        out["source"] = self.source
+        return out
+
+
+# --- finding candidates: names and sizes only -------------------------------------------------
+
+
+def list_sizes(store: Store) -> dict[str, int]:
+    """Every file under the store with its size, from one listing (no per-file request)."""
+    if hasattr(store, "list_sizes"):
+        return store.list_sizes()
+    if isinstance(store, LocalStore):
+        return {name: (store.root / name).stat().st_size for name in store.list()}
+    client = getattr(store, "client", None)
+    if client is not None and hasattr(store, "bucket"):  # S3Store: sizes come with the listing
+        return _s3_list_sizes(store)
+    return {name: store.size(name) for name in store.list()}
+
+
+def _s3_list_sizes(store) -> dict[str, int]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    base = f"{store.prefix}/" if store.prefix else ""
+    try:
+        pages = store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=base)
+        return {o["Key"][len(base):]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
+    except (ClientError, BotoCoreError) as exc:
+        raise store._error(exc, "list_objects_v2", None) from exc
+
+
+def step_of(path: str, step_regex: str | None = None) -> int | None:
+    """The training step in a checkpoint's relative path: the first group (or the whole
+    match) of `step_regex`, else the last integer in the path; None when there is none."""
+    if step_regex:
+        m = re.search(step_regex, path)
+        if not m:
+            return None
+        text = m.group(1) if m.groups() else m.group(0)
+        try:
+            return int(text)
+        except (TypeError, ValueError):
+            return None
+    numbers = re.findall(r"\d+", path)
+    return int(numbers[-1]) if numbers else None
+
+
+def matches(path: str, pattern: str) -> bool:
+    """Glob match per path segment: `*` never crosses a `/`; a `**` segment spans any number."""
+    return _match(path.split("/") if path else [], [p for p in pattern.strip("/").split("/") if p])
+
+
+def _match(parts: list[str], pats: list[str]) -> bool:
+    if not pats:
+        return not parts
+    if pats[0] == "**":
+        return any(_match(parts[i:], pats[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pats[0]) and _match(parts[1:], pats[1:])
+
+
+def _directories(names: list[str]) -> set[str]:
+    out = set()
+    for name in names:
+        parent = posixpath.dirname(name)
+        while True:
+            out.add(parent)
+            if not parent:
+                break
+            parent = posixpath.dirname(parent)
+    return out
+
+
+def find(store: Store, pattern: str | None = None, step_regex: str | None = None,
+         sizes: dict[str, int] | None = None) -> list[Candidate]:
+    """The directories that may hold a checkpoint: those matching `pattern` (relative to the
+    store), or by default every directory holding a config.json. Sorted by step, then path."""
+    sizes = list_sizes(store) if sizes is None else sizes
+    names = [n for n in sizes if not posixpath.basename(n).startswith(".")]
+    if pattern:
+        dirs = sorted(d for d in _directories(names) if matches(d, pattern))
+    else:
+        dirs = sorted({posixpath.dirname(n) for n in names if posixpath.basename(n) == CONFIG})
+    out = []
+    for d in dirs:
+        prefix = f"{d}/" if d else ""
+        files = {n[len(prefix):]: sizes[n] for n in names if n.startswith(prefix) and "/" not in n[len(prefix):]}
+        out.append(Candidate(d, step_of(d, step_regex), files))
+    return sorted(out, key=_order)
+
+
+def _order(item) -> tuple:
+    return (item.step is None, item.step or 0, item.path)
+
+
+# --- inspecting a candidate: config, index and shard headers ------------------------------------
+
+
+class _Dir:
+    """A read-only view of one directory of a store (one client, one byte counter for all)."""
+
+    def __init__(self, store: Store, path: str):
+        self.store, self.prefix = store, f"{path}/" if path else ""
+        self.uri = f"{store.uri.rstrip('/')}/{path}" if path else store.uri
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        return self.store.read_range(self.prefix + name, start, length)
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.store.read_bytes(self.prefix + name)
+
+
+class Incomplete(Exception):
+    """The checkpoint is not (yet) all there; the message names the file."""
+
+
+def _read_json(d: _Dir, name: str, files: dict[str, int]) -> dict:
+    if files[name] > MAX_JSON:
+        raise CorruptCheckpoint(f"{d.uri}/{name}: {files[name]} bytes is too large for checkpoint metadata")
+    try:
+        data = json.loads(d.read_bytes(name))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpoint(f"{d.uri}/{name}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CorruptCheckpoint(f"{d.uri}/{name}: expected a JSON object")
+    return data
+
+
+def _shards(d: _Dir, files: dict[str, int]) -> tuple[list[str], dict | None]:
+    """The shard files and the index's weight map (None for a single model.safetensors)."""
+    if INDEX in files:
+        weight_map = _read_json(d, INDEX, files).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CorruptCheckpoint(f"{d.uri}/{INDEX}: no weight_map")
+        shards = list(dict.fromkeys(weight_map.values()))
+        missing = [s for s in shards if s not in files]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise Incomplete(f"{len(missing)} of {len(shards)} shards named in {INDEX} missing: "
+                             f"{', '.join(missing[:3])}{more}")
+        return shards, weight_map
+    if SINGLE in files:
+        return [SINGLE], None
+    raise Incomplete(f"neither {INDEX} nor {SINGLE} present")
+
+
+def check_shard(d: _Dir, shard: str, size: int) -> set[str]:
+    """Raise Incomplete unless the shard is exactly its header plus the data it declares;
+    returns the names of its tensors."""
+    try:
+        tensors, _ = read_header(d, shard, size)
+    except CorruptCheckpoint as exc:
+        raise Incomplete(str(exc).replace(f"{d.uri}/", "")) from None
+    if tensors:
+        declared = max(t.end for t in tensors.values())
+    else:  # a shard of no tensors is its header alone
+        declared = 8 + int.from_bytes(d.read_range(shard, 0, 8), "little")
+    if size != declared:
+        raise Incomplete(f"{shard} is {size} bytes but its header declares {declared} "
+                         f"({'truncated or still being written' if size < declared else 'trailing bytes'})")
+    return set(tensors)
+
+
+def inspect(store: Store, candidate: Candidate, pool: ThreadPoolExecutor | None = None) -> Checkpoint:
+    """Read what decides a candidate: config.json, the index, each shard's header."""
+    d, files = _Dir(store, candidate.path), candidate.files
+    entry = Checkpoint(step=candidate.step, uri=d.uri, path=candidate.path, complete=False, kind=UNKNOWN,
+                       bytes=sum(files.values()))
+    is_proxy = MANIFEST in files or any(p.endswith(PROXIES_SUFFIX) for p in candidate.path.split("/"))
+    if CONFIG not in files:
+        entry.reason = f"{CONFIG} missing"
+        entry.kind = PROXY if is_proxy else UNKNOWN
+        return entry
+    try:
+        config = _read_json(d, CONFIG, files)
+    except (CorruptCheckpoint, ObjectNotFound) as exc:
+        entry.reason = str(exc).replace(f"{d.uri}/", "")
+        return entry
+    entry.model_type = config.get("model_type")
+    if not entry.model_type and not config.get("architectures"):
+        entry.reason = f"{CONFIG} names no model (neither model_type nor architectures)"
+        return entry
+    try:
+        entry.architecture, entry.kind = detect(config).name, MOE
+    except NotMoE:
+        entry.kind = DENSE
+    except UnsupportedArchitecture as exc:
+        entry.kind, entry.reason = UNSUPPORTED, str(exc)
+    if is_proxy:
+        entry.kind = PROXY
+    try:
+        shards, weight_map = _shards(d, files)
+        entry.shards = len(shards)
+        mapper = pool.map if pool is not None else map
+        found = list(mapper(lambda s: check_shard(d, s, files[s]), shards))
+    except Incomplete as exc:
+        entry.reason = str(exc)
+        return entry
+    except (CorruptCheckpoint, ObjectNotFound) as exc:  # e.g. a file deleted since the listing
+        entry.reason = str(exc).replace(f"{d.uri}/", "")
+        return entry
+    if weight_map is not None:
+        by_shard = dict(zip(shards, found))
+        absent = [k for k, s in weight_map.items() if k not in by_shard[s]]
+        if absent:
+            entry.reason = f"{len(absent)} tensor(s) of {INDEX} not in the shard it names, e.g. {absent[0]!r}"
+            return entry
+    entry.complete = True
+    if is_proxy and entry.reason is None:
+        entry.reason = "a proxy built by moe-proxy, not a source"
+    elif entry.kind == DENSE:
+        entry.reason = "not a mixture-of-experts model (no routed experts)"
+    return entry
+
+
+def inspect_all(store: Store, candidates: list[Candidate], workers: int = 16) -> list[Checkpoint]:
+    """inspect() every candidate; each checkpoint's shard headers are read concurrently."""
+    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-headers") as pool:
+        return [inspect(store, c, pool) for c in candidates]
+
+
+def list_checkpoints(uri: str | Store, pattern: str | None = None, step_regex: str | None = None,
+                     **store_options) -> list[Checkpoint]:
+    """Every checkpoint under `uri` (local path or s3://), sorted by step ascending."""
+    store = open_store(uri, **store_options) if isinstance(uri, str) else uri
+    if isinstance(store, LocalStore) and not store.root.is_dir():
+        raise StorageError(f"{store.uri}: no such directory")
+    return inspect_all(store, find(store, pattern, step_regex))
+
+
+def latest_before(checkpoints: list[Checkpoint], step: int) -> Checkpoint | None:
+    """The newest source checkpoint strictly before `step`: the one to reproduce a failure
+    that showed at `step` from."""
+    earlier = [c for c in checkpoints if c.source and c.step is not None and c.step < step]
+    return max(earlier, key=lambda c: c.step) if earlier else None
+
+
+@dataclass
+class CountingStore:
+    """Wraps a store and counts the bytes read through it (tests, benchmarks)."""
+
+    store: Store
+    bytes_read: int = 0
+    reads: int = 0
+    uri: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.uri = self.store.uri
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        data = self.store.read_range(name, start, length)
+        self.bytes_read += len(data)
+        self.reads += 1
+        return data
+
+    def read_bytes(self, name: str) -> bytes:
+        data = self.store.read_bytes(name)
+        self.bytes_read += len(data)
+        self.reads += 1
+        return data
+
+    def list_sizes(self) -> dict[str, int]:
+        return list_sizes(self.store)
+
+    def __getattr__(self, name: str):  # exists, size, list, ... pass through
+        return getattr(self.store, name)
