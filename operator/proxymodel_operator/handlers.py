@@ -196,11 +196,14 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
 async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
                     name: str, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
     """Step 2: replace older generations' children by this generation's transformer Job."""
+    if (status.get("pipeline") or {}).get("specHash") != spec_hash(dict(spec)):
+        logger.info("no transformer Job: this spec was not accepted (see the Accepted condition)")
+        return  # kopf runs the next sub-handler even after one failed permanently
     generation = meta.get("generation") or 1
     parsed = _parse(spec, namespace, name)
     deleted = await _delete_children(namespace, name, keep_generation=generation)
     if deleted:
-        kopf.info(body, reason="ChildrenReplaced", message=f"deleted {', '.join(sorted(deleted))} of an older spec")
+        kopf.event(body, type="Normal", reason="ChildrenReplaced", message=f"deleted {', '.join(sorted(deleted))} of an older spec")
     job = transformer_job(name, namespace, generation, parsed)
     kopf.adopt(job, owner=body)
     _, created = await kube.create(JOBS, namespace, job)
@@ -211,7 +214,7 @@ async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body:
     _set_condition(patch, status, condition(PROXY_READY_CONDITION, False, "TransformerRunning",
                                             f"Job {job_name} builds the proxy at {parsed.destination}", generation))
     if created:
-        kopf.info(body, reason="TransformerCreated", message=f"Job {job_name} builds {parsed.destination}")
+        kopf.event(body, type="Normal", reason="TransformerCreated", message=f"Job {job_name} builds {parsed.destination}")
     logger.info("transformer Job %s %s", job_name, "created" if created else "already exists")
 
 
@@ -346,7 +349,7 @@ async def _transformer_verdict(parent: dict, verdict, logger: logging.Logger) ->
     patch = {"phase": PROXY_READY, "proxy": proxy, "experts": arrow(experts["before"], experts["after"]),
              "conditions": with_condition(conditions, condition(PROXY_READY_CONDITION, True, "ProxyBuilt",
                                                                 message, generation))}
-    kopf.info(parent, reason="ProxyReady", message=message)
+    kopf.event(parent, type="Normal", reason="ProxyReady", message=message)
     logger.info(message)
     spec = parse(parent.get("spec") or {}, parent["metadata"]["namespace"], parent["metadata"]["name"], config)
     if spec.reproduction.enabled and not spec.suspend:
@@ -381,7 +384,7 @@ async def _start_reproduction(parent: dict, patch_into: dict) -> None:
         f"{spec.reproduction.runtime} {child} runs up to {spec.reproduction.max_steps} steps on {devices} x "
         f"{spec.reproduction.accelerator.resource}", generation))
     if created:
-        kopf.info(parent, reason="ReproductionCreated",
+        kopf.event(parent, type="Normal", reason="ReproductionCreated",
                   message=f"{spec.reproduction.runtime} {child} on {devices} x {spec.reproduction.accelerator.resource}")
 
 

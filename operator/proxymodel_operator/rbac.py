@@ -41,10 +41,10 @@ PERMISSIONS: tuple[Permission, ...] = (
     # expert count, plan). Only the Secret the ProxyModel names is read, and only in memory.
     Permission("", "secrets", ("get",),
                "S3 credentials named by spec.source.credentialsSecret, for the preflight read"),
-    # Events on the ProxyModel (kopf.event) and kopf's own handler events.
+    # Events on the ProxyModel (kopf.event) and kopf's own handler warnings (core v1 Events).
     Permission("", "events", ("create",), "Events on ProxyModels"),
-    Permission("events.k8s.io", "events", ("create",), "Events on ProxyModels (newer API)"),
-    # kopf's runtime discovery: namespaces when watching by pattern, CRDs to resolve resources.
+    # kopf's runtime discovery: namespaces when MOEPROXY_NAMESPACES holds glob patterns, and
+    # CRDs to notice the Volcano/AscendJob resources when they are installed later.
     Permission("", "namespaces", ("list", "watch"), "kopf: follow watched namespaces"),
     Permission("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
                "kopf: discover the ProxyModel resource"),

@@ -99,7 +99,8 @@ async def cluster(tmp_path, monkeypatch) -> AsyncIterator[Api]:
         }))
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        async with aiohttp.ClientSession(base_url=str(emulator.url).rstrip("/") + "/") as session:
+        async with aiohttp.ClientSession(base_url=str(emulator.url).rstrip("/") + "/",
+                                         headers={"X-Test-Client": "kubectl"}) as session:
             yield Api(emulator, session)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from moe_proxy.seaweed import SeaweedFS
 from moe_proxy.tiny import make_tiny
-from s3_helpers import ACCESS_KEY, SECRET_KEY
+from .helpers import ACCESS_KEY, SECRET_KEY
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ import pytest
 from moe_proxy.build import build_proxy
 from moe_proxy.checkpoint import MANIFEST
 from moe_proxy.errors import DestinationExists
-from s3_faultproxy import FaultProxy
-from s3_helpers import download, tree
+from .faultproxy import FaultProxy
+from .helpers import download, tree
 
 
 def without_source_uri(manifest: dict) -> dict:
@@ -71,6 +71,27 @@ def test_rerun_is_a_no_op_and_a_different_proxy_is_refused(seaweed, s3_ckpt, pre
     assert json.loads(client.get_object(Bucket="proxy", Key=f"{prefix}/{MANIFEST}")["Body"].read()) == other
 
 
+def test_scale_out_workers_then_finalize_on_s3(seaweed, s3_ckpt, local_ckpt, prefix, tmp_path):
+    """Two workers write their shares of the shards, then finalize checks them against the
+    journals by the store's checksums, downloading none of them, and publishes."""
+    dst = f"s3://proxy/{prefix}"
+    local = build_proxy(str(local_ckpt), str(tmp_path / "local"), experts=8)
+    with FaultProxy(int(seaweed.endpoint_url.rsplit(":", 1)[1])) as counter:
+        options = {"endpoint_url": counter.endpoint_url}
+        for worker in (0, 1):
+            build_proxy(s3_ckpt, dst, experts=8, worker=worker, workers=2, store_options=options)
+        before = counter.bytes_down
+        m = build_proxy(s3_ckpt, dst, experts=8, workers=2, finalize_only=True, store_options=options)
+        finalize_downloaded = counter.bytes_down - before
+    shards = sum(f["size"] for name, f in m["files"].items() if name.endswith(".safetensors"))
+    print(f"\nfinalize downloaded {finalize_downloaded} B; the shards it checked are {shards} B")
+    assert finalize_downloaded < shards / 4  # headers, router rows, json files: no shard
+    assert without_source_uri(m) == without_source_uri(local)
+    got = tree(download(seaweed, dst, tmp_path / "back"))
+    assert {n: b for n, b in got.items() if n != MANIFEST} == {
+        n: b for n, b in tree(tmp_path / "local").items() if n != MANIFEST}
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moe_proxy", *args], capture_output=True, text=True, timeout=300)
 
@@ -80,6 +101,8 @@ def test_cli_build_inspect_verify_on_s3(seaweed, s3_ckpt, prefix):
     r = cli("build", s3_ckpt, f"s3://proxy/{prefix}", "--experts", "8", "--no-progress", *endpoint)
     assert r.returncode == 0, r.stderr
     assert "64 -> 8" in r.stdout
+    r = cli("build", s3_ckpt, f"s3://proxy/{prefix}", "--experts", "8", "--no-progress", *endpoint)
+    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr  # the rerun says so
     r = cli("inspect", s3_ckpt, *endpoint)
     assert r.returncode == 0, r.stderr
     assert "qwen3" in r.stdout.lower()

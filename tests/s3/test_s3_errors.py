@@ -12,7 +12,7 @@ from moe_proxy.checkpoint import open_checkpoint
 from moe_proxy.errors import AccessDenied, CorruptCheckpoint, EndpointUnreachable, ObjectNotFound
 from moe_proxy.seaweed import SeaweedFS, free_ports
 from moe_proxy.storage import open_store, write_bytes
-from s3_helpers import ACCESS_KEY, SECRET_KEY
+from .helpers import ACCESS_KEY, SECRET_KEY
 
 
 def opts(seaweed, **more) -> dict:

@@ -14,8 +14,8 @@ import pytest
 
 from moe_proxy.build import build_proxy, journal_name
 from moe_proxy.checkpoint import MANIFEST
-from s3_faultproxy import FaultProxy
-from s3_helpers import PART, download, incomplete_uploads, tree
+from .faultproxy import FaultProxy
+from .helpers import PART, download, incomplete_uploads, tree
 
 KEEP = 56  # of 64: output shards of ~5.9 MB, two 5 MiB-part multipart uploads each
 

@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 
 from moe_proxy.storage import open_store, write_bytes
-from s3_helpers import PART, incomplete_uploads
+from .helpers import PART, incomplete_uploads
 
 
 def store(seaweed, prefix, **options):

@@ -1,0 +1,233 @@
+"""Failures, bad input, restarts, spec changes, suspension, deletion: the operator against the
+emulated API (kopf for real) and SeaweedFS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import kmock
+import pytest
+
+from proxymodel_operator import rbac
+from proxymodel_operator.resources import JOBS, PROXYMODELS, VOLCANO_JOBS
+
+from .harness import ACCESS_KEY, SECRET_KEY, TRANSFORMER_REPORT, eventually, proxymodel
+
+NS = "team-b"
+
+
+async def _secret(cluster, name: str = "s3-creds", key: str = ACCESS_KEY, secret: str = SECRET_KEY) -> None:
+    await cluster.secret(NS, name, AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret)
+
+
+async def _failed_with(cluster, name: str, reason: str) -> dict:
+    await eventually(lambda: cluster.status(NS, name).get("phase") == "Failed", what=f"{name} Failed")
+    status = cluster.status(NS, name)
+    assert reason in status["message"], status
+    return status
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("oom", "OOMKilled"),
+    ("backoff", "BackoffLimitExceeded"),
+    ("image", "ImagePullBackOff"),
+    ("report", "S3AccessDenied"),
+])
+async def test_transformer_failures_carry_the_real_reason(cluster, operator, how, reason):
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("f1"))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "f1-transform-g1"))
+    if how == "oom":  # the Job only says BackoffLimitExceeded; the pod says why
+        await cluster.finish_pod(NS, job, "transformer", 137, reason="OOMKilled")
+        await cluster.job_condition(NS, "f1-transform-g1", "Failed", "BackoffLimitExceeded")
+    elif how == "backoff":
+        await cluster.finish_pod(NS, job, "transformer", 1)
+        await cluster.job_condition(NS, "f1-transform-g1", "Failed", "BackoffLimitExceeded")
+    elif how == "image":  # the Job never fails by itself: the pod waits forever
+        await cluster.waiting_pod(NS, job, "transformer", "ImagePullBackOff")
+    else:  # the transformer's own report in its termination message
+        await cluster.finish_pod(NS, job, "transformer", 2, json.dumps(
+            {"error": "S3AccessDenied", "message": "s3://ckpt/qwen3-moe: access denied for get_object"}))
+        await cluster.job_condition(NS, "f1-transform-g1", "Failed", "PodFailurePolicy")
+    await _failed_with(cluster, "f1", reason)
+    ready = cluster.condition(NS, "f1", "ProxyReady")
+    assert (ready["status"], ready["reason"]) == ("False", reason)
+    assert cluster.names(JOBS, NS) == ["f1-transform-g1"]  # no reproduction after a failure
+
+
+async def test_reproduction_failure_and_unschedulable_gang(cluster, operator):
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("f2", reproduction={"runtime": "VolcanoJob"}))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "f2-transform-g1"))
+    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
+    await cluster.job_condition(NS, "f2-transform-g1", "Complete")
+    await eventually(lambda: cluster.get(VOLCANO_JOBS, NS, "f2-repro-g1"))
+    # The gang waits: a reason in the condition, not a failure.
+    await cluster.patch(VOLCANO_JOBS, NS, "f2-repro-g1", {"status": {"state": {
+        "phase": "Pending", "reason": "Unschedulable", "message": "gang unschedulable: 0/2 nodes have 8 NPUs"}}})
+    await eventually(lambda: cluster.condition(NS, "f2", "FailureReproduced").get("reason") == "Unschedulable")
+    assert cluster.status(NS, "f2")["phase"] == "Reproducing"
+    await cluster.patch(VOLCANO_JOBS, NS, "f2-repro-g1", {"status": {"state": {"phase": "Aborted", "reason": ""}}})
+    await _failed_with(cluster, "f2", "VolcanoJobAborted")
+
+
+@pytest.mark.parametrize("change, reason, detail", [
+    ({"pruning": {"experts": 200}}, "InvalidExpertCount", "128 routed experts"),
+    ({"source": {"uri": "s3://ckpt/llama", "credentialsSecret": "s3-creds"}}, "NotMoE", "not a mixture-of-experts"),
+    ({"source": {"uri": "s3://ckpt/missing", "credentialsSecret": "s3-creds"}}, "S3NoSuchKey", "does not exist"),
+    ({"source": {"uri": "s3://ckpt/broken", "credentialsSecret": "s3-creds"}}, "CorruptCheckpoint", "not valid JSON"),
+    ({"source": {"uri": "s3://ckpt/qwen3-moe/global_step_100", "credentialsSecret": "bad-creds"}},
+     "S3AccessDenied", "access denied"),
+    ({"destination": {"uri": "s3://ckpt/qwen3-moe/global_step_100/proxy"}}, "InvalidSpec", "overlaps the source"),
+    ({"reproduction": {"accelerator": {"devices": 12, "devicesPerNode": 8}}}, "InvalidSpec", "whole nodes"),
+])
+async def test_bad_input_is_refused_before_any_job(cluster, operator, caplog, change, reason, detail):
+    caplog.set_level(logging.DEBUG)
+    await _secret(cluster)
+    await _secret(cluster, "bad-creds", secret="wrong-secret-value-123456")
+    await cluster.create(PROXYMODELS, NS, proxymodel("bad", **change))
+    await eventually(lambda: cluster.condition(NS, "bad", "Accepted").get("status") == "False", what="refusal")
+    accepted = cluster.condition(NS, "bad", "Accepted")
+    assert accepted["reason"] == reason and detail in accepted["message"], accepted
+    assert cluster.status(NS, "bad")["phase"] == "Failed"
+    await asyncio.sleep(0.5)
+    assert cluster.names(JOBS, NS) == []
+    events = [e for e in _events(cluster) if e.get("reason") == reason]
+    assert events and events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
+    assert "wrong-secret-value" not in caplog.text + json.dumps(_everything(cluster))
+
+
+async def test_missing_secret_waits_and_recovers(cluster, operator):
+    await cluster.create(PROXYMODELS, NS, proxymodel("w1"))
+    await eventually(lambda: cluster.condition(NS, "w1", "Accepted").get("reason") == "SecretNotFound")
+    assert cluster.status(NS, "w1")["phase"] == "Pending" and cluster.names(JOBS, NS) == []
+
+
+async def test_restart_mid_pipeline_makes_no_duplicate(cluster, operator):
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("r1"))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "r1-transform-g1"))
+    await eventually(lambda: cluster.status(NS, "r1").get("phase") == "Transforming")
+    await operator.stop()
+    # While the operator is down, the transformer finishes.
+    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
+    await cluster.job_condition(NS, "r1-transform-g1", "Complete")
+    posts_before = _job_posts(cluster)
+    await operator.start()
+    await eventually(lambda: cluster.get(JOBS, NS, "r1-repro-g1"), what="reproduction after restart")
+    await operator.stop()
+    await operator.start()  # and once more, with everything in place
+    await asyncio.sleep(1.5)
+    assert cluster.names(JOBS, NS) == ["r1-repro-g1", "r1-transform-g1"]
+    assert _job_posts(cluster) - posts_before == 1  # only the reproduction Job was created
+    assert cluster.status(NS, "r1")["phase"] == "Reproducing"
+
+
+async def test_spec_change_replaces_children(cluster, operator):
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("c1"))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "c1-transform-g1"))
+    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
+    await cluster.job_condition(NS, "c1-transform-g1", "Complete")
+    await eventually(lambda: cluster.get(JOBS, NS, "c1-repro-g1"))
+
+    await cluster.patch_spec(PROXYMODELS, NS, "c1", {"pruning": {"experts": 32}})
+    new = await eventually(lambda: cluster.get(JOBS, NS, "c1-transform-g2"), what="new generation's Job")
+    await eventually(lambda: cluster.names(JOBS, NS) == ["c1-transform-g2"], what="old children gone")
+    args = new["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--experts") + 1] == "32"
+    await eventually(lambda: cluster.status(NS, "c1").get("phase") == "Transforming")
+    status = cluster.status(NS, "c1")
+    assert status["experts"] == "128->32" and "proxy" not in status and status["pipeline"]["generation"] == 2
+    assert status["observedGeneration"] == 2
+
+
+async def test_suspend_creates_nothing_new(cluster, operator):
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("s1", suspend=True))
+    await eventually(lambda: cluster.status(NS, "s1").get("phase") == "Suspended")
+    await asyncio.sleep(0.5)
+    assert cluster.names(JOBS, NS) == []
+
+    await cluster.patch_spec(PROXYMODELS, NS, "s1", {"suspend": False})
+    job = await eventually(lambda: cluster.get(JOBS, NS, "s1-transform-g2"), what="Job after resuming")
+    await eventually(lambda: cluster.status(NS, "s1").get("phase") == "Transforming")
+
+    # Suspended while transforming: the proxy is recorded, but no reproduction starts ...
+    await cluster.patch_spec(PROXYMODELS, NS, "s1", {"suspend": True})
+    await eventually(lambda: cluster.status(NS, "s1").get("phase") == "Suspended")
+    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
+    await cluster.job_condition(NS, "s1-transform-g2", "Complete")
+    await eventually(lambda: cluster.status(NS, "s1").get("proxy"), what="proxy recorded while suspended")
+    await asyncio.sleep(0.5)
+    assert cluster.names(JOBS, NS) == ["s1-transform-g2"] and cluster.status(NS, "s1")["phase"] == "Suspended"
+    # ... until it is resumed, with the same children (suspend alone is no new spec).
+    await cluster.patch_spec(PROXYMODELS, NS, "s1", {"suspend": False})
+    await eventually(lambda: cluster.get(JOBS, NS, "s1-repro-g2"), what="reproduction after resuming")
+    assert cluster.names(JOBS, NS) == ["s1-repro-g2", "s1-transform-g2"]
+
+
+async def test_deletion_cleans_the_proxy_only_when_asked(cluster, operator, s3):
+    await _secret(cluster)
+    client = s3.client()
+    dest = "proxies/d2/"
+    client.put_object(Bucket="ckpt", Key=f"{dest}proxy-manifest.json", Body=b"{}")
+    await cluster.create(PROXYMODELS, NS, proxymodel("d1"))
+    await cluster.create(PROXYMODELS, NS, proxymodel("d2", destination={"uri": f"s3://ckpt/{dest}"},
+                                                     cleanup={"deleteProxy": True}))
+    await eventually(lambda: cluster.get(JOBS, NS, "d2-transform-g1") and cluster.get(JOBS, NS, "d1-transform-g1"))
+    finalizers = lambda n: (cluster.get(PROXYMODELS, NS, n) or {}).get("metadata", {}).get("finalizers") or []  # noqa: E731
+    assert finalizers("d2") and not finalizers("d1")
+    await cluster.delete(PROXYMODELS, NS, "d1")
+    await cluster.delete(PROXYMODELS, NS, "d2")
+    await eventually(lambda: cluster.get(PROXYMODELS, NS, "d2") is None, what="d2 released")
+    assert cluster.get(PROXYMODELS, NS, "d1") is None
+    assert client.list_objects_v2(Bucket="ckpt", Prefix=dest).get("KeyCount") == 0
+
+
+async def test_every_api_call_is_in_rbac_permissions(cluster, operator):
+    """The chart's ClusterRole is rbac.PERMISSIONS: nothing the operator does may fall outside it."""
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("p1", reproduction={"runtime": "AscendJob"}))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "p1-transform-g1"))
+    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
+    await cluster.job_condition(NS, "p1-transform-g1", "Complete")
+    await eventually(lambda: cluster.status(NS, "p1").get("phase") == "Reproducing")
+    await cluster.patch_spec(PROXYMODELS, NS, "p1", {"pruning": {"experts": 32}})
+    await eventually(lambda: cluster.get(JOBS, NS, "p1-transform-g2"))
+    await asyncio.sleep(0.5)
+    verbs = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch",
+             "DELETE": "delete"}
+    seen = set()
+    for request in list(cluster.emulator):
+        if request.resource is None or request.resource.plural is None or request.action is None \
+                or request.headers.get("X-Test-Client"):
+            continue  # discovery (open to all), or the test's own kubectl
+        plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        seen.add((request.resource.group, plural, verbs[request.action.value]))
+    missing = [s for s in seen if not rbac.allowed(*s)]
+    assert not missing, f"calls outside rbac.PERMISSIONS: {missing}"
+    assert ("batch", "jobs", "create") in seen and ("moeproxy.io", "proxymodels/status", "patch") in seen
+    assert ("mindxdl.gitee.com", "ascendjobs", "create") in seen and ("", "secrets", "get") in seen
+    assert ("", "events", "create") in seen
+
+
+def _events(cluster) -> list[dict]:
+    out = []
+    for (resource, _ns, _name), obj in list(cluster.emulator.objects.items()):
+        if resource.plural == "events" and not obj.deleted:
+            out.append(dict(obj.raw))
+    return out
+
+
+def _everything(cluster) -> list[dict]:
+    return [dict(obj.raw) for obj in list(cluster.emulator.objects.values()) if not obj.deleted
+            if obj.raw.get("kind") != "Secret"]
+
+
+def _job_posts(cluster) -> int:
+    return sum(1 for r in list(cluster.emulator)
+               if r.resource == kmock.resource("batch/v1/jobs") and r.action == kmock.action.CREATE
+               and not r.headers.get("X-Test-Client"))
