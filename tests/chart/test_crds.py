@@ -53,7 +53,8 @@ def test_packaged_chart_carries_the_same_bytes(tmp_path):
 
 
 def test_rendered_crds_are_the_crds_of_the_repository(chart):
-    rendered = {o["metadata"]["name"]: o for o in by_kind(render_objects(chart), "CustomResourceDefinition")}
+    objects = render_objects(chart, {"checkpointWatch": {"enabled": True}})
+    rendered = {o["metadata"]["name"]: o for o in by_kind(objects, "CustomResourceDefinition")}
     expected = crd_objects()
     assert sorted(rendered) == sorted(expected)
     assert "proxymodels.moeproxy.io" in rendered
@@ -69,6 +70,15 @@ def test_rendered_crds_are_the_crds_of_the_repository(chart):
         assert strip == source_strip
         assert {k: v for k, v in crd.items() if k != "metadata"} == \
                {k: v for k, v in expected[name].items() if k != "metadata"}
+
+
+def test_checkpointwatch_crd_comes_with_checkpoint_watching(chart):
+    kinds = {c["metadata"]["name"]: c["spec"]["names"]["kind"] for c in crd_objects().values()}
+    off = {c["spec"]["names"]["kind"] for c in by_kind(render_objects(chart), "CustomResourceDefinition")}
+    on = {c["spec"]["names"]["kind"]
+          for c in by_kind(render_objects(chart, {"checkpointWatch": {"enabled": True}}), "CustomResourceDefinition")}
+    assert "ProxyModel" in off and "CheckpointWatch" not in off
+    assert on == set(kinds.values())
 
 
 def test_crds_can_be_left_out_or_released_on_uninstall(chart):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from .conftest import (CHART, CRDS, KUBE_VERSIONS, NAMESPACE, RELEASE, by_kind, helm, one, operator_env,
                        render_objects)
@@ -97,7 +98,10 @@ def test_default_render(chart):
     objects = render_objects(chart)
     kinds = [o["kind"] for o in objects if o["kind"] != "CustomResourceDefinition"]
     assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
-    assert len(by_kind(objects, "CustomResourceDefinition")) == len(list(CRDS.glob("*.yaml")))
+    crds = {c["spec"]["names"]["kind"] for c in by_kind(objects, "CustomResourceDefinition")}
+    in_repo = {yaml.safe_load(p.read_text())["spec"]["names"]["kind"] for p in CRDS.glob("*.yaml")}
+    assert "ProxyModel" in crds
+    assert crds == in_repo - {"CheckpointWatch"}  # checkpointWatch.enabled is false by default
     deployment = one(objects, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"] == RELEASE
