@@ -32,9 +32,10 @@ def test_small_file_is_one_put_with_its_sha256(seaweed, prefix):
     assert s.list() == [] and not s.exists("config.json")
 
 
-def test_multipart_upload_streams_parts_and_checks_the_whole(seaweed, prefix):
+@pytest.mark.parametrize("checksum", ["sha256", "md5"])
+def test_multipart_upload_streams_parts_and_checks_the_whole(seaweed, prefix, checksum):
     data = os.urandom(2 * PART + 12345)
-    s = store(seaweed, prefix, part_size=PART, max_concurrency=2)
+    s = store(seaweed, prefix, part_size=PART, max_concurrency=2, checksum=checksum)
     w = s.writer("sub/shard.safetensors")
     for i in range(0, len(data), 777_777):  # odd-sized writes, as a shard writer produces them
         w.write(memoryview(data)[i : i + 777_777])
@@ -44,10 +45,25 @@ def test_multipart_upload_streams_parts_and_checks_the_whole(seaweed, prefix):
     w.commit()
     assert incomplete_uploads(seaweed, "proxy", prefix) == []
     assert s.size("sub/shard.safetensors") == len(data)
-    assert s.checksum("sub/shard.safetensors").endswith("-3")  # sha256 of the 3 parts' sha256s
+    parts = [data[:PART], data[PART : 2 * PART], data[2 * PART :]]
+    if checksum == "sha256":  # the sha256 of the 3 parts' sha256s, as the store computed it
+        inner = b"".join(hashlib.sha256(p).digest() for p in parts)
+        assert s.checksum("sub/shard.safetensors") == base64.b64encode(hashlib.sha256(inner).digest()).decode() + "-3"
+    else:  # the ETag: md5 of the parts' md5s
+        inner = b"".join(hashlib.md5(p).digest() for p in parts)
+        assert s.checksum("sub/shard.safetensors") == f'"{hashlib.md5(inner).hexdigest()}-3"'
     for start, n in [(0, 8), (PART - 5, 10), (2 * PART, 12345), (123, 2 * PART)]:
         assert s.read_range("sub/shard.safetensors", start, n) == data[start : start + n]
     assert s.list() == ["sub/shard.safetensors"]
+
+
+def test_md5_mode_single_put(seaweed, prefix, monkeypatch):
+    """For stores without S3's flexible checksums: Content-MD5, checked against the ETag."""
+    monkeypatch.setenv("MOE_PROXY_S3_CHECKSUM", "md5")
+    s = store(seaweed, prefix)
+    write_bytes(s, "config.json", b"{}")
+    assert s.checksum("config.json") == f'"{hashlib.md5(b"{}").hexdigest()}"'
+    assert s.read_bytes("config.json") == b"{}"
 
 
 def test_abort_leaves_nothing(seaweed, prefix):

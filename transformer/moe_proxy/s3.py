@@ -76,7 +76,8 @@ class S3Store:
     """A checkpoint directory under an S3 prefix (see the module docstring).
 
     Options (all optional, passed through open_store): endpoint_url, region, addressing_style
-    ("path" or "virtual"), part_size and max_concurrency (upload memory is about
+    ("path" or "virtual"), checksum ("sha256", or "md5" for older stores; default
+    $MOE_PROXY_S3_CHECKSUM), part_size and max_concurrency (upload memory is about
     (max_concurrency + 1) x part_size per file being written), max_attempts (per request,
     first try included), connect_timeout / read_timeout in seconds.
     """
@@ -96,10 +97,16 @@ class S3Store:
         max_attempts: int = 5,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        checksum: str | None = None,
     ):
         self.bucket, self.prefix = parse_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.part_size, self.max_concurrency, self.max_attempts = part_size, max_concurrency, max_attempts
+        # What each PUT and part carries: SHA256 (x-amz-checksum-sha256) by default; MD5
+        # (Content-MD5, checked against the ETag) for stores that predate S3's flexible checksums.
+        self.checksum_algorithm = (checksum or os.environ.get("MOE_PROXY_S3_CHECKSUM") or "sha256").lower()
+        if self.checksum_algorithm not in ("sha256", "md5"):
+            raise StorageError(f"checksum must be sha256 or md5, got {self.checksum_algorithm!r} (MOE_PROXY_S3_CHECKSUM)")
         custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if addressing_style is None and custom_endpoint:
             addressing_style = "path"
@@ -109,7 +116,7 @@ class S3Store:
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_pool_connections=max(10, 2 * max_concurrency),
-            # We send our own SHA256 with every PUT and part (below); this keeps botocore from
+            # We send our own checksum with every PUT and part (below); this keeps botocore from
             # adding CRC trailers that some S3-compatible stores reject.
             request_checksum_calculation="when_required",
             user_agent_extra=f"moe-proxy/{__version__}",
@@ -308,15 +315,17 @@ class S3Writer:
     """One object being uploaded, bytes pushed in with write(). Full parts go up as a
     multipart upload while the caller keeps producing (at most max_concurrency parts in
     flight, so memory stays bounded); a file smaller than one part is a single PUT. Every
-    PUT and part carries its SHA256, which the store checks on receipt, and commit checks the
-    store's checksum of the whole object. Nothing is visible under the key before commit."""
+    PUT and part carries its SHA256 (or MD5), which the store checks on receipt, and commit
+    checks the store's checksum of the whole object. Nothing is visible under the key before
+    commit."""
 
     def __init__(self, store: S3Store, name: str):
         self.store, self.name = store, name
         self.buffer = bytearray()
         self.upload_id: str | None = None
-        self.digests: list[bytes] = []  # SHA256 of each part, in order
-        self.parts: list[Future] = []  # -> {"PartNumber", "ETag", "ChecksumSHA256"}
+        self.md5 = store.checksum_algorithm == "md5"
+        self.digests: list[bytes] = []  # SHA256 (or MD5) of each part, in order
+        self.parts: list[Future] = []  # -> {"PartNumber", "ETag"[, "ChecksumSHA256"]}
         self.pool: ThreadPoolExecutor | None = None
 
     def write(self, data: bytes | memoryview) -> int:
@@ -330,7 +339,8 @@ class S3Writer:
     def _send(self, part: bytes) -> None:
         store = self.store
         if self.upload_id is None:
-            self.upload_id = store._call("create_multipart_upload", self.name, ChecksumAlgorithm="SHA256")["UploadId"]
+            algorithm = {} if self.md5 else {"ChecksumAlgorithm": "SHA256"}
+            self.upload_id = store._call("create_multipart_upload", self.name, **algorithm)["UploadId"]
             self.pool = ThreadPoolExecutor(store.max_concurrency, thread_name_prefix="s3-upload")
         number = len(self.parts) + 1
         if number > MAX_PARTS:
@@ -339,32 +349,46 @@ class S3Writer:
         in_flight = [f for f in self.parts if not f.done()]
         if len(in_flight) >= store.max_concurrency:
             in_flight[0].result()
-        digest = hashlib.sha256(part).digest()
-        self.digests.append(digest)
-        self.parts.append(self.pool.submit(self._upload_part, number, part, _b64(digest)))
+        self.parts.append(self.pool.submit(self._upload_part, number, part, self._checksum(part)))
 
-    def _upload_part(self, number: int, part: bytes, checksum: str) -> dict:
+    def _checksum(self, data: bytes) -> dict:
+        """The request parameter that makes the store verify `data` on receipt."""
+        digest = (hashlib.md5 if self.md5 else hashlib.sha256)(data).digest()
+        self.digests.append(digest)
+        return {"ContentMD5": _b64(digest)} if self.md5 else {"ChecksumSHA256": _b64(digest)}
+
+    def _upload_part(self, number: int, part: bytes, checksum: dict) -> dict:
         r = self.store._call("upload_part", self.name, UploadId=self.upload_id, PartNumber=number,
-                             Body=part, ChecksumSHA256=checksum)
-        return {"PartNumber": number, "ETag": r["ETag"], "ChecksumSHA256": checksum}
+                             Body=part, **checksum)
+        return {"PartNumber": number, "ETag": r["ETag"], **({} if self.md5 else checksum)}
+
+    def _expected(self) -> str:
+        """What the store must report for the whole object: for n parts, the SHA256 of the parts'
+        SHA256s "-n", or the ETag, MD5 of the parts' MD5s "-n"; for one PUT, the MD5 ETag."""
+        n = len(self.digests)
+        if not self.md5:
+            return f"{_b64(hashlib.sha256(b''.join(self.digests)).digest())}-{n}"
+        return f'"{self.digests[0].hex()}"' if self.upload_id is None else f'"{hashlib.md5(b"".join(self.digests)).hexdigest()}-{n}"'
 
     def commit(self) -> None:
         store = self.store
         if self.upload_id is None:
             data = bytes(self.buffer)
-            store._call("put_object", self.name, Body=data, ChecksumSHA256=_b64(hashlib.sha256(data).digest()))
+            r = store._call("put_object", self.name, Body=data, **self._checksum(data))
+            if self.md5 and r.get("ETag") not in (None, self._expected()):
+                raise StorageError(f"s3://{store.bucket}/{store._key(self.name)}: the store's ETag {r['ETag']} "
+                                   f"differs from the MD5 of the data sent ({self._expected()})")
             return
         if self.buffer:
             self._send(bytes(self.buffer))  # the last part may be short
             self.buffer.clear()
         parts = [f.result() for f in self.parts]
         self.pool.shutdown()
-        # The store's checksum of a multipart object: SHA256 of the parts' SHA256s, "-<parts>".
-        expected = f"{_b64(hashlib.sha256(b''.join(self.digests)).digest())}-{len(parts)}"
+        expected = self._expected()
         try:
             r = store._call("complete_multipart_upload", self.name, UploadId=self.upload_id,
                             MultipartUpload={"Parts": parts})
-            got = r.get("ChecksumSHA256")
+            got = r.get("ETag" if self.md5 else "ChecksumSHA256")
         except StorageError as exc:
             # A retried complete whose first attempt succeeded finds no upload any more: the
             # object is there if its checksum is ours.

@@ -126,14 +126,18 @@ class SeaweedFS:
                 client.put_object(Bucket=pending[0], Key=".ready-probe", Body=b"1")
                 client.delete_object(Bucket=pending[0], Key=".ready-probe")
                 pending.pop(0)
-            except (BotoCoreError, ClientError):
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "InvalidBucketName":
+                    raise StorageError(f"invalid bucket name {pending[0]!r}: use 3-63 lowercase letters, digits, '-'")
+                time.sleep(0.2)
+            except BotoCoreError:
                 time.sleep(0.2)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=5)
+                self.process.wait(timeout=10)  # a clean stop takes ~3 s
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
