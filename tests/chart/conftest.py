@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -77,3 +78,11 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
 def operator_env(objects: list[dict]) -> dict[str, str]:
     container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def kubeconfig_for(server: str) -> str:
+    """A kubeconfig (JSON is YAML) for an emulated API server, with a bearer token."""
+    return json.dumps({"apiVersion": "v1", "kind": "Config", "current-context": "e",
+                       "clusters": [{"name": "e", "cluster": {"server": server}}],
+                       "users": [{"name": "e", "user": {"token": "emulator-token"}}],
+                       "contexts": [{"name": "e", "context": {"cluster": "e", "user": "e"}}]})

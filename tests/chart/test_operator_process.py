@@ -6,7 +6,6 @@ in the watched namespace), and SIGTERM stops it cleanly, as the kubelet would.""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,7 @@ import pytest
 
 from proxymodel_operator.resources import PROXYMODELS, RUNTIMES
 
-from .conftest import ROOT, grants, one, render_objects
+from .conftest import ROOT, grants, kubeconfig_for, one, render_objects
 
 kmock = pytest.importorskip("kmock")
 aiohttp = pytest.importorskip("aiohttp")
@@ -74,16 +73,6 @@ def namespaces_listable(monkeypatch):
     monkeypatch.setattr(parsing, "parse_path", parse_path)
 
 
-def write_kubeconfig(path, server: str):
-    """A kubeconfig for the emulator: kopf's kubeconfig login stands in for the pod's
-    service-account login."""
-    cluster, user = {"server": server}, {"token": "emulator-token"}
-    path.write_text(json.dumps({"apiVersion": "v1", "kind": "Config", "current-context": "e",
-                                "clusters": [{"name": "e", "cluster": cluster}], "users": [{"name": "e", "user": user}],
-                                "contexts": [{"name": "e", "context": {"cluster": "e", "user": "e"}}]}))
-    return path
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,7 +117,8 @@ async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, n
         for ns in (WATCHED, "other"):
             emulator.objects["v1/namespaces", None, ns] = {"apiVersion": "v1", "kind": "Namespace",
                                                            "metadata": {"name": ns}}
-        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(kubeconfig_for(str(emulator.url)))
         # Exactly the rendered environment; what a pod gets from elsewhere: PATH (the image's
         # Python first), HOME on the writable /tmp, and the kubeconfig instead of the
         # in-cluster service account.
