@@ -3,8 +3,9 @@
 Each request (a client chunk that starts with an HTTP request line) draws one fate from a
 seeded RNG: pass through, "drop" (forward the request, then reset the connection after a
 random number of response bytes: mid-body, between responses, or before any), "delay" (hold
-the response back, sometimes past the client's read timeout) or "500" (answer 500
-InternalError without forwarding, and close). A faulted request is always followed by a
+the response back, sometimes past the client's read timeout), "500" (answer 500
+InternalError without forwarding, and close) or "corrupt" (flip one byte of the request
+body on its way to the server). A faulted request is always followed by a
 healthy one, so every request gets through within two tries while faults keep coming.
 `stall_after_up` freezes all client->server traffic once that many bytes went up, to freeze a
 build mid-upload before killing it.
@@ -88,7 +89,7 @@ class FaultProxy:
             client.close()
             return
         # What the current request's fate asks of the response direction.
-        state = {"budget": None, "hold": 0.0}
+        state = {"budget": None, "hold": 0.0, "corrupt": False}
         up = threading.Thread(target=self._pump_up, args=(client, server, state), daemon=True)
         up.start()
         self._pump_down(server, client, state)
@@ -107,6 +108,11 @@ class FaultProxy:
                         break
                     state["budget"] = self.rng.randint(0, self.drop_max) if fate == "drop" else None
                     state["hold"] = self.rng.uniform(*self.delay) if fate == "delay" else 0.0
+                    state["corrupt"] = fate == "corrupt"
+                if state["corrupt"]:
+                    flipped = _flip_body_byte(data)
+                    state["corrupt"] = flipped is None  # no body byte yet: flip a later one
+                    data = flipped or data
                 while self.stall_after_up is not None and self.bytes_up + len(data) > self.stall_after_up:
                     time.sleep(0.05)  # frozen until the test kills the client
                 with self.lock:
@@ -145,6 +151,15 @@ class FaultProxy:
         with self.lock:
             self.bytes_down += len(data)
         client.sendall(data)
+
+
+def _flip_body_byte(data: bytes) -> bytes | None:
+    """`data` with its last body byte flipped (a chunk that starts with a request line has its
+    headers first); None when the chunk holds no body byte: flip in a later one."""
+    body_at = data.find(b"\r\n\r\n") + 4 if REQUEST_LINE.match(data) else 0
+    if len(data) <= body_at:
+        return None
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
 
 
 def _close(s: socket.socket) -> None:

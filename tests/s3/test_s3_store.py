@@ -10,7 +10,10 @@ import tracemalloc
 
 import pytest
 
+from moe_proxy.errors import StorageError
 from moe_proxy.storage import open_store, write_bytes
+
+from .faultproxy import FaultProxy
 from .helpers import PART, incomplete_uploads
 
 
@@ -64,6 +67,24 @@ def test_md5_mode_single_put(seaweed, prefix, monkeypatch):
     write_bytes(s, "config.json", b"{}")
     assert s.checksum("config.json") == f'"{hashlib.md5(b"{}").hexdigest()}"'
     assert s.read_bytes("config.json") == b"{}"
+
+
+@pytest.mark.parametrize("checksum", ["sha256", "md5"])
+def test_a_part_corrupted_in_transit_is_rejected_and_nothing_is_left(seaweed, prefix, checksum):
+    """A byte flipped on the way: the store checks the part's checksum and refuses it, the
+    writer aborts the upload, and no object appears."""
+    port = int(seaweed.endpoint_url.rsplit(":", 1)[1])
+    with FaultProxy(port, {"corrupt": 1.0}) as net:  # every other request: one body byte flipped
+        s = open_store(f"s3://proxy/{prefix}", endpoint_url=net.endpoint_url, part_size=PART, checksum=checksum)
+        w = s.writer("shard")
+        with pytest.raises(StorageError, match="BadDigest: checksum mismatch, corrupted in transit"):
+            for _ in range(3):
+                w.write(os.urandom(PART))
+            w.commit()
+        w.abort()
+    assert net.fates["corrupt"] >= 1
+    assert not store(seaweed, prefix).exists("shard")
+    assert incomplete_uploads(seaweed, "proxy", prefix) == []
 
 
 def test_abort_leaves_nothing(seaweed, prefix):
@@ -128,7 +149,5 @@ def test_counts_downloaded_bytes(seaweed, prefix):
 
 @pytest.mark.parametrize("uri", ["s3://", "s3:///key"])
 def test_uri_without_bucket_is_refused(uri):
-    from moe_proxy.errors import StorageError
-
     with pytest.raises(StorageError, match="names no bucket"):
         open_store(uri)

@@ -51,6 +51,7 @@ READ_CHUNK = 1 << 20  # response bodies are read in pieces of this size
 NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 DENIED = {"403", "AccessDenied", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 BAD_TOKEN = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+BAD_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -182,6 +183,9 @@ class S3Store:
             )
         if code in BAD_TOKEN:
             return AccessDenied(f"{where}: the session token is expired or invalid (credentials from: {source})")
+        if code in BAD_DIGEST:
+            return StorageError(f"{where}: the store received other bytes than were sent ({code}: checksum "
+                                f"mismatch, corrupted in transit); nothing was stored, rerun to resume")
         if code in DENIED:
             return AccessDenied(f"{where}: access denied for {operation} (credentials from: {source})")
         return StorageError(f"{where}: {operation} failed: {code} (HTTP {status}): {error.get('Message', '')}")
@@ -212,7 +216,12 @@ class S3Store:
             # A HEAD answer has no body, so its 403 does not say why (unknown key, wrong
             # secret, policy); a one-byte GET gets the store's reason.
             if _code(exc.__cause__) == "403":
-                self._call("get_object", name, Range="bytes=0-0")
+                try:
+                    self._call("get_object", name, Range="bytes=0-0")
+                except AccessDenied:
+                    raise  # the store's reason
+                except StorageError:
+                    pass
             raise
 
     # ------------------------------------------------------------ reading
@@ -379,11 +388,15 @@ class S3Writer:
                 raise StorageError(f"s3://{store.bucket}/{store._key(self.name)}: the store's ETag {r['ETag']} "
                                    f"differs from the MD5 of the data sent ({self._expected()})")
             return
-        if self.buffer:
-            self._send(bytes(self.buffer))  # the last part may be short
-            self.buffer.clear()
-        parts = [f.result() for f in self.parts]
-        self.pool.shutdown()
+        try:
+            if self.buffer:
+                self._send(bytes(self.buffer))  # the last part may be short
+                self.buffer.clear()
+            parts = [f.result() for f in self.parts]
+            self.pool.shutdown()
+        except BaseException:
+            self.abort()  # a part failed even after retries: leave no upload behind
+            raise
         expected = self._expected()
         try:
             r = store._call("complete_multipart_upload", self.name, UploadId=self.upload_id,
@@ -396,8 +409,9 @@ class S3Writer:
                 raise
             got = expected
         if got is not None and got != expected:
+            store.delete(self.name)  # visible but wrong: never leave it under a real name
             raise StorageError(f"s3://{store.bucket}/{store._key(self.name)}: the store's checksum {got} of the "
-                               f"uploaded object differs from the data sent ({expected})")
+                               f"uploaded object differs from the data sent ({expected}); deleted it")
 
     def abort(self) -> None:
         """Throw the partial upload away. Never raises: it runs while another error propagates,
