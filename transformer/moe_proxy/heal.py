@@ -10,8 +10,9 @@ parameters are trained:
     minimise  ||proxy_block(X) - Y||^2 / ||Y||^2      (relative squared error over all tokens)
 
 with Adam (HEAL_STEPS full-batch steps, learning rate HEAL_LR x the router weight's RMS, so
-the step size follows the router's scale), in float32. The best parameters seen are kept;
-if no step improves on the sliced router, the sliced router stays. Gradients reach the
+the step size follows the router's scale), in float32, on 3 of every 4 calibration tokens;
+the parameters kept are those of the step with the lowest objective on the held-out 4th
+token (early stopping); if no step improves on it, the sliced router stays. Gradients reach the
 router through the gate weights of the selected experts (softmax / sigmoid scores); the
 DeepSeek-style correction bias only decides *which* experts are selected and has no
 gradient, so it stays as sliced. Experts, shared experts and backbone are never touched:
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 HEAL_STEPS = 200
 HEAL_LR = 0.02
 HEAL_SAMPLES = 32  # calibration sequences used for healing (all of them if fewer)
+HOLDOUT = 4  # one token in HOLDOUT is held out to choose the step kept
 
 
 def _proxy_block(original: torch.nn.Module, proxy_config, kept: list[int], n: int) -> torch.nn.Module:
@@ -61,34 +63,37 @@ def _router_params(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _fit(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Train the block's router on x -> y; returns the held-out objective before and after."""
     params = _router_params(block)
     for p in block.parameters():
         p.requires_grad_(False)
     for p in params.values():
         p.requires_grad_(True)
-    norm = y.pow(2).sum()
+    # Every HOLDOUT-th token is held out: it picks the step to keep (early stopping), so the
+    # router is not fitted to the calibration tokens' noise.
+    held = torch.arange(x.shape[1]) % HOLDOUT == 0
+    fit_x, fit_y, val_x, val_y = x[:, ~held], y[:, ~held], x[:, held], y[:, held]
 
-    def loss_fn() -> torch.Tensor:
-        out = block(x)
+    def objective(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out = block(inputs)
         out = out[0] if isinstance(out, tuple) else out
-        return (out - y).pow(2).sum() / norm
+        return (out - target).pow(2).sum() / target.pow(2).sum()
+
+    def held_out() -> float:
+        with torch.no_grad():
+            return float(objective(val_x, val_y))
 
     weight = next(p for name, p in params.items() if name.endswith("weight"))
     opt = torch.optim.Adam(params.values(), lr=HEAL_LR * float(weight.detach().pow(2).mean().sqrt()))
-    with torch.no_grad():
-        before = float(loss_fn())
-    best, best_state = before, {k: p.detach().clone() for k, p in params.items()}
+    before = best = held_out()
+    best_state = {k: p.detach().clone() for k, p in params.items()}
     for _ in range(HEAL_STEPS):
         opt.zero_grad()
-        loss = loss_fn()
-        if loss.item() < best:
-            best, best_state = loss.item(), {k: p.detach().clone() for k, p in params.items()}
-        loss.backward()
+        objective(fit_x, fit_y).backward()
         opt.step()
+        if (now := held_out()) < best:
+            best, best_state = now, {k: p.detach().clone() for k, p in params.items()}
     with torch.no_grad():
-        final = float(loss_fn())
-        if final < best:
-            best, best_state = final, {k: p.detach().clone() for k, p in params.items()}
         for k, p in params.items():
             p.copy_(best_state[k])
             p.requires_grad_(False)

@@ -120,8 +120,10 @@ def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool
             continue
         if calibration is not None:
             notes.append(f"{block.prefix}: no calibration statistics (MTP layer), selected without them")
-        # Baselines ignore features but still report cluster sizes, from the cheap router rows.
-        feats = expert_features(ckpt, block, options.features if options.method == "cluster" else "router")
+        # Baselines ignore features but still report cluster sizes, from the cheap router rows;
+        # so do blocks without statistics asked for statistics-based features.
+        data_free = options.method == "cluster" and options.features not in CALIBRATED_FEATURES
+        feats = expert_features(ckpt, block, options.features if data_free else "router")
         selections[block.prefix] = select(
             feats, k, n_group=n_group, method="cluster" if options.method in SCORED_METHODS else options.method,
             clustering=options.clustering, seed=options.seed, pins=sorted(set(pins)),

@@ -31,14 +31,16 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: l
         raise MoeProxyError(f"{block.prefix}: statistics cover {len(stats.gate_mass)} experts, the checkpoint {n}")
     dead = set(stats.dead(DEAD_SHARE))
     forced = sorted(set(pins) | (set(supers) if options.keep_super else set()))
-    if len(forced) > k:
-        raise InvalidExpertCount(
-            f"layer {block.layer}: {len(forced)} experts must be kept (pinned {sorted(set(pins))}, super {supers}) "
-            f"but only {k} are kept per layer; raise --experts or pass --no-keep-super"
-        )
     alive = np.array([e not in dead for e in range(n)])
     per, k_per = n // n_group, k // n_group
     for g in range(n_group):
+        in_group = [e for e in forced if g * per <= e < (g + 1) * per]
+        if len(in_group) > k_per:
+            where = f" in routing group {g}" if n_group > 1 else ""
+            raise InvalidExpertCount(
+                f"layer {block.layer}: {len(in_group)} experts{where} must be kept (pinned {sorted(set(pins))}, "
+                f"super {supers}) but only {k_per} are kept there; raise --experts or pass --no-keep-super"
+            )
         usable = [e for e in range(g * per, (g + 1) * per) if alive[e] or e in forced]
         if len(usable) < k_per:
             where = f" in routing group {g} (experts {g * per}..{(g + 1) * per - 1})" if n_group > 1 else ""

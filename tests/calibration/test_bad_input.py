@@ -1,0 +1,100 @@
+"""Bad input to calibrate and to calibrated builds: a clear error, and nothing half-written
+that looks complete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_proxy import calibration as cal
+from moe_proxy.build import build_proxy
+from moe_proxy.calibration_data import BadDataset
+from moe_proxy.checkpoint import MANIFEST
+from moe_proxy.cli import main
+from moe_proxy.errors import InvalidExpertCount, MoeProxyError
+from moe_proxy.tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad") / "qwen"
+    make_tiny("qwen3_moe", path)
+    return path
+
+
+def test_statistics_of_another_checkpoint_are_refused(qwen, tmp_path):
+    other = tmp_path / "other"
+    make_tiny("qwen3_moe", other, seed=7)  # same architecture and shapes, other weights
+    cal.calibrate(str(other), str(tmp_path / "s"), samples=2, seq_len=8)
+    with pytest.raises(cal.CalibrationError, match="computed on .*other.*not on"):
+        build_proxy(str(qwen), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"))
+    assert not (tmp_path / "p").exists() or not any((tmp_path / "p").iterdir())
+
+
+def test_incomplete_statistics_are_refused(qwen, tmp_path):
+    cal.calibrate(str(qwen), str(tmp_path / "s"), samples=2, seq_len=8)
+    (tmp_path / "s" / cal.SUMMARY).unlink()  # as if calibrate died before publishing
+    with pytest.raises(cal.CalibrationError, match="incomplete"):
+        build_proxy(str(qwen), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"))
+    with pytest.raises(cal.CalibrationError, match="no calibration.json"):
+        build_proxy(str(qwen), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("missing.jsonl", None, "no such file"),
+    ("empty.jsonl", "", "no documents"),
+    ("blank.txt", "\n\n  \n", "no documents"),
+    ("broken.jsonl", '{"text": "fine"}\n{"text": \n', "line 2: not valid JSON"),
+    ("fields.jsonl", '{"question": "no text field"}\n', "line 1: no usable 'text'"),
+    ("notobj.jsonl", '["a list"]\n', "line 1: expected a JSON object"),
+])
+def test_bad_dataset(qwen, tmp_path, name, content, match):
+    dataset = tmp_path / name
+    if content is not None:
+        dataset.write_text(content)
+    with pytest.raises(BadDataset, match=match):
+        cal.calibrate(str(qwen), str(tmp_path / "s"), dataset=str(dataset), samples=2, seq_len=8)
+    assert not (tmp_path / "s" / cal.SUMMARY).exists()
+
+
+def test_seq_len_beyond_max_positions(qwen, tmp_path, capsys):
+    limit = json.loads((qwen / "config.json").read_text())["max_position_embeddings"]
+    assert main(["calibrate", str(qwen), "--out", str(tmp_path / "s"), "--seq-len", str(limit + 1),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--seq-len {limit + 1} exceeds the model's max_position_embeddings ({limit})" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_calibration_needed_for_usage_options(qwen, tmp_path):
+    for kwargs in (dict(method="frequency"), dict(method="saliency"), dict(features="output"),
+                   dict(features="routing"), dict(heal=True)):
+        with pytest.raises(InvalidExpertCount, match="need.*--calibration"):
+            build_proxy(str(qwen), str(tmp_path / "p"), experts=4, **kwargs)
+
+
+def test_experts_that_dead_exclusion_cannot_fill(planted, tmp_path):
+    from .conftest import DEAD
+
+    cal.calibrate(str(planted), str(tmp_path / "s"), samples=8, seq_len=16)
+    with pytest.raises(InvalidExpertCount, match=r"only 7 of 8 experts are alive in routing group 0"):
+        build_proxy(str(planted), str(tmp_path / "p"), experts=16, calibration=str(tmp_path / "s"))
+    assert not (tmp_path / "p" / MANIFEST).exists()
+    # Pinning the dead experts is the user's explicit choice: then it fits.
+    m = build_proxy(str(planted), str(tmp_path / "q"), experts=16, calibration=str(tmp_path / "s"),
+                    pins={1: list(DEAD)})
+    assert m["layers"]["model.layers.1.mlp"]["kept"] == list(range(16))
+
+
+def test_super_experts_beyond_the_budget(planted, tmp_path):
+    cal.calibrate(str(planted), str(tmp_path / "s"), samples=8, seq_len=16)
+    with pytest.raises(InvalidExpertCount, match="3 experts in routing group 1 must be kept .*super \\[12\\]"
+                                                 ".*--no-keep-super"):
+        build_proxy(str(planted), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"),
+                    pins={1: [8, 10]})
+
+
+def test_bad_samples(qwen, tmp_path):
+    with pytest.raises(MoeProxyError, match="must be positive"):
+        cal.calibrate(str(qwen), str(tmp_path / "s"), samples=0, seq_len=8)
