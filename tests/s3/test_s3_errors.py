@@ -99,6 +99,21 @@ def test_profile_from_shared_credentials_file_and_endpoint_from_env(seaweed, s3_
     assert ckpt.store.client.meta.config.s3["addressing_style"] == "path"
 
 
+def test_endpoint_from_the_shared_config_file(seaweed, s3_ckpt, monkeypatch, tmp_path):
+    config = tmp_path / "config"
+    config.write_text(f"[default]\nendpoint_url = {seaweed.endpoint_url}\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    ckpt = open_checkpoint(s3_ckpt)
+    assert ckpt.store.client.meta.endpoint_url == seaweed.endpoint_url
+    assert ckpt.store.client.meta.config.s3["addressing_style"] == "path"
+
+
+def test_aws_itself_keeps_botocore_addressing():
+    store = open_store("s3://some-bucket/model", region="eu-west-1")  # no request is made
+    assert store.client.meta.endpoint_url.endswith(".amazonaws.com")
+    assert not (store.client.meta.config.s3 or {}).get("addressing_style")
+
+
 def test_cli_error_is_one_clear_line_without_credentials(seaweed, s3_ckpt, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
     r = subprocess.run([sys.executable, "-m", "moe_proxy", "-v", "inspect", s3_ckpt, "--endpoint-url",

@@ -2,9 +2,9 @@
 
 Credentials and region come from boto3's standard chain (environment variables, shared
 config/credentials files and AWS_PROFILE, web identity / IRSA, container or instance roles).
-The endpoint is `endpoint_url` (the CLI's --endpoint-url) or AWS_ENDPOINT_URL(_S3); with a
-custom endpoint, addressing is path-style, which on-premise stores (MinIO, Ceph RGW, OBS,
-SeaweedFS) need.
+The endpoint is `endpoint_url` (the CLI's --endpoint-url), AWS_ENDPOINT_URL(_S3) or the
+shared config file's endpoint_url; any endpoint that is not AWS gets path-style addressing,
+which on-premise stores (MinIO, Ceph RGW, OBS, SeaweedFS) need.
 
 Transient faults (5xx, timeouts, refused or dropped connections) are retried by botocore's
 "standard" retry mode, with exponential backoff and jitter. The one fault botocore cannot
@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from urllib.parse import urlparse
 
 import boto3
 from botocore.config import Config
@@ -62,6 +63,10 @@ def parse_uri(uri: str) -> tuple[str, str]:
     if not bucket:
         raise StorageError(f"{uri!r} names no bucket: use s3://bucket/prefix")
     return bucket, prefix.strip("/")
+
+
+def _is_aws(url: str) -> bool:
+    return (urlparse(url).hostname or "").endswith((".amazonaws.com", ".amazonaws.com.cn"))
 
 
 def _code(exc: BaseException | None) -> str:
@@ -108,11 +113,7 @@ class S3Store:
         self.checksum_algorithm = (checksum or os.environ.get("MOE_PROXY_S3_CHECKSUM") or "sha256").lower()
         if self.checksum_algorithm not in ("sha256", "md5"):
             raise StorageError(f"checksum must be sha256 or md5, got {self.checksum_algorithm!r} (MOE_PROXY_S3_CHECKSUM)")
-        custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if addressing_style is None and custom_endpoint:
-            addressing_style = "path"
         config = Config(
-            s3={"addressing_style": addressing_style} if addressing_style else None,
             retries={"mode": "standard", "max_attempts": max_attempts},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
@@ -124,6 +125,13 @@ class S3Store:
         )
         self.session = boto3.session.Session(region_name=region)
         self.client = self.session.client("s3", endpoint_url=endpoint_url, config=config)
+        # The endpoint may come from the option, AWS_ENDPOINT_URL(_S3) or the shared config file;
+        # whichever it was, a store that is not AWS gets path-style addressing.
+        if addressing_style is None and not _is_aws(self.client.meta.endpoint_url):
+            addressing_style = "path"
+        if addressing_style:
+            config = config.merge(Config(s3={"addressing_style": addressing_style}))
+            self.client = self.session.client("s3", endpoint_url=endpoint_url, config=config)
         self.bytes_downloaded = 0  # response-body bytes of this store's GETs
         self._bucket_checked = False
 
