@@ -135,15 +135,19 @@ def test_operator_image_requirements_have_no_torch():
 
 
 def test_operator_runs_without_torch():
-    """What the operator image's build checks: the operator and its entry point import with
-    torch, scikit-learn and transformers absent."""
-    code = ("import sys\n"
-            "for m in ('torch', 'sklearn', 'scipy', 'transformers', 'safetensors'): sys.modules[m] = None\n"
-            "import proxymodel_operator.handlers, proxymodel_operator.__main__\n"
-            "print('ok')\n")
+    """What the operator image's build checks, for every module of the operator (the
+    CheckpointWatch one included): it imports with torch, scikit-learn and transformers absent,
+    as they are from the image."""
+    code = ("import pkgutil, sys\n"
+            "for m in ('torch', 'sklearn', 'scipy', 'transformers', 'accelerate'): sys.modules[m] = None\n"
+            "import proxymodel_operator\n"
+            "names = [m.name for m in pkgutil.walk_packages(proxymodel_operator.__path__, 'proxymodel_operator.')]\n"
+            "for name in names: __import__(name)\n"
+            "print(len(names))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "transformer")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.strip()) >= 10  # handlers, __main__, spec, kube, ...
 
 
 def test_transformer_image_installs_cpu_torch_first():
