@@ -19,7 +19,7 @@ import kopf
 
 from . import kube, settings as settings_module
 from .children import REPRODUCTION, TRANSFORMER
-from .outcome import FAILED, SUCCEEDED, outcome
+from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome, outcome, workload_state
 from .preflight import PreflightError, preflight
 from .reproduction import reproduction_workload
 from .resources import (ASCEND_JOBS, GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE,
@@ -201,7 +201,8 @@ async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body:
         return  # kopf runs the next sub-handler even after one failed permanently
     generation = meta.get("generation") or 1
     parsed = _parse(spec, namespace, name)
-    deleted = await _delete_children(namespace, name, keep_generation=generation)
+    # Generation 1 has no older children: skip the three listings (they add up at scale).
+    deleted = await _delete_children(namespace, name, keep_generation=generation) if generation > 1 else []
     if deleted:
         kopf.event(body, type="Normal", reason="ChildrenReplaced", message=f"deleted {', '.join(sorted(deleted))} of an older spec")
     job = transformer_job(name, namespace, generation, parsed)
@@ -275,10 +276,11 @@ CHILD_LABELS = {LABEL_PROXYMODEL: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT}
 async def child_changed(event: dict, body: kopf.Body, resource: kopf.Resource, namespace: str,
                         logger: logging.Logger, **_: Any) -> None:
     """A child workload changed: maybe it finished."""
-    if event.get("type") == "DELETED":
-        return
+    child = _resource_of(resource)
+    if event.get("type") == "DELETED" or workload_state(child, dict(body)) == Outcome(RUNNING):
+        return  # nothing to report yet (its pods' own events report pull errors and the like)
     labels = body.get("metadata", {}).get("labels", {})
-    await judge_child(_resource_of(resource), namespace, labels, dict(body), logger)
+    await judge_child(child, namespace, labels, dict(body), logger)
 
 
 @kopf.on.event(PODS.group, PODS.version, PODS.plural, labels={LABEL_CHILD: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT})

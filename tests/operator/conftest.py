@@ -16,6 +16,7 @@ import json
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -31,14 +32,38 @@ from .harness import ACCESS_KEY, BUCKET, DENSE, QWEN3, SECRET_KEY, Api
 
 
 _versions = itertools.count(1)
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One API request: what RBAC would check, and whether the test (not the operator) made it."""
+
+    group: str
+    resource: str  # plural, with /subresource
+    verb: str
+    by_test: bool
 
 
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus what an API server adds on every write: a uid and creation time,
-    a resourceVersion, and a generation bumped on spec changes (kopf and the operator rely on
-    them)."""
+    a name for generateName, a resourceVersion, and a generation bumped on spec changes (kopf
+    and the operator rely on them)."""
+
+    calls: list[Call]  # set per instance in __init__ below
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "calls", [])
 
     async def _handle(self, request):
+        # kmock matches each request against its whole request history (quadratic): keep only
+        # the current one there, and our own light record of every API call for assertions.
+        del self._requests[:-1]
+        if request.resource is not None and request.resource.plural and request.action is not None:
+            self.calls.append(Call(request.resource.group, request.resource.plural + (
+                f"/{request.subresource}" if request.subresource else ""), VERBS[request.action.value],
+                bool(request.headers.get("X-Test-Client"))))
         data = request.data
         if request.resource is not None and isinstance(data, dict):
             meta = data.setdefault("metadata", {}) if request.action in (kmock.action.CREATE, kmock.action.UPDATE) \
@@ -46,6 +71,8 @@ class Emulator(kmock.KubernetesEmulator):
             if meta is not None:
                 meta["resourceVersion"] = str(next(_versions))
             if request.action == kmock.action.CREATE:
+                if meta.get("generateName") and not meta.get("name"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault("generation", 1)
                 meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
