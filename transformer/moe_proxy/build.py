@@ -203,10 +203,11 @@ def _read_journal(dst: Store, name: str, build_id: str) -> dict:
     return j.get("files", {}) if j.get("build_id") == build_id else {}
 
 
-def finalize(p: Prepared, workers: int, overwrite: bool = False) -> dict:
-    """Check every worker's shards, then write config, index, other files and the manifest."""
-    written: dict[str, Written] = {}
-    for worker, files in enumerate(assign_shards(p.shards, workers)):
+def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str, Written] | None = None) -> dict:
+    """Check every worker's shards, then write config, index, other files and the manifest.
+    `fresh`: shards this very process has just written (a single build), not checked again."""
+    written: dict[str, Written] = dict(fresh or {})
+    for worker, files in enumerate(assign_shards(p.shards, workers) if fresh is None else []):
         name = journal_name(worker, workers)
         if not p.dst.exists(name):
             raise CorruptCheckpoint(f"worker {worker} of {workers} has not finished: no {name} in {p.dst.uri}")
@@ -277,8 +278,7 @@ def build_proxy(
     if worker is not None:
         files = write_share(p, worker, workers, progress)
         return {"worker": worker, "workers": workers, "files": {f: asdict(w) for f, w in files.items()}}
-    write_share(p, 0, 1, progress)
-    return finalize(p, 1, overwrite)
+    return finalize(p, 1, overwrite, fresh=write_share(p, 0, 1, progress))
 
 
 def _json(obj) -> bytes:
