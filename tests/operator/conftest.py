@@ -10,25 +10,22 @@ The emulator assigns no uid and no generation: `Api.create` sets them as an API 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-import threading
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 import kmock
-import kopf
 import pytest
 import pytest_asyncio
 
 from moe_proxy.seaweed import SeaweedFS
 from proxymodel_operator import handlers  # noqa: F401 - registers the handlers
 
-from .harness import ACCESS_KEY, BUCKET, DENSE, QWEN3, SECRET_KEY, Api
+from .harness import ACCESS_KEY, BUCKET, DENSE, QWEN3, SECRET_KEY, Api, Operator
 
 
 _versions = itertools.count(1)
@@ -129,38 +126,6 @@ async def cluster(tmp_path, monkeypatch) -> AsyncIterator[Api]:
         async with aiohttp.ClientSession(base_url=str(emulator.url).rstrip("/") + "/",
                                          headers={"X-Test-Client": "kubectl"}) as session:
             yield Api(emulator, session)
-
-
-class Operator:
-    """The operator's handlers run by kopf in a thread with its own event loop, as `kopf run`
-    would. (In the test's loop kopf would cancel the test's own tasks when it stops.)"""
-
-    def __init__(self) -> None:
-        self.thread: threading.Thread | None = None
-        self.stop_flag = threading.Event()
-        self.error: BaseException | None = None
-
-    def _run(self, ready: threading.Event) -> None:
-        try:
-            asyncio.run(kopf.operator(clusterwide=True, standalone=True, stop_flag=self.stop_flag, ready_flag=ready))
-        except BaseException as exc:  # noqa: BLE001 - reported by stop()
-            self.error = exc
-
-    async def start(self) -> None:
-        ready = threading.Event()
-        self.stop_flag = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(ready,), name="operator", daemon=True)
-        self.thread.start()
-        assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
-        await asyncio.sleep(0.3)  # let the watch streams open
-
-    async def stop(self) -> None:
-        if self.thread is not None:
-            self.stop_flag.set()
-            await asyncio.to_thread(self.thread.join, 20)
-            assert not self.thread.is_alive(), "the operator did not stop"
-            self.thread = None
-        assert self.error is None, f"the operator failed: {self.error!r}"
 
 
 @pytest_asyncio.fixture()

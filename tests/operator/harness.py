@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
 import time
 from collections.abc import Callable
 
 import aiohttp
 import kmock
+import kopf
 
 from proxymodel_operator.resources import JOBS, PODS, PROXYMODELS, SECRETS, Resource
 
@@ -158,3 +160,35 @@ TRANSFORMER_REPORT = {
 }
 
 
+class Operator:
+    """The operator's handlers run by kopf in a thread with its own event loop, as `kopf run`
+    would. (In the test's loop kopf would cancel the test's own tasks when it stops.)"""
+
+    def __init__(self, namespaces: list[str] | None = None) -> None:
+        self.namespaces = namespaces or []  # none: cluster-wide
+        self.thread: threading.Thread | None = None
+        self.stop_flag = threading.Event()
+        self.error: BaseException | None = None
+
+    def _run(self, ready: threading.Event) -> None:
+        try:
+            asyncio.run(kopf.operator(clusterwide=not self.namespaces, namespaces=self.namespaces, standalone=True,
+                                      stop_flag=self.stop_flag, ready_flag=ready))
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.error = exc
+
+    async def start(self) -> None:
+        ready = threading.Event()
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), name="operator", daemon=True)
+        self.thread.start()
+        assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
+        await asyncio.sleep(0.3)  # let the watch streams open
+
+    async def stop(self) -> None:
+        if self.thread is not None:
+            self.stop_flag.set()
+            await asyncio.to_thread(self.thread.join, 20)
+            assert not self.thread.is_alive(), "the operator did not stop"
+            self.thread = None
+        assert self.error is None, f"the operator failed: {self.error!r}"
