@@ -427,6 +427,7 @@ async def _unfinished(parent: dict, verdict, kind: str, running_status: bool | N
     if verdict.reason and not any(c.get("reason") == verdict.reason for c in conditions):
         new = condition(kind, running_status, verdict.reason, verdict.message, _generation(parent))
         await _patch_parent(parent, {"conditions": with_condition(conditions, new)})
+        kopf.warn(parent, reason=verdict.reason, message=f"{step}: {verdict.message}"[:1024])
     return True
 
 

@@ -72,6 +72,12 @@ class Api:
                 out.append(name)
         return sorted(out)
 
+    def objects_of(self, plural: str, namespace: str) -> list[dict]:
+        """Every live object of a resource (by plural) in a namespace, oldest first."""
+        found = [dict(obj.raw) for (resource, ns, _), obj in list(self.emulator.objects.items())
+                 if resource.plural == plural and ns == namespace and not obj.deleted]
+        return sorted(found, key=lambda o: int(o.get("metadata", {}).get("resourceVersion") or 0))
+
     def status(self, namespace: str, name: str) -> dict:
         return (self.get(PROXYMODELS, namespace, name) or {}).get("status") or {}
 

@@ -93,7 +93,7 @@ async def test_bad_input_is_refused_before_any_job(cluster, operator, caplog, ch
     assert cluster.status(NS, "bad")["phase"] == "Failed"
     await asyncio.sleep(0.5)
     assert cluster.names(JOBS, NS) == []
-    events = [e for e in _events(cluster) if e.get("reason") == reason]
+    events = [e for e in cluster.objects_of("events", NS) if e.get("reason") == reason]
     assert events and events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
     assert "wrong-secret-value" not in caplog.text + json.dumps(_everything(cluster))
 
@@ -203,14 +203,6 @@ async def test_every_api_call_is_in_rbac_permissions(cluster, operator):
     assert ("batch", "jobs", "create") in seen and ("moeproxy.io", "proxymodels/status", "patch") in seen
     assert ("mindxdl.gitee.com", "ascendjobs", "create") in seen and ("", "secrets", "get") in seen
     assert ("", "events", "create") in seen
-
-
-def _events(cluster) -> list[dict]:
-    out = []
-    for (resource, _ns, _name), obj in list(cluster.emulator.objects.items()):
-        if resource.plural == "events" and not obj.deleted:
-            out.append(dict(obj.raw))
-    return out
 
 
 def _everything(cluster) -> list[dict]:

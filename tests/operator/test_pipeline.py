@@ -6,7 +6,9 @@ pods with termination messages), and checks what the operator made of it.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 import pytest
 
@@ -34,7 +36,8 @@ def _env(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container["env"]}
 
 
-async def test_apply_to_reproduced(cluster, operator):
+async def test_apply_to_reproduced(cluster, operator, caplog):
+    caplog.set_level(logging.INFO)
     await _apply(cluster)
 
     # The transformer Job: image, args, credentials by reference only, owned by the ProxyModel.
@@ -95,6 +98,22 @@ async def test_apply_to_reproduced(cluster, operator):
     reproduced = cluster.condition(NS, "q3", "FailureReproduced")
     assert (reproduced["status"], reproduced["reason"]) == ("True", "GradientOverflow")
     assert "step 17" in reproduced["message"]
+    reasons = [e["reason"] for e in cluster.objects_of("events", NS) if e["involvedObject"]["name"] == "q3"]
+    assert reasons == ["TransformerCreated", "ProxyReady", "ReproductionCreated", "GradientOverflow"]
+
+    # The credentials went nowhere: not in logs, status, Events, or the Jobs (only secretKeyRefs).
+    for value in (ACCESS_KEY, SECRET_KEY):
+        assert value not in caplog.text
+        for kind in ("proxymodels", "jobs", "events"):
+            assert value not in json.dumps(cluster.objects_of(kind, NS))
+
+
+async def test_reproduction_disabled_stops_at_proxy_ready(cluster, operator):
+    await _apply(cluster, reproduction={"enabled": False})
+    await _transformer_done(cluster)
+    await eventually(lambda: cluster.status(NS, "q3").get("phase") == "ProxyReady")
+    await asyncio.sleep(0.5)
+    assert cluster.names(JOBS, NS) == ["q3-transform-g1"]
 
 
 async def test_not_reproduced(cluster, operator):
