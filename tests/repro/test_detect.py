@@ -38,7 +38,8 @@ def test_nan_is_not_also_an_overflow():
 
 def test_collapse_needs_more_experts_than_top_k():
     row = {"moe/load_max_share": 0.95, "moe/load_uniform_share": 0.25}
-    assert feed(FailureDetector(), [row]) == {"collapse": 0}
+    healthy = {"moe/load_max_share": 0.3, "moe/load_uniform_share": 0.25}
+    assert feed(FailureDetector(), [healthy] * 3 + [row]) == {"collapse": 3}
     trivial = {"moe/load_max_share": 1.0, "moe/load_uniform_share": 1.0}  # keep <= top-k: always 1
     assert feed(FailureDetector(), [trivial]) == {}
 
@@ -47,3 +48,8 @@ def test_user_threshold_with_patience():
     sig = Signature.parse("actor/grad_norm>5:2")
     rows = [{"actor/grad_norm": g} for g in (6.0, 1.0, 6.0, 7.0)]
     assert feed(FailureDetector(Thresholds(divergence_factor=1e9), extra=[sig]), rows) == {sig.name: 2}
+
+
+def test_collapse_from_the_start_is_not_a_failure():
+    rows = [{"moe/load_max_share": 0.95, "moe/load_uniform_share": 0.25}] * 5
+    assert feed(FailureDetector(), rows) == {}

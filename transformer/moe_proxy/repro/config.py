@@ -38,7 +38,8 @@ class Faults:
 @dataclass
 class ReproConfig:
     steps: int = 20
-    seed: int = 0
+    seed: int = 0  # sampling, and the prompts unless prompt_seed is set
+    prompt_seed: int | None = None  # same prompts, other samples: a run's own noise floor
     # Rollouts: `batch_size` prompts per step, each sampled `group_size` times (GRPO groups).
     batch_size: int = 8
     group_size: int = 4

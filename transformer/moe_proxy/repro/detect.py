@@ -19,7 +19,9 @@ Definitions (thresholds in `Thresholds`):
   values below fp16's smallest subnormal (6e-8) flushed away, the sign of fp16 without loss
   scaling. How many flush depends on the gradients' size (tokens per batch, model width).
 - collapse: one expert receives at least `collapse_share` of a layer's tokens (uniform routing
-  gives top_k / experts; layers where that is already above the threshold are skipped).
+  gives top_k / experts; layers where that is already above the threshold are skipped), when
+  it did not in the baseline steps (a model that routes the task's narrow data to one expert
+  from the start is its normal state, not a failure of the run).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..errors import InvalidReproConfig
 
 SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse")
 DIVERGENCE_METRICS = ("actor/grad_norm", "moe/router_logit_max", "numerics/max_activation")
+BASELINE_METRICS = DIVERGENCE_METRICS + ("moe/load_max_share",)
 NAN_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
 _THRESHOLD = re.compile(r"^(?P<metric>[\w/.\-]+)\s*(?P<op>[<>])\s*(?P<value>[-+0-9.eEinfINF]+)(?::(?P<k>\d+))?$")
 
@@ -151,7 +154,9 @@ class FailureDetector:
         checks["divergence"] = (bool(diverged), "; ".join(diverged), t.divergence_patience)
 
         share, uniform = m.get("moe/load_max_share"), m.get("moe/load_uniform_share", 0.0)
-        collapsed = share is not None and uniform < t.collapse_share <= share
+        start = self._baseline.get("moe/load_max_share") or [1.0]
+        collapsed = (self._steps_seen >= t.baseline_steps and share is not None
+                     and uniform < t.collapse_share <= share and statistics.median(start) < t.collapse_share)
         checks["collapse"] = (collapsed, f"one expert takes {share} of a layer's tokens", 1)
 
         for sig in self.extra:
@@ -163,7 +168,7 @@ class FailureDetector:
         return checks
 
     def _record_baseline(self, m: dict[str, float]) -> None:
-        for key in DIVERGENCE_METRICS:
+        for key in BASELINE_METRICS:
             values = self._baseline.setdefault(key, [])
             if len(values) < self.thresholds.baseline_steps and key in m and _finite(m[key]):
                 values.append(m[key])

@@ -199,7 +199,8 @@ class _Loop:
 
     def _rollout(self, step: int, precision: str) -> dict[str, torch.Tensor]:
         cfg, codec = self.config, self.codec
-        prompts = make_prompts(cfg.task, cfg.seed, step, cfg.batch_size)
+        prompt_seed = cfg.seed if cfg.prompt_seed is None else cfg.prompt_seed
+        prompts = make_prompts(cfg.task, prompt_seed, step, cfg.batch_size)
         encoded = [codec.encode(p.text) for p in prompts for _ in range(cfg.group_size)]
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), codec.pad_id, dtype=torch.long)
