@@ -17,6 +17,8 @@ def main() -> int:
     except SettingsError as exc:
         print(f"proxymodel-operator: {exc}", file=sys.stderr)
         return 2
+    if settings.checkpoint_watch:
+        from . import checkpoint_watch  # noqa: F401 - registers the CheckpointWatch timer
     kopf.configure(log_format=kopf.LogFormat[settings.log_format.upper()])
     kopf.run(
         standalone=True,  # one replica (Deployment strategy Recreate); no peering objects

@@ -17,6 +17,8 @@ class Permission:
     resource: str  # plural, with "/subresource" where one is used
     verbs: tuple[str, ...]
     why: str
+    # The chart values that need it (charts/generate_rbac.py); empty: always granted.
+    features: tuple[str, ...] = ()
 
 
 PERMISSIONS: tuple[Permission, ...] = (
@@ -41,6 +43,17 @@ PERMISSIONS: tuple[Permission, ...] = (
     # expert count, plan). Only the Secret the ProxyModel names is read, and only in memory.
     Permission("", "secrets", ("get",),
                "S3 credentials named by spec.source.credentialsSecret, for the preflight read"),
+    # CheckpointWatch (issue 11; only with the chart's checkpointWatch.enabled): kopf's timer on
+    # each watch, its status, and the ProxyModels it makes and retires (keepLast). It reads the
+    # Secret a watch names with the `get` above.
+    Permission("moeproxy.io", "checkpointwatches", ("get", "list", "watch", "patch"),
+               "a timer per CheckpointWatch lists its checkpoint prefix", features=("checkpointWatch",)),
+    Permission("moeproxy.io", "checkpointwatches/status", ("get", "patch"),
+               "write status (last step seen, ProxyModels made, pending, conditions)",
+               features=("checkpointWatch",)),
+    Permission("moeproxy.io", "proxymodels", ("create", "delete"),
+               "a ProxyModel per new complete checkpoint; retention deletes the oldest",
+               features=("checkpointWatch",)),
     # Events on the ProxyModel (kopf.event) and kopf's own handler warnings (core v1 Events).
     Permission("", "events", ("create",), "Events on ProxyModels"),
     # kopf's runtime discovery: namespaces when MOEPROXY_NAMESPACES holds glob patterns, and

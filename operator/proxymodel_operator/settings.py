@@ -21,10 +21,11 @@ ENV_S3_REGION = "MOEPROXY_S3_REGION"  # default S3 region when a ProxyModel name
 ENV_PREFLIGHT = "MOEPROXY_PREFLIGHT"  # "false" skips reading config.json before creating Jobs
 ENV_LIVENESS = "MOEPROXY_LIVENESS"  # kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz
 ENV_LOG_FORMAT = "MOEPROXY_LOG_FORMAT"  # plain | full | json
+ENV_CHECKPOINT_WATCH = "MOEPROXY_CHECKPOINT_WATCH"  # "true" serves CheckpointWatches (chart: checkpointWatch.enabled)
 
 ALL_ENV = (ENV_NAMESPACES, ENV_TRANSFORMER_IMAGE, ENV_REPRO_IMAGE, ENV_ACCELERATOR,
            ENV_DEVICES_PER_NODE, ENV_DEVICE_MEMORY_GB, ENV_S3_ENDPOINT, ENV_S3_REGION,
-           ENV_PREFLIGHT, ENV_LIVENESS, ENV_LOG_FORMAT)
+           ENV_PREFLIGHT, ENV_LIVENESS, ENV_LOG_FORMAT, ENV_CHECKPOINT_WATCH)
 
 DEFAULT_IMAGE = "ghcr.io/moe-proxy/moe-proxy:0.1.0"
 DEFAULT_ACCELERATOR = "huawei.com/Ascend910"
@@ -47,6 +48,7 @@ class Settings:
     preflight: bool = True
     liveness: str = "http://0.0.0.0:8080/healthz"
     log_format: str = "json"
+    checkpoint_watch: bool = False  # the chart grants its RBAC only when this is on
 
     @property
     def cluster_wide(self) -> bool:
@@ -86,6 +88,9 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
     preflight = env.get(ENV_PREFLIGHT, "true").strip().lower()
     if preflight not in ("true", "false", "1", "0", "yes", "no"):
         raise SettingsError(f"{ENV_PREFLIGHT}={preflight!r}: expected true or false")
+    checkpoint_watch = env.get(ENV_CHECKPOINT_WATCH, "false").strip().lower() or "false"
+    if checkpoint_watch not in ("true", "false", "1", "0", "yes", "no"):
+        raise SettingsError(f"{ENV_CHECKPOINT_WATCH}={checkpoint_watch!r}: expected true or false")
     log_format = env.get(ENV_LOG_FORMAT, "json").strip() or "json"
     if log_format not in ("plain", "full", "json"):
         raise SettingsError(f"{ENV_LOG_FORMAT}={log_format!r}: expected plain, full or json")
@@ -104,4 +109,5 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         preflight=preflight in ("true", "1", "yes"),
         liveness=env.get(ENV_LIVENESS, "").strip() or "http://0.0.0.0:8080/healthz",
         log_format=log_format,
+        checkpoint_watch=checkpoint_watch in ("true", "1", "yes"),
     )

@@ -25,8 +25,15 @@ def _generator():
     return module
 
 
-def permissions() -> set[tuple[str, str, str]]:
-    return {(p.api_group, p.resource, v) for p in rbac.PERMISSIONS for v in p.verbs}
+DEFAULT_FEATURES = ("preflight",)  # the chart's defaults: operator.preflight on, checkpointWatch off
+
+
+def permissions(*features: str) -> set[tuple[str, str, str]]:
+    """What rbac.PERMISSIONS grants with these chart features on (default: the chart's
+    defaults); a permission that names no feature is always granted."""
+    enabled = set(features or DEFAULT_FEATURES)
+    return {(r["apiGroup"], r["resource"], v) for r in _generator().rules() for v in r["verbs"]
+            if not r["features"] or enabled & set(r["features"])}
 
 
 def _is_cluster_scoped(grant) -> bool:
@@ -34,8 +41,10 @@ def _is_cluster_scoped(grant) -> bool:
 
 
 def test_permissions_are_not_empty_and_have_no_wildcard():
-    assert len(permissions()) > 10
-    assert not any("*" in part for grant in permissions() for part in grant)
+    everything = permissions("preflight", "checkpointWatch")
+    assert len(everything) > 10 and everything == {(p.api_group, p.resource, v) for p in rbac.PERMISSIONS
+                                                   for v in p.verbs}
+    assert not any("*" in part for grant in everything for part in grant)
 
 
 def test_cluster_wide_grants_exactly_the_permissions(chart):
@@ -145,8 +154,7 @@ def test_chart_refuses_an_empty_rules_file(tmp_path):
 
 
 def test_feature_rules_follow_their_values(tmp_path):
-    """A permission marked for checkpoint watching only (as CheckpointWatch's will be) is
-    granted only when checkpointWatch.enabled."""
+    """A rule marked for checkpoint watching only is granted only with checkpointWatch.enabled."""
     rules = yaml.safe_load((CHART / "files" / "rbac-rules.yaml").read_text())
     rules["rules"].append({"apiGroup": "moeproxy.io", "resource": "checkpointwatches",
                            "verbs": ["get", "list", "watch", "patch"], "clusterScoped": False,
@@ -155,7 +163,7 @@ def test_feature_rules_follow_their_values(tmp_path):
         off = grants(one(render_objects(chart), "ClusterRole")["rules"])
         on = grants(one(render_objects(chart, {"checkpointWatch": {"enabled": True}}), "ClusterRole")["rules"])
     cw = {("moeproxy.io", "checkpointwatches", v) for v in ("get", "list", "watch", "patch")}
-    assert off == permissions() and on == permissions() | cw
+    assert off == permissions() and on == permissions("preflight", "checkpointWatch") | cw
 
 
 @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
@@ -164,17 +172,22 @@ def test_kopf_can_serve_every_registered_handler(chart, values):
     registered for must be listable and watchable, and the ones kopf keeps state on
     (progress annotations, finalizer) patchable."""
     kopf = pytest.importorskip("kopf")
+    import proxymodel_operator.checkpoint_watch  # noqa: F401 - registered when checkpointWatch.enabled
     import proxymodel_operator.handlers  # noqa: F401 - registers the handlers
 
+    def granted_by(values):
+        objects = render_objects(chart, values)
+        return set().union(*(grants(r["rules"]) for r in objects if r["kind"] in ("Role", "ClusterRole")))
+
     registry = kopf.get_default_registry()
-    objects = render_objects(chart, values)
-    granted = set().union(*(grants(r["rules"]) for r in objects if r["kind"] in ("Role", "ClusterRole")))
+    default, watching = granted_by(values), granted_by({**values, "checkpointWatch": {"enabled": True}})
     stateful = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
     stateless = [*registry._watching.get_all_handlers(), *registry._indexing.get_all_handlers()]
     assert stateful and stateless
     for handler in stateful + stateless:
         selector = handler.selector
         plural = selector.plural or selector.any_name
+        granted = watching if plural == "checkpointwatches" else default
         for verb in ("list", "watch") + (("patch",) if handler in stateful else ()):
             assert (selector.group or "", plural, verb) in granted, (selector, verb)
-    assert ("", "events", "create") in granted  # kopf posts handler failures as Events
+    assert ("", "events", "create") in default  # kopf posts handler failures as Events

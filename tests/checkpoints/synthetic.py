@@ -53,11 +53,13 @@ def tensors_of(config: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def files(config: dict | None = None, shards: int = 2, proxy: bool = False) -> dict[str, bytes]:
+def files(config: dict | None = None, shards: int = 2, proxy: bool = False,
+          shapes: dict | None = None) -> dict[str, bytes]:
     """A complete checkpoint: config.json, the index and `shards` shards (1: a single
-    model.safetensors, no index); with `proxy`, a proxy-manifest.json too."""
+    model.safetensors, no index); with `proxy`, a proxy-manifest.json too. The tensors are
+    those of `config`, or of `shapes` (a small config) when config.json is a real model's."""
     config = QWEN3_TINY if config is None else config
-    tensors = list(tensors_of(config).items())
+    tensors = list(tensors_of(shapes or config).items())
     out = {"config.json": json.dumps(config).encode()}
     if shards == 1:
         out["model.safetensors"] = shard(dict(tensors))

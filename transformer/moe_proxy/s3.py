@@ -85,7 +85,8 @@ class S3Store:
     ("path" or "virtual"), checksum ("sha256", or "md5" for older stores; default
     $MOE_PROXY_S3_CHECKSUM), part_size and max_concurrency (upload memory is about
     (max_concurrency + 1) x part_size per file being written), max_attempts (per request,
-    first try included), connect_timeout / read_timeout in seconds.
+    first try included), connect_timeout / read_timeout in seconds, credentials (a dict of
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN to use instead of boto3's chain).
     """
 
     downloaded_total = 0  # response-body bytes of all stores in this process (demo summary)
@@ -104,6 +105,7 @@ class S3Store:
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         checksum: str | None = None,
+        credentials: dict[str, str] | None = None,
     ):
         self.bucket, self.prefix = parse_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
@@ -123,7 +125,12 @@ class S3Store:
             request_checksum_calculation="when_required",
             user_agent_extra=f"moe-proxy/{__version__}",
         )
-        self.session = boto3.session.Session(region_name=region)
+        # Explicit keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN: the operator's,
+        # from a Secret) instead of boto3's chain; held by boto3 only, never logged.
+        keys = credentials or {}
+        self.session = boto3.session.Session(
+            region_name=region, aws_access_key_id=keys.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=keys.get("AWS_SECRET_ACCESS_KEY"), aws_session_token=keys.get("AWS_SESSION_TOKEN"))
         self.client = self.session.client("s3", endpoint_url=endpoint_url, config=config)
         # The endpoint may come from the option, AWS_ENDPOINT_URL(_S3) or the shared config file;
         # whichever it was, a store that is not AWS gets path-style addressing.

@@ -1,0 +1,160 @@
+"""How long `moe-proxy checkpoints` takes, and how many bytes it reads, on a run of many
+full-size checkpoints.
+
+    python bench/checkpoints_listing.py [--checkpoints 50] [--shards 163] [--dir DIR] [--s3]
+
+A DeepSeek-V3-shaped checkpoint (61 layers, 256 routed experts, fp8 weights with their
+block scales: ~91k tensors, ~690 GB) is written as sparse files: every shard holds its real
+safetensors header and is extended to its full size without writing data, so fifty of them
+(~34 TB apparent) fit on any disk. The listing reads config, index and headers only, so it
+cannot tell. With --s3 the same layout, at a small scale (data must really be uploaded), is
+listed from a local SeaweedFS, to count requests' bytes as the S3 store sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from moe_proxy.checkpoint import INDEX, ITEMSIZE
+from moe_proxy.checkpoints import CountingStore, list_checkpoints
+from moe_proxy.shard_writer import OutTensor, header_bytes
+from moe_proxy.storage import LocalStore
+
+DSV3 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "n_group": 8, "topk_group": 4, "vocab_size": 129280, "num_attention_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+        "v_head_dim": 128}
+
+
+def tensors(c: dict, scale: float = 1.0) -> list[tuple[str, str, tuple[int, ...]]]:
+    """DeepSeek-V3's tensor names and shapes (fp8 weights + 128x128 block scales), with every
+    dimension multiplied by `scale` (1.0: the real sizes)."""
+    def d(n: int) -> int:
+        return max(1, int(n * scale))
+
+    def fp8(name: str, rows: int, cols: int) -> list:
+        return [(f"{name}.weight", "F8_E4M3", (d(rows), d(cols))),
+                (f"{name}.weight_scale_inv", "F32", (math.ceil(d(rows) / 128), math.ceil(d(cols) / 128)))]
+
+    h, out = c["hidden_size"], [("model.embed_tokens.weight", "BF16", (d(c["vocab_size"]), d(c["hidden_size"])))]
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        out += [(f"{p}.input_layernorm.weight", "BF16", (d(h),)), (f"{p}.post_attention_layernorm.weight", "BF16", (d(h),))]
+        out += fp8(f"{p}.self_attn.q_a_proj", c["q_lora_rank"], h) + fp8(f"{p}.self_attn.q_b_proj", 128 * 192, c["q_lora_rank"])
+        out += fp8(f"{p}.self_attn.kv_a_proj_with_mqa", 576, h) + fp8(f"{p}.self_attn.kv_b_proj", 128 * 256, 512)
+        out += fp8(f"{p}.self_attn.o_proj", h, 128 * 128)
+        if layer < c["first_k_dense_replace"]:
+            for proj, r, k in (("gate_proj", c["intermediate_size"], h), ("up_proj", c["intermediate_size"], h),
+                               ("down_proj", h, c["intermediate_size"])):
+                out += fp8(f"{p}.mlp.{proj}", r, k)
+            continue
+        out += [(f"{p}.mlp.gate.weight", "BF16", (c["n_routed_experts"], d(h))),
+                (f"{p}.mlp.gate.e_score_correction_bias", "F32", (c["n_routed_experts"],))]
+        m = c["moe_intermediate_size"]
+        for e in [*map(str, range(c["n_routed_experts"]))]:
+            for proj, r, k in (("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)):
+                out += fp8(f"{p}.mlp.experts.{e}.{proj}", r, k)
+        for proj, r, k in (("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)):
+            out += fp8(f"{p}.mlp.shared_experts.{proj}", r, k)
+    out += [("model.norm.weight", "BF16", (d(h),)), ("lm_head.weight", "BF16", (d(c["vocab_size"]), d(h)))]
+    return out
+
+
+def layout(n_shards: int, scale: float) -> tuple[dict[str, bytes], dict[str, int], bytes]:
+    """(shard headers, shard full sizes, index bytes) of one checkpoint."""
+    all_tensors = tensors(DSV3, scale)
+    per = math.ceil(len(all_tensors) / n_shards)
+    headers, sizes, weight_map = {}, {}, {}
+    for i in range(n_shards):
+        name = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = [OutTensor(t, dt, shape, []) for t, dt, shape in all_tensors[i * per:(i + 1) * per]]
+        headers[name] = header_bytes(part)
+        sizes[name] = len(headers[name]) + sum(math.prod(t.shape) * ITEMSIZE[t.dtype] for t in part)
+        weight_map.update({t.name: name for t in part})
+    index = json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}).encode()
+    return headers, sizes, index
+
+
+def write_sparse(root: Path, checkpoints: int, n_shards: int) -> int:
+    headers, sizes, index = layout(n_shards, 1.0)
+    for k in range(checkpoints):
+        d = root / f"global_step_{(k + 1) * 100}" / "actor" / "huggingface"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps(DSV3))
+        (d / INDEX).write_bytes(index)
+        for name, header in headers.items():
+            with open(d / name, "wb") as f:
+                f.write(header)
+                f.truncate(sizes[name])  # sparse: the data region is a hole
+    return sum(sizes.values())
+
+
+def bench_local(args) -> None:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp) / "run"
+        t0 = time.perf_counter()
+        per_checkpoint = write_sparse(root, args.checkpoints, args.shards)
+        print(f"wrote {args.checkpoints} sparse DeepSeek-V3-shaped checkpoints of {per_checkpoint / 1e9:.0f} GB "
+              f"({args.shards} shards each) in {time.perf_counter() - t0:.1f}s")
+        store = CountingStore(LocalStore(root))
+        t0 = time.perf_counter()
+        found = list_checkpoints(store, pattern="global_step_*/actor/huggingface")
+        took = time.perf_counter() - t0
+        assert len(found) == args.checkpoints and all(c.source for c in found), found[:1]
+        print(f"listed {len(found)} checkpoints ({len(found) * per_checkpoint / 1e12:.1f} TB) in {took:.2f}s: "
+              f"read {store.bytes_read / 1e6:.1f} MB in {store.reads} reads "
+              f"({store.bytes_read / len(found) / 1e6:.2f} MB per checkpoint: its index and shard headers)")
+
+
+def bench_s3(args) -> None:
+    from moe_proxy.s3 import S3Store
+    from moe_proxy.seaweed import SeaweedFS
+
+    scale = 1 / 64  # every dimension / 64: the same tensor names and count, data ~4000x smaller
+    headers, sizes, index = layout(args.shards, scale)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, \
+            SeaweedFS(Path(tmp) / "s3", "bench-key", "bench-secret", buckets=["runs"]) as s3:
+        client = s3.client()
+        t0 = time.perf_counter()
+        for k in range(args.checkpoints):
+            prefix = f"run/global_step_{(k + 1) * 100}/actor/huggingface"
+            client.put_object(Bucket="runs", Key=f"{prefix}/config.json", Body=json.dumps(DSV3).encode())
+            client.put_object(Bucket="runs", Key=f"{prefix}/{INDEX}", Body=index)
+            for name, header in headers.items():
+                client.put_object(Bucket="runs", Key=f"{prefix}/{name}",
+                                  Body=header + bytes(sizes[name] - len(header)))
+        print(f"uploaded {args.checkpoints} checkpoints of {sum(sizes.values()) / 1e6:.0f} MB in "
+              f"{time.perf_counter() - t0:.0f}s")
+        os.environ.update(AWS_ACCESS_KEY_ID="bench-key", AWS_SECRET_ACCESS_KEY="bench-secret")
+        store = S3Store("s3://runs/run", endpoint_url=s3.endpoint_url, region="us-east-1")
+        t0 = time.perf_counter()
+        found = list_checkpoints(store, pattern="global_step_*/actor/huggingface")
+        took = time.perf_counter() - t0
+        assert len(found) == args.checkpoints and all(c.source for c in found), found[:1]
+        print(f"listed {len(found)} checkpoints from SeaweedFS in {took:.2f}s: downloaded "
+              f"{store.bytes_downloaded / 1e6:.1f} MB ({store.bytes_downloaded / len(found) / 1e6:.2f} MB per "
+              f"checkpoint) of {len(found) * sum(sizes.values()) / 1e6:.0f} MB stored")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoints", type=int, default=50)
+    p.add_argument("--shards", type=int, default=163)
+    p.add_argument("--dir", help="where to write (default: the system's temporary directory)")
+    p.add_argument("--s3", action="store_true", help="list from SeaweedFS instead of local sparse files")
+    args = p.parse_args(argv)
+    (bench_s3 if args.s3 else bench_local)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""CheckpointWatch: a ProxyModel for every new complete checkpoint of a training run.
+
+One kopf timer per CheckpointWatch. Every `spec.pollInterval` seconds it
+1. lists the ProxyModels the watch made (label `moeproxy.io/checkpoint-watch`): what exists
+   is the truth, so a restarted operator never makes one twice;
+2. lists the run's prefix with `moe_proxy.checkpoints` (the function behind
+   `moe-proxy checkpoints`; config, index and shard headers only), with the credentials of
+   the Secret the watch names, read with `get` and kept in memory;
+3. decides (watch_plan.decide) and acts: creates ProxyModels `<watch>-step-<N>` owned by the
+   watch, deletes the oldest beyond keepLast, and writes what it saw to status.
+An incomplete checkpoint is looked at again on the next poll; one that is no source (dense,
+unsupported, unreadable) gets one warning Event. Listing errors become the SourceReachable
+condition (S3AccessDenied, EndpointUnreachable, ...) and the next poll tries again.
+
+Registered only when the operator runs with MOEPROXY_CHECKPOINT_WATCH=true (the chart's
+checkpointWatch.enabled), which is also when the chart grants the RBAC it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import kopf
+
+from moe_proxy.checkpoints import Checkpoint, find, inspect_all
+from moe_proxy.errors import AccessDenied, EndpointUnreachable, ObjectNotFound, StorageError
+from moe_proxy.s3 import S3Store
+
+from . import handlers, kube
+from .preflight import PreflightError, read_credentials, redact
+from .resources import GROUP, PROXYMODELS, VERSION, Resource
+from .status import condition, now, with_condition
+from .watch_plan import LABEL_STEP, LABEL_WATCH, Child, considered, decide, proxymodel_for, watch_label
+from .watch_spec import InvalidWatch, WatchSpec, parse_watch
+
+CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
+# How often each watch's timer wakes to see whether its pollInterval has passed (seconds).
+TICK = float(os.environ.get("MOEPROXY_CHECKPOINT_TICK", "10"))
+SOURCE_REACHABLE = "SourceReachable"
+SUSPENDED = "Suspended"
+MAX_LISTED = 20  # waiting/skipped entries kept in status
+REASONS = {AccessDenied: "S3AccessDenied", EndpointUnreachable: "EndpointUnreachable",
+           ObjectNotFound: "S3NoSuchBucket"}
+
+
+# --- reading: the ProxyModels that exist, the checkpoints under the prefix -------------------------
+
+
+async def children_of(namespace: str, watch: str) -> list[Child]:
+    """The ProxyModels this watch made, oldest step first (those being deleted left out)."""
+    items = await kube.list_(PROXYMODELS, namespace, {LABEL_WATCH: watch_label(watch)})
+    out = []
+    for item in items:
+        meta = item.get("metadata") or {}
+        step = (meta.get("labels") or {}).get(LABEL_STEP, "")
+        if meta.get("deletionTimestamp") or not step.isdigit():
+            continue
+        out.append(Child(meta["name"], int(step), (item.get("status") or {}).get("phase"),
+                         ((item.get("spec") or {}).get("source") or {}).get("uri", "")))
+    return sorted(out, key=lambda c: c.step)
+
+
+def list_checkpoints(watch: WatchSpec, credentials: dict[str, str], made: set[int],
+                     retired_through: int | None) -> list[Checkpoint]:
+    """The prefix's checkpoints still to decide (blocking: runs in a thread). Directories of
+    steps already made, retired or before startAfterStep are found but not read."""
+    store = S3Store(watch.source.uri, endpoint_url=watch.source.endpoint or None,
+                    region=watch.source.region or "us-east-1", credentials=credentials,
+                    max_attempts=2, connect_timeout=3, read_timeout=20)
+    candidates = find(store, watch.pattern, watch.step_regex)
+    return inspect_all(store, [c for c in candidates if considered(watch, c.step, made, retired_through)])
+
+
+# --- the timer -----------------------------------------------------------------------------------
+
+
+def _due(memo: kopf.Memo, watch: WatchSpec, generation: int, status: dict) -> bool:
+    """A poll is due when pollInterval has passed since the last one (in this process), or
+    the spec changed since status was written."""
+    last = memo.get("last_poll")
+    if last is None or status.get("observedGeneration") != generation:
+        return True
+    return time.monotonic() - last >= watch.poll_interval
+
+
+@kopf.timer(GROUP, VERSION, CHECKPOINT_WATCHES.plural, interval=TICK, id="poll")
+async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
+               name: str, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    generation = meta.get("generation") or 1
+    try:
+        watch = parse_watch(dict(spec), handlers.config)
+    except InvalidWatch as exc:
+        if status.get("observedGeneration") != generation:  # say so once per spec
+            _condition(patch, status, SOURCE_REACHABLE, False, "InvalidSpec", str(exc), generation)
+            patch.status["observedGeneration"] = generation
+            kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        return
+    if not _due(memo, watch, generation, dict(status)):
+        return
+    memo["last_poll"] = time.monotonic()
+    patch.status.update(observedGeneration=generation, lastPollTime=now())
+
+    children = await children_of(namespace, name)
+    if watch.suspend:
+        _condition(patch, status, SUSPENDED, True, "SuspendedBySpec",
+                   "spec.suspend is true: the prefix is not listed and no ProxyModel is made", generation)
+        _record_children(patch, children)
+        return
+    _condition(patch, status, SUSPENDED, False, "Polling", f"listing every {watch.poll_interval}s", generation)
+
+    retired = status.get("retiredThrough")
+    credentials: dict[str, str] = {}
+    try:
+        credentials = await read_credentials(namespace, watch.source.credentials_secret)
+        found = await asyncio.to_thread(list_checkpoints, watch, credentials, {c.step for c in children}, retired)
+    except (PreflightError, StorageError) as exc:
+        reason = exc.reason if isinstance(exc, PreflightError) else REASONS.get(type(exc), "S3Error")
+        message = redact(str(exc), credentials)
+        if _condition(patch, status, SOURCE_REACHABLE, False, reason, message, generation):
+            kopf.warn(body, reason=reason, message=message)
+        logger.warning("listing %s failed: %s: %s", watch.source.uri, reason, message)
+        _record_children(patch, children)
+        return
+    failing = next((c for c in status.get("conditions") or [] if c.get("type") == SOURCE_REACHABLE
+                    and c.get("status") == "False"), None)
+    _condition(patch, status, SOURCE_REACHABLE, True, "Listed",
+               f"{watch.source.uri}: {len(found)} new checkpoint(s) looked at", generation)
+    if failing:
+        kopf.event(body, type="Normal", reason="SourceReachable", message=f"listing {watch.source.uri} works again")
+
+    decision = decide(watch, children, found, retired)
+    await act(body, watch, decision, children, status, patch, logger)
+
+
+async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child], status: dict,
+              patch: kopf.Patch, logger: logging.Logger) -> None:
+    """Carry out a decision and record it in status."""
+    namespace = body["metadata"]["namespace"]
+    for child in decision.delete:
+        if await kube.delete(PROXYMODELS, namespace, child.name):
+            kopf.event(body, type="Normal", reason="ProxyModelRetired",
+                       message=f"deleted {child.name} (step {child.step}): keepLast is {watch.keep_last}")
+            logger.info("retired ProxyModel %s (step %d)", child.name, child.step)
+    kept = [c for c in children if c not in decision.delete]
+    for checkpoint in decision.create:
+        manifest = proxymodel_for(dict(body), watch, checkpoint.step, checkpoint.uri)
+        _, created = await kube.create(PROXYMODELS, namespace, manifest)
+        pxm = manifest["metadata"]["name"]
+        if created:
+            kopf.event(body, type="Normal", reason="ProxyModelCreated",
+                       message=f"{pxm} from step {checkpoint.step} ({checkpoint.uri})")
+            logger.info("created ProxyModel %s from step %d", pxm, checkpoint.step)
+        kept.append(Child(pxm, checkpoint.step, None, checkpoint.uri))
+
+    reported = {s.get("step") for s in status.get("skipped") or []}
+    for checkpoint in decision.skipped:
+        if checkpoint.step not in reported:
+            kopf.warn(body, reason="CheckpointSkipped",
+                      message=f"step {checkpoint.step} ({checkpoint.uri}) is no source: {checkpoint.reason}")
+    skipped = {s["step"]: s for s in status.get("skipped") or []}
+    skipped.update({c.step: {"step": c.step, "kind": c.kind, "reason": (c.reason or "")[:256]}
+                    for c in decision.skipped})
+
+    _record_children(patch, kept)
+    patch.status.update(
+        lastSeenStep=max(decision.last_seen_step or 0, status.get("lastSeenStep") or 0) or None,
+        pending=decision.pending,
+        pendingSummary=",".join(map(str, decision.pending)),
+        waiting=[{"step": c.step, "reason": (c.reason or "")[:256]} for c in decision.waiting[:MAX_LISTED]],
+        skipped=[skipped[k] for k in sorted(skipped)][-MAX_LISTED:],
+        retiredThrough=decision.retired_through,
+    )
+
+
+# --- status ----------------------------------------------------------------------------------------
+
+
+def _record_children(patch: kopf.Patch, children: list[Child]) -> None:
+    ordered = sorted(children, key=lambda c: c.step)
+    patch.status["proxies"] = len(ordered)
+    patch.status["proxyModels"] = [{"name": c.name, "step": c.step, "phase": c.phase or "Pending", "uri": c.uri}
+                                   for c in ordered][-200:]
+
+
+def _condition(patch: kopf.Patch, status: dict, kind: str, ok: bool, reason: str, message: str,
+               generation: int) -> bool:
+    """Set a condition; True when its status or reason changed (worth an Event)."""
+    current = patch.status["conditions"] if "conditions" in patch.status else status.get("conditions")
+    before = next((c for c in current or [] if c.get("type") == kind), None)
+    patch.status["conditions"] = with_condition(current, condition(kind, ok, reason, message, generation))
+    return before is None or (before.get("status"), before.get("reason")) != ("True" if ok else "False", reason)
