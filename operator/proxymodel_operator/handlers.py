@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 import kopf
 
@@ -97,7 +97,7 @@ def _parse(spec: dict, namespace: str, name: str) -> ProxyModelSpec:
     return parse(dict(spec), namespace, name, config)
 
 
-def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str) -> None:
+def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str) -> NoReturn:
     """Bad input: say so in status and an Event, then stop (kopf.PermanentError)."""
     _set_condition(patch, status, condition(ACCEPTED, False, reason, message, generation))
     patch.status["phase"] = PHASE_FAILED
@@ -139,7 +139,12 @@ async def pipeline(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
     if spec.get("suspend"):
         _suspend(patch, status, meta.get("generation") or 1)
         return
-    # Steps one at a time, in order; kopf records each one done in an annotation.
+    await _run_steps()
+
+
+async def _run_steps() -> None:
+    """The pipeline's steps as kopf sub-handlers: one at a time, in order, each recorded as done
+    in an annotation, so a retry or a restart never redoes a finished step."""
     await kopf.execute(fns={"validate": validate, "transform": transform}, lifecycle=kopf.lifecycles.one_by_one)
 
 
@@ -204,7 +209,8 @@ async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body:
     # Generation 1 has no older children: skip the three listings (they add up at scale).
     deleted = await _delete_children(namespace, name, keep_generation=generation) if generation > 1 else []
     if deleted:
-        kopf.event(body, type="Normal", reason="ChildrenReplaced", message=f"deleted {', '.join(sorted(deleted))} of an older spec")
+        kopf.event(body, type="Normal", reason="ChildrenReplaced",
+                   message=f"deleted {', '.join(sorted(deleted))} of an older spec")
     job = transformer_job(name, namespace, generation, parsed)
     kopf.adopt(job, owner=body)
     _, created = await kube.create(JOBS, namespace, job)
@@ -215,7 +221,8 @@ async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body:
     _set_condition(patch, status, condition(PROXY_READY_CONDITION, False, "TransformerRunning",
                                             f"Job {job_name} builds the proxy at {parsed.destination}", generation))
     if created:
-        kopf.event(body, type="Normal", reason="TransformerCreated", message=f"Job {job_name} builds {parsed.destination}")
+        kopf.event(body, type="Normal", reason="TransformerCreated",
+                   message=f"Job {job_name} builds {parsed.destination}")
     logger.info("transformer Job %s %s", job_name, "created" if created else "already exists")
 
 
@@ -236,7 +243,7 @@ async def spec_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, bo
             logger.info("spec changed while suspended; deleted %s", deleted or "nothing")
             return
         logger.info("spec changed: restarting the pipeline at generation %s", generation)
-        await kopf.execute(fns={"validate": validate, "transform": transform}, lifecycle=kopf.lifecycles.one_by_one)
+        await _run_steps()
         return
 
     patch.status["observedGeneration"] = generation
@@ -247,7 +254,7 @@ async def spec_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, bo
     _set_condition(patch, status, condition(SUSPENDED_CONDITION, False, "Resumed",
                                             "spec.suspend is false", generation))
     if not ran.get("transformerJob"):  # suspended before the first Job: start now
-        await kopf.execute(fns={"validate": validate, "transform": transform}, lifecycle=kopf.lifecycles.one_by_one)
+        await _run_steps()
         return
     if status.get("phase") == SUSPENDED:
         patch.status["phase"] = REPRODUCING if ran.get("reproductionJob") else (
