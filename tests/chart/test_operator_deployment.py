@@ -46,6 +46,7 @@ def test_operator_parses_the_rendered_settings(chart, name):
     assert settings.preflight == merged["operator"]["preflight"]
     assert settings.log_format == merged["operator"]["logFormat"]
     assert urlparse(settings.liveness).port == merged["operator"]["livenessPort"]
+    assert settings.checkpoint_watch == merged["checkpointWatch"]["enabled"]
 
 
 @pytest.mark.parametrize("port", [8080, 9090])

@@ -89,13 +89,15 @@ async def wait_for(predicate, timeout: float, what: str):
     pytest.fail(f"timed out waiting for {what}")
 
 
-@pytest.mark.parametrize("mode", ["namespaced", "cluster-wide"])
+@pytest.mark.parametrize("mode", ["namespaced", "cluster-wide", "checkpoint-watch"])
 async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, namespaces_listable):
     port = free_port()
     values = {"operator": {"livenessPort": port, "preflight": False, "logFormat": "plain"},
               "jobs": {"transformerImage": "registry.local/moe-proxy:test"}}
     if mode == "namespaced":
         values["watchNamespaces"] = [WATCHED]
+    if mode == "checkpoint-watch":
+        values["checkpointWatch"] = {"enabled": True}
     objects = render_objects(chart, values)
     container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     roles = [o for o in objects if o["kind"] in ("Role", "ClusterRole")]
@@ -114,6 +116,8 @@ async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, n
             emulator.resources[f"{resource.group}/{resource.version}/{resource.plural}"] = kmock.ResourceInfo(
                 kind=resource.kind, namespaced=True, verbs=set(VERBS.values()),
                 subresources={"status"} if resource is PROXYMODELS else set())
+        emulator.resources[f"{PROXYMODELS.group}/{PROXYMODELS.version}/checkpointwatches"] = kmock.ResourceInfo(
+            kind="CheckpointWatch", namespaced=True, verbs=set(VERBS.values()), subresources={"status"})
         for ns in (WATCHED, "other"):
             emulator.objects["v1/namespaces", None, ns] = {"apiVersion": "v1", "kind": "Namespace",
                                                            "metadata": {"name": ns}}
@@ -170,12 +174,17 @@ async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, n
         assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
 
     calls = set(emulator.calls)
-    assert any(verb == "watch" and resource == "proxymodels" for verb, _, resource, _ in calls)
+    watched = {resource for verb, _, resource, _ in calls if verb == "watch"}
+    assert "proxymodels" in watched
+    # CheckpointWatches are served only when the chart enables them.
+    assert ("checkpointwatches" in watched) == (mode == "checkpoint-watch")
     denied = sorted({c for c in calls if not granted(*c)}, key=str)
     assert denied == [], f"calls the rendered RBAC does not allow: {denied}"
     if mode == "namespaced":
         namespaced = {c for c in calls if c[2].split("/")[0] not in ("namespaces", "customresourcedefinitions")}
         assert {ns for *_, ns in namespaced} == {WATCHED}
-    # Preflight is off: the operator never touched a Secret, and the chart granted none.
+    # Preflight is off: the operator touched no Secret, and the chart granted none unless a
+    # CheckpointWatch may need one (`get` only).
     assert not any(resource == "secrets" for _, _, resource, _ in calls)
-    assert not any(r == "secrets" for role in roles for _, r, _ in grants(role["rules"]))
+    secret_grants = {(r, v) for role in roles for _, r, v in grants(role["rules"]) if r == "secrets"}
+    assert secret_grants == ({("secrets", "get")} if mode == "checkpoint-watch" else set())
