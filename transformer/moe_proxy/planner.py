@@ -357,7 +357,8 @@ def format_plan(p: Plan) -> str:
         row("optimizer states", gib(o.memory.optimizer), gib(x.memory.optimizer)),
         row("reference policy", gib(o.memory.reference), gib(x.memory.reference)),
         row("activations per device", gib(o.memory.activations_per_device), gib(x.memory.activations_per_device)),
-        row("devices (whole nodes)", f"{o.devices} ({o.nodes} nodes)", f"{x.devices} ({x.nodes} nodes)"),
+        row("devices (whole nodes)", f"{o.devices} ({o.nodes} node{'s' * (o.nodes != 1)})",
+            f"{x.devices} ({x.nodes} node{'s' * (x.nodes != 1)})"),
         row("device-hours per step", f"{o.device_hours_per_step:.4g}", f"{x.device_hours_per_step:.4g}"),
         f"  devices saved: {p.device_reduction:.1%}; device-hours per step, proxy/original: "
         f"{p.device_hours_ratio:.3f}",
