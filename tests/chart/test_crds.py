@@ -5,10 +5,12 @@ CustomResourceDefinitions are those objects (plus the chart's labels and keep an
 from __future__ import annotations
 
 import os
+import shutil
 
+import pytest
 import yaml
 
-from .conftest import CHART, CRDS, by_kind, helm, render_objects
+from .conftest import CHART, CRDS, by_kind, helm, load_chart, render_objects
 
 CHART_LABELS = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
                 "app.kubernetes.io/version", "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of",
@@ -92,3 +94,24 @@ def test_crds_are_templates_not_helm_crds_folder(chart):
     `helm upgrade` updates the API along with the operator."""
     assert chart.crds == []
     assert not (CHART / "crds").exists()
+
+
+def test_multi_document_crd_files_and_broken_ones(tmp_path):
+    """A crds/ file may hold several CRDs (`---`); a file that is not YAML fails the render
+    with its name instead of shipping a broken CRD."""
+    copy = tmp_path / "moe-proxy"
+    shutil.copytree(CHART, copy, symlinks=False)  # files/crds becomes real files here
+    first, second = (yaml.safe_load(CRDS.joinpath("proxymodels.moeproxy.io.yaml").read_text()) for _ in range(2))
+    second["metadata"]["name"] = "widgets.moeproxy.io"
+    second["spec"]["names"].update(kind="Widget", listKind="WidgetList", plural="widgets", singular="widget",
+                                   shortNames=["wdg"])
+    (copy / "files" / "crds" / "proxymodels.moeproxy.io.yaml").write_text(
+        yaml.safe_dump(first) + "---\n" + yaml.safe_dump(second))
+    with load_chart(copy) as chart:
+        names = {c["metadata"]["name"] for c in by_kind(render_objects(chart), "CustomResourceDefinition")}
+    assert {"proxymodels.moeproxy.io", "widgets.moeproxy.io"} <= names
+
+    (copy / "files" / "crds" / "broken.yaml").write_text("spec: [unclosed\n")
+    with load_chart(copy) as chart:
+        with pytest.raises(helm.HelmRenderError, match="files/crds/broken.yaml"):
+            render_objects(chart)
