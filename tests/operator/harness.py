@@ -116,6 +116,11 @@ class Api:
                    "name": container, "state": {"waiting": {"reason": reason, "message": "Back-off pulling image"}}}]}}
         await self.create(PODS, namespace, pod)
 
+    async def transformer_succeeds(self, namespace: str, job: dict) -> None:
+        """The transformer Job `job` completes and reports TRANSFORMER_REPORT."""
+        await self.finish_pod(namespace, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
+        await self.job_condition(namespace, job["metadata"]["name"], "Complete")
+
     async def job_condition(self, namespace: str, name: str, kind: str, reason: str = "") -> None:
         cond = {"type": kind, "status": "True", "reason": reason, "message": ""}
         await self.patch(JOBS, namespace, name, {"status": {"conditions": [cond]}})

@@ -12,7 +12,7 @@ import pytest
 from proxymodel_operator import rbac
 from proxymodel_operator.resources import JOBS, PROXYMODELS, VOLCANO_JOBS
 
-from .harness import ACCESS_KEY, SECRET_KEY, TRANSFORMER_REPORT, eventually, proxymodel
+from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel
 
 NS = "team-b"
 
@@ -60,8 +60,7 @@ async def test_reproduction_failure_and_unschedulable_gang(cluster, operator):
     await _secret(cluster)
     await cluster.create(PROXYMODELS, NS, proxymodel("f2", reproduction={"runtime": "VolcanoJob"}))
     job = await eventually(lambda: cluster.get(JOBS, NS, "f2-transform-g1"))
-    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
-    await cluster.job_condition(NS, "f2-transform-g1", "Complete")
+    await cluster.transformer_succeeds(NS, job)
     await eventually(lambda: cluster.get(VOLCANO_JOBS, NS, "f2-repro-g1"))
     # The gang waits: a reason in the condition, not a failure.
     await cluster.patch(VOLCANO_JOBS, NS, "f2-repro-g1", {"status": {"state": {
@@ -111,8 +110,7 @@ async def test_restart_mid_pipeline_makes_no_duplicate(cluster, operator):
     await eventually(lambda: cluster.status(NS, "r1").get("phase") == "Transforming")
     await operator.stop()
     # While the operator is down, the transformer finishes.
-    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
-    await cluster.job_condition(NS, "r1-transform-g1", "Complete")
+    await cluster.transformer_succeeds(NS, job)
     posts_before = _job_posts(cluster)
     await operator.start()
     await eventually(lambda: cluster.get(JOBS, NS, "r1-repro-g1"), what="reproduction after restart")
@@ -128,8 +126,7 @@ async def test_spec_change_replaces_children(cluster, operator):
     await _secret(cluster)
     await cluster.create(PROXYMODELS, NS, proxymodel("c1"))
     job = await eventually(lambda: cluster.get(JOBS, NS, "c1-transform-g1"))
-    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
-    await cluster.job_condition(NS, "c1-transform-g1", "Complete")
+    await cluster.transformer_succeeds(NS, job)
     await eventually(lambda: cluster.get(JOBS, NS, "c1-repro-g1"))
 
     await cluster.patch_spec(PROXYMODELS, NS, "c1", {"pruning": {"experts": 32}})
@@ -157,8 +154,7 @@ async def test_suspend_creates_nothing_new(cluster, operator):
     # Suspended while transforming: the proxy is recorded, but no reproduction starts ...
     await cluster.patch_spec(PROXYMODELS, NS, "s1", {"suspend": True})
     await eventually(lambda: cluster.status(NS, "s1").get("phase") == "Suspended")
-    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
-    await cluster.job_condition(NS, "s1-transform-g2", "Complete")
+    await cluster.transformer_succeeds(NS, job)
     await eventually(lambda: cluster.status(NS, "s1").get("proxy"), what="proxy recorded while suspended")
     await asyncio.sleep(0.5)
     assert cluster.names(JOBS, NS) == ["s1-transform-g2"] and cluster.status(NS, "s1")["phase"] == "Suspended"
@@ -191,8 +187,7 @@ async def test_every_api_call_is_in_rbac_permissions(cluster, operator):
     await _secret(cluster)
     await cluster.create(PROXYMODELS, NS, proxymodel("p1", reproduction={"runtime": "AscendJob"}))
     job = await eventually(lambda: cluster.get(JOBS, NS, "p1-transform-g1"))
-    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
-    await cluster.job_condition(NS, "p1-transform-g1", "Complete")
+    await cluster.transformer_succeeds(NS, job)
     await eventually(lambda: cluster.status(NS, "p1").get("phase") == "Reproducing")
     await cluster.patch_spec(PROXYMODELS, NS, "p1", {"pruning": {"experts": 32}})
     await eventually(lambda: cluster.get(JOBS, NS, "p1-transform-g2"))

@@ -27,8 +27,7 @@ async def _apply(cluster, name: str = "q3", **overrides) -> None:
 async def _transformer_done(cluster, name: str = "q3", generation: int = 1) -> dict:
     job_name = f"{name}-transform-g{generation}"
     job = await eventually(lambda: cluster.get(JOBS, NS, job_name), what=f"Job {job_name}")
-    await cluster.finish_pod(NS, job, "transformer", 0, json.dumps(TRANSFORMER_REPORT))
-    await cluster.job_condition(NS, job_name, "Complete")
+    await cluster.transformer_succeeds(NS, job)
     return job
 
 
