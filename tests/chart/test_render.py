@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from .conftest import (CHART, CRDS, KUBE_VERSIONS, NAMESPACE, RELEASE, by_kind, helm, one, operator_env,
+from .conftest import (CHART, CRDS, KUBE_VERSIONS, NAMESPACE, RELEASE, by_kind, grants, helm, one, operator_env,
                        render_objects)
 
 DIGEST = "sha256:" + "ab" * 32
@@ -46,12 +46,10 @@ VALUE_SETS: dict[str, dict] = {
     "existing-serviceaccount": {"serviceAccount": {"create": False, "name": "platform-operator"},
                                 "rbac": {"create": False}, "crds": {"install": False}},
     "checkpoint-watch": {"checkpointWatch": {"enabled": True}, "operator": {"preflight": False},
-                         "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/moe"}},
-                         "operator_extra": None},
+                         "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/moe"}}},
     "extra-env": {"operator": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
                                             {"name": "NO_PROXY", "value": "10.0.0.0/8,.svc"}]}},
 }
-VALUE_SETS["checkpoint-watch"].pop("operator_extra")
 
 
 @pytest.fixture(scope="module", params=sorted(VALUE_SETS))
@@ -176,3 +174,18 @@ def test_release_name_shapes_object_names(chart):
     assert set(names.values()) == {"platform-moe-proxy"}
     binding = one(objects, "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "platform-moe-proxy", "namespace": "ops"}]
+
+
+def test_volcano_reproductions_on_ascend(chart):
+    """The platform of the ascend-volcano value set: the operator defaults reproductions to
+    16-NPU nodes and an on-prem S3, and may run them as Volcano gangs (or AscendJobs) and read
+    their pods' failure reasons."""
+    objects = render_objects(chart, VALUE_SETS["ascend-volcano"])
+    env = operator_env(objects)
+    assert (env["MOEPROXY_ACCELERATOR"], env["MOEPROXY_DEVICES_PER_NODE"]) == ("huawei.com/npu", "16")
+    assert env["MOEPROXY_S3_ENDPOINT"] == "http://minio.storage.svc:9000"
+    granted = grants(one(objects, "ClusterRole")["rules"])
+    for group, resource in (("batch.volcano.sh", "jobs"), ("mindxdl.gitee.com", "ascendjobs")):
+        assert {(group, resource, v) for v in ("create", "get", "list", "watch", "delete")} <= granted
+    assert {("", "pods", v) for v in ("get", "list", "watch")} <= granted
+    assert not any(r == "pods" and v in ("create", "delete", "patch") for _, r, v in granted)
