@@ -113,8 +113,9 @@ class FaultProxy:
                     flipped = _flip_body_byte(data)
                     state["corrupt"] = flipped is None  # no body byte yet: flip a later one
                     data = flipped or data
-                while self.stall_after_up is not None and self.bytes_up + len(data) > self.stall_after_up:
-                    time.sleep(0.05)  # frozen until the test kills the client
+                while (self.stall_after_up is not None and not self.closed
+                       and self.bytes_up + len(data) > self.stall_after_up):
+                    time.sleep(0.05)  # frozen until the test kills the client (or closes the proxy)
                 with self.lock:
                     self.bytes_up += len(data)
                 server.sendall(data)
