@@ -65,14 +65,23 @@ async def children_of(namespace: str, watch: str) -> list[Child]:
 
 
 def list_checkpoints(watch: WatchSpec, credentials: dict[str, str], made: set[int],
-                     retired_through: int | None) -> list[Checkpoint]:
+                     retired_through: int | None, seen: dict) -> list[Checkpoint]:
     """The prefix's checkpoints still to decide (blocking: runs in a thread). Directories of
-    steps already made, retired or before startAfterStep are found but not read."""
+    steps already made, retired or before startAfterStep are found but not read, nor is a
+    directory whose files (names and sizes) are as the last poll saw them: `seen` keeps
+    those answers between polls, so a pending or incomplete checkpoint costs one listing."""
     store = S3Store(watch.source.uri, endpoint_url=watch.source.endpoint or None,
                     region=watch.source.region or "us-east-1", credentials=credentials,
                     max_attempts=2, connect_timeout=3, read_timeout=20)
-    candidates = find(store, watch.pattern, watch.step_regex)
-    return inspect_all(store, [c for c in candidates if considered(watch, c.step, made, retired_through)])
+    candidates = [c for c in find(store, watch.pattern, watch.step_regex)
+                  if considered(watch, c.step, made, retired_through)]
+    keys = {c.path: (c.path, c.step, tuple(sorted(c.files.items()))) for c in candidates}
+    new = [c for c in candidates if keys[c.path] not in seen]
+    answers = dict(zip((keys[c.path] for c in new), inspect_all(store, new)))
+    answers.update({k: seen[k] for k in keys.values() if k in seen})
+    seen.clear()
+    seen.update(answers)
+    return [answers[keys[c.path]] for c in candidates]
 
 
 # --- the timer -----------------------------------------------------------------------------------
@@ -116,7 +125,8 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
     credentials: dict[str, str] = {}
     try:
         credentials = await read_credentials(namespace, watch.source.credentials_secret)
-        found = await asyncio.to_thread(list_checkpoints, watch, credentials, {c.step for c in children}, retired)
+        found = await asyncio.to_thread(list_checkpoints, watch, credentials, {c.step for c in children}, retired,
+                                        memo.setdefault("inspected", {}))
     except (PreflightError, StorageError) as exc:
         reason = exc.reason if isinstance(exc, PreflightError) else REASONS.get(type(exc), "S3Error")
         message = redact(str(exc), credentials)

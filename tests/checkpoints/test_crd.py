@@ -104,3 +104,17 @@ def test_a_schema_error_is_caught_by_the_checker(crd):
     del openapi(loose)["properties"]["spec"]["properties"]["pollInterval"]["minimum"]
     obj = _bad(lambda s: s.update(pollInterval=5))
     assert errors(loose, obj) == [] and errors(crd, obj) != []
+
+
+def test_kubectl_get_pxm_shows_the_source_step():
+    """`kubectl get pxm` prints the step label a watch puts on its ProxyModels."""
+    from proxymodel_operator.watch_plan import LABEL_STEP
+
+    columns = {c["name"]: c for c in openapi_columns(load_crd("proxymodels.moeproxy.io"))}
+    assert columns["Step"]["jsonPath"] == ".metadata.labels." + LABEL_STEP.replace(".", "\\.")
+    assert columns["Step"].get("priority", 0) == 0
+
+
+def openapi_columns(crd: dict) -> list[dict]:
+    (version,) = crd["spec"]["versions"]
+    return version["additionalPrinterColumns"]

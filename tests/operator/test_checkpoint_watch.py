@@ -217,6 +217,27 @@ async def test_max_concurrent_leaves_the_rest_pending(cluster, operator, run):
     await eventually(lambda: watch_status(cluster, "one").get("pending") == [])
 
 
+async def test_unchanged_checkpoints_are_read_once(cluster, operator, run, monkeypatch):
+    """A checkpoint still uploading, or pending, is not read again until its files change."""
+    inspected: list[str] = []
+    real = checkpoint_watch.inspect_all
+
+    def counting(store, candidates, *args):
+        inspected.extend(c.path for c in candidates)
+        return real(store, candidates, *args)
+
+    monkeypatch.setattr(checkpoint_watch, "inspect_all", counting)
+    run.save(100, without=(SHARD2,))
+    await secret(cluster)
+    await cluster.create(CHECKPOINT_WATCHES, NS, checkpoint_watch_manifest("once", run))
+    await eventually(lambda: watch_status(cluster, "once").get("waiting"), what="step 100 waiting")
+    await polls(cluster, "once", 3)
+    assert inspected == [f"global_step_100/{HF}"]
+    run.save(100)  # the missing shard lands: the directory changed, so it is read again
+    await eventually(lambda: proxymodels(cluster) == ["once-step-100"], what="its ProxyModel")
+    assert inspected == [f"global_step_100/{HF}"] * 2
+
+
 async def test_restart_makes_no_duplicate(cluster, operator, run):
     run.save(100)
     run.save(200)
