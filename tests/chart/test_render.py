@@ -189,3 +189,16 @@ def test_volcano_reproductions_on_ascend(chart):
         assert {(group, resource, v) for v in ("create", "get", "list", "watch", "delete")} <= granted
     assert {("", "pods", v) for v in ("get", "list", "watch")} <= granted
     assert not any(r == "pods" and v in ("create", "delete", "patch") for _, r, v in granted)
+
+
+def test_notes_warn_when_the_default_reproduction_image_cannot_use_the_accelerator(chart):
+    def notes(values):
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE)["moe-proxy/templates/NOTES.txt"]
+
+    assert "WARNING" not in notes({})
+    gpu = notes(VALUE_SETS["gpu"])
+    assert "WARNING" in gpu and "nvidia.com/gpu" in gpu and "jobs.reproductionImage" in gpu
+    assert "WARNING" not in notes({**VALUE_SETS["gpu"], "jobs": {**VALUE_SETS["gpu"]["jobs"],
+                                                                 "reproductionImage": "registry.local/rl:cuda"}})
+    assert "use AWS S3" in notes({}) and "use AWS S3" not in notes(VALUE_SETS["ascend-volcano"])
+    assert "the namespaces team-a, team-b, rl-infra" in notes(VALUE_SETS["namespaced"])
