@@ -50,6 +50,9 @@ VALUE_SETS: dict[str, dict] = {
     "extra-env": {"operator": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
                                             {"name": "NO_PROXY", "value": "10.0.0.0/8,.svc"}]}},
 }
+# The example values files platform teams start from (chart-testing's ci/ convention).
+for _path in sorted((CHART / "ci").glob("*-values.yaml")):
+    VALUE_SETS[f"ci/{_path.name}"] = yaml.safe_load(_path.read_text())
 
 
 @pytest.fixture(scope="module", params=sorted(VALUE_SETS))
@@ -90,6 +93,11 @@ def test_no_duplicate_objects(rendered):
 def test_helm_lint_is_clean(name):
     report = helm.lint(str(CHART), VALUE_SETS[name], strict=True, namespace=NAMESPACE, kube_version="v1.31.0")
     assert report["errors"] == [] and report["messages"] == [], report
+
+
+def test_example_values_files_are_tested():
+    assert {"ci/namespaced-values.yaml", "ci/ascend-volcano-values.yaml", "ci/gpu-values.yaml",
+            "ci/checkpoint-watch-values.yaml"} <= set(VALUE_SETS)
 
 
 def test_default_render(chart):
