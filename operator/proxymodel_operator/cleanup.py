@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from .preflight import read_credentials, s3_client, split_uri
+from .preflight import read_credentials, s3_store
 from .spec import ProxyModelSpec
 
 
 def _delete_all(spec: ProxyModelSpec, credentials: dict[str, str]) -> int:
-    client = s3_client(spec, credentials)
-    bucket, prefix = split_uri(spec.destination)
-    deleted = 0
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents") or []]
-        if keys:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-            deleted += len(keys)
-    return deleted
+    store = s3_store(spec.destination, spec, credentials)
+    names = store.list()
+    for name in names:
+        store.delete(name)
+    return len(names)
 
 
 async def delete_prefix(namespace: str, spec: ProxyModelSpec) -> int:

@@ -16,8 +16,9 @@ import json
 import threading
 from dataclasses import dataclass
 
-from moe_proxy.errors import MoeProxyError
+from moe_proxy.errors import AccessDenied, EndpointUnreachable, MoeProxyError, ObjectNotFound, StorageError
 from moe_proxy.planner import Plan, PlanOptions, plan
+from moe_proxy.s3 import S3Store
 
 from . import kube
 from .resources import SECRETS
@@ -25,8 +26,6 @@ from .settings import Settings
 from .spec import ProxyModelSpec
 
 CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403"}
-MISSING = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 
 
 class PreflightError(Exception):
@@ -72,66 +71,41 @@ async def read_credentials(namespace: str, secret: str) -> dict[str, str]:
     return values
 
 
-def split_uri(uri: str) -> tuple[str, str]:
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
-    return bucket, prefix.strip("/")
+_stores: dict[tuple, S3Store] = {}  # building a boto3 client costs ~0.2 s of CPU: reuse them
+_stores_lock = threading.Lock()
+MAX_STORES = 64
 
 
-_clients: dict[tuple, object] = {}  # building a boto3 client costs ~0.2 s of CPU: reuse them
-_clients_lock = threading.Lock()
-MAX_CLIENTS = 64
-
-
-def s3_client(spec: ProxyModelSpec, credentials: dict[str, str]):
-    """A boto3 S3 client for the ProxyModel's endpoint with the Secret's credentials (cached
-    per endpoint and credentials; the key holds a digest, not the secret)."""
-    import boto3
-    from botocore.config import Config
-
+def s3_store(uri: str, spec: ProxyModelSpec, credentials: dict[str, str]) -> S3Store:
+    """moe_proxy's S3Store for `uri` with the Secret's credentials (cached per location and
+    credentials; the key holds a digest, not the secret)."""
     source = spec.source
     digest = hashlib.sha256(json.dumps(credentials, sort_keys=True).encode()).hexdigest()
-    key = (source.endpoint, source.region, digest)
-    with _clients_lock:
-        if key not in _clients:
-            if len(_clients) >= MAX_CLIENTS:
-                _clients.clear()
-            _clients[key] = boto3.session.Session().client(
-                "s3",
-                endpoint_url=source.endpoint or None,
-                region_name=source.region or "us-east-1",
-                aws_access_key_id=credentials.get("AWS_ACCESS_KEY_ID"),
-                aws_secret_access_key=credentials.get("AWS_SECRET_ACCESS_KEY"),
-                aws_session_token=credentials.get("AWS_SESSION_TOKEN"),
-                config=Config(s3={"addressing_style": "path"} if source.endpoint else None,
-                              retries={"mode": "standard", "max_attempts": 2}, connect_timeout=3, read_timeout=10,
-                              max_pool_connections=32),
-            )
-        return _clients[key]
+    key = (uri, source.endpoint, source.region, digest)
+    with _stores_lock:
+        if key not in _stores:
+            if len(_stores) >= MAX_STORES:
+                _stores.clear()
+            _stores[key] = S3Store(uri, endpoint_url=source.endpoint or None, region=source.region or "us-east-1",
+                                   credentials=credentials, max_attempts=2, connect_timeout=3, read_timeout=10)
+        return _stores[key]
 
 
 def read_source_config(spec: ProxyModelSpec, credentials: dict[str, str]) -> dict:
     """config.json of the source checkpoint (blocking: run it in a thread)."""
-    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
-
-    source = spec.source
-    client = s3_client(spec, credentials)
-    bucket, prefix = split_uri(source.uri)
-    key = f"{prefix}/config.json" if prefix else "config.json"
-    where = f"s3://{bucket}/{key}"
+    where = f"{spec.source.uri.rstrip('/')}/config.json"
     try:
-        raw = client.get_object(Bucket=bucket, Key=key)["Body"].read(1 << 20)
-    except ClientError as exc:
-        code = str(exc.response.get("Error", {}).get("Code", ""))
-        if code in DENIED:
-            raise PreflightError("S3AccessDenied", f"{where}: access denied ({code}); check the credentials "
-                                 f"in spec.source.credentialsSecret and the bucket policy") from None
-        if code in MISSING:
-            raise PreflightError("S3NoSuchKey", f"{where} does not exist ({code}): spec.source.uri must be a "
-                                 "Hugging Face checkpoint directory") from None
-        raise PreflightError("S3Error", f"{where}: {code}", retry=True) from None
-    except (EndpointConnectionError, BotoCoreError) as exc:
-        raise PreflightError("S3Unreachable", f"{where}: the object store at {source.endpoint or 'AWS'} did not "
-                             f"answer ({type(exc).__name__})", retry=True) from None
+        raw = s3_store(spec.source.uri, spec, credentials).read_bytes("config.json")
+    except AccessDenied as exc:
+        raise PreflightError("S3AccessDenied", f"access denied reading {where}: {exc}; check the credentials in "
+                             "spec.source.credentialsSecret and the bucket policy") from None
+    except ObjectNotFound as exc:
+        raise PreflightError("S3NoSuchKey", f"{where} does not exist ({exc}): spec.source.uri must be a "
+                             "Hugging Face checkpoint directory") from None
+    except EndpointUnreachable as exc:
+        raise PreflightError("S3Unreachable", str(exc), retry=True) from None
+    except StorageError as exc:
+        raise PreflightError("S3Error", str(exc), retry=True) from None
     try:
         config = json.loads(raw)
     except ValueError as exc:
