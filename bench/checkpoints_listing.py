@@ -119,8 +119,8 @@ def bench_s3(args) -> None:
     from moe_proxy.s3 import S3Store
     from moe_proxy.seaweed import SeaweedFS
 
-    scale = 1 / 64  # every dimension / 64: the same tensor names and count, data ~4000x smaller
-    headers, sizes, index = layout(args.shards, scale)
+    # Every dimension divided by --shrink: the same tensor names and count, far less data to upload.
+    headers, sizes, index = layout(args.shards, 1 / args.shrink)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, \
             SeaweedFS(Path(tmp) / "s3", "bench-key", "bench-secret", buckets=["runs"]) as s3:
         client = s3.client()
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=163)
     p.add_argument("--dir", help="where to write (default: the system's temporary directory)")
     p.add_argument("--s3", action="store_true", help="list from SeaweedFS instead of local sparse files")
+    p.add_argument("--shrink", type=int, default=256, help="with --s3: divide every tensor dimension by this")
     args = p.parse_args(argv)
     (bench_s3 if args.s3 else bench_local)(args)
     return 0

@@ -40,6 +40,7 @@ from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
 # How often each watch's timer wakes to see whether its pollInterval has passed (seconds).
 TICK = float(os.environ.get("MOEPROXY_CHECKPOINT_TICK", "10"))
+ACCEPTED = "Accepted"  # the spec, and the ProxyModels its template makes, are valid
 SOURCE_REACHABLE = "SourceReachable"
 SUSPENDED = "Suspended"
 MAX_LISTED = 20  # waiting/skipped entries kept in status
@@ -104,9 +105,9 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
         watch = parse_watch(dict(spec), handlers.config)
     except InvalidWatch as exc:
         if status.get("observedGeneration") != generation:  # say so once per spec
-            _condition(patch, status, SOURCE_REACHABLE, False, "InvalidSpec", str(exc), generation)
+            if _condition(patch, status, ACCEPTED, False, "InvalidSpec", str(exc), generation):
+                kopf.warn(body, reason="InvalidSpec", message=str(exc))
             patch.status["observedGeneration"] = generation
-            kopf.warn(body, reason="InvalidSpec", message=str(exc))
         return
     if not _due(memo, watch, generation, dict(status)):
         return
@@ -155,16 +156,29 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child]
             kopf.event(body, type="Normal", reason="ProxyModelRetired",
                        message=f"deleted {child.name} (step {child.step}): keepLast is {watch.keep_last}")
             logger.info("retired ProxyModel %s (step %d)", child.name, child.step)
-    kept = [c for c in children if c not in decision.delete]
+    kept, rejected = [c for c in children if c not in decision.delete], None
     for checkpoint in decision.create:
         manifest = proxymodel_for(dict(body), watch, checkpoint.step, checkpoint.uri)
-        _, created = await kube.create(PROXYMODELS, namespace, manifest)
         pxm = manifest["metadata"]["name"]
+        try:
+            _, created = await kube.create(PROXYMODELS, namespace, manifest)
+        except kube.ApiError as exc:
+            if exc.status not in (400, 422):
+                raise  # kopf retries the timer
+            rejected = f"the API server refused ProxyModel {pxm} made from spec.template: {exc.message}"
+            break
         if created:
             kopf.event(body, type="Normal", reason="ProxyModelCreated",
                        message=f"{pxm} from step {checkpoint.step} ({checkpoint.uri})")
             logger.info("created ProxyModel %s from step %d", pxm, checkpoint.step)
         kept.append(Child(pxm, checkpoint.step, None, checkpoint.uri))
+
+    if rejected:
+        if _condition(patch, status, ACCEPTED, False, "ProxyModelRejected", rejected, watch_generation(body)):
+            kopf.warn(body, reason="ProxyModelRejected", message=rejected)
+    else:
+        _condition(patch, status, ACCEPTED, True, "SpecValid", "the template makes valid ProxyModels",
+                   watch_generation(body))
 
     reported = {s.get("step") for s in status.get("skipped") or []}
     for checkpoint in decision.skipped:
@@ -189,6 +203,10 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child]
 # --- status ----------------------------------------------------------------------------------------
 
 
+def watch_generation(body: kopf.Body) -> int:
+    return body.get("metadata", {}).get("generation") or 1
+
+
 def _record_children(patch: kopf.Patch, children: list[Child]) -> None:
     ordered = sorted(children, key=lambda c: c.step)
     patch.status["proxies"] = len(ordered)
@@ -198,8 +216,8 @@ def _record_children(patch: kopf.Patch, children: list[Child]) -> None:
 
 def _condition(patch: kopf.Patch, status: dict, kind: str, ok: bool, reason: str, message: str,
                generation: int) -> bool:
-    """Set a condition; True when its status or reason changed (worth an Event)."""
+    """Set a condition; True when its status or reason differs from status's (worth an Event)."""
     current = patch.status["conditions"] if "conditions" in patch.status else status.get("conditions")
-    before = next((c for c in current or [] if c.get("type") == kind), None)
+    before = next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
     patch.status["conditions"] = with_condition(current, condition(kind, ok, reason, message, generation))
     return before is None or (before.get("status"), before.get("reason")) != ("True" if ok else "False", reason)

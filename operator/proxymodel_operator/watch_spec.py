@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .settings import Settings
-from .spec import Source
+from .spec import InvalidSpec, Source, parse as parse_proxymodel
 
 DEFAULT_POLL_INTERVAL = 300  # seconds
 MIN_POLL_INTERVAL = 30  # the CRD's minimum; the emulator in tests does not apply it
@@ -59,6 +59,11 @@ def parse_watch(spec: dict[str, Any], settings: Settings | None = None) -> Watch
     if "source" in template_spec:
         raise InvalidWatch("spec.template.spec.source: the ProxyModels' source is spec.source with each "
                            "checkpoint's URI; remove it from the template")
+    try:  # the ProxyModel's own checks, on what the template makes of a stand-in checkpoint
+        parse_proxymodel({**template_spec, "source": {**src, "uri": f"{uri.rstrip('/')}/checkpoint"}},
+                         "namespace", "watch-step-0", settings)
+    except InvalidSpec as exc:
+        raise InvalidWatch(f"spec.template: {exc}") from None
     meta = template.get("metadata") or {}
     return WatchSpec(
         source=source, source_fields={k: v for k, v in src.items() if k != "uri"}, template_spec=template_spec,

@@ -15,6 +15,7 @@ import logging
 import os
 import uuid
 
+import aiohttp
 import kmock
 import pytest
 
@@ -310,6 +311,31 @@ async def test_listing_errors_are_conditions_and_recover(cluster, operator, run,
                              if not o.deleted and o.raw.get("kind") != "Secret"])
     for value in (wrong, SECRET_KEY):
         assert value not in caplog.text and value not in everything
+
+
+async def test_a_refused_proxymodel_is_a_condition_not_a_crash(cluster, operator, run):
+    """The API server applies the ProxyModel CRD's own rules (CEL) to what the template makes."""
+    handle, refusing = cluster.emulator._handle, [True]
+
+    async def refuse(request):
+        if refusing[0] and request.action == kmock.action.CREATE and not request.headers.get("X-Test-Client") \
+                and request.resource == kmock.resource("moeproxy.io/v1alpha1/proxymodels"):
+            return aiohttp.web.json_response(status=422, data={
+                "kind": "Status", "status": "Failure", "reason": "Invalid", "code": 422,
+                "message": "ProxyModel.moeproxy.io \"bad-step-100\" is invalid: spec.pruning: Invalid value"})
+        return await handle(request)
+
+    object.__setattr__(cluster.emulator, "_handle", refuse)
+    run.save(100)
+    await secret(cluster)
+    await cluster.create(CHECKPOINT_WATCHES, NS, checkpoint_watch_manifest("bad", run))
+    await eventually(lambda: watch_condition(cluster, "bad", "Accepted").get("reason") == "ProxyModelRejected")
+    assert "bad-step-100" in watch_condition(cluster, "bad", "Accepted")["message"]
+    await polls(cluster, "bad", 2)
+    assert len(events(cluster, "ProxyModelRejected")) == 1 and proxymodels(cluster) == []
+    refusing[0] = False  # the CRD (or the template) fixed
+    await eventually(lambda: proxymodels(cluster) == ["bad-step-100"], what="created once accepted")
+    await eventually(lambda: watch_condition(cluster, "bad", "Accepted").get("reason") == "SpecValid")
 
 
 async def test_missing_secret_is_a_condition(cluster, operator, run):

@@ -97,3 +97,14 @@ def test_proxymodel_manifest():
     assert pxm["spec"]["cleanup"] == {"deleteProxy": True}
     assert pxm["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert w.template_spec["destination"] == {"uri": "s3://proxies/grpo"}  # the template is not changed
+
+
+def test_a_template_the_proxymodel_would_refuse_is_refused_by_the_watch():
+    import pytest
+
+    from proxymodel_operator.watch_spec import InvalidWatch
+
+    with pytest.raises(InvalidWatch, match="spec.template: spec.pruning: give exactly one of"):
+        parse_watch({"source": SOURCE, "template": {"spec": {"pruning": {"experts": 8, "keepRatio": 0.5}}}})
+    with pytest.raises(InvalidWatch, match="spec.stepRegex"):
+        parse_watch({"source": SOURCE, "stepRegex": "step_(", "template": {"spec": {"pruning": {"experts": 8}}}})
