@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from proxymodel_operator import rbac
-from proxymodel_operator.resources import JOBS, PROXYMODELS, VOLCANO_JOBS
+from proxymodel_operator.resources import JOBS, PODS, PROXYMODELS, VOLCANO_JOBS
 
 from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel
 
@@ -31,6 +31,7 @@ async def _failed_with(cluster, name: str, reason: str) -> dict:
 @pytest.mark.parametrize("how, reason", [
     ("oom", "OOMKilled"),
     ("backoff", "BackoffLimitExceeded"),
+    ("deadline", "DeadlineExceeded"),
     ("image", "ImagePullBackOff"),
     ("report", "S3AccessDenied"),
 ])
@@ -44,6 +45,8 @@ async def test_transformer_failures_carry_the_real_reason(cluster, operator, how
     elif how == "backoff":
         await cluster.finish_pod(NS, job, "transformer", 1)
         await cluster.job_condition(NS, "f1-transform-g1", "Failed", "BackoffLimitExceeded")
+    elif how == "deadline":
+        await cluster.job_condition(NS, "f1-transform-g1", "Failed", "DeadlineExceeded")
     elif how == "image":  # the Job never fails by itself: the pod waits forever
         await cluster.waiting_pod(NS, job, "transformer", "ImagePullBackOff")
     else:  # the transformer's own report in its termination message
@@ -54,6 +57,23 @@ async def test_transformer_failures_carry_the_real_reason(cluster, operator, how
     ready = cluster.condition(NS, "f1", "ProxyReady")
     assert (ready["status"], ready["reason"]) == ("False", reason)
     assert cluster.names(JOBS, NS) == ["f1-transform-g1"]  # no reproduction after a failure
+
+
+async def test_unschedulable_pod_is_reported_not_failed(cluster, operator):
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("u1"))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "u1-transform-g1"))
+    await cluster.create(PODS, NS, {
+        "metadata": {"name": "u1-pod", "labels": job["spec"]["template"]["metadata"]["labels"]},
+        "spec": {"containers": [{"name": "transformer", "image": "x"}]},
+        "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                        "reason": "Unschedulable",
+                                                        "message": "0/3 nodes are available: 3 Insufficient memory."}]}})
+    await eventually(lambda: cluster.condition(NS, "u1", "ProxyReady").get("reason") == "Unschedulable")
+    assert "Insufficient memory" in cluster.condition(NS, "u1", "ProxyReady")["message"]
+    assert cluster.status(NS, "u1")["phase"] == "Transforming"
+    await eventually(lambda: any(e["reason"] == "Unschedulable" and e["type"] == "Warning"
+                                 for e in cluster.objects_of("events", NS)), what="Unschedulable Event")
 
 
 async def test_reproduction_failure_and_unschedulable_gang(cluster, operator):
