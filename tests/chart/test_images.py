@@ -170,3 +170,22 @@ def test_ascend_recipe_takes_its_base_image_and_matching_torch_npu():
     wrapper = (ROOT / "docker" / "ascend" / "moe-proxy-npu.sh").read_text()
     assert "set_env.sh" in wrapper and 'exec /opt/moe-proxy/bin/moe-proxy "$@"' in wrapper
     assert ("COPY", "docker/ascend/moe-proxy-npu.sh /opt/moe-proxy/wrap/moe-proxy") in steps
+
+
+def test_ascend_wrapper_loads_cann_then_runs_moe_proxy(tmp_path):
+    """The wrapper, with CANN's set_env.sh and the real moe-proxy replaced by fakes: the
+    environment reaches moe-proxy, the arguments pass through, and a set_env.sh that ends on
+    a false test does not stop the run."""
+    wrapper = (ROOT / "docker" / "ascend" / "moe-proxy-npu.sh").read_text()
+    wrapper = wrapper.replace("/usr/local/Ascend/ascend-toolkit/set_env.sh", str(tmp_path / "set_env.sh"))
+    wrapper = wrapper.replace("/opt/moe-proxy/bin/moe-proxy", str(tmp_path / "moe-proxy"))
+    (tmp_path / "wrap").write_text(wrapper)
+    (tmp_path / "set_env.sh").write_text('export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest\n'
+                                         '[ -n "$NOT_SET_ANYWHERE" ]\n')
+    (tmp_path / "moe-proxy").write_text('#!/bin/bash\necho "$ASCEND_TOOLKIT_HOME|$#|$*"\n')
+    for name in ("wrap", "moe-proxy"):
+        (tmp_path / name).chmod(0o755)
+    result = subprocess.run([str(tmp_path / "wrap"), "repro", "s3://b/proxy", "--steps", "3"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "/usr/local/Ascend/ascend-toolkit/latest|4|repro s3://b/proxy --steps 3"
