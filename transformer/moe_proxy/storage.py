@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Iterator, Protocol
+from typing import BinaryIO, Protocol
 
 from .errors import CorruptCheckpoint, StorageError
 
@@ -150,13 +149,3 @@ class LocalWriter:
     def abort(self) -> None:
         self.file.close()
         self.tmp.unlink(missing_ok=True)
-
-
-def remove_tree(uri: str) -> None:
-    """Delete a local directory tree (used by tests and --overwrite of local destinations)."""
-    shutil.rmtree(uri, ignore_errors=True)
-
-
-def iter_chunks(data: memoryview, chunk: int) -> Iterator[memoryview]:
-    for start in range(0, len(data), chunk):
-        yield data[start : start + chunk]
