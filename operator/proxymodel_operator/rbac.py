@@ -54,6 +54,10 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("moeproxy.io", "proxymodels", ("create", "delete"),
                "a ProxyModel per new complete checkpoint; retention deletes the oldest",
                features=("checkpointWatch",)),
+    # Those ProxyModels are owned by their watch with blockOwnerDeletion, which clusters with the
+    # OwnerReferencesPermissionEnforcement admission plugin (OpenShift) allow only with this.
+    Permission("moeproxy.io", "checkpointwatches/finalizers", ("update",),
+               "own the ProxyModels it makes (blockOwnerDeletion)", features=("checkpointWatch",)),
     # Events on the ProxyModel (kopf.event) and kopf's own handler warnings (core v1 Events).
     Permission("", "events", ("create",), "Events on ProxyModels"),
     # kopf's runtime discovery: namespaces when MOEPROXY_NAMESPACES holds glob patterns, and

@@ -16,7 +16,8 @@ from .crd_schema import ROOT
 
 CW_GRANTS = {("moeproxy.io", "checkpointwatches", v) for v in ("get", "list", "watch", "patch")} | \
     {("moeproxy.io", "checkpointwatches/status", v) for v in ("get", "patch")} | \
-    {("moeproxy.io", "proxymodels", v) for v in ("create", "delete")}
+    {("moeproxy.io", "proxymodels", v) for v in ("create", "delete")} | \
+    {("moeproxy.io", "checkpointwatches/finalizers", "update")}
 SECRET_GET = ("", "secrets", "get")
 
 
