@@ -144,20 +144,21 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
         kopf.event(body, type="Normal", reason="SourceReachable", message=f"listing {watch.source.uri} works again")
 
     decision = decide(watch, children, found, retired)
-    await act(body, watch, decision, children, status, patch, logger)
+    await act(body, watch, decision, children, status, patch, memo.setdefault("warned", set()), logger)
 
 
 async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child], status: dict,
-              patch: kopf.Patch, logger: logging.Logger) -> None:
-    """Carry out a decision and record it in status."""
+              patch: kopf.Patch, warned: set[int], logger: logging.Logger) -> None:
+    """Carry out a decision and record it in status. `warned`: the steps whose skipping this
+    process has reported already (status keeps only the newest few)."""
     namespace = body["metadata"]["namespace"]
     for child in decision.delete:
         if await kube.delete(PROXYMODELS, namespace, child.name):
             kopf.event(body, type="Normal", reason="ProxyModelRetired",
                        message=f"deleted {child.name} (step {child.step}): keepLast is {watch.keep_last}")
             logger.info("retired ProxyModel %s (step %d)", child.name, child.step)
-    kept, rejected = [c for c in children if c not in decision.delete], None
-    for checkpoint in decision.create:
+    kept, rejected, not_made = [c for c in children if c not in decision.delete], None, []
+    for i, checkpoint in enumerate(decision.create):
         manifest = proxymodel_for(dict(body), watch, checkpoint.step, checkpoint.uri)
         pxm = manifest["metadata"]["name"]
         try:
@@ -166,6 +167,7 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child]
             if exc.status not in (400, 422):
                 raise  # kopf retries the timer
             rejected = f"the API server refused ProxyModel {pxm} made from spec.template: {exc.message}"
+            not_made = [c.step for c in decision.create[i:]]
             break
         if created:
             kopf.event(body, type="Normal", reason="ProxyModelCreated",
@@ -180,9 +182,10 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child]
         _condition(patch, status, ACCEPTED, True, "SpecValid", "the template makes valid ProxyModels",
                    watch_generation(body))
 
-    reported = {s.get("step") for s in status.get("skipped") or []}
+    warned.update(s.get("step") for s in status.get("skipped") or [])
     for checkpoint in decision.skipped:
-        if checkpoint.step not in reported:
+        if checkpoint.step not in warned:
+            warned.add(checkpoint.step)
             kopf.warn(body, reason="CheckpointSkipped",
                       message=f"step {checkpoint.step} ({checkpoint.uri}) is no source: {checkpoint.reason}")
     skipped = {s["step"]: s for s in status.get("skipped") or []}
@@ -192,8 +195,8 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child]
     _record_children(patch, kept)
     patch.status.update(
         lastSeenStep=max(decision.last_seen_step or 0, status.get("lastSeenStep") or 0) or None,
-        pending=decision.pending,
-        pendingSummary=",".join(map(str, decision.pending)),
+        pending=not_made + decision.pending,
+        pendingSummary=",".join(map(str, not_made + decision.pending)),
         waiting=[{"step": c.step, "reason": (c.reason or "")[:256]} for c in decision.waiting[:MAX_LISTED]],
         skipped=[skipped[k] for k in sorted(skipped)][-MAX_LISTED:],
         retiredThrough=decision.retired_through,

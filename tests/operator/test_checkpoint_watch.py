@@ -331,6 +331,7 @@ async def test_a_refused_proxymodel_is_a_condition_not_a_crash(cluster, operator
     await cluster.create(CHECKPOINT_WATCHES, NS, checkpoint_watch_manifest("bad", run))
     await eventually(lambda: watch_condition(cluster, "bad", "Accepted").get("reason") == "ProxyModelRejected")
     assert "bad-step-100" in watch_condition(cluster, "bad", "Accepted")["message"]
+    await eventually(lambda: watch_status(cluster, "bad").get("pending") == [100], what="step 100 still to make")
     await polls(cluster, "bad", 2)
     assert len(events(cluster, "ProxyModelRejected")) == 1 and proxymodels(cluster) == []
     refusing[0] = False  # the CRD (or the template) fixed
