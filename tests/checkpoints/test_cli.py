@@ -92,3 +92,11 @@ def test_s3_errors_are_one_clear_line(capsys, aws_env, seaweed, s3_run, monkeypa
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     code, _, err = run_cli(capsys, f"s3://{BUCKET}/run1", "--endpoint-url", "http://127.0.0.1:9")
     assert code == 2 and "did not answer" in err
+
+
+def test_a_bad_step_regex_is_a_usage_error(capsys, local_run):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["checkpoints", str(local_run), "--step-regex", "step_("])
+    assert exit_.value.code == 2 and "not a regular expression" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from ..checkpoints import Checkpoint, latest_before, list_checkpoints
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pattern", metavar="GLOB",
                    help="checkpoint directories relative to URI, e.g. 'global_step_*/actor/huggingface' "
                         "(* stays within one path segment, ** spans any); default: every directory with a config.json")
-    p.add_argument("--step-regex", metavar="RE",
+    p.add_argument("--step-regex", metavar="RE", type=regex,
                    help="the step in a directory's relative path: the first group (or the match) of RE; "
                         "default: the path's last integer")
     p.add_argument("--before", type=int, metavar="STEP",
@@ -36,6 +37,14 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="a JSON array sorted by step ascending")
     add_storage_args(p)
     p.set_defaults(func=run)
+
+
+def regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {exc}") from None
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
