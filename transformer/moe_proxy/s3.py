@@ -46,9 +46,9 @@ for _name in ("botocore", "boto3", "s3transfer", "urllib3"):
     if logging.getLogger(_name).level == logging.NOTSET:
         logging.getLogger(_name).setLevel(logging.WARNING)
 
-PART_SIZE = 64 << 20  # multipart part size; S3 wants >= 5 MiB for every part but the last
+PART_SIZE = 16 << 20  # multipart part size: S3 wants >= 5 MiB (but the last); 10,000 parts = 160 GiB
 MAX_PARTS = 10_000  # S3's limit per upload
-READ_CHUNK = 1 << 20  # response bodies are read in pieces of this size
+READ_CHUNK = 8 << 20  # response bodies are read in pieces of this size
 NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 DENIED = {"403", "AccessDenied", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 BAD_TOKEN = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
@@ -262,16 +262,18 @@ class S3Store:
     def read_range(self, name: str, start: int, length: int) -> bytes:
         if length == 0:
             return b""
-        buf, etag, drops = bytearray(), None, 0
-        while len(buf) < length:
-            first, last = start + len(buf), start + length - 1
+        chunks: list[bytes] = []
+        got, etag, drops = 0, None, 0
+        while got < length:
+            first, last = start + got, start + length - 1
             # After a drop, ask only for the missing bytes, and only of the same object version.
             resp = self._call("get_object", name, Range=f"bytes={first}-{last}", **({"IfMatch": etag} if etag else {}))
             etag = resp.get("ETag")
             expected = int(resp["ContentLength"])
             try:
                 for chunk in resp["Body"].iter_chunks(READ_CHUNK):
-                    buf += chunk
+                    chunks.append(chunk)
+                    got += len(chunk)
                     with S3Store._total_lock:
                         self.bytes_downloaded += len(chunk)
                         S3Store.downloaded_total += len(chunk)
@@ -282,7 +284,7 @@ class S3Store:
                         f"s3://{self.bucket}/{self._key(name)}: the connection dropped {drops} times while "
                         f"reading bytes {first}..{last} ({type(exc).__name__})"
                     ) from exc
-                log.debug("%s: connection dropped mid-read (%s), resuming at byte %d", name, exc, start + len(buf))
+                log.debug("%s: connection dropped mid-read (%s), resuming at byte %d", name, exc, start + got)
                 time.sleep(min(0.05 * 2**drops, 2))  # the backoff botocore uses for transient errors
                 continue
             if expected < last - first + 1:
@@ -290,7 +292,7 @@ class S3Store:
                     f"s3://{self.bucket}/{self._key(name)}: wanted bytes {start}..{start + length} but the "
                     f"object ends at {first + expected} (truncated?)"
                 )
-        return bytes(buf)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def read_bytes(self, name: str) -> bytes:
         return self.read_range(name, 0, self.size(name))
@@ -356,8 +358,10 @@ class S3Writer:
         self.buffer += data
         size = self.store.part_size
         while len(self.buffer) >= size:
-            self._send(bytes(self.buffer[:size]))
+            with memoryview(self.buffer) as view:
+                part = bytes(view[:size])  # one copy, not two
             del self.buffer[:size]
+            self._send(part)
         return len(data)
 
     def _send(self, part: bytes) -> None:
