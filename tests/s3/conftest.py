@@ -11,6 +11,7 @@ import pytest
 
 from moe_proxy.seaweed import SeaweedFS
 from moe_proxy.tiny import make_tiny
+
 from .helpers import ACCESS_KEY, SECRET_KEY
 
 
