@@ -213,13 +213,16 @@ async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body:
                    message=f"deleted {', '.join(sorted(deleted))} of an older spec")
     job = transformer_job(name, namespace, generation, parsed)
     kopf.adopt(job, owner=body)
-    _, created = await kube.create(JOBS, namespace, job)
     job_name = job["metadata"]["name"]
-    patch.status["pipeline"] = {**(status.get("pipeline") or {}), "specHash": spec_hash(dict(spec)),
-                                "generation": generation, "transformerJob": job_name}
-    patch.status["phase"] = TRANSFORMING
-    _set_condition(patch, status, condition(PROXY_READY_CONDITION, False, "TransformerRunning",
-                                            f"Job {job_name} builds the proxy at {parsed.destination}", generation))
+    # Status first, then the Job: whatever the Job does next, its handler finds it recorded.
+    conditions = with_condition(status.get("conditions"), condition(
+        PROXY_READY_CONDITION, False, "TransformerRunning", f"Job {job_name} builds the proxy at {parsed.destination}",
+        generation))
+    await kube.patch_status(PROXYMODELS, namespace, name, {
+        "pipeline": {**(status.get("pipeline") or {}), "specHash": spec_hash(dict(spec)), "generation": generation,
+                     "transformerJob": job_name},
+        "phase": TRANSFORMING, "conditions": conditions})
+    _, created = await kube.create(JOBS, namespace, job)
     if created:
         kopf.event(body, type="Normal", reason="TransformerCreated",
                    message=f"Job {job_name} builds {parsed.destination}")
@@ -260,8 +263,10 @@ async def spec_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, bo
         patch.status["phase"] = REPRODUCING if ran.get("reproductionJob") else (
             PROXY_READY if status.get("proxy") else TRANSFORMING)
         if status.get("proxy") and not ran.get("reproductionJob"):
-            fresh = await kube.get(PROXYMODELS, namespace, name)
-            await _start_reproduction({**fresh, "spec": dict(spec)}, patch_into=patch.status)
+            fresh = {**await kube.get(PROXYMODELS, namespace, name), "spec": dict(spec)}
+            manifest = await _start_reproduction(fresh, patch_into=patch.status)
+            await kube.patch_status(PROXYMODELS, namespace, name, dict(patch.status))  # before the child exists
+            await _create_reproduction(fresh, manifest)
 
 
 # --- following the children --------------------------------------------------------------------
@@ -301,41 +306,52 @@ async def pod_changed(event: dict, body: kopf.Body, namespace: str, logger: logg
 
 async def judge_child(resource: Resource | None, namespace: str, labels: dict, workload: dict | None,
                       logger: logging.Logger) -> None:
-    """Read the child's verdict and carry it into its ProxyModel's status."""
+    """Read the child's verdict and carry it into its ProxyModel's status. Status is written
+    only if nobody changed the ProxyModel meanwhile; otherwise it is read and judged again."""
     proxymodel, role, child = labels.get(LABEL_PROXYMODEL), labels.get(LABEL_ROLE), labels.get(LABEL_CHILD)
     if not (proxymodel and role in (TRANSFORMER, REPRODUCTION) and child):
         return
     async with _locks.setdefault((namespace, proxymodel), asyncio.Lock()):
-        try:
-            parent = await kube.get(PROXYMODELS, namespace, proxymodel)
-        except kube.ApiError as exc:
-            if exc.status == 404:
-                return  # the ProxyModel is gone; its children follow through owner references
-            raise
-        status = parent.get("status") or {}
-        ran = status.get("pipeline") or {}
-        current = ran.get("transformerJob") if role == TRANSFORMER else ran.get("reproductionJob")
-        if child != current:
-            return  # a child of an older spec, being deleted
-        if role == TRANSFORMER and status.get("proxy") or role == REPRODUCTION and status.get("reproduction"):
-            return  # this step's verdict is in status already
-        if status.get("phase") == PHASE_FAILED:
-            return
-        if resource is None:  # from a pod event: read the workload it belongs to
-            resource = JOBS if role == TRANSFORMER else RUNTIMES[ran.get("reproductionKind") or "Job"]
-        if workload is None:
-            workload = await kube.get(resource, namespace, child)
-        pods = await kube.list_(PODS, namespace, {LABEL_CHILD: child})
-        verdict = outcome(resource, workload, pods)
-        if role == TRANSFORMER:
-            await _transformer_verdict(parent, verdict, logger)
-        else:
-            await _reproduction_verdict(parent, verdict, logger)
+        for attempt in range(3):
+            try:
+                return await _judge_once(resource, namespace, proxymodel, role, child, workload, logger)
+            except kube.ApiError as exc:
+                if exc.status != 409 or attempt == 2:
+                    raise
+
+
+async def _judge_once(resource: Resource | None, namespace: str, proxymodel: str, role: str, child: str,
+                      workload: dict | None, logger: logging.Logger) -> None:
+    try:
+        parent = await kube.get(PROXYMODELS, namespace, proxymodel)
+    except kube.ApiError as exc:
+        if exc.status == 404:
+            return  # the ProxyModel is gone; its children follow through owner references
+        raise
+    status = parent.get("status") or {}
+    ran = status.get("pipeline") or {}
+    current = ran.get("transformerJob") if role == TRANSFORMER else ran.get("reproductionJob")
+    if child != current:
+        return  # a child of an older spec, being deleted
+    if role == TRANSFORMER and status.get("proxy") or role == REPRODUCTION and status.get("reproduction"):
+        return  # this step's verdict is in status already
+    if status.get("phase") == PHASE_FAILED:
+        return
+    if resource is None:  # from a pod event: read the workload it belongs to
+        resource = JOBS if role == TRANSFORMER else RUNTIMES[ran.get("reproductionKind") or "Job"]
+    if workload is None:
+        workload = await kube.get(resource, namespace, child)
+    pods = await kube.list_(PODS, namespace, {LABEL_CHILD: child})
+    verdict = outcome(resource, workload, pods)
+    if role == TRANSFORMER:
+        await _transformer_verdict(parent, verdict, logger)
+    else:
+        await _reproduction_verdict(parent, verdict, logger)
 
 
 async def _patch_parent(parent: dict, status_patch: dict) -> None:
     meta = parent["metadata"]
-    await kube.patch_status(PROXYMODELS, meta["namespace"], meta["name"], status_patch)
+    await kube.patch_status(PROXYMODELS, meta["namespace"], meta["name"], status_patch, meta.get("resourceVersion"))
 
 
 def _generation(parent: dict) -> int:
@@ -358,19 +374,22 @@ async def _transformer_verdict(parent: dict, verdict, logger: logging.Logger) ->
     patch = {"phase": PROXY_READY, "proxy": proxy, "experts": arrow(experts["before"], experts["after"]),
              "conditions": with_condition(conditions, condition(PROXY_READY_CONDITION, True, "ProxyBuilt",
                                                                 message, generation))}
-    kopf.event(parent, type="Normal", reason="ProxyReady", message=message)
     logger.info(message)
     spec = parse(parent.get("spec") or {}, parent["metadata"]["namespace"], parent["metadata"]["name"], config)
+    manifest = None
     if spec.reproduction.enabled and not spec.suspend:
-        parent = {**parent, "status": {**status, **patch}}
-        await _start_reproduction(parent, patch_into=patch)
+        manifest = await _start_reproduction({**parent, "status": {**status, **patch}}, patch_into=patch)
     elif spec.suspend:
         patch["phase"] = SUSPENDED
     await _patch_parent(parent, patch)
+    kopf.event(parent, type="Normal", reason="ProxyReady", message=message)
+    if manifest is not None:
+        await _create_reproduction(parent, manifest)
 
 
-async def _start_reproduction(parent: dict, patch_into: dict) -> None:
-    """Create the reproduction workload on the planned (or requested) device count."""
+async def _start_reproduction(parent: dict, patch_into: dict) -> dict:
+    """Record the reproduction workload in `patch_into` and return its manifest; the caller
+    writes the status, then creates it (`_create_reproduction`)."""
     meta, status = parent["metadata"], parent.get("status") or {}
     namespace, name = meta["namespace"], meta["name"]
     spec = parse(parent.get("spec") or {}, namespace, name, config)
@@ -378,11 +397,10 @@ async def _start_reproduction(parent: dict, patch_into: dict) -> None:
     devices = spec.reproduction.accelerator.devices or ((status.get("plan") or {}).get("proxy") or {}).get("devices")
     if not devices:
         raise kopf.PermanentError("no device count: the plan is missing and spec.reproduction.accelerator.devices is auto")
-    proxy = status.get("proxy") or {}
+    proxy = status.get("proxy") or patch_into.get("proxy") or {}
     manifest = reproduction_workload(name, namespace, generation, spec, proxy["uri"], proxy.get("manifestSha256") or "",
                                      devices)
     kopf.adopt(manifest, owner=parent)
-    _, created = await kube.create(RUNTIMES[spec.reproduction.runtime], namespace, manifest)
     child = manifest["metadata"]["name"]
     patch_into["pipeline"] = {**(status.get("pipeline") or {}), "reproductionJob": child,
                               "reproductionKind": spec.reproduction.runtime}
@@ -392,9 +410,33 @@ async def _start_reproduction(parent: dict, patch_into: dict) -> None:
         REPRODUCED_CONDITION, None, "ReproductionRunning",
         f"{spec.reproduction.runtime} {child} runs up to {spec.reproduction.max_steps} steps on {devices} x "
         f"{spec.reproduction.accelerator.resource}", generation))
+    return manifest
+
+
+async def _create_reproduction(parent: dict, manifest: dict) -> None:
+    """Create the recorded reproduction workload; an API refusal fails the ProxyModel visibly."""
+    namespace, kind = parent["metadata"]["namespace"], manifest["kind"]
+    resource = next(r for r in RUNTIMES.values() if (r.api_version, r.kind) == (manifest["apiVersion"], kind))
+    try:
+        _, created = await kube.create(resource, namespace, manifest)
+    except kube.ApiError as exc:
+        # Status changed since `parent` was read (we just recorded the child): patch unconditionally.
+        unversioned = {**parent, "metadata": {**parent["metadata"], "resourceVersion": None}}
+        await _fail(unversioned, REPRODUCED_CONDITION, "CreateFailed",
+                    f"creating {kind} {manifest['metadata']['name']}: {exc}", "reproduction")
+        return
     if created:
+        container = _first_container(manifest)
+        devices = next(iter((container.get("resources") or {}).get("limits", {}).items()), ("", ""))
         kopf.event(parent, type="Normal", reason="ReproductionCreated",
-                  message=f"{spec.reproduction.runtime} {child} on {devices} x {spec.reproduction.accelerator.resource}")
+                   message=f"{kind} {manifest['metadata']['name']} ({devices[1]} x {devices[0]} per pod)")
+
+
+def _first_container(manifest: dict) -> dict:
+    spec = manifest["spec"]
+    template = spec.get("template") or (spec.get("tasks") or [{}])[0].get("template") or \
+        spec["replicaSpecs"]["Master"]["template"]
+    return template["spec"]["containers"][0]
 
 
 async def _reproduction_verdict(parent: dict, verdict, logger: logging.Logger) -> None:

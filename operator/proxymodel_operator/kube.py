@@ -148,8 +148,12 @@ async def list_(resource: Resource, namespace: str, labels: dict[str, str]) -> l
                                     for k, v in labels.items())]
 
 
-async def patch_status(resource: Resource, namespace: str, name: str, status: dict) -> dict:
-    """Merge-patch the status subresource."""
+async def patch_status(resource: Resource, namespace: str, name: str, status: dict,
+                       resource_version: str | None = None) -> dict:
+    """Merge-patch the status subresource. With `resource_version`, only if the object is still
+    at that version (else ApiError 409: re-read and decide again)."""
+    body: dict = {"status": status}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
     return await _request("PATCH", "patch", resource, resource.path(namespace, name, "status"),
-                          subresource="status", json={"status": status},
-                          headers={"Content-Type": "application/merge-patch+json"})
+                          subresource="status", json=body, headers={"Content-Type": "application/merge-patch+json"})
