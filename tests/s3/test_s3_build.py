@@ -13,7 +13,7 @@ from moe_proxy.build import build_proxy
 from moe_proxy.checkpoint import MANIFEST
 from moe_proxy.errors import DestinationExists
 from .faultproxy import FaultProxy
-from .helpers import download, tree
+from .helpers import download, incomplete_uploads, tree
 
 
 def without_source_uri(manifest: dict) -> dict:
@@ -90,6 +90,24 @@ def test_scale_out_workers_then_finalize_on_s3(seaweed, s3_ckpt, local_ckpt, pre
     got = tree(download(seaweed, dst, tmp_path / "back"))
     assert {n: b for n, b in got.items() if n != MANIFEST} == {
         n: b for n, b in tree(tmp_path / "local").items() if n != MANIFEST}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_unfinished_writes_of_killed_attempts_are_discarded(where, seaweed, s3_ckpt, local_ckpt, prefix, tmp_path):
+    """A killed attempt of another build left an unfinished write under a name this build does
+    not produce (a temporary file on disk; an incomplete multipart upload in S3): finalize,
+    once every shard is in, throws it away."""
+    options = {"endpoint_url": seaweed.endpoint_url}
+    if where == "local":
+        src, dst = str(local_ckpt), tmp_path / "proxy"
+        dst.mkdir()
+        (dst / ".moe-proxy-tmp-killed").write_bytes(b"half a shard")
+        build_proxy(src, str(dst), experts=8)
+        assert not list(dst.glob(".moe-proxy-tmp-*"))
+    else:
+        seaweed.client().create_multipart_upload(Bucket="proxy", Key=f"{prefix}/old-name.safetensors")
+        build_proxy(s3_ckpt, f"s3://proxy/{prefix}", experts=8, store_options=options)
+        assert incomplete_uploads(seaweed, "proxy", prefix) == []
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

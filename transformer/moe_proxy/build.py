@@ -236,6 +236,8 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
             if name not in written and not name.startswith(JOURNAL):
                 p.dst.delete(name)
 
+    if n := p.dst.discard_incomplete():  # all workers are done: nothing is being written
+        log.info("%s: discarded %d unfinished write(s) of interrupted attempts", p.dst.uri, n)
     manifest = make_manifest(p, written)
     write_bytes(p.dst, MANIFEST, _json(manifest))
     for name in _journals(p.dst):

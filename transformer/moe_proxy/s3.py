@@ -314,6 +314,9 @@ class S3Store:
     def delete(self, name: str) -> None:
         self._call("delete_object", name)
 
+    def discard_incomplete(self) -> int:
+        return self.abort_incomplete_uploads()
+
     def abort_incomplete_uploads(self, name: str | None = None) -> int:
         """Abort multipart uploads left by interrupted attempts, for `name` or the whole prefix.
         Their parts are invisible but billed; a store that will not list them is skipped."""

@@ -38,6 +38,9 @@ class Store(Protocol):
     # A content checksum the store itself keeps for a file, fetched without reading the file
     # (S3: the object's SHA256 checksum); None where there is none (local files: hash them).
     def checksum(self, name: str) -> str | None: ...
+    # Throw away writes that never committed (a killed attempt's temporary files, incomplete
+    # multipart uploads); returns how many. Only while no writer is active (a build's finalize).
+    def discard_incomplete(self) -> int: ...
 
 
 def open_store(uri: str, **options) -> Store:
@@ -127,6 +130,12 @@ class LocalStore:
 
     def checksum(self, name: str) -> str | None:
         return None
+
+    def discard_incomplete(self) -> int:
+        stale = list(self.root.rglob(".moe-proxy-tmp-*")) if self.root.is_dir() else []
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
 
 
 class LocalWriter:
