@@ -39,7 +39,7 @@ def test_nan_is_not_also_an_overflow():
 def test_collapse_needs_more_experts_than_top_k():
     row = {"moe/load_max_share": 0.95, "moe/load_uniform_share": 0.25}
     healthy = {"moe/load_max_share": 0.3, "moe/load_uniform_share": 0.25}
-    assert feed(FailureDetector(), [healthy] * 3 + [row]) == {"collapse": 3}
+    assert feed(FailureDetector(), [healthy] * 3 + [row, healthy, row, row]) == {"collapse": 5}
     trivial = {"moe/load_max_share": 1.0, "moe/load_uniform_share": 1.0}  # keep <= top-k: always 1
     assert feed(FailureDetector(), [trivial]) == {}
 

@@ -9,9 +9,9 @@ from moe_proxy.repro.metrics_io import read_metrics
 K = 4  # the injection step: after the detector's 3 baseline steps
 
 CASES = {
-    "lr spike": (Faults(lr_spike_step=K, lr_spike_factor=1000), "divergence"),
+    "lr spike": (Faults(lr_spike_step=K, lr_spike_factor=10_000), "divergence"),
     "router logit scale": (Faults(router_scale_step=K, router_scale_factor=30), "divergence"),
-    "faulty op, scale": (Faults(op_module="model.layers.1.mlp", op_step=K, op_value=1e4), "divergence"),
+    "faulty op, scale": (Faults(op_module="model.layers.0.mlp", op_step=K, op_value=1e4), "divergence"),
     "faulty op, nan": (Faults(op_module="model.layers.1.mlp", op_step=K, op_mode="nan"), "nan"),
     "fp16 without loss scaling": (Faults(fp16_no_scaling_step=K), "underflow"),
 }

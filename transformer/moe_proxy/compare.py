@@ -69,7 +69,8 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
             detector.update(step, metrics)
         onsets = {sig: o.step for sig, o in detector.onsets.items()}
     times = [m["perf/time_per_step"] for m in rows.values() if _finite(m.get("perf/time_per_step"))]
-    return Run(name or Path(path).name or str(path), str(path), rows, onsets,
+    default = Path(path).parent.name if Path(path).is_file() else Path(path).name
+    return Run(name or default or str(path), str(path), rows, onsets,
                statistics.median(times) if times else None)
 
 

@@ -12,15 +12,16 @@ Definitions (thresholds in `Thresholds`):
   the scale falls below `min_loss_scale` (Megatron's hysteresis / min_scale).
 - divergence: a watched magnitude (`DIVERGENCE_METRICS`) at least `divergence_factor` times its
   median over the first `baseline_steps` steps, for `divergence_patience` steps in a row, or the
-  KL to the reference above `kl_limit` for as long. The onset is the first step of that run.
+  per-token KL to the reference above `kl_limit` (half a nat: the policy no longer resembles
+  the reference) for as long. The onset is the first step of that run.
   Faults injected before `baseline_steps` are part of the baseline and cannot be seen this way.
 - underflow: more than `underflow_frac` of the dense weights' gradient elements are exactly 0.
   Every token contributes to a dense weight's gradient, so in fp32/bf16 none is 0; zeros are
   values below fp16's smallest subnormal (6e-8) flushed away, the sign of fp16 without loss
   scaling. How many flush depends on the gradients' size (tokens per batch, model width).
 - collapse: one expert receives at least `collapse_share` of a layer's tokens (uniform routing
-  gives top_k / experts; layers where that is already above the threshold are skipped), when
-  it did not in the baseline steps (a model that routes the task's narrow data to one expert
+  gives top_k / experts; layers where that is already above the threshold are skipped) for
+  `collapse_patience` steps in a row, when it did not in the baseline steps (a model that routes the task's narrow data to one expert
   from the start is its normal state, not a failure of the run).
 """
 
@@ -45,10 +46,11 @@ class Thresholds:
     divergence_factor: float = 10.0
     divergence_patience: int = 2
     baseline_steps: int = 3
-    kl_limit: float = 0.02
+    kl_limit: float = 0.5
     overflow_patience: int = 3
     min_loss_scale: float = 1.0
     collapse_share: float = 0.9
+    collapse_patience: int = 2
     underflow_frac: float = 0.0
 
 
@@ -157,7 +159,7 @@ class FailureDetector:
         start = self._baseline.get("moe/load_max_share") or [1.0]
         collapsed = (self._steps_seen >= t.baseline_steps and share is not None
                      and uniform < t.collapse_share <= share and statistics.median(start) < t.collapse_share)
-        checks["collapse"] = (collapsed, f"one expert takes {share} of a layer's tokens", 1)
+        checks["collapse"] = (collapsed, f"one expert takes {share} of a layer's tokens", t.collapse_patience)
 
         for sig in self.extra:
             value = m.get(sig.metric)
