@@ -264,7 +264,7 @@ async def spec_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, bo
             PROXY_READY if status.get("proxy") else TRANSFORMING)
         if status.get("proxy") and not ran.get("reproductionJob"):
             fresh = {**await kube.get(PROXYMODELS, namespace, name), "spec": dict(spec)}
-            manifest = await _start_reproduction(fresh, patch_into=patch.status)
+            manifest = _record_reproduction(fresh, patch_into=patch.status)
             await kube.patch_status(PROXYMODELS, namespace, name, dict(patch.status))  # before the child exists
             await _create_reproduction(fresh, manifest)
 
@@ -378,7 +378,7 @@ async def _transformer_verdict(parent: dict, verdict, logger: logging.Logger) ->
     spec = parse(parent.get("spec") or {}, parent["metadata"]["namespace"], parent["metadata"]["name"], config)
     manifest = None
     if spec.reproduction.enabled and not spec.suspend:
-        manifest = await _start_reproduction({**parent, "status": {**status, **patch}}, patch_into=patch)
+        manifest = _record_reproduction({**parent, "status": {**status, **patch}}, patch_into=patch)
     elif spec.suspend:
         patch["phase"] = SUSPENDED
     await _patch_parent(parent, patch)
@@ -387,7 +387,7 @@ async def _transformer_verdict(parent: dict, verdict, logger: logging.Logger) ->
         await _create_reproduction(parent, manifest)
 
 
-async def _start_reproduction(parent: dict, patch_into: dict) -> dict:
+def _record_reproduction(parent: dict, patch_into: dict) -> dict:
     """Record the reproduction workload in `patch_into` and return its manifest; the caller
     writes the status, then creates it (`_create_reproduction`)."""
     meta, status = parent["metadata"], parent.get("status") or {}
@@ -395,8 +395,8 @@ async def _start_reproduction(parent: dict, patch_into: dict) -> dict:
     spec = parse(parent.get("spec") or {}, namespace, name, config)
     generation = _generation(parent)
     devices = spec.reproduction.accelerator.devices or ((status.get("plan") or {}).get("proxy") or {}).get("devices")
-    if not devices:
-        raise kopf.PermanentError("no device count: the plan is missing and spec.reproduction.accelerator.devices is auto")
+    if not devices:  # validate refuses `auto` without a plan, so this is a bug
+        raise RuntimeError("no device count: no plan and spec.reproduction.accelerator.devices is auto")
     proxy = status.get("proxy") or patch_into.get("proxy") or {}
     manifest = reproduction_workload(name, namespace, generation, spec, proxy["uri"], proxy.get("manifestSha256") or "",
                                      devices)
