@@ -154,11 +154,10 @@ def find(store: Store, pattern: str | None = None, step_regex: str | None = None
         dirs = sorted(d for d in _directories(names) if matches(d, pattern))
     else:
         dirs = sorted({posixpath.dirname(n) for n in names if posixpath.basename(n) == CONFIG})
-    out = []
-    for d in dirs:
-        prefix = f"{d}/" if d else ""
-        files = {n[len(prefix):]: sizes[n] for n in names if n.startswith(prefix) and "/" not in n[len(prefix):]}
-        out.append(Candidate(d, step_of(d, step_regex), files))
+    files_in: dict[str, dict[str, int]] = {}  # directory -> its own files (not its subfolders')
+    for n in names:
+        files_in.setdefault(posixpath.dirname(n), {})[posixpath.basename(n)] = sizes[n]
+    out = [Candidate(d, step_of(d, step_regex), files_in.get(d, {})) for d in dirs]
     return sorted(out, key=_order)
 
 
