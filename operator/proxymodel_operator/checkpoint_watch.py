@@ -38,8 +38,9 @@ from .watch_plan import LABEL_STEP, LABEL_WATCH, Child, considered, decide, prox
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
-# How often each watch's timer wakes to see whether its pollInterval has passed (seconds).
-TICK = float(os.environ.get("MOEPROXY_CHECKPOINT_TICK", "10"))
+# How often each watch's timer wakes to see whether its pollInterval has passed (seconds): the
+# CRD's smallest pollInterval, so polls fall on 30 s ticks and kopf logs one line per tick.
+TICK = float(os.environ.get("MOEPROXY_CHECKPOINT_TICK", "30"))
 ACCEPTED = "Accepted"  # the spec, and the ProxyModels its template makes, are valid
 SOURCE_REACHABLE = "SourceReachable"
 SUSPENDED = "Suspended"
