@@ -1,0 +1,78 @@
+"""Calibrate benchmark: does `moe-proxy calibrate`'s peak memory grow with one layer, not
+with depth?
+
+Makes two Qwen3-MoE checkpoints (bf16, random weights) that differ only in depth, then
+measures in a fresh process each:
+- peak RSS of `calibrate` (layer by layer);
+- peak RSS of loading the whole model with transformers and running the same tokens (what a
+  whole-model calibration pass needs), for contrast;
+- the baseline: a process that only imports torch and transformers.
+
+Prints a table and writes bench/out/calibrate_memory.json.
+Usage: .venv/bin/python bench/calibrate_memory.py [--depths 4,16] [--out bench/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIG = dict(hidden_size=512, moe_intermediate_size=512, intermediate_size=1024, num_experts=32,
+              num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=4096)
+SAMPLES, SEQ_LEN = 16, 128
+
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
+PEAK = "print('PEAK', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
+SNIPPETS = {
+    "imports only": "import torch, transformers\n",
+    "calibrate (layer by layer)":
+        "from moe_proxy.calibration import calibrate\n"
+        f"calibrate({{src!r}}, {{out!r}}, samples={SAMPLES}, seq_len={SEQ_LEN})\n",
+    "whole model in memory":
+        "import torch, transformers\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained({src!r}, dtype=torch.bfloat16).eval()\n"
+        "ids = torch.randint(0, 4096, (16, 128))\n"
+        "with torch.no_grad():\n    [m(b) for b in ids.split(8)]\n",
+}
+
+
+def measure(code: str) -> tuple[int, float]:
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code + PEAK], capture_output=True, text=True, check=True).stdout
+    peak = int(next(line.split()[1] for line in out.splitlines() if line.startswith("PEAK")))
+    return peak, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", default="4,16")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+    import torch
+
+    from moe_proxy.tiny import make_tiny
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for depth in map(int, args.depths.split(",")):
+            src = Path(tmp) / f"d{depth}"
+            make_tiny("qwen3_moe", src, dtype=torch.bfloat16, num_hidden_layers=depth, mlp_only_layers=[], **CONFIG)
+            size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+            for what, code in SNIPPETS.items():
+                peak, wall = measure(code.format(src=str(src), out=str(Path(tmp) / f"s{depth}")))
+                rows.append({"depth": depth, "checkpoint_bytes": size, "what": what, "peak_rss_bytes": peak,
+                             "wall_s": round(wall, 1)})
+                print(f"depth {depth:>3}  checkpoint {size / 2**20:7.0f} MiB  {what:<28} "
+                      f"peak RSS {peak / 2**20:7.0f} MiB  {wall:6.1f} s", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "calibrate_memory.json").write_text(json.dumps(
+        {"config": CONFIG, "samples": SAMPLES, "seq_len": SEQ_LEN, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
