@@ -106,3 +106,7 @@ def test_cli_build_with_calibration(planted, planted_stats, tmp_path, capsys):
     m = json.loads(capsys.readouterr().out)
     assert m["method"]["calibration"] == str(planted_stats) and m["method"]["keep_super"] is True
     assert SUPER in m["layers"]["model.layers.1.mlp"]["kept"]
+    assert main(["build", str(planted), str(tmp_path / "q"), "--experts", "8", "--method", "frequency",
+                 "--calibration", str(planted_stats), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "gate mass kept" in text and f"super [{SUPER}]" in text and "dead 2" in text

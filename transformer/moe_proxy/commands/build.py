@@ -128,6 +128,8 @@ def summary(m: dict) -> str:
     ]
     for prefix, layer in m["layers"].items():
         sizes = ",".join(map(str, layer["cluster_sizes"]))
-        lines.append(f"    {prefix:<36} {layer['kept']}  cluster sizes [{sizes}]")
+        usage = (f"  gate mass kept {layer['gate_mass_kept']:.1%}  super {layer['super']}  dead {len(layer['dead'])}"
+                 if "gate_mass_kept" in layer else "")  # calibrated builds
+        lines.append(f"    {prefix:<36} {layer['kept']}  cluster sizes [{sizes}]{usage}")
     lines += [f"  note: {n}" for n in m.get("notes", [])]
     return "\n".join(lines)
