@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from moe_proxy import calibration as cal
 from moe_proxy.build import build_proxy
@@ -98,3 +99,20 @@ def test_super_experts_beyond_the_budget(planted, tmp_path):
 def test_bad_samples(qwen, tmp_path):
     with pytest.raises(MoeProxyError, match="must be positive"):
         cal.calibrate(str(qwen), str(tmp_path / "s"), samples=0, seq_len=8)
+
+
+def test_mxfp4_experts_are_refused_clearly(tmp_path):
+    """GPT-OSS MXFP4 (U8 blocks and scales) cannot be run layer by layer yet: say so, write nothing."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "mx"
+    make_tiny("gpt_oss", src)
+    sd = load_file(src / "model.safetensors")
+    p = "model.layers.0.mlp.experts.gate_up_proj"
+    n, h, two_i = sd.pop(p).shape  # MXFP4: 4-bit codes in 32-value blocks of 16 bytes, one scale per block
+    sd[p + "_blocks"] = torch.zeros(n, two_i, h // 32, 16, dtype=torch.uint8)
+    sd[p + "_scales"] = torch.full((n, two_i, h // 32), 127, dtype=torch.uint8)
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MoeProxyError, match="gate_up_proj: MXFP4 experts .* cannot be run layer by layer yet"):
+        cal.calibrate(str(src), str(tmp_path / "s"), samples=2, seq_len=8)
+    assert not (tmp_path / "s" / cal.SUMMARY).exists()

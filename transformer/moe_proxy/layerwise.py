@@ -142,6 +142,11 @@ class LayerwiseModel:
                 x = self._read(candidate)
                 break
         else:
+            if name + "_blocks" in self.ckpt.tensors:
+                raise MoeProxyError(
+                    f"{name}: MXFP4 experts (_blocks/_scales) cannot be run layer by layer yet; calibrate a "
+                    f"floating-point or block-FP8 copy of this checkpoint"
+                )
             x = self._stacked_experts(name)
         if x.shape != meta.shape and x.dim() == 3 and x.transpose(1, 2).shape == meta.shape:
             x = x.transpose(1, 2)  # Qwen3-VL style hub layout, transposed relative to the module
