@@ -90,6 +90,8 @@ def test_bad_inputs(tiny_qwen3, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert main(["repro", str(tiny_qwen3), "--out", str(tmp_path / "o"), "--fault-op", "model.nope@3"]) == 2
     assert "not in the model" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())  # says why the run ended
+    assert summary["stopped"].startswith("error: InvalidReproConfig") and summary["steps_completed"] == 0
     with pytest.raises(InvalidReproConfig):
         ReproConfig(group_size=1)
 

@@ -61,37 +61,43 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
         (out / stale).unlink(missing_ok=True)
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
     started = time.time()
-    with local_checkpoint(checkpoint) as path:
-        loop = _Loop(path, config, pick_device(device))
-        last: dict[str, float] = {}
-        steps_done, stop_reason = 0, "completed"
-        for step in range(config.steps):
-            last = loop.step(step)
-            append_step(out / METRICS_FILE, step, last)
-            steps_done = step + 1
-            for name in detector.update(step, last):
-                log.info("step %d: %s detected (%s)", detector.onsets[name].step, name, detector.onsets[name].detail)
-            if fail_on and fail_on.name in detector.onsets:
-                stop_reason = f"reproduced {fail_on.name}"
-                break
-            if "nan" in detector.onsets:
-                stop_reason = "loss or weights are NaN; later steps would be meaningless"
-                break
-            log.info("step %d: reward %.3f grad_norm %.4g pg_loss %.4g", step, last["critic/rewards/mean"],
-                     last["actor/grad_norm"], last["actor/pg_loss"])
-
-    result = _result(detector, fail_on, steps_done, last)
-    summary = {
-        "checkpoint": checkpoint, "device": str(loop.device), "steps_requested": config.steps,
-        "steps_completed": steps_done, "stopped": stop_reason, "wall_s": round(time.time() - started, 3),
-        "failures": result.failures,
-        "first_failure": ({"signature": result.signature, "step": result.step} if result.signature else None),
-        "fail_on": fail_on.name if fail_on else None, "reproduced": result.reproduced,
-        "thresholds": detector.thresholds.__dict__, "config": config.to_dict(),
-    }
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    if termination_log:
-        _write_termination_log(Path(termination_log), result)
+    last: dict[str, float] = {}
+    steps_done, stop_reason, device_used = 0, "completed", device
+    try:
+        with local_checkpoint(checkpoint) as path:
+            loop = _Loop(path, config, pick_device(device))
+            device_used = str(loop.device)
+            for step in range(config.steps):
+                last = loop.step(step)
+                append_step(out / METRICS_FILE, step, last)
+                steps_done = step + 1
+                for name in detector.update(step, last):
+                    onset = detector.onsets[name]
+                    log.info("step %d: %s detected (%s)", onset.step, name, onset.detail)
+                if fail_on and fail_on.name in detector.onsets:
+                    stop_reason = f"reproduced {fail_on.name}"
+                    break
+                if "nan" in detector.onsets:
+                    stop_reason = "loss or weights are NaN; later steps would be meaningless"
+                    break
+                log.info("step %d: reward %.3f grad_norm %.4g pg_loss %.4g", step, last["critic/rewards/mean"],
+                         last["actor/grad_norm"], last["actor/pg_loss"])
+    except BaseException as exc:  # the steps recorded so far stay readable, and say why they end
+        stop_reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(exc).__name__}: {exc}"
+        raise
+    finally:
+        result = _result(detector, fail_on, steps_done, last)
+        summary = {
+            "checkpoint": checkpoint, "device": device_used, "steps_requested": config.steps,
+            "steps_completed": steps_done, "stopped": stop_reason, "wall_s": round(time.time() - started, 3),
+            "failures": result.failures,
+            "first_failure": ({"signature": result.signature, "step": result.step} if result.signature else None),
+            "fail_on": fail_on.name if fail_on else None, "reproduced": result.reproduced,
+            "thresholds": detector.thresholds.__dict__, "config": config.to_dict(),
+        }
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        if termination_log:
+            _write_termination_log(Path(termination_log), result)
     return result
 
 
