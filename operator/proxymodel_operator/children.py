@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from .resources import KUEUE_QUEUE_LABEL, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE
-from .spec import ProxyModelSpec, Source
+from .spec import ProxyModelSpec, Source, Workload
 
 TRANSFORMER = "transformer"
 REPRODUCTION = "reproduction"
@@ -57,7 +57,7 @@ def merge_env(base: list[dict], extra: list[dict]) -> list[dict]:
     return [e for e in base if e["name"] not in names] + list(extra)
 
 
-def container_basics(workload, name: str) -> dict:
+def container_basics(workload: Workload, name: str) -> dict:
     """The container fields every child sets the same way."""
     out = {
         "name": name,
@@ -73,7 +73,7 @@ def container_basics(workload, name: str) -> dict:
     return out
 
 
-def pod_spec_basics(workload) -> dict:
+def pod_spec_basics(workload: Workload) -> dict:
     out: dict = {"restartPolicy": "Never"}
     if workload.service_account:
         out["serviceAccountName"] = workload.service_account

@@ -358,7 +358,7 @@ def _generation(parent: dict) -> int:
     return (parent.get("status") or {}).get("pipeline", {}).get("generation") or 1
 
 
-async def _transformer_verdict(parent: dict, verdict, logger: logging.Logger) -> None:
+async def _transformer_verdict(parent: dict, verdict: Outcome, logger: logging.Logger) -> None:
     status, generation = parent.get("status") or {}, _generation(parent)
     conditions = status.get("conditions") or []
     if await _unfinished(parent, verdict, PROXY_READY_CONDITION, False, "transformer"):
@@ -439,7 +439,7 @@ def _first_container(manifest: dict) -> dict:
     return template["spec"]["containers"][0]
 
 
-async def _reproduction_verdict(parent: dict, verdict, logger: logging.Logger) -> None:
+async def _reproduction_verdict(parent: dict, verdict: Outcome, logger: logging.Logger) -> None:
     status, generation = parent.get("status") or {}, _generation(parent)
     conditions = status.get("conditions") or []
     if await _unfinished(parent, verdict, REPRODUCED_CONDITION, None, "reproduction"):
@@ -464,7 +464,7 @@ async def _reproduction_verdict(parent: dict, verdict, logger: logging.Logger) -
     logger.info("reproduction: %s (%s)", phase, message)
 
 
-async def _unfinished(parent: dict, verdict, kind: str, running_status: bool | None, step: str) -> bool:
+async def _unfinished(parent: dict, verdict: Outcome, kind: str, running_status: bool | None, step: str) -> bool:
     """Carry a running child's notable state (e.g. Unschedulable) or a failure into status;
     True unless the child succeeded."""
     if verdict.state == SUCCEEDED:
