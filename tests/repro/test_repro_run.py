@@ -100,3 +100,17 @@ def test_signature_parsing():
     sig = Signature.parse("actor/grad_norm>1e3:3")
     assert (sig.metric, sig.op, sig.value, sig.patience) == ("actor/grad_norm", ">", 1000.0, 3)
     assert Signature.parse("overflow").metric is None
+
+
+def test_learning_rate_schedule_and_spike():
+    from moe_proxy.repro import Faults
+
+    cosine = ReproConfig(steps=10, lr=1.0, lr_schedule="cosine", warmup_steps=2,
+                         faults=Faults(lr_spike_step=6, lr_spike_factor=50))
+    assert [cosine.lr_at(s) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert cosine.lr_at(6) == pytest.approx(50 * 0.5)  # half-way through the cosine, times the spike
+    assert cosine.lr_at(7) < cosine.lr_at(5) < 1.0
+    assert ReproConfig(steps=4, lr=1.0, lr_schedule="linear").lr_at(2) == 0.5
+    assert ReproConfig(faults=Faults(fp16_no_scaling_step=3)).precision_at(2) == ("fp32", False)
+    assert ReproConfig(faults=Faults(fp16_no_scaling_step=3)).precision_at(3) == ("fp16", False)
+    assert ReproConfig(precision="fp16").precision_at(0) == ("fp16", True)
