@@ -54,6 +54,10 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
         prefix=GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.posting.level = logging.WARNING  # handler failures become Events; successes do not
+    # Watch only our children and their pods (the API server filters): never every pod of a cluster.
+    children = f"{LABEL_PROXYMODEL},{LABEL_ROLE}"
+    for resource in (JOBS, VOLCANO_JOBS, ASCEND_JOBS, PODS):
+        settings.watching.label_selectors[resource.group or resource.version, resource.plural] = children
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     logger.info("watching %s; default accelerator %s; preflight %s",

@@ -40,6 +40,7 @@ class Call:
     resource: str  # plural, with /subresource
     verb: str
     by_test: bool
+    label_selector: str | None = None
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -60,7 +61,7 @@ class Emulator(kmock.KubernetesEmulator):
         if request.resource is not None and request.resource.plural and request.action is not None:
             self.calls.append(Call(request.resource.group, request.resource.plural + (
                 f"/{request.subresource}" if request.subresource else ""), VERBS[request.action.value],
-                bool(request.headers.get("X-Test-Client"))))
+                bool(request.headers.get("X-Test-Client")), request.params.get("labelSelector")))
         data = request.data
         if request.resource is not None and isinstance(data, dict):
             meta = data.setdefault("metadata", {}) if request.action in (kmock.action.CREATE, kmock.action.UPDATE) \

@@ -218,6 +218,11 @@ async def test_every_api_call_is_in_rbac_permissions(cluster, operator):
     assert ("batch", "jobs", "create") in seen and ("moeproxy.io", "proxymodels/status", "patch") in seen
     assert ("mindxdl.gitee.com", "ascendjobs", "create") in seen and ("", "secrets", "get") in seen
     assert ("", "events", "create") in seen
+    # Children and their pods are watched with a server-side selector, never cluster-wide in full.
+    watches = {(c.group, c.resource): c.label_selector for c in cluster.emulator.calls
+               if c.verb == "watch" and not c.by_test}
+    for key in (("", "pods"), ("batch", "jobs"), ("batch.volcano.sh", "jobs"), ("mindxdl.gitee.com", "ascendjobs")):
+        assert watches[key] == "moeproxy.io/proxymodel,moeproxy.io/role", (key, watches)
 
 
 def _everything(cluster) -> list[dict]:
