@@ -46,6 +46,20 @@ class Pruning:
     top_k: int | None = None
     pins: tuple[str, ...] = ()
     seed: int = 0
+    representative: str | None = None  # medoid | saliency (usage-aware, needs spec.calibration)
+    keep_super: bool = True
+    heal: bool = False
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """spec.calibration: `moe-proxy calibrate` runs before the build (an init container); its
+    statistics live beside the proxy and are reused while the source and the data are unchanged."""
+
+    dataset: str | None = None  # s3://... JSONL, parquet or text; None: seeded random token ids
+    samples: int = 64
+    seq_len: int = 256
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,12 @@ class ProxyModelSpec:
     ttl_seconds_after_finished: int | None = None
     queue_name: str | None = None  # Kueue LocalQueue, set as a label on child batch/v1 Jobs
     delete_proxy_on_delete: bool = False
+    calibration: Calibration | None = None
+
+    @property
+    def calibration_uri(self) -> str:
+        """Beside the proxy, never inside it (a build refuses a non-empty foreign destination)."""
+        return self.destination.rstrip("/") + "-calibration/"
 
 
 def default_destination(source_uri: str, namespace: str, name: str) -> str:
@@ -208,7 +228,10 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
         method=p.get("method", "cluster"), features=p.get("features", "router"),
         clustering=p.get("clustering", "kmeans"), top_k=p.get("topK"),
         pins=tuple(str(x) for x in p.get("pin") or []), seed=p.get("seed", 0),
+        representative=p.get("representative"), keep_super=bool(p.get("keepSuper", True)),
+        heal=bool(p.get("heal", False)),
     )
+    calibration = _calibration(spec.get("calibration"), pruning)
 
     r = spec.get("reproduction") or {}
     runtime = r.get("runtime", "Job")
@@ -232,4 +255,20 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
         ttl_seconds_after_finished=spec.get("ttlSecondsAfterFinished"),
         queue_name=spec.get("queueName"),
         delete_proxy_on_delete=bool((spec.get("cleanup") or {}).get("deleteProxy", False)),
+        calibration=calibration,
     )
+
+
+def _calibration(raw: dict | None, pruning: Pruning) -> Calibration | None:
+    needs = [f for f, used in (("method " + pruning.method, pruning.method in ("frequency", "saliency")),
+                               ("features " + pruning.features, pruning.features in ("routing", "output")),
+                               ("representative saliency", pruning.representative == "saliency"),
+                               ("heal", pruning.heal)) if used]
+    if raw is None:
+        if needs:
+            raise InvalidSpec(f"spec.pruning {', '.join(needs)}: needs spec.calibration (usage statistics)")
+        return None
+    dataset = raw.get("dataset")
+    if dataset is not None and not _S3.match(dataset):
+        raise InvalidSpec(f"spec.calibration.dataset {dataset!r}: expected s3://bucket/key of a JSONL, parquet or text file")
+    return Calibration(dataset, int(raw.get("samples", 64)), int(raw.get("seqLen", 256)), int(raw.get("seed", 0)))

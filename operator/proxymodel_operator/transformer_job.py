@@ -24,9 +24,22 @@ def build_args(spec: ProxyModelSpec) -> list[str]:
         args += ["--top-k", str(p.top_k)]
     if p.pins:
         args += ["--pin", ",".join(p.pins)]
+    if spec.calibration is not None:
+        args += ["--calibration", spec.calibration_uri] + ["--heal"] * p.heal + ["--no-keep-super"] * (not p.keep_super)
+        args += ["--representative", p.representative] if p.representative else []
     if spec.source.endpoint:
         args += ["--endpoint-url", spec.source.endpoint]
     return args + ["--termination-log", TERMINATION_LOG]
+
+
+def calibrate_args(spec: ProxyModelSpec) -> list[str]:
+    """`moe-proxy calibrate` arguments (the init container; it does nothing when the statistics
+    beside the proxy already match the source and the tokens)."""
+    c = spec.calibration
+    args = ["calibrate", spec.source.uri, "--out", spec.calibration_uri, "--samples", str(c.samples),
+            "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--no-progress"]
+    args += ["--dataset", c.dataset] if c.dataset else []
+    return args + (["--endpoint-url", spec.source.endpoint] if spec.source.endpoint else [])
 
 
 def transformer_job(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:
@@ -37,15 +50,18 @@ def transformer_job(proxymodel: str, namespace: str, generation: int, spec: Prox
     container["command"] = workload.command or ["moe-proxy"]
     container["args"] = workload.args or build_args(spec)
     container["env"] = merge_env(s3_env(spec.source), workload.env)
+    pod = {**pod_spec_basics(workload), "containers": [container]}
+    if spec.calibration is not None and not workload.args:  # calibrate first, same image and credentials
+        pod["initContainers"] = [{**container, "name": "calibrate", "args": calibrate_args(spec)}]
     job_spec: dict = {
         "backoffLimit": workload.backoff_limit,
         "podFailurePolicy": {"rules": [{
             "action": "FailJob",
-            "onExitCodes": {"containerName": "transformer", "operator": "In", "values": [BAD_INPUT_EXIT_CODE]},
-        }]},
+            "onExitCodes": {"containerName": c["name"], "operator": "In", "values": [BAD_INPUT_EXIT_CODE]},
+        } for c in pod.get("initContainers", []) + [container]]},
         "template": {
             "metadata": {"labels": labels(proxymodel, TRANSFORMER, name, generation)},
-            "spec": {**pod_spec_basics(workload), "containers": [container]},
+            "spec": pod,
         },
     }
     if workload.active_deadline_seconds:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from moe_proxy import calibration as cal
 from moe_proxy.build import build_proxy
 from tests.s3.conftest import aws_env, local_ckpt, prefix, s3_ckpt, seaweed  # noqa: F401 (fixtures)
@@ -25,3 +27,18 @@ def test_calibrate_and_build_through_s3(s3_ckpt, local_ckpt, seaweed, prefix, tm
     assert m["calibration"]["uri"] == stats_uri
     body = seaweed.client().get_object(Bucket="proxy", Key=f"{prefix}/proxy/proxy-manifest.json")["Body"].read()
     assert json.loads(body)["layers"] == m["layers"]
+
+
+def test_dataset_from_s3(s3_ckpt, seaweed, prefix, tmp_path):  # noqa: F811
+    from moe_proxy.calibration_data import BadDataset, read_documents
+
+    opts = {"endpoint_url": seaweed.endpoint_url}
+    seaweed.client().put_object(Bucket="proxy", Key=f"{prefix}/data.jsonl",
+                                Body=b'{"text": "first"}\n{"prompt": [{"role": "user", "content": "hi"}]}\n')
+    docs = read_documents(f"s3://proxy/{prefix}/data.jsonl", opts)
+    assert docs == ["first", [{"role": "user", "content": "hi"}]]
+    with pytest.raises(BadDataset, match="no such object"):
+        read_documents(f"s3://proxy/{prefix}/missing.jsonl", opts)
+    summary = cal.calibrate(s3_ckpt, str(tmp_path / "s"), dataset=f"s3://proxy/{prefix}/data.jsonl",
+                            samples=2, seq_len=8, store_options=opts)
+    assert "no usable tokenizer" in summary["tokens"]["origin"]  # the tiny checkpoint ships none

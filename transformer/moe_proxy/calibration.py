@@ -253,7 +253,8 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     max_pos = ckpt.config.get("max_position_embeddings")
     if isinstance(max_pos, int) and seq_len > max_pos:
         raise MoeProxyError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
-    tokens = calibration_tokens(ckpt.store, dataset, samples, seq_len, seed, int(ckpt.config["vocab_size"]))
+    tokens = calibration_tokens(ckpt.store, dataset, samples, seq_len, seed, int(ckpt.config["vocab_size"]),
+                                store_options)
     if tokens.random:
         log.warning("calibration tokens: %s", tokens.origin)
     identity = source_identity(ckpt, layout)

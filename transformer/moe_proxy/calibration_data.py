@@ -44,8 +44,12 @@ class Tokens:
         return hashlib.sha256(self.ids.to(torch.int64).numpy().tobytes()).hexdigest()
 
 
-def read_documents(path: str) -> list[str | list[dict]]:
-    """The dataset's documents: strings, or chat message lists still to be rendered."""
+def read_documents(path: str, store_options: dict | None = None) -> list[str | list[dict]]:
+    """The dataset's documents: strings, or chat message lists still to be rendered.
+    `path` is a local file or an s3://bucket/key object."""
+    if path.startswith("s3://"):
+        with tempfile.TemporaryDirectory(prefix="moe-proxy-data-") as tmp:
+            return read_documents(_download(path, Path(tmp), store_options or {}))
     p = Path(path)
     if not p.is_file():
         raise BadDataset(f"dataset {path}: no such file")
@@ -60,6 +64,18 @@ def read_documents(path: str) -> list[str | list[dict]]:
     if not docs:
         raise BadDataset(f"dataset {path}: no documents (the file is empty or every record is blank)")
     return docs
+
+
+def _download(uri: str, into: Path, store_options: dict) -> str:
+    from .storage import open_store
+
+    parent, _, name = uri.rpartition("/")
+    store = open_store(parent, **store_options)
+    if not name or not store.exists(name):
+        raise BadDataset(f"dataset {uri}: no such object")
+    local = into / name
+    local.write_bytes(store.read_bytes(name))
+    return str(local)
 
 
 def _record(obj, where: str) -> str | list[dict]:
@@ -129,10 +145,10 @@ def _render(doc: str | list[dict], tokenizer) -> str:
 
 
 def calibration_tokens(store: Store, dataset: str | None, samples: int, seq_len: int, seed: int,
-                       vocab_size: int) -> Tokens:
+                       vocab_size: int, store_options: dict | None = None) -> Tokens:
     if samples < 1 or seq_len < 1:
         raise MoeProxyError(f"--samples and --seq-len must be positive (got {samples}, {seq_len})")
-    docs = read_documents(dataset) if dataset else None
+    docs = read_documents(dataset, store_options) if dataset else None
     tokenizer = load_tokenizer(store) if docs else None
     if docs is None or tokenizer is None:
         why = "no --dataset given" if docs is None else "the checkpoint has no usable tokenizer"

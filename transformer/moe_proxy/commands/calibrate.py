@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("src", help="source checkpoint directory or s3://bucket/prefix")
     p.add_argument("--out", required=True, metavar="STATS", help="statistics directory or s3://bucket/prefix")
     p.add_argument("--dataset", metavar="FILE",
-                   help="JSONL (text, prompt, or verl chat prompt), parquet (needs pyarrow) or plain text; "
+                   help="local file or s3://bucket/key: JSONL (text, prompt, or verl chat prompt), parquet (needs "
+                        "pyarrow) or plain text; "
                         "default: seeded random token ids")
     p.add_argument("--samples", type=int, default=64, metavar="N", help="calibration sequences (default 64)")
     p.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
