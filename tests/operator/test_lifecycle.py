@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 
+import kmock
 import pytest
 
 from proxymodel_operator import rbac
@@ -232,3 +233,16 @@ def _everything(cluster) -> list[dict]:
 
 def _job_posts(cluster) -> int:
     return sum(1 for c in cluster.emulator.calls if (c.group, c.resource, c.verb, c.by_test) == ("batch", "jobs", "create", False))
+
+
+async def test_a_refused_reproduction_create_fails_visibly(cluster, operator):
+    # The API server refuses Volcano Jobs here (say, an admission webhook or a quota).
+    cluster.emulator[kmock.action.CREATE, kmock.resource("batch.volcano.sh/v1alpha1/jobs")] << 403
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("v1", reproduction={"runtime": "VolcanoJob"}))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "v1-transform-g1"))
+    await cluster.transformer_succeeds(NS, job)
+    await _failed_with(cluster, "v1", "CreateFailed")
+    failed = cluster.condition(NS, "v1", "FailureReproduced")
+    assert failed["status"] == "False" and "403" in failed["message"]
+    assert cluster.status(NS, "v1")["proxy"]["uri"]  # the proxy itself is kept in status
