@@ -246,3 +246,18 @@ async def test_a_refused_reproduction_create_fails_visibly(cluster, operator):
     failed = cluster.condition(NS, "v1", "FailureReproduced")
     assert failed["status"] == "False" and "403" in failed["message"]
     assert cluster.status(NS, "v1")["proxy"]["uri"]  # the proxy itself is kept in status
+
+
+async def test_without_preflight_devices_must_be_given(cluster, operator, monkeypatch):
+    await operator.stop()
+    monkeypatch.setenv("MOEPROXY_PREFLIGHT", "false")
+    await operator.start()
+    await cluster.create(PROXYMODELS, NS, proxymodel("n1"))  # devices: auto
+    await eventually(lambda: cluster.condition(NS, "n1", "Accepted").get("status") == "False")
+    assert "needs the preflight read" in cluster.condition(NS, "n1", "Accepted")["message"]
+    await cluster.create(PROXYMODELS, NS, proxymodel("n2", reproduction={"accelerator": {"devices": 8}}))
+    job = await eventually(lambda: cluster.get(JOBS, NS, "n2-transform-g1"))
+    assert "plan" not in cluster.status(NS, "n2") and cluster.names(JOBS, NS) == ["n2-transform-g1"]
+    await cluster.transformer_succeeds(NS, job)
+    repro = await eventually(lambda: cluster.get(JOBS, NS, "n2-repro-g1"))
+    assert repro["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["huawei.com/Ascend910"] == 8
