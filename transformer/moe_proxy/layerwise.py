@@ -147,7 +147,7 @@ class LayerwiseModel:
                     f"{name}: MXFP4 experts (_blocks/_scales) cannot be run layer by layer yet; calibrate a "
                     f"floating-point or block-FP8 copy of this checkpoint"
                 )
-            x = self._stacked_experts(name)
+            x = self._stacked_experts(name, meta)
         if x.shape != meta.shape and x.dim() == 3 and x.transpose(1, 2).shape == meta.shape:
             x = x.transpose(1, 2)  # Qwen3-VL style hub layout, transposed relative to the module
         if x.shape != meta.shape:
@@ -169,9 +169,10 @@ class LayerwiseModel:
             x = _dequant(x, to_tensor(self.ckpt.read(scale.name), scale))
         return x
 
-    def _stacked_experts(self, name: str) -> torch.Tensor:
+    def _stacked_experts(self, name: str, meta: torch.Tensor) -> torch.Tensor:
         """transformers' fused `experts.gate_up_proj` [N, 2I, H] / `experts.down_proj` [N, H, I]
-        from the hub's per-expert tensors (gate/up/down_proj, or Mixtral's w1/w3/w2)."""
+        from the hub's per-expert tensors (gate/up/down_proj, or Mixtral's w1/w3/w2), filled
+        expert by expert into the module's dtype: the layer is held once, plus one expert."""
         head, _, leaf = name.rpartition(".")
         blocks = [head, head.replace(".mlp.", ".block_sparse_moe.")]
         parts = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
@@ -180,12 +181,19 @@ class LayerwiseModel:
                 first = f"{block}.0.{names[0]}.weight"
                 if first not in self.ckpt.tensors:
                     continue
-                experts = []
-                e = 0
-                while f"{block}.{e}.{names[0]}.weight" in self.ckpt.tensors:
-                    experts.append(torch.cat([self._read(f"{block}.{e}.{p}.weight") for p in names], dim=0))
-                    e += 1
-                return torch.stack(experts)
+                n = sum(1 for e in range(meta.shape[0]) if f"{block}.{e}.{names[0]}.weight" in self.ckpt.tensors)
+                if n != meta.shape[0]:
+                    raise CorruptCheckpoint(f"{self.ckpt.uri}: {block} has {n} experts, the model expects {meta.shape[0]}")
+                out = torch.empty(meta.shape, dtype=meta.dtype)
+                for e in range(n):
+                    part = torch.cat([self._read(f"{block}.{e}.{p}.weight") for p in names], dim=0)
+                    if part.shape != out.shape[1:] and part.T.shape == out.shape[1:]:
+                        part = part.T  # a module stored transposed relative to the hub
+                    if part.shape != out.shape[1:]:
+                        raise CorruptCheckpoint(f"{self.ckpt.uri}: {block}.{e} {'/'.join(names)} give "
+                                                f"{list(part.shape)}, the model expects {list(out.shape[1:])}")
+                    out[e] = part
+                return out
         raise CorruptCheckpoint(f"{self.ckpt.uri}: no tensor for the model's parameter {name}")
 
 
