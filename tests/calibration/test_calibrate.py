@@ -105,3 +105,12 @@ def test_statistics_are_finite_and_complete(tiny, tmp_path, model_type):
         assert int(s.tokens.sum()) == summary["layers"][s.prefix]["tokens_routed"] == 4 * 16 * 2
         for name in cal.LayerStats.NAMES:
             assert torch.isfinite(getattr(s, name)).all()
+
+
+def test_callers_own_token_ids(tiny, tmp_path):
+    ids = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(8))
+    summary = cal.calibrate(str(tiny("qwen3_moe")), str(tmp_path / "s"), token_ids=ids)
+    assert summary["tokens"]["origin"] == "token ids given by the caller" and summary["tokens"]["seq_len"] == 12
+    assert torch.equal(cal.load(str(tmp_path / "s")).token_ids, ids)
+    with pytest.raises(cal.MoeProxyError, match="token_ids must be"):
+        cal.calibrate(str(tiny("qwen3_moe")), str(tmp_path / "t"), token_ids=ids + 1000)

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .architectures import detect, expert_count
-from .calibration_data import calibration_tokens
+from .calibration_data import Tokens, calibration_tokens
 from .checkpoint import Checkpoint, open_checkpoint, read_json
 from .errors import MoeProxyError
 from .layout import Layout, find_layout, source_identity
@@ -245,16 +245,25 @@ def load(uri: str | Store, **store_options) -> Calibration:
 
 def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, samples: int = 64,
               seq_len: int = 256, seed: int = 0, batch_size: int = 8, progress: bool = False,
-              store_options: dict | None = None) -> dict:
-    """Compute and store the statistics; returns the summary (also `calibration.json`)."""
+              store_options: dict | None = None, token_ids: torch.Tensor | None = None) -> dict:
+    """Compute and store the statistics; returns the summary (also `calibration.json`).
+    `token_ids` ([samples, seq_len]): the caller's own tokens instead of `dataset` (library use,
+    e.g. a byte-level model without a tokenizer)."""
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
     out_store = open_store(out, **(store_options or {})) if isinstance(out, str) else out
+    seq_len = int(token_ids.shape[1]) if token_ids is not None else seq_len
     max_pos = ckpt.config.get("max_position_embeddings")
     if isinstance(max_pos, int) and seq_len > max_pos:
         raise MoeProxyError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
-    tokens = calibration_tokens(ckpt.store, dataset, samples, seq_len, seed, int(ckpt.config["vocab_size"]),
-                                store_options)
+    if token_ids is not None:
+        vocab = int(ckpt.config["vocab_size"])
+        if token_ids.dim() != 2 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
+            raise MoeProxyError(f"token_ids must be [samples, seq_len] ids in 0..{vocab - 1}")
+        tokens = Tokens(token_ids.long(), "token ids given by the caller", False)
+    else:
+        tokens = calibration_tokens(ckpt.store, dataset, samples, seq_len, seed, int(ckpt.config["vocab_size"]),
+                                    store_options)
     if tokens.random:
         log.warning("calibration tokens: %s", tokens.origin)
     identity = source_identity(ckpt, layout)
