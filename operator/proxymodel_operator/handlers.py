@@ -139,11 +139,30 @@ async def pipeline(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
     restart, or the create event seen again)."""
     ran = status.get("pipeline") or {}
     if ran.get("specHash") == spec_hash(dict(spec)) and ran.get("transformerJob"):
+        await _ensure_recorded_child(dict(body))
         return
     if spec.get("suspend"):
         _suspend(patch, status, meta.get("generation") or 1)
         return
     await _run_steps()
+
+
+async def _ensure_recorded_child(body: dict) -> None:
+    """Status records each child before it is created; if the operator stopped in between,
+    the child of the step in progress is created now (AlreadyExists is the usual answer)."""
+    status, meta = body.get("status") or {}, body["metadata"]
+    ran, phase = status.get("pipeline") or {}, status.get("phase")
+    if phase == TRANSFORMING and not status.get("proxy"):
+        spec = _parse(body["spec"], meta["namespace"], meta["name"])
+        job = transformer_job(meta["name"], meta["namespace"], ran["generation"], spec)
+        kopf.adopt(job, owner=body)
+        if not await kube.exists(JOBS, meta["namespace"], job["metadata"]["name"]):
+            await kube.create(JOBS, meta["namespace"], job)
+            kopf.event(body, type="Normal", reason="TransformerCreated", message=f"Job {job['metadata']['name']}")
+    elif phase == REPRODUCING and not status.get("reproduction") and ran.get("reproductionJob"):
+        resource = RUNTIMES[ran.get("reproductionKind") or "Job"]
+        if not await kube.exists(resource, meta["namespace"], ran["reproductionJob"]):
+            await _create_reproduction(body, _record_reproduction(body, patch_into={}))
 
 
 async def _run_steps() -> None:

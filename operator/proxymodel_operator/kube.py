@@ -123,6 +123,16 @@ async def create(resource: Resource, namespace: str, obj: dict) -> tuple[dict, b
     return await get(resource, namespace, obj["metadata"]["name"]), False
 
 
+async def exists(resource: Resource, namespace: str, name: str) -> bool:
+    try:
+        await get(resource, namespace, name)
+        return True
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+
+
 async def get(resource: Resource, namespace: str, name: str) -> dict:
     return await _request("GET", "get", resource, resource.path(namespace, name))
 

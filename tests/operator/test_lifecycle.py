@@ -143,6 +143,24 @@ async def test_restart_mid_pipeline_makes_no_duplicate(cluster, operator):
     assert cluster.status(NS, "r1")["phase"] == "Reproducing"
 
 
+async def test_restart_creates_a_recorded_child_that_is_missing(cluster, operator):
+    """Status records a child before creating it: a restart in between creates it then."""
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("m1"))
+    await eventually(lambda: cluster.get(JOBS, NS, "m1-transform-g1"))
+    await eventually(lambda: cluster.status(NS, "m1").get("phase") == "Transforming")
+    await operator.stop()
+    await cluster.delete(JOBS, NS, "m1-transform-g1")  # as if the operator had stopped before creating it
+    await operator.start()
+    job = await eventually(lambda: cluster.get(JOBS, NS, "m1-transform-g1"), what="the recorded Job, created")
+    await cluster.transformer_succeeds(NS, job)
+    await eventually(lambda: cluster.get(JOBS, NS, "m1-repro-g1"))
+    await operator.stop()
+    await cluster.delete(JOBS, NS, "m1-repro-g1")
+    await operator.start()
+    await eventually(lambda: cluster.get(JOBS, NS, "m1-repro-g1"), what="the recorded reproduction, created")
+
+
 async def test_spec_change_replaces_children(cluster, operator):
     await _secret(cluster)
     await cluster.create(PROXYMODELS, NS, proxymodel("c1"))
