@@ -137,11 +137,11 @@ class ExpertObserver:
             return
         x, index, weights = args[0], args[1], args[2]
         flat_idx, flat_w = index.reshape(-1), weights.reshape(-1).double()
-        self.tokens += torch.bincount(flat_idx, minlength=self.n)[: self.n].double()
+        real = flat_idx < self.n  # some implementations mark empty slots with index n
+        flat_idx, flat_w = flat_idx[real], flat_w[real]
+        self.tokens += torch.bincount(flat_idx, minlength=self.n).double()
         self.gate_mass.index_add_(0, flat_idx, flat_w)
         for e in torch.unique(flat_idx).tolist():
-            if e >= self.n:
-                continue
             tok, slot = torch.where(index == e)
             out = self.expert_output(x[tok], e).double()
             w = weights[tok, slot].double()
