@@ -204,6 +204,34 @@ def run_all(models: dict[str, Path], steps: int) -> dict[str, dict[str, Path]]:
     return runs
 
 
+def seed_study(models: dict[str, Path], steps: int, seeds: tuple[int, ...] = (1, 2, 3)) -> str:
+    """The clean scenario again with other prompts and sampling seeds: how stable is each
+    proxy's median Pearson? (The control uses seed + 100 with the same prompts.)"""
+    scores: dict[str, list[float | None]] = {}
+    for seed in seeds:
+        runs = {}
+        for name, path in {**models, CONTROL: models["original"]}.items():
+            out = OUT / "seeds" / str(seed) / name
+            run_seed = seed + 100 if name == CONTROL else seed
+            run_repro(str(path), out, ReproConfig(steps=steps, seed=run_seed, prompt_seed=seed, **RL))
+            runs[name] = out
+        loaded = [load_run(runs["original"], "original")] + [
+            load_run(path, name) for name, path in runs.items() if name != "original"]
+        for c in compare_runs(loaded, list(KEY_METRICS))[1:]:
+            scores.setdefault(c.run, []).append(c.median_pearson)
+        log.info("seed %d done", seed)
+    lines = ["| proxy | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for name, values in scores.items():
+        finite = [v for v in values if v is not None]
+        cells = ["n/a" if v is None else f"{v:.2f}" for v in values]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {np.mean(finite):.2f} |")
+    text = "\n".join(lines) + "\n"
+    (OUT / "seeds.md").write_text(text)
+    (OUT / "seeds.json").write_text(json.dumps(scores, indent=2))
+    return text
+
+
 def planned_devices(ratio: float) -> dict:
     p = plan(REAL, PlanOptions(keep_ratio=ratio))
     return {"original": p.original.devices, "proxy": p.proxy.devices}
@@ -268,6 +296,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="few training steps, for a smoke run")
+    parser.add_argument("--seed-study", action="store_true",
+                        help="only the clean scenario with 3 more seeds (seeds.md): how stable the scores are")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # One thread: on a shared 2-core machine, two torch threads per process thrash (measured
@@ -288,6 +318,9 @@ def main() -> int:
     info = train_original(original)
     log.info("original: held-out loss %.3f, trained in %ss", info["held_out_loss"], info["train_seconds"])
     models = {"original": original, **build_all(original)}
+    if args.seed_study:
+        print(seed_study(models, args.steps))
+        return 0
     mass = json.loads((OUT / "gate_mass_kept.json").read_text())
     quality = {name: {"held_out_loss": held_out_loss(path), "gate_mass": mass.get(name)}
                for name, path in models.items()}
