@@ -125,6 +125,32 @@ def _write_termination_log(path: Path, result: RunResult) -> None:
     path.write_text(text)
 
 
+def _aggregate(updates: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its mini-batch updates: means (as verl), but sums of counts and
+    maxima of magnitudes, so that one bad update is not averaged away."""
+    m = {key: float(np.mean([u[key] for u in updates])) for key in updates[0]}
+    for key in ("numerics/nonfinite_grads", "numerics/skipped_steps", "numerics/loss_scale_backoffs"):
+        m[key] = float(sum(u[key] for u in updates))
+    for key in ("numerics/max_activation", "numerics/max_logit", "moe/router_logit_max"):
+        m[key] = float(max(u[key] for u in updates))
+    m["numerics/grad_overflow"] = float(m["numerics/nonfinite_grads"] > 0)
+    return m
+
+
+def _batch_metrics(batch: dict[str, torch.Tensor], max_new_tokens: int) -> dict[str, float]:
+    scores, adv, lengths = batch["scores"], batch["adv"], batch["lengths"].float()
+    return {
+        "critic/score/mean": scores.mean().item(),
+        "critic/rewards/mean": scores.mean().item(), "critic/rewards/max": scores.max().item(),
+        "critic/rewards/min": scores.min().item(),
+        "critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(),
+        "critic/advantages/min": adv.min().item(),
+        "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": (lengths >= max_new_tokens).float().mean().item(),
+    }
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp_min(1)
 
@@ -176,26 +202,13 @@ class _Loop:
                    for idx in torch.arange(batch["seq"].shape[0]).chunk(cfg.mini_batches)]
         t_end = time.perf_counter()
 
-        m = {key: float(np.mean([u[key] for u in updates])) for key in updates[0] if not key.startswith("_")}
-        for key in ("numerics/nonfinite_grads", "numerics/skipped_steps", "numerics/loss_scale_backoffs"):
-            m[key] = float(sum(u[key] for u in updates))
-        for key in ("numerics/max_activation", "numerics/max_logit", "moe/router_logit_max"):
-            m[key] = float(max(u[key] for u in updates))
-        m["numerics/grad_overflow"] = float(m["numerics/nonfinite_grads"] > 0)
+        m = _aggregate(updates)
         if scaled:
             m["numerics/loss_scale"] = float(self.scaler.get_scale())
         m["numerics/params_nonfinite"] = float(sum(int(not torch.isfinite(p).all()) for p in self.params))
-        scores, lengths = batch["scores"], batch["lengths"].float()
+        m.update(_batch_metrics(batch, cfg.max_new_tokens))
         m.update({
             "training/global_step": float(step), "actor/lr": lr, "actor/kl_coef": cfg.kl_coef,
-            "critic/score/mean": scores.mean().item(),
-            "critic/rewards/mean": scores.mean().item(), "critic/rewards/max": scores.max().item(),
-            "critic/rewards/min": scores.min().item(),
-            "critic/advantages/mean": batch["adv"].mean().item(), "critic/advantages/max": batch["adv"].max().item(),
-            "critic/advantages/min": batch["adv"].min().item(),
-            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-            "response_length/min": lengths.min().item(),
-            "response_length/clip_ratio": (lengths >= cfg.max_new_tokens).float().mean().item(),
             "timing_s/gen": t_gen - t0, "timing_s/old_log_prob": t_old - t_gen, "timing_s/ref": t_ref - t_old,
             "timing_s/update_actor": t_end - t_ref, "perf/time_per_step": t_end - t0,
             "perf/total_num_tokens": float(batch["attn"].sum().item()),
