@@ -94,6 +94,8 @@ def test_bad_inputs(tiny_qwen3, tmp_path, capsys):
     assert summary["stopped"].startswith("error: InvalidReproConfig") and summary["steps_completed"] == 0
     with pytest.raises(InvalidReproConfig):
         ReproConfig(group_size=1)
+    assert main(["repro", str(tiny_qwen3), "--out", str(tmp_path / "o"), "--device", "npu"]) == 2
+    assert "torch_npu is not installed" in capsys.readouterr().err
 
 
 def test_signature_parsing():

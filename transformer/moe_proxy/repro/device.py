@@ -7,13 +7,18 @@ import importlib
 
 import torch
 
+from ..errors import InvalidReproConfig
+
 
 def pick_device(requested: str | None = None) -> torch.device:
     """`requested` (e.g. "cpu", "cuda:1", "npu") wins; otherwise the best available device."""
     if requested:
-        if requested.startswith("npu"):
-            _import_torch_npu()
-        return torch.device(requested)
+        if requested.startswith("npu") and not _import_torch_npu():
+            raise InvalidReproConfig(f"--device {requested}: torch_npu is not installed (Ascend images only)")
+        try:
+            return torch.device(requested)
+        except RuntimeError as exc:
+            raise InvalidReproConfig(f"--device {requested}: {exc}") from None
     if _import_torch_npu() and torch.npu.is_available():  # type: ignore[attr-defined]
         return torch.device("npu")
     if torch.cuda.is_available():
