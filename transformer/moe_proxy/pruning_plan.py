@@ -14,6 +14,7 @@ from .checkpoint import Checkpoint
 from .errors import InvalidExpertCount
 from .features import expert_features
 from .layout import Layout
+from .planner import target_experts  # one rule for the CLI, the library and the operator
 from .selection import SCORED_METHODS, Selection, select
 from .usage import CALIBRATED_FEATURES, usage_select
 
@@ -50,28 +51,6 @@ class Plan:
     router_overrides: dict[str, bytes] = field(default_factory=dict)  # healed router tensors, source dtype
 
 
-def target_experts(n: int, options: Options, arch: Arch, n_group: int, topk_group: int) -> int:
-    """The experts per layer to keep, validated; errors suggest valid values."""
-    if (options.experts is None) == (options.keep_ratio is None):
-        raise InvalidExpertCount("give exactly one of --experts N or --keep-ratio R")
-    if options.keep_ratio is not None:
-        if not 0 < options.keep_ratio <= 1:
-            raise InvalidExpertCount(f"--keep-ratio must be in (0, 1], got {options.keep_ratio}")
-        k = max(n_group * arch.min_per_group, round(n * options.keep_ratio / n_group) * n_group)
-    else:
-        k = options.experts
-    valid = [v for v in range(n_group * arch.min_per_group, n + 1, n_group)]
-    if k is None or k < 1 or k > n or k % n_group or k // n_group < arch.min_per_group:
-        why = (
-            f"the model has {n} routed experts per layer" if k is None or k < 1 or k > n
-            else f"grouped routing has {n_group} groups (each must keep the same number, at least "
-                 f"{arch.min_per_group})"
-        )
-        shown = ", ".join(map(str, valid[:12])) + (" ..." if len(valid) > 12 else "")
-        raise InvalidExpertCount(f"cannot keep {k} experts per layer: {why}; valid values: {shown}")
-    return k
-
-
 def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool = False,
               calibration=None) -> Plan:
     """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
@@ -87,7 +66,7 @@ def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool
     n_group, topk_group = groups(arch, config)
     if n % n_group:
         raise InvalidExpertCount(f"config has {n} experts in {n_group} groups: not an equal split")
-    k = target_experts(n, options, arch, n_group, topk_group)
+    k = target_experts(n, arch, n_group, options.experts, options.keep_ratio)
     notes = []
     limit = min(k, topk_group * (k // n_group)) if n_group > 1 else k
     if options.top_k is not None:
