@@ -96,3 +96,44 @@ def test_malformed_metrics_is_one_clear_line(tmp_path, capsys, content, message)
 def test_missing_run_directory(tmp_path):
     with pytest.raises(MalformedMetrics, match="no metrics.jsonl"):
         load_run(tmp_path / "nope")
+
+
+def test_shuffled_control_is_chance_level_for_a_tracking_run(tmp_path):
+    a = write_run(tmp_path / "a", curve())
+    b = write_run(tmp_path / "b", (np.array(curve()) * 1.1 + 0.2).tolist())
+    proxy = compare_runs([load_run(a), load_run(b)], permutations=200, seed=3)[1]
+    assert proxy.median_pearson == pytest.approx(1.0)
+    control = proxy.shuffled
+    assert control.permutations == 200
+    assert abs(control.mean) < 0.15 and control.p95 < 0.6
+    assert control.p_value == pytest.approx(1 / 201)  # no shuffled order reaches the actual 1.0
+
+
+def test_shuffled_control_does_not_separate_an_unrelated_run(tmp_path):
+    rng = np.random.default_rng(0)
+    a = write_run(tmp_path / "a", curve())
+    b = write_run(tmp_path / "b", (2 + rng.random(STEPS)).tolist())
+    proxy = compare_runs([load_run(a), load_run(b)], permutations=200)[1]
+    assert abs(proxy.median_pearson) < 0.4
+    assert proxy.shuffled.p_value > 0.05
+
+
+def test_shuffled_control_by_hand(tmp_path):
+    x, y = np.array(curve()), 2 + np.cos(np.arange(STEPS) / 5)
+    a, b = write_run(tmp_path / "a", x.tolist()), write_run(tmp_path / "b", y.tolist())
+    control = compare_runs([load_run(a), load_run(b)], permutations=1, seed=7)[1].shuffled
+    order = np.random.default_rng(7).permutation(STEPS)
+    # both key curves (grad_norm, pg_loss = -grad_norm / 10) give the same |r|, signs equal
+    assert control.mean == pytest.approx(np.corrcoef(x, y[order])[0, 1])
+    assert compare_runs([load_run(a), load_run(b)])[1].shuffled is None  # off by default
+
+
+def test_cli_reports_the_shuffled_control(tmp_path, capsys):
+    write_run(tmp_path / "orig", curve())
+    write_run(tmp_path / "proxy", curve(shift=1))
+    assert main(["compare", str(tmp_path / "orig"), str(tmp_path / "proxy"), "--out", str(tmp_path / "rep"),
+                 "--permutations", "50"]) == 0
+    assert "shuffled steps:" in capsys.readouterr().out
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["comparisons"][1]["shuffled"]["permutations"] == 50
+    assert "shuffled steps: mean / p95 / p" in (tmp_path / "rep" / "report.md").read_text()

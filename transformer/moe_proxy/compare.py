@@ -5,6 +5,12 @@ step of each failure. Writes report.json, report.md and PNG plots.
 normalised error = mean |b_t - a_t| / mean |a_t| over the aligned steps where both are finite
 (a = the reference run). Correlations are left empty (null) when either curve is constant or
 fewer than 3 steps align.
+
+Shuffled-step control (`permutations` > 0): the run's median Pearson is computed again with
+the run's steps put in random orders (seeded; one permutation for all metrics of a trial).
+That keeps each curve's values and destroys the step-by-step relation, so it is what the same
+numbers score by chance. Reported: the mean and 95th percentile over the permutations, and
+p = share of permutations (the actual order counted in) scoring at least the actual median.
 """
 
 from __future__ import annotations
@@ -48,6 +54,14 @@ class MetricStats:
 
 
 @dataclass
+class ShuffleControl:
+    permutations: int
+    mean: float | None  # mean median Pearson over the shuffled orders
+    p95: float | None
+    p_value: float | None  # (1 + #shuffled >= actual) / (1 + permutations)
+
+
+@dataclass
 class RunComparison:
     run: str
     median_pearson: float | None
@@ -56,6 +70,7 @@ class RunComparison:
     onset_shift: dict[str, int | None]  # signature -> this run's onset minus the reference's
     step_time_ratio: float | None
     metrics: dict[str, MetricStats] = field(default_factory=dict)
+    shuffled: ShuffleControl | None = None
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -79,17 +94,56 @@ def metric_stats(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]],
              if _finite(a[s].get(metric)) and _finite(b[s].get(metric))]
     x = np.array([a[s][metric] for s in steps])
     y = np.array([b[s][metric] for s in steps])
-    pearson = spearman = error = None
-    if len(steps) >= 3 and np.ptp(x) > 0 and np.ptp(y) > 0:
-        pearson = float(stats.pearsonr(x, y).statistic)
+    spearman = error = None
+    pearson = _pearson(x, y)
+    if pearson is not None:
         spearman = float(stats.spearmanr(x, y).statistic)
     if len(steps) and np.abs(x).mean() > 0:
         error = float(np.abs(y - x).mean() / np.abs(x).mean())
     return MetricStats(len(steps), pearson, spearman, error)
 
 
-def compare_runs(runs: list[Run], metrics: list[str] | None = None) -> list[RunComparison]:
-    """Each run against runs[0] (the reference; itself included, as a sanity row)."""
+def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return None
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def _median_key_pearson(ref: dict[int, dict[str, float]], rows: dict[int, dict[str, float]],
+                        names: list[str]) -> float | None:
+    values = []
+    for m in KEY_METRICS:
+        if m not in names:
+            continue
+        steps = [s for s in sorted(set(ref) & set(rows)) if _finite(ref[s].get(m)) and _finite(rows[s].get(m))]
+        r = _pearson(np.array([ref[s][m] for s in steps]), np.array([rows[s][m] for s in steps]))
+        if r is not None:
+            values.append(r)
+    return statistics.median(values) if values else None
+
+
+def shuffle_control(ref: Run, run: Run, names: list[str], actual: float | None, permutations: int,
+                    seed: int = 0) -> ShuffleControl:
+    """The run's median key-metric Pearson with its steps in `permutations` random orders."""
+    rng = np.random.default_rng(seed)
+    steps = sorted(run.rows)
+    scores = []
+    for _ in range(permutations):
+        order = rng.permutation(len(steps))
+        shuffled = {steps[i]: run.rows[steps[j]] for i, j in enumerate(order)}
+        score = _median_key_pearson(ref.rows, shuffled, names)
+        if score is not None:
+            scores.append(score)
+    if not scores:
+        return ShuffleControl(permutations, None, None, None)
+    p = None if actual is None else (1 + sum(v >= actual for v in scores)) / (1 + len(scores))
+    return ShuffleControl(permutations, float(np.mean(scores)), float(np.percentile(scores, 95)), p)
+
+
+def compare_runs(runs: list[Run], metrics: list[str] | None = None, permutations: int = 0,
+                 seed: int = 0) -> list[RunComparison]:
+    """Each run against runs[0] (the reference; itself included, as a sanity row); with
+    `permutations`, each also against its shuffled-step control (module doc)."""
     if len(runs) < 2:
         raise MalformedMetrics("compare needs at least two runs")
     ref = runs[0]
@@ -105,8 +159,9 @@ def compare_runs(runs: list[Run], metrics: list[str] | None = None) -> list[RunC
         for sig in run.onsets.keys() - ref.onsets.keys():
             shift[sig] = None
         ratio = run.step_time / ref.step_time if run.step_time and ref.step_time else None
+        control = shuffle_control(ref, run, names, median, permutations, seed) if permutations else None
         out.append(RunComparison(run.name, median, _verdict(median, ref.onsets, run.onsets), run.onsets, shift,
-                                 ratio, per_metric))
+                                 ratio, per_metric, control))
     return out
 
 
@@ -139,14 +194,19 @@ def _markdown(runs: list[Run], results: list[RunComparison], plots: list[Path]) 
     ref = runs[0]
     lines = [f"# Training dynamics: {len(runs) - 1} run(s) against `{ref.name}`", "",
              f"Verdict: *tracks* when the median Pearson correlation of the key curves is at least "
-             f"{TRACKS_PEARSON}. Onset shift: the run's failure step minus the reference's.", "",
-             "| run | verdict | median Pearson | failures (step) | onset shift | step time vs ref |",
-             "|---|---|---|---|---|---|"]
+             f"{TRACKS_PEARSON}. Onset shift: the run's failure step minus the reference's. Shuffled steps: "
+             f"the same statistic with the run's steps in random orders (chance level; p = share scoring at "
+             f"least the actual).", "",
+             "| run | verdict | median Pearson | shuffled steps: mean / p95 / p | failures (step) | onset shift | "
+             "step time vs ref |",
+             "|---|---|---|---|---|---|---|"]
     for c in results[1:]:
         failures = ", ".join(f"{k} ({v})" for k, v in sorted(c.onsets.items(), key=lambda i: i[1])) or "none"
         shift = ", ".join(f"{k} {'+' if v and v > 0 else ''}{v if v is not None else 'n/a'}"
                           for k, v in c.onset_shift.items()) or "-"
-        lines.append(f"| {c.run} | {c.verdict} | {_fmt(c.median_pearson)} | {failures} | {shift} | "
+        control = (f"{_fmt(c.shuffled.mean)} / {_fmt(c.shuffled.p95)} / {_fmt(c.shuffled.p_value)}"
+                   if c.shuffled else "-")
+        lines.append(f"| {c.run} | {c.verdict} | {_fmt(c.median_pearson)} | {control} | {failures} | {shift} | "
                      f"{_fmt(c.step_time_ratio, 'x')} |")
     ref_failures = ", ".join(f"{k} ({v})" for k, v in ref.onsets.items()) or "none"
     lines += ["", f"Reference failures: {ref_failures}.", "", "## Key metrics", "",

@@ -15,6 +15,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="REPORT_DIR")
     p.add_argument("--metrics", help="comma-separated metrics to compare (default: all common ones)")
     p.add_argument("--names", help="comma-separated labels for the runs (default: directory names)")
+    p.add_argument("--permutations", type=int, default=100, metavar="N",
+                   help="shuffled-step control: each run's median Pearson with its steps in N random orders "
+                   "(chance level, and p = share scoring at least the actual); 0 turns it off")
     p.set_defaults(func=run)
 
 
@@ -26,9 +29,14 @@ def run(args: argparse.Namespace) -> int:
     if len(names) != len(args.runs):
         raise MalformedMetrics(f"--names gives {len(names)} labels for {len(args.runs)} runs")
     runs = [load_run(path, name) for path, name in zip(args.runs, names)]
-    results = compare_runs(runs, args.metrics.split(",") if args.metrics else None)
+    if args.permutations < 0:
+        raise MalformedMetrics(f"--permutations {args.permutations}: must be 0 or more")
+    results = compare_runs(runs, args.metrics.split(",") if args.metrics else None, permutations=args.permutations)
     out = write_report(runs, results, args.out)
     for c in results[1:]:
-        print(f"{c.run}: {c.verdict}; median Pearson {c.median_pearson if c.median_pearson is None else round(c.median_pearson, 3)}")
+        chance = (f" (shuffled steps: {c.shuffled.mean:.3f}, p={c.shuffled.p_value:.3f})"
+                  if c.shuffled and c.shuffled.mean is not None and c.shuffled.p_value is not None else "")
+        print(f"{c.run}: {c.verdict}; median Pearson "
+              f"{c.median_pearson if c.median_pearson is None else round(c.median_pearson, 3)}{chance}")
     print(f"report: {out}/report.md")
     return 0

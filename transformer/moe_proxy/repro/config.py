@@ -104,5 +104,9 @@ class ReproConfig:
             return "fp16", False
         return self.precision, self.precision == "fp16" and self.loss_scaling == "dynamic"
 
+    def uses_half_precision(self) -> bool:
+        """Whether any step computes in fp16/bf16 (set or injected)."""
+        return self.precision != "fp32" or self.faults.fp16_no_scaling_step is not None
+
     def to_dict(self) -> dict:
         return asdict(self)

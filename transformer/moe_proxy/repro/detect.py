@@ -6,10 +6,14 @@ metrics.jsonl (including runs recorded elsewhere) and gets the same onsets as `r
 
 Definitions (thresholds in `Thresholds`):
 - nan: the loss or the updated parameters are not finite (the forward pass or an update broke).
-- overflow: gradients hold inf/NaN while the loss was finite. Without loss scaling the step is
-  lost: detected at once. With dynamic loss scaling skipped steps are normal while the scale
-  settles, so it is an overflow only after `overflow_patience` skipped steps in a row or when
-  the scale falls below `min_loss_scale` (Megatron's hysteresis / min_scale).
+- overflow: in a half-precision step (`numerics/half_precision`) the forward pass's hidden
+  states are not finite (`numerics/nonfinite_activations`): a value went beyond the dtype's
+  range, e.g. a super expert's massive activation in fp16. Loss scaling cannot help; detected
+  at once, besides the nan it causes. Or: gradients hold inf/NaN while the loss was finite.
+  Without loss scaling such a step is lost: detected at once. With dynamic loss scaling
+  skipped steps are normal while the scale settles, so it is an overflow only after
+  `overflow_patience` skipped steps in a row or when the scale falls below `min_loss_scale`
+  (Megatron's hysteresis / min_scale).
 - divergence: a watched magnitude (`DIVERGENCE_METRICS`) at least `divergence_factor` times its
   median over the first `baseline_steps` steps, for `divergence_patience` steps in a row, or the
   per-token KL to the reference above `kl_limit` (half a nat: the policy no longer resembles
@@ -133,7 +137,13 @@ class FailureDetector:
 
         grads_bad = m.get("numerics/grad_overflow", 0) > 0 and not bad
         scale = m.get("numerics/loss_scale")
-        if scale is None:  # no loss scaling: a lost step is an overflow at once
+        bad_acts = m.get("numerics/nonfinite_activations", 0)
+        if bad_acts > 0 and m.get("numerics/half_precision", 0) > 0:
+            # Reported although the loss is NaN too: the overflow is the cause. (In fp32 a non-finite
+            # activation is a NaN from a broken op, not a range problem: nan alone.)
+            checks["overflow"] = (True, f"{bad_acts:g} hidden-state values not finite in half precision "
+                                        "(forward overflow)", 1)
+        elif scale is None:  # no loss scaling: a lost step is an overflow at once
             checks["overflow"] = (grads_bad, "non-finite gradients without loss scaling", 1)
         elif scale < t.min_loss_scale:
             checks["overflow"] = (True, f"loss scale {scale:g} < {t.min_loss_scale:g}", 1)

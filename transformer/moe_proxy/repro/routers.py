@@ -124,6 +124,8 @@ class RouterTap:
         if entropies:
             out["moe/router_entropy/mean"] = sum(entropies) / len(entropies)
             out["moe/load_max_share"] = max(max_shares)
+            # The busiest layer saturates first; the mean shows routing narrowing in every layer.
+            out["moe/load_max_share/mean"] = sum(max_shares) / len(max_shares)
             out["moe/load_min_share"] = min(min_shares)
             out["moe/router_logit_max"] = max(logit_max)
             out["moe/load_uniform_share"] = self.top_k / next(iter(self.logits.values())).shape[-1]

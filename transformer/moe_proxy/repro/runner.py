@@ -38,6 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",
             "moe/load_max_share", "numerics/max_activation", "numerics/loss_scale")
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
 
 @dataclass
@@ -129,7 +130,8 @@ def _aggregate(updates: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from its mini-batch updates: means (as verl), but sums of counts and
     maxima of magnitudes, so that one bad update is not averaged away."""
     m = {key: float(np.mean([u[key] for u in updates])) for key in updates[0]}
-    for key in ("numerics/nonfinite_grads", "numerics/skipped_steps", "numerics/loss_scale_backoffs"):
+    for key in ("numerics/nonfinite_grads", "numerics/nonfinite_activations", "numerics/skipped_steps",
+                "numerics/loss_scale_backoffs"):
         m[key] = float(sum(u[key] for u in updates))
     for key in ("numerics/max_activation", "numerics/max_logit", "moe/router_logit_max"):
         m[key] = float(max(u[key] for u in updates))
@@ -155,6 +157,39 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
+class ActivationWatch:
+    """The residual stream after every decoder layer (the last one before the final norm):
+    its largest finite magnitude, and how many values are not finite. In fp16/bf16 a value
+    beyond the dtype's range (fp16: 65504) comes out as inf or, from a CPU matmul, NaN: an
+    overflow in the forward pass, which no loss scaling can save."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.recording = False
+        self.max_abs, self.nonfinite = 0.0, 0
+        for name, module in model.named_modules():
+            if _DECODER_LAYER.search(name):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, _module, _inputs, output) -> None:
+        if not self.recording:
+            return
+        h = (output[0] if isinstance(output, tuple) else output).detach()
+        finite = torch.isfinite(h)
+        if finite.any():
+            self.max_abs = max(self.max_abs, h[finite].abs().max().item())
+        self.nonfinite += int((~finite).sum())
+
+    def start(self) -> None:
+        self.max_abs, self.nonfinite, self.recording = 0.0, 0, True
+
+    def stop(self) -> None:
+        self.recording = False
+
+    def metrics(self) -> dict[str, float]:
+        largest = math.inf if self.nonfinite else self.max_abs
+        return {"numerics/max_activation": largest, "numerics/nonfinite_activations": float(self.nonfinite)}
+
+
 class _Loop:
     """Models, optimiser and per-step state of one run."""
 
@@ -167,14 +202,28 @@ class _Loop:
         torch.manual_seed(config.seed)
         self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
         self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        self.fp32_experts = getattr(self.policy.config, "_experts_implementation", None)
         self.codec = Codec(path, self.policy.config.vocab_size)
         top_k = getattr(self.policy.config, "num_experts_per_tok", None) or 1
         self.tap = RouterTap(self.policy, top_k)
         self.faults = FaultInjector(self.policy, self.tap.routers, config.faults, config.seed)
+        self.activations = ActivationWatch(self.policy)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in self.policy.named_parameters()}
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=config.init_loss_scale)
+
+    def _experts_kernel(self, precision: str) -> None:
+        """transformers' default experts kernel (grouped_mm) is not autocast-enabled: under fp16/bf16
+        autocast the experts would still compute in fp32, hiding the overflows a half-precision job
+        has (a super expert's massive activation). Half-precision steps use the eager kernel, whose
+        linears autocast covers; fp32 steps keep the faster default, so they stay bitwise equal to
+        the same run without an fp16 fault."""
+        wanted = self.fp32_experts if precision == "fp32" else "eager"
+        if self.fp32_experts is None or self.policy.config._experts_implementation == wanted:
+            return
+        for model in (self.policy, self.reference):
+            model.set_experts_implementation(wanted)
 
     def _autocast(self, precision: str):
         if precision == "fp32":
@@ -185,6 +234,7 @@ class _Loop:
         cfg = self.config
         self.faults.step = step
         precision, scaled = cfg.precision_at(step)
+        self._experts_kernel(precision)
         lr = cfg.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -203,6 +253,7 @@ class _Loop:
         t_end = time.perf_counter()
 
         m = _aggregate(updates)
+        m["numerics/half_precision"] = float(precision != "fp32")
         if scaled:
             m["numerics/loss_scale"] = float(self.scaler.get_scale())
         m["numerics/params_nonfinite"] = float(sum(int(not torch.isfinite(p).all()) for p in self.params))
@@ -266,7 +317,9 @@ class _Loop:
         mask, adv = batch["resp_mask"][idx].to(self.device), batch["adv"][idx].unsqueeze(-1)
         self.tap.start(batch["attn"][idx])
         with self._autocast(precision):
-            logp, logits, out = self._logp(self.policy, batch, idx, output_hidden_states=True)
+            self.activations.start()
+            logp, logits, _ = self._logp(self.policy, batch, idx)
+            self.activations.stop()
         self.tap.stop()
 
         ratio = torch.exp(logp - old_logp)
@@ -285,7 +338,7 @@ class _Loop:
                 "actor/ppo_kl": _masked_mean(old_logp - logp, mask).item(),
                 "actor/pg_clipfrac": _masked_mean((pg_clipped > pg_losses).float(), mask).item(),
                 "moe/aux_loss": aux_loss.item(), "moe/z_loss": z_loss.item(),
-                "numerics/max_activation": max(h.detach().abs().max().item() for h in out.hidden_states),
+                **self.activations.metrics(),
                 "numerics/max_logit": logits.abs().max().item(),
                 **self.tap.metrics(),
             }
