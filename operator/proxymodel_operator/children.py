@@ -10,19 +10,24 @@ from .spec import ProxyModelSpec, Source, Workload
 
 TRANSFORMER = "transformer"
 REPRODUCTION = "reproduction"
-_SHORT = {TRANSFORMER: "transform", REPRODUCTION: "repro"}
+# The scale-out transformer's steps before and after its workers (the workers Job is named
+# like a single transformer Job). Their Jobs carry the transformer role.
+CALIBRATE, FINALIZE = "calibrate", "finalize"
+_SHORT = {TRANSFORMER: "transform", REPRODUCTION: "repro", CALIBRATE: "calibrate", FINALIZE: "finalize"}
 MAX_NAME = 63  # Job names become pod label values, which stop at 63 characters
 TERMINATION_LOG = "/dev/termination-log"
 
 
-def child_name(proxymodel: str, role: str, generation: int) -> str:
+def child_name(proxymodel: str, kind: str, generation: int, reserve: int = 0) -> str:
     """Deterministic, so a retry or a restarted operator finds the child it made before:
-    `<proxymodel>-transform-g<generation>`, shortened with a hash when too long."""
-    suffix = f"-{_SHORT[role]}-g{generation}"
-    if len(proxymodel) + len(suffix) <= MAX_NAME:
+    `<proxymodel>-transform-g<generation>`, shortened with a hash when too long. `reserve`
+    characters stay free: an Indexed Job's pods take `<job>-<index>` as their hostname."""
+    limit = MAX_NAME - reserve
+    suffix = f"-{_SHORT[kind]}-g{generation}"
+    if len(proxymodel) + len(suffix) <= limit:
         return proxymodel + suffix
     digest = hashlib.sha256(proxymodel.encode()).hexdigest()[:6]
-    return f"{proxymodel[: MAX_NAME - len(suffix) - 7].rstrip('-.')}-{digest}{suffix}"
+    return f"{proxymodel[: limit - len(suffix) - 7].rstrip('-.')}-{digest}{suffix}"
 
 
 def labels(proxymodel: str, role: str, name: str, generation: int, spec: ProxyModelSpec | None = None,

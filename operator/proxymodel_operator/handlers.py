@@ -13,13 +13,15 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import kopf
 
 from . import kube, settings as settings_module
-from .children import REPRODUCTION, TRANSFORMER
-from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome, outcome, workload_state
+from .children import FINALIZE, REPRODUCTION, TRANSFORMER
+from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome, count_indexes, outcome, workload_state
 from .preflight import PreflightError, preflight
 from .reproduction import reproduction_workload
 from .resources import (ASCEND_JOBS, GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE,
@@ -29,7 +31,7 @@ from .status import (ACCEPTED, FAILED as PHASE_FAILED, NOT_REPRODUCED, PENDING, 
                      PROXY_READY_CONDITION, REPRODUCED, REPRODUCED_CONDITION, REPRODUCING, SUSPENDED,
                      SUSPENDED_CONDITION, TERMINAL, TRANSFORMING, arrow, condition, plan_summary, proxy_summary,
                      reproduction_summary, with_condition)
-from .transformer_job import transformer_job
+from .transformer_job import BUILD, STEP_TEXT, WORKERS, next_step, step_job, step_message, steps
 
 PXM = (GROUP, VERSION, "proxymodels")
 RETRY_DELAY = 30  # seconds before a step that waits on the outside world is tried again
@@ -154,11 +156,12 @@ async def _ensure_recorded_child(body: dict) -> None:
     ran, phase = status.get("pipeline") or {}, status.get("phase")
     if phase == TRANSFORMING and not status.get("proxy"):
         spec = _parse(body["spec"], meta["namespace"], meta["name"])
-        job = transformer_job(meta["name"], meta["namespace"], ran["generation"], spec)
+        step = ran.get("transformerStep") or BUILD  # absent in the status of older operators
+        job = step_job(step, meta["name"], meta["namespace"], ran["generation"], spec)
         kopf.adopt(job, owner=body)
         if not await kube.exists(JOBS, meta["namespace"], job["metadata"]["name"]):
             await kube.create(JOBS, meta["namespace"], job)
-            kopf.event(body, type="Normal", reason="TransformerCreated", message=f"Job {job['metadata']['name']}")
+            kopf.event(body, type="Normal", reason=STEP_TEXT[step].created, message=f"Job {job['metadata']['name']}")
     elif phase == REPRODUCING and not status.get("reproduction") and ran.get("reproductionJob"):
         resource = RUNTIMES[ran.get("reproductionKind") or "Job"]
         if not await kube.exists(resource, meta["namespace"], ran["reproductionJob"]):
@@ -203,9 +206,9 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
             patch.status["phase"] = PENDING
             raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_DELAY)
 
-    patch.status["pipeline"] = {"specHash": spec_hash(dict(spec)), "generation": generation,
-                                "transformerJob": None, "reproductionJob": None, "reproductionKind": None}
-    patch.status.update(phase=PENDING, message=None, proxy=None, reproduction=None,
+    patch.status["pipeline"] = {"specHash": spec_hash(dict(spec)), "generation": generation, "transformerJob": None,
+                                "transformerStep": None, "reproductionJob": None, "reproductionKind": None}
+    patch.status.update(phase=PENDING, message=None, proxy=None, reproduction=None, workers=None,
                         plan=plan_summary(plan) if plan else None)
     conditions = [c for c in status.get("conditions") or [] if c.get("type") == ACCEPTED]
     patch.status["conditions"] = conditions
@@ -223,7 +226,8 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
 
 async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
                     name: str, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    """Step 2: replace older generations' children by this generation's transformer Job."""
+    """Step 2: replace older generations' children by this generation's first transformer Job
+    (the build; with several workers, calibration or the workers)."""
     if (status.get("pipeline") or {}).get("specHash") != spec_hash(dict(spec)):
         logger.info("no transformer Job: this spec was not accepted (see the Accepted condition)")
         return  # kopf runs the next sub-handler even after one failed permanently
@@ -234,22 +238,34 @@ async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body:
     if deleted:
         kopf.event(body, type="Normal", reason="ChildrenReplaced",
                    message=f"deleted {', '.join(sorted(deleted))} of an older spec")
-    job = transformer_job(name, namespace, generation, parsed)
+    step = steps(parsed)[0]
+    job = step_job(step, name, namespace, generation, parsed)
     kopf.adopt(job, owner=body)
     job_name = job["metadata"]["name"]
     # Status first, then the Job: whatever the Job does next, its handler finds it recorded.
-    conditions = with_condition(status.get("conditions"), condition(
-        PROXY_READY_CONDITION, False, "TransformerRunning", f"Job {job_name} builds the proxy at {parsed.destination}",
-        generation))
-    await kube.patch_status(PROXYMODELS, namespace, name, {
-        "pipeline": {**(status.get("pipeline") or {}), "specHash": spec_hash(dict(spec)), "generation": generation,
-                     "transformerJob": job_name},
-        "phase": TRANSFORMING, "conditions": conditions})
+    recorded = _step_status(dict(status), step, job_name, parsed, generation)
+    recorded["pipeline"]["specHash"] = spec_hash(dict(spec))
+    await kube.patch_status(PROXYMODELS, namespace, name, recorded)
     _, created = await kube.create(JOBS, namespace, job)
     if created:
-        kopf.event(body, type="Normal", reason="TransformerCreated",
-                   message=f"Job {job_name} builds {parsed.destination}")
-    logger.info("transformer Job %s %s", job_name, "created" if created else "already exists")
+        kopf.event(body, type="Normal", reason=STEP_TEXT[step].created, message=step_message(step, job_name, parsed))
+    logger.info("%s Job %s %s", step, job_name, "created" if created else "already exists")
+
+
+def _step_status(status: dict, step: str, job_name: str, spec: ProxyModelSpec, generation: int) -> dict:
+    """The status that records `job_name` as the transformer step in progress (written before
+    the Job is created)."""
+    text = STEP_TEXT[step]
+    recorded = {
+        "pipeline": {**(status.get("pipeline") or {}), "generation": generation, "transformerJob": job_name,
+                     "transformerStep": step},
+        "phase": TRANSFORMING,
+        "conditions": with_condition(status.get("conditions"), condition(
+            PROXY_READY_CONDITION, False, text.running, step_message(step, job_name, spec), generation)),
+    }
+    if spec.workers > 1:  # workers done, of all: every worker before finalize, none before
+        recorded["workers"] = f"{spec.workers if step == FINALIZE else 0}/{spec.workers}"
+    return recorded
 
 
 # --- spec changes ------------------------------------------------------------------------------
@@ -264,7 +280,7 @@ async def spec_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, bo
     if ran.get("specHash") != spec_hash(dict(spec)):
         if spec.get("suspend"):
             deleted = await _delete_children(namespace, name, keep_generation=None)
-            patch.status.update(pipeline=None, proxy=None, reproduction=None, plan=None)
+            patch.status.update(pipeline=None, proxy=None, reproduction=None, plan=None, workers=None)
             _suspend(patch, status, generation)
             logger.info("spec changed while suspended; deleted %s", deleted or "nothing")
             return
@@ -290,6 +306,14 @@ async def spec_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, bo
             manifest = _record_reproduction(fresh, patch_into=patch.status)
             await kube.patch_status(PROXYMODELS, namespace, name, dict(patch.status))  # before the child exists
             await _create_reproduction(fresh, manifest)
+        elif not status.get("proxy") and ran.get("transformerStep") not in (None, BUILD, FINALIZE):
+            # A step before the workers' finalize may have succeeded while suspended, its next
+            # Job held back: judge it again now. Status is written first and dropped from kopf's
+            # patch, which would otherwise put back the conditions the judge is about to change.
+            await kube.patch_status(PROXYMODELS, namespace, name, dict(patch.status))
+            patch.pop("status", None)
+            labels = {LABEL_PROXYMODEL: name, LABEL_ROLE: TRANSFORMER, LABEL_CHILD: ran["transformerJob"]}
+            await judge_child(JOBS, namespace, labels, None, logger)
 
 
 # --- following the children --------------------------------------------------------------------
@@ -334,23 +358,36 @@ async def judge_child(resource: Resource | None, namespace: str, labels: dict, w
     proxymodel, role, child = labels.get(LABEL_PROXYMODEL), labels.get(LABEL_ROLE), labels.get(LABEL_CHILD)
     if not (proxymodel and role in (TRANSFORMER, REPRODUCTION) and child):
         return
+    await _one_at_a_time(namespace, proxymodel,
+                         lambda: _judge_once(resource, namespace, proxymodel, role, child, workload, logger))
+
+
+async def _one_at_a_time(namespace: str, proxymodel: str, decide: Callable[[], Awaitable[None]]) -> None:
+    """Run `decide` (it reads the ProxyModel and writes status at the version it read) alone for
+    this ProxyModel; when somebody else wrote meanwhile (409), it reads and decides again."""
     async with _locks.setdefault((namespace, proxymodel), asyncio.Lock()):
         for attempt in range(3):
             try:
-                return await _judge_once(resource, namespace, proxymodel, role, child, workload, logger)
+                return await decide()
             except kube.ApiError as exc:
                 if exc.status != 409 or attempt == 2:
                     raise
 
 
-async def _judge_once(resource: Resource | None, namespace: str, proxymodel: str, role: str, child: str,
-                      workload: dict | None, logger: logging.Logger) -> None:
+async def _get_parent(namespace: str, proxymodel: str) -> dict | None:
     try:
-        parent = await kube.get(PROXYMODELS, namespace, proxymodel)
+        return await kube.get(PROXYMODELS, namespace, proxymodel)
     except kube.ApiError as exc:
         if exc.status == 404:
-            return  # the ProxyModel is gone; its children follow through owner references
+            return None  # the ProxyModel is gone; its children follow through owner references
         raise
+
+
+async def _judge_once(resource: Resource | None, namespace: str, proxymodel: str, role: str, child: str,
+                      workload: dict | None, logger: logging.Logger) -> None:
+    parent = await _get_parent(namespace, proxymodel)
+    if parent is None:
+        return
     status = parent.get("status") or {}
     ran = status.get("pipeline") or {}
     current = ran.get("transformerJob") if role == TRANSFORMER else ran.get("reproductionJob")
@@ -366,10 +403,13 @@ async def _judge_once(resource: Resource | None, namespace: str, proxymodel: str
         workload = await kube.get(resource, namespace, child)
     pods = await kube.list_(PODS, namespace, {LABEL_CHILD: child})
     verdict = outcome(resource, workload, pods)
-    if role == TRANSFORMER:
-        await _transformer_verdict(parent, verdict, logger)
-    else:
+    step = ran.get("transformerStep") or BUILD
+    if role == REPRODUCTION:
         await _reproduction_verdict(parent, verdict, logger)
+    elif step in (BUILD, FINALIZE):  # the Job that reports the proxy
+        await _transformer_verdict(parent, verdict, STEP_TEXT[step].what, logger)
+    else:
+        await _step_verdict(parent, verdict, step, workload, logger)
 
 
 async def _patch_parent(parent: dict, status_patch: dict) -> None:
@@ -381,15 +421,15 @@ def _generation(parent: dict) -> int:
     return (parent.get("status") or {}).get("pipeline", {}).get("generation") or 1
 
 
-async def _transformer_verdict(parent: dict, verdict: Outcome, logger: logging.Logger) -> None:
+async def _transformer_verdict(parent: dict, verdict: Outcome, what: str, logger: logging.Logger) -> None:
     status, generation = parent.get("status") or {}, _generation(parent)
     conditions = status.get("conditions") or []
-    if await _unfinished(parent, verdict, PROXY_READY_CONDITION, False, "transformer"):
+    if await _unfinished(parent, verdict, PROXY_READY_CONDITION, False, what):
         return
     report = verdict.report
     if not report.get("proxy_uri"):
         await _fail(parent, PROXY_READY_CONDITION, "NoProxyReport",
-                    "the transformer Job succeeded without reporting a proxy in its termination message", "transformer")
+                    f"the {what} Job succeeded without reporting a proxy in its termination message", what)
         return
     proxy = proxy_summary(report)
     experts = proxy["expertsPerLayer"]
@@ -408,6 +448,60 @@ async def _transformer_verdict(parent: dict, verdict: Outcome, logger: logging.L
     kopf.event(parent, type="Normal", reason="ProxyReady", message=message)
     if manifest is not None:
         await _create_reproduction(parent, manifest)
+
+
+async def _step_verdict(parent: dict, verdict: Outcome, step: str, workload: dict, logger: logging.Logger) -> None:
+    """A transformer step before the last (calibration, the workers) finished: on success, record
+    and create the next step's Job. The workers' Indexed Job succeeds only once every index has."""
+    meta, status, generation = parent["metadata"], parent.get("status") or {}, _generation(parent)
+    what = STEP_TEXT[step].what
+    failed_indexes = (workload.get("status") or {}).get("failedIndexes")
+    if verdict.state == FAILED and failed_indexes:
+        verdict = replace(verdict, message=f"worker index(es) {failed_indexes} failed; {verdict.message}".rstrip("; "))
+    if await _unfinished(parent, verdict, PROXY_READY_CONDITION, False, what):
+        return
+    if (status.get("pipeline") or {}).get("specHash") != spec_hash(parent.get("spec") or {}):
+        return  # the spec changed: its new pipeline replaces these children
+    spec = parse(parent.get("spec") or {}, meta["namespace"], meta["name"], config)
+    if spec.suspend:
+        logger.info("%s done; the next step waits until spec.suspend is false", what)
+        return
+    following = next_step(spec, step)
+    job = step_job(following, meta["name"], meta["namespace"], generation, spec)
+    kopf.adopt(job, owner=parent)
+    job_name = job["metadata"]["name"]
+    await _patch_parent(parent, _step_status(status, following, job_name, spec, generation))
+    if await _create_child(parent, JOBS, job, PROXY_READY_CONDITION, STEP_TEXT[following].what):
+        kopf.event(parent, type="Normal", reason=STEP_TEXT[following].created,
+                   message=step_message(following, job_name, spec))
+    logger.info("%s done: %s Job %s", what, following, job_name)
+
+
+def _is_indexed(body: kopf.Body, **_: Any) -> bool:
+    return (body.get("spec") or {}).get("completionMode") == "Indexed"
+
+
+@kopf.on.event(JOBS.group, JOBS.version, JOBS.plural, labels={LABEL_PROXYMODEL: kopf.PRESENT, LABEL_ROLE: TRANSFORMER},
+               when=_is_indexed)
+async def workers_progress(event: dict, body: kopf.Body, namespace: str, **_: Any) -> None:
+    """The workers' Indexed Job finished another index: `status.workers` shows done/all. (Its
+    verdict, and the finalize Job after it, are child_changed's.)"""
+    if event.get("type") == "DELETED":
+        return
+    meta, job_status = body.get("metadata") or {}, body.get("status") or {}
+    proxymodel, child = meta["labels"][LABEL_PROXYMODEL], meta["name"]
+    progress = f"{count_indexes(job_status.get('completedIndexes'))}/{(body.get('spec') or {}).get('completions')}"
+
+    async def record() -> None:
+        parent = await _get_parent(namespace, proxymodel)
+        status = (parent or {}).get("status") or {}
+        ran = status.get("pipeline") or {}
+        if parent is None or (ran.get("transformerJob"), ran.get("transformerStep")) != (child, WORKERS) \
+                or status.get("workers") == progress:
+            return  # another step's, or an older spec's, or nothing new
+        await _patch_parent(parent, {"workers": progress})
+
+    await _one_at_a_time(namespace, proxymodel, record)
 
 
 def _record_reproduction(parent: dict, patch_into: dict) -> dict:
@@ -436,19 +530,25 @@ def _record_reproduction(parent: dict, patch_into: dict) -> dict:
     return manifest
 
 
-async def _create_reproduction(parent: dict, manifest: dict) -> None:
-    """Create the recorded reproduction workload; an API refusal fails the ProxyModel visibly."""
-    namespace, kind = parent["metadata"]["namespace"], manifest["kind"]
-    resource = next(r for r in RUNTIMES.values() if (r.api_version, r.kind) == (manifest["apiVersion"], kind))
+async def _create_child(parent: dict, resource: Resource, manifest: dict, kind: str, what: str) -> bool:
+    """Create a child recorded in status; an API refusal fails the ProxyModel visibly. True
+    when it was created now (False: it existed, or the API refused it)."""
     try:
-        _, created = await kube.create(resource, namespace, manifest)
+        _, created = await kube.create(resource, parent["metadata"]["namespace"], manifest)
     except kube.ApiError as exc:
         # Status changed since `parent` was read (we just recorded the child): patch unconditionally.
         unversioned = {**parent, "metadata": {**parent["metadata"], "resourceVersion": None}}
-        await _fail(unversioned, REPRODUCED_CONDITION, "CreateFailed",
-                    f"creating {kind} {manifest['metadata']['name']}: {exc}", "reproduction")
-        return
-    if created:
+        await _fail(unversioned, kind, "CreateFailed",
+                    f"creating {manifest['kind']} {manifest['metadata']['name']}: {exc}", what)
+        return False
+    return created
+
+
+async def _create_reproduction(parent: dict, manifest: dict) -> None:
+    """Create the recorded reproduction workload."""
+    kind = manifest["kind"]
+    resource = next(r for r in RUNTIMES.values() if (r.api_version, r.kind) == (manifest["apiVersion"], kind))
+    if await _create_child(parent, resource, manifest, REPRODUCED_CONDITION, "reproduction"):
         container = _first_container(manifest)
         devices = next(iter((container.get("resources") or {}).get("limits", {}).items()), ("", ""))
         kopf.event(parent, type="Normal", reason="ReproductionCreated",

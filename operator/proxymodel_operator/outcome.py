@@ -127,3 +127,13 @@ def outcome(resource: Resource, obj: dict, pods: list[dict]) -> Outcome:
     if found.unschedulable:
         return Outcome(RUNNING, "Unschedulable", found.unschedulable)
     return verdict
+
+
+def count_indexes(ranges: str | None) -> int:
+    """How many indexes an Indexed Job's `status.completedIndexes` (or `failedIndexes`) lists:
+    "0-2,5" is 4."""
+    count = 0
+    for part in filter(None, (ranges or "").split(",")):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count

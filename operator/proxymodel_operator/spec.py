@@ -22,6 +22,9 @@ SIGNATURE_REASONS = {
 }
 _PIN = re.compile(r"^\d+:\d+$")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
+# spec.transformer.parallelism: the CRD's maximum too. Workers beyond the proxy's shard count
+# would only idle (each writes whole shards), and 64 keeps an Indexed Job's pod names short.
+MAX_WORKERS = 64
 
 
 class InvalidSpec(ValueError):
@@ -132,6 +135,7 @@ class ProxyModelSpec:
     queue_name: str | None = None  # Kueue LocalQueue, set as a label on child batch/v1 Jobs
     delete_proxy_on_delete: bool = False
     calibration: Calibration | None = None
+    workers: int = 1  # spec.transformer.parallelism: pods sharing the build (an Indexed Job when > 1)
 
     @property
     def calibration_uri(self) -> str:
@@ -232,6 +236,8 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
         heal=bool(p.get("heal", False)),
     )
     calibration = _calibration(spec.get("calibration"), pruning)
+    transformer = spec.get("transformer") or {}
+    workers = _workers(transformer)
 
     r = spec.get("reproduction") or {}
     runtime = r.get("runtime", "Job")
@@ -250,13 +256,25 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     )
     return ProxyModelSpec(
         source=source, destination=destination, pruning=pruning,
-        transformer=_workload(spec.get("transformer") or {}, settings.transformer_image, 1),
+        transformer=_workload(transformer, settings.transformer_image, 1),
         reproduction=reproduction, suspend=bool(spec.get("suspend", False)),
         ttl_seconds_after_finished=spec.get("ttlSecondsAfterFinished"),
         queue_name=spec.get("queueName"),
         delete_proxy_on_delete=bool((spec.get("cleanup") or {}).get("deleteProxy", False)),
         calibration=calibration,
+        workers=workers,
     )
+
+
+def _workers(transformer: dict) -> int:
+    workers = transformer.get("parallelism", 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise InvalidSpec(f"spec.transformer.parallelism {workers!r}: a whole number from 1 to {MAX_WORKERS}")
+    if workers > 1 and transformer.get("args"):
+        # The workers and the finalize step each need their own flags on the operator's arguments.
+        raise InvalidSpec("spec.transformer.parallelism > 1 runs the operator's own `moe-proxy build` arguments "
+                          "(per worker, then --finalize): remove spec.transformer.args or set parallelism to 1")
+    return workers
 
 
 def _calibration(raw: dict | None, pruning: Pruning) -> Calibration | None:

@@ -1,21 +1,81 @@
-"""The transformer Job: one pod running `moe-proxy build SRC DST ...`.
+"""The transformer's Jobs: `moe-proxy build SRC DST ...` with the spec's pruning options.
 
-It reports through its termination message (a short JSON, see `outcome.py`). Bad input
-(exit code 2: unsupported architecture, invalid expert count, access denied...) fails the
-Job at once through a pod failure policy instead of burning the retries on the same error.
+One worker (spec.transformer.parallelism 1, the default): one Job of one pod, with
+`moe-proxy calibrate` as its init container when spec.calibration asks for statistics.
+
+W workers: up to three Jobs, each created once the one before it succeeded (see handlers.py):
+1. calibrate (with spec.calibration only): `moe-proxy calibrate`, once, before any worker, so
+   the W workers all read the same statistics instead of racing to write them;
+2. workers: an Indexed Job of W pods, `--worker $(JOB_COMPLETION_INDEX) --workers W`, each
+   writing its deterministic share of the shards. A failed pod is retried for its own index
+   only (backoffLimitPerIndex), and its journal skips the shards it had finished. An index out
+   of retries fails the Job at once (maxFailedIndexes 0): the proxy cannot be finished without it;
+3. finalize: `--workers W --finalize`, once: checks every worker's shards, writes config,
+   index and manifest, and reports like a single build.
+
+Each Job reports through its termination message (a short JSON, see `outcome.py`). Bad input
+(exit code 2: unsupported architecture, invalid expert count, access denied...) fails the Job
+at once through a pod failure policy instead of burning the retries on the same error.
 """
 
 from __future__ import annotations
 
-from .children import (TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels, merge_env,
-                       pod_spec_basics, s3_env)
+from typing import NamedTuple
+
+from .children import (CALIBRATE, FINALIZE, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
+                       merge_env, pod_spec_basics, s3_env)
 from .spec import ProxyModelSpec
 
 BAD_INPUT_EXIT_CODE = 2  # moe-proxy exits 2 on a MoeProxyError (see moe_proxy.cli)
+BUILD, WORKERS = "build", "workers"  # the single build; the Indexed Job of the scale-out build
+# Kubernetes sets JOB_COMPLETION_INDEX in an Indexed Job's pods, but `$(VAR)` in args expands
+# only variables the container declares: declared from the pod's annotation, as its docs do.
+INDEX_ENV = {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
+    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
 
 
-def build_args(spec: ProxyModelSpec) -> list[str]:
-    """`moe-proxy build` arguments, mirroring spec.pruning one flag per field."""
+class StepText(NamedTuple):
+    created: str  # the Event reason when its Job is created
+    running: str  # the ProxyReady condition's reason while it runs
+    what: str  # how failures name the step
+
+
+STEP_TEXT = {
+    BUILD: StepText("TransformerCreated", "TransformerRunning", "transformer"),
+    CALIBRATE: StepText("CalibrationCreated", "Calibrating", "calibration"),
+    WORKERS: StepText("WorkersCreated", "WorkersRunning", "transformer workers"),
+    FINALIZE: StepText("FinalizeCreated", "Finalizing", "finalize"),
+}
+
+
+def steps(spec: ProxyModelSpec) -> tuple[str, ...]:
+    """The transformer's Jobs, in the order they run."""
+    if spec.workers == 1:
+        return (BUILD,)
+    return ((CALIBRATE,) if spec.calibration is not None else ()) + (WORKERS, FINALIZE)
+
+
+def next_step(spec: ProxyModelSpec, step: str) -> str | None:
+    """The step after `step`; None after the last one (its Job reports the proxy)."""
+    order = steps(spec)
+    position = order.index(step) + 1
+    return order[position] if position < len(order) else None
+
+
+def step_message(step: str, job_name: str, spec: ProxyModelSpec) -> str:
+    """What the step's Job does, for its condition and Event."""
+    if step == BUILD:
+        return f"Job {job_name} builds the proxy at {spec.destination}"
+    if step == CALIBRATE:
+        return f"Job {job_name} computes usage statistics at {spec.calibration_uri} for the {spec.workers} workers"
+    if step == WORKERS:
+        return f"Indexed Job {job_name}: {spec.workers} workers build the proxy at {spec.destination}"
+    return f"all {spec.workers} workers done; Job {job_name} checks their shards and writes the index and manifest"
+
+
+def build_args(spec: ProxyModelSpec, scale_out: list[str] | None = None) -> list[str]:
+    """`moe-proxy build` arguments, mirroring spec.pruning one flag per field; `scale_out`: the
+    worker or finalize flags of a step of a build with several workers."""
     p = spec.pruning
     args = ["build", spec.source.uri, spec.destination]
     args += ["--experts", str(p.experts)] if p.experts is not None else ["--keep-ratio", f"{p.keep_ratio:g}"]
@@ -29,12 +89,12 @@ def build_args(spec: ProxyModelSpec) -> list[str]:
         args += ["--representative", p.representative] if p.representative else []
     if spec.source.endpoint:
         args += ["--endpoint-url", spec.source.endpoint]
-    return args + ["--termination-log", TERMINATION_LOG]
+    return args + list(scale_out or []) + ["--termination-log", TERMINATION_LOG]
 
 
 def calibrate_args(spec: ProxyModelSpec) -> list[str]:
-    """`moe-proxy calibrate` arguments (the init container; it does nothing when the statistics
-    beside the proxy already match the source and the tokens)."""
+    """`moe-proxy calibrate` arguments (it does nothing when the statistics beside the proxy
+    already match the source and the tokens)."""
     c = spec.calibration
     args = ["calibrate", spec.source.uri, "--out", spec.calibration_uri, "--samples", str(c.samples),
             "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--no-progress"]
@@ -42,17 +102,65 @@ def calibrate_args(spec: ProxyModelSpec) -> list[str]:
     return args + (["--endpoint-url", spec.source.endpoint] if spec.source.endpoint else [])
 
 
+def step_job(step: str, proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:
+    """The Job of one of `steps(spec)`."""
+    if step == CALIBRATE:
+        return calibrate_job(proxymodel, namespace, generation, spec)
+    if step == FINALIZE:
+        return finalize_job(proxymodel, namespace, generation, spec)
+    return transformer_job(proxymodel, namespace, generation, spec)
+
+
 def transformer_job(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:
-    name = child_name(proxymodel, TRANSFORMER, generation)
-    meta_labels = labels(proxymodel, TRANSFORMER, name, generation, spec, kueue=True)
+    """The Job that writes the shards: the single build, or the Indexed Job of the workers."""
     workload = spec.transformer
-    container = container_basics(workload, "transformer")
+    if spec.workers == 1:
+        container = _container(spec, "transformer", workload.args or build_args(spec))
+        init = []
+        if spec.calibration is not None and not workload.args:  # calibrate first, same image and credentials
+            init = [{**container, "name": "calibrate", "args": calibrate_args(spec)}]
+        return _job(proxymodel, TRANSFORMER, namespace, generation, spec, container, init)
+
+    workers = spec.workers
+    container = _container(spec, "transformer", build_args(
+        spec, ["--worker", f"$({INDEX_ENV['name']})", "--workers", str(workers)]))
+    container["env"] = merge_env(container["env"], [INDEX_ENV])  # ours wins: the shares depend on it
+    job = _job(proxymodel, TRANSFORMER, namespace, generation, spec, container, reserve=len(f"-{workers - 1}"))
+    del job["spec"]["backoffLimit"]  # per index instead: a retry redoes one worker's share only
+    job["spec"].update(completionMode="Indexed", completions=workers, parallelism=workers,
+                       backoffLimitPerIndex=workload.backoff_limit, maxFailedIndexes=0)
+    return job
+
+
+def calibrate_job(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:
+    """Before the workers of a calibrated build: the statistics, computed once."""
+    return _job(proxymodel, CALIBRATE, namespace, generation, spec,
+                _container(spec, "calibrate", calibrate_args(spec)))
+
+
+def finalize_job(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:
+    """After all workers succeeded: check their shards, write config, index and manifest."""
+    return _job(proxymodel, FINALIZE, namespace, generation, spec,
+                _container(spec, "finalize", build_args(spec, ["--workers", str(spec.workers), "--finalize"])))
+
+
+def _container(spec: ProxyModelSpec, name: str, args: list[str]) -> dict:
+    workload = spec.transformer
+    container = container_basics(workload, name)
     container["command"] = workload.command or ["moe-proxy"]
-    container["args"] = workload.args or build_args(spec)
+    container["args"] = args
     container["env"] = merge_env(s3_env(spec.source), workload.env)
+    return container
+
+
+def _job(proxymodel: str, kind: str, namespace: str, generation: int, spec: ProxyModelSpec, container: dict,
+         init_containers: list[dict] | None = None, reserve: int = 0) -> dict:
+    """A batch/v1 Job of one pod template with the transformer's workload settings."""
+    name = child_name(proxymodel, kind, generation, reserve)
+    workload = spec.transformer
     pod = {**pod_spec_basics(workload), "containers": [container]}
-    if spec.calibration is not None and not workload.args:  # calibrate first, same image and credentials
-        pod["initContainers"] = [{**container, "name": "calibrate", "args": calibrate_args(spec)}]
+    if init_containers:
+        pod["initContainers"] = init_containers
     job_spec: dict = {
         "backoffLimit": workload.backoff_limit,
         "podFailurePolicy": {"rules": [{
@@ -71,6 +179,7 @@ def transformer_job(proxymodel: str, namespace: str, generation: int, spec: Prox
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": meta_labels},
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": labels(proxymodel, TRANSFORMER, name, generation, spec, kueue=True)},
         "spec": job_spec,
     }
