@@ -39,6 +39,7 @@ class FaultProxy:
         self.bytes_down = 0  # server -> client, all connections
         self.bytes_up = 0  # client -> server
         self.fates: Counter[str] = Counter()
+        self.methods: Counter[str] = Counter()  # requests by HTTP method
         self.stall_after_up: int | None = None
         self.lock = threading.Lock()
         self.last_faulted = False
@@ -101,7 +102,9 @@ class FaultProxy:
                 data = client.recv(65536)
                 if not data:
                     break
-                if REQUEST_LINE.match(data):
+                if m := REQUEST_LINE.match(data):
+                    with self.lock:
+                        self.methods[m.group(1).decode()] += 1
                     fate = self._fate()
                     if fate == "500":
                         client.sendall(ERROR_500)

@@ -40,9 +40,9 @@ def server_port(seaweed) -> int:
 
 
 def test_build_through_drops_delays_and_500s(seaweed, s3_ckpt, local_proxy, prefix, tmp_path):
-    faults = {"drop": 0.08, "delay": 0.01, "500": 0.08}
+    faults = {"drop": 0.08, "delay": 0.04, "500": 0.08}
     # Half the delays outlast the 2 s read timeout: the client gives up and retries.
-    with FaultProxy(server_port(seaweed), faults, seed=3, delay=(1.0, 3.0)) as net:
+    with FaultProxy(server_port(seaweed), faults, seed=6, delay=(1.0, 3.0)) as net:
         options = {"endpoint_url": net.endpoint_url, "part_size": PART, "read_timeout": 2.0}
         m = build_proxy(s3_ckpt, f"s3://proxy/{prefix}", experts=KEEP, store_options=options)
         fates = dict(net.fates)

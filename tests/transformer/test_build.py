@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.build import build_proxy
+from moe_proxy.build import build_proxy, prepare, write_share
+from moe_proxy.pruning_plan import Options
 from moe_proxy.checkpoint import open_checkpoint
 from moe_proxy.cli import main
 from moe_proxy.errors import MoeProxyError
@@ -68,9 +69,11 @@ class CountingStore(LocalStore):
     def __init__(self, root):
         super().__init__(root)
         self.read = 0
+        self.requests: list[tuple[str, int, int]] = []
 
     def read_range(self, name, start, length):
         self.read += length
+        self.requests.append((name, start, length))
         return super().read_range(name, start, length)
 
 
@@ -82,9 +85,34 @@ def test_dropped_experts_are_never_read(tmp_path):
     ckpt = open_checkpoint(str(src))
     headers = min(t.start for t in ckpt.tensors.values())  # one file: 8 + its header
     routers = sum(t.nbytes for n, t in ckpt.tensors.items() if n.endswith("mlp.gate.weight"))
-    # Router rows are read once for features and once (sliced) for writing; everything else once.
-    assert store.read <= m["bytes"]["after"] + headers + 2 * routers
+    # Routers are read for the source identity, for features and (whole, one request) for
+    # writing; everything else kept is read once, and nothing dropped at all.
+    assert store.read <= m["bytes"]["after"] + headers + 3 * routers
     assert m["bytes"]["after"] < 0.3 * m["bytes"]["before"]
+
+
+def test_neighbouring_kept_tensors_come_in_one_request(tmp_path):
+    """Writing reads every run of contiguous bytes the proxy needs with one ranged request:
+    a layer's backbone, a kept expert's projections, kept experts that are neighbours."""
+    src = tmp_path / "src"
+    make_tiny("qwen3_moe", src, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3, mlp_only_layers=[])
+    store = CountingStore(src)
+    # Experts 0 and 1 kept everywhere: neighbours in the source, so one request for both.
+    p = prepare(store, str(tmp_path / "dst"), Options(experts=4, pins={i: [0, 1] for i in range(3)}),
+                overwrite=False, progress=False, store_options=None)
+    store.requests.clear()
+    write_share(p, 0, 1)
+
+    routers = [t for name, t in p.ckpt.tensors.items() if name.endswith("mlp.gate.weight")]
+    in_router = lambda s, n: any(r.start <= s and s + n <= r.end for r in routers)  # noqa: E731
+    reads = sorted((s, n) for _, s, n in store.requests)
+    assert len([r for r in reads if in_router(*r)]) == len(routers)  # kept rows: one request per router
+    rest = [r for r in reads if not in_router(*r)]
+    for (s1, n1), (s2, _) in zip(rest, rest[1:]):
+        assert s1 + n1 < s2, "neighbouring or overlapping bytes fetched by separate requests"
+    tensors = [t for ts in p.shards.values() for t in ts]
+    assert sum(n for _, n in reads) <= sum(t.nbytes for t in tensors) + sum(t.nbytes for t in routers)
+    assert 3 * len(reads) < len(tensors), (len(reads), len(tensors))
 
 
 def test_block_fp8_companions_ride_along(tmp_path):

@@ -22,6 +22,8 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -55,39 +57,61 @@ class Prepared:
 
 def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, list[OutTensor]]:
     """The proxy's tensors, per output shard (same names and order as the source's)."""
-    slices: dict[str, tuple[int, list[int]]] = {}  # tensor -> (expert axis, kept)
+    routers: dict[str, tuple[int, list[int]]] = {}  # router tensor -> (expert axis, kept)
+    fused: dict[str, list[int]] = {}  # fused expert tensor -> kept (expert axis 0)
     renames: dict[str, str | None] = {}  # per-expert tensor -> new name, None = dropped
     for b in layout.blocks:
         kept = plan.selections[b.prefix].kept
         for t, axis in b.router.values():
-            slices[t.name] = (axis, kept)
+            routers[t.name] = (axis, kept)
         for t in b.fused.values():
-            slices[t.name] = (0, kept)
+            fused[t.name] = kept
         for e, rests in b.per_expert.items():
             for rest, t in rests.items():
                 renames[t.name] = f"{b.prefix}.experts.{kept.index(e)}.{rest}" if e in kept else None
 
-    def whole(t: TensorInfo, name: str) -> OutTensor:
-        return OutTensor(name, t.dtype, t.shape, part_readers(ckpt.store, t.file, [(t.start, t.nbytes)], PART))
+    def router_rows(t: TensorInfo, axis: int, kept: list[int]) -> Callable[[], bytes]:
+        if (healed := plan.router_overrides.get(t.name)) is not None:  # --heal: re-fitted rows
+            return lambda: healed
+        # Routers are small and fully read for planning anyway: one request, not one per kept row.
+        return partial(ckpt.read_slices, t.name, axis, kept, gap=t.nbytes)
+
+    def sliced(t: TensorInfo, axis: int, kept: list[int]) -> tuple[int, ...]:
+        return t.shape[:axis] + (len(kept),) + t.shape[axis + 1 :]
 
     shards: dict[str, list[OutTensor]] = {}
     for f in ckpt.files:
         out = []
         for t in ckpt.in_file(f):
-            if t.name in slices:
-                axis, kept = slices[t.name]
-                shape = t.shape[:axis] + (len(kept),) + t.shape[axis + 1 :]
-                healed = plan.router_overrides.get(t.name)  # --heal: re-fitted router rows
-                out.append(OutTensor(t.name, t.dtype, shape, [lambda healed=healed: healed] if healed else
-                                     part_readers(ckpt.store, f, slice_ranges(t, axis, kept), PART)))
+            if t.name in routers:
+                axis, kept = routers[t.name]
+                out.append(OutTensor(t.name, t.dtype, sliced(t, axis, kept), router_rows(t, axis, kept)))
+            elif t.name in fused:
+                out.append(OutTensor(t.name, t.dtype, sliced(t, 0, fused[t.name]), slice_ranges(t, 0, fused[t.name])))
             elif t.name in renames:
                 if renames[t.name] is not None:
-                    out.append(whole(t, renames[t.name]))
+                    out.append(OutTensor(renames[t.name], t.dtype, t.shape, [(t.start, t.nbytes)]))
             else:
-                out.append(whole(t, t.name))
+                out.append(OutTensor(t.name, t.dtype, t.shape, [(t.start, t.nbytes)]))
         if out:
             shards[f] = out
     return shards
+
+
+def read_tasks(store: Store, file: str, tensors: list[OutTensor]) -> list[Callable[[], bytes]]:
+    """Tasks of about PART bytes that read one output shard's data in order. Ranges are pooled
+    across tensors, so kept tensors that sit next to each other in the source (a layer's
+    backbone, a kept expert's projections) come in one request, not one per tensor."""
+    tasks: list[Callable[[], bytes]] = []
+    ranges: list[tuple[int, int]] = []
+    for t in tensors:
+        if callable(t.source):
+            tasks += part_readers(store, file, ranges, PART)
+            tasks.append(t.source)
+            ranges = []
+        else:
+            ranges += t.source
+    return tasks + part_readers(store, file, ranges, PART)
 
 
 def assign_shards(shards: dict[str, list[OutTensor]], workers: int) -> list[list[str]]:
@@ -174,7 +198,8 @@ def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) 
                 bar.update(done["size"])
                 continue
             tensors = p.shards[f]
-            written[f] = write_file(p.dst, f, shard_pieces(tensors, pool), bar.update, shard_size(tensors))
+            pieces = shard_pieces(tensors, read_tasks(p.ckpt.store, f, tensors), pool)
+            written[f] = write_file(p.dst, f, pieces, bar.update, shard_size(tensors))
             journal[f] = {"size": written[f].size, "sha256": written[f].sha256, "checksum": p.dst.checksum(f)}
             write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": journal}).encode())
     if not mine:  # an idle worker still leaves its journal, so finalize knows it ran

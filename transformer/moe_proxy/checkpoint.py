@@ -68,12 +68,13 @@ class Checkpoint:
         t = self.tensors[name]
         return self.store.read_range(t.file, t.start, t.nbytes)
 
-    def read_slices(self, name: str, axis: int, keep: list[int]) -> bytes:
+    def read_slices(self, name: str, axis: int, keep: list[int], gap: int = 0) -> bytes:
         """The bytes of tensor `name` restricted to indices `keep` along `axis`, in that order.
-        Only the needed byte ranges are read; adjacent ones are merged into one request."""
+        Only the needed byte ranges are read; ranges at most `gap` bytes apart are merged into
+        one request."""
         t = self.tensors[name]
         ranges = slice_ranges(t, axis, keep)
-        return b"".join(read_coalesced(self.store, t.file, ranges))
+        return b"".join(read_coalesced(self.store, t.file, ranges, gap))
 
     def other_files(self) -> list[str]:
         """Files that are neither shards nor the index (tokenizer, generation config, code)."""

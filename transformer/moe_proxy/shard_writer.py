@@ -25,7 +25,9 @@ class OutTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    parts: list[Callable[[], bytes]]  # read in order, they give exactly nbytes
+    # Where its bytes come from: (start, length) ranges of the source shard, in order, or a
+    # function that returns them (router rows: read whole and sliced; healed router rows).
+    source: list[tuple[int, int]] | Callable[[], bytes]
 
     @property
     def nbytes(self) -> int:
@@ -47,11 +49,12 @@ def shard_size(tensors: list[OutTensor]) -> int:
     return len(header_bytes(tensors)) + sum(t.nbytes for t in tensors)
 
 
-def shard_pieces(tensors: list[OutTensor], pool: Executor | None = None, window: int = 4) -> Iterable[bytes]:
-    """The shard's bytes in order. With a pool, up to `window` parts are fetched ahead while
-    earlier ones are written, overlapping download and upload."""
+def shard_pieces(tensors: list[OutTensor], parts: list[Callable[[], bytes]], pool: Executor | None = None,
+                 window: int = 4) -> Iterable[bytes]:
+    """The shard's bytes in order: its header, then `parts` (read in order, they give the
+    tensors' data). With a pool, up to `window` parts are fetched ahead while earlier ones are
+    written, overlapping download and upload."""
     yield header_bytes(tensors)
-    parts = (p for t in tensors for p in t.parts)
     if pool is None:
         yield from (p() for p in parts)
         return
