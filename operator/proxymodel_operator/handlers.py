@@ -2,9 +2,10 @@
 resume, then spec changes), the handlers that follow the children, clean-up on deletion.
 
 Status is the single source of truth: `status.pipeline` records which spec the pipeline
-runs for (`specHash`), the generation its children are named after, and their names. A
-handler decides what to do from it, so an operator restart never redoes a finished step and
-never makes a second child.
+runs for (`specHash`), the generation its children are named after, their names, and which
+transformer step runs (`transformerStep`: the single build, or calibrate -> workers ->
+finalize when several workers share it). A handler decides what to do from it, so an
+operator restart never redoes a finished step and never makes a second child.
 """
 
 from __future__ import annotations

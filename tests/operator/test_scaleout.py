@@ -283,6 +283,17 @@ async def test_calibration_job_before_the_workers(cluster, operator):
     assert cluster.status(NS, "cx")["pipeline"]["transformerStep"] == "workers"
 
 
+async def test_a_failed_calibration_fails_before_any_worker(cluster, operator):
+    await _apply(cluster, "cf", transformer={"parallelism": 2}, calibration={}, pruning={"experts": 16, "heal": True})
+    calibrate = await eventually(lambda: cluster.get(JOBS, NS, "cf-calibrate-g1"))
+    await cluster.finish_pod(NS, calibrate, "calibrate", 137, reason="OOMKilled")
+    await cluster.job_condition(NS, "cf-calibrate-g1", "Failed", "BackoffLimitExceeded")
+    await eventually(lambda: cluster.status(NS, "cf").get("phase") == "Failed", what="Failed")
+    assert cluster.status(NS, "cf")["message"].startswith("calibration failed: OOMKilled")
+    await asyncio.sleep(0.5)
+    assert cluster.names(JOBS, NS) == ["cf-calibrate-g1"]
+
+
 async def test_workers_done_while_suspended_finalize_on_resume(cluster, operator):
     await _apply(cluster, "sp", transformer={"parallelism": 2})
     job = await eventually(lambda: cluster.get(JOBS, NS, "sp-transform-g1"))
