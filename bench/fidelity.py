@@ -3,18 +3,27 @@
 1. Train a small Qwen3-MoE "original" (byte-level, 64 experts, top-4) on the Python standard
    library's own sources mixed with the task's format ("12+7=19" lines), long enough that its
    experts specialise. Cached in bench/out/fidelity/original (delete it to retrain).
-2. Build proxies at 50% and 12.5% of the experts: clustering on router rows and on expert
-   weights, routing-profile clustering and `frequency` (both from an in-memory calibration
-   pass), and the `random` and `first-n` baselines.
-3. Run the same RL steps (`moe-proxy repro` settings, same seed) on every model, without a
-   fault and with each injected fault, plus a high-learning-rate scenario where the failure
-   comes from the model's own dynamics rather than from a knob.
-4. Compare every proxy run with the original's run of the same scenario (`moe-proxy compare`
-   statistics), write results.json, table.md and plots under bench/out/fidelity/.
+2. `calibrate` it (moe_proxy.calibration, the code behind `moe-proxy calibrate`) on the lab's
+   calibration tokens, then build proxies at 50% and 12.5% of the experts with
+   `build_proxy` (the code behind `moe-proxy build`): data-free clustering on router rows and
+   on expert weights, the usage-aware variants through `--calibration` (routing-profile
+   clusters, frequency, saliency, output clusters with saliency representatives, the last
+   three with and without `--heal`), and the `random` and `first-n` baselines.
+3. Run the same RL steps (`moe-proxy repro` settings, same seed) on every model: without a
+   fault, with each injected fault, and at a high learning rate with the router balance
+   losses off and on (load collapse). Once more after one identical short LM healing phase
+   applied to every model, the original included.
+4. A second family: the original with one super expert amplified past fp16's range (a planted
+   massive activation), its own calibration and the same proxies, run in fp16 with dynamic
+   loss scaling. Which proxies keep the expert, and so the overflow?
+5. Compare every proxy run with the original's run of the same scenario (`moe-proxy compare`
+   statistics, each against its shuffled-step-order control), write results.json, table.md,
+   summary.md and plots under bench/out/fidelity/.
 
-    .venv/bin/python bench/fidelity.py [--steps 20] [--quick]
+    .venv/bin/python bench/fidelity.py [--steps 16] [--quick] [--seed-study]
 
-About 20-30 minutes on 2 busy CPU cores the first time (training included), less when cached.
+About 40-60 minutes on 2 busy CPU cores when the original is cached. Every build and run is
+cached under bench/out/fidelity/ by its settings, so an interrupted lab resumes.
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import random
+import shutil
 import sys
 import sysconfig
 import time
@@ -37,11 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "transformer"))
 
 from moe_proxy.build import build_proxy  # noqa: E402
+from moe_proxy.calibration import calibrate  # noqa: E402
+from moe_proxy.calibration import load as load_calibration  # noqa: E402
 from moe_proxy.compare import KEY_METRICS, compare_runs, load_run  # noqa: E402
-from moe_proxy.plots import plot_curves  # noqa: E402
 from moe_proxy.planner import PlanOptions, plan  # noqa: E402
+from moe_proxy.plots import plot_curves  # noqa: E402
 from moe_proxy.repro import Faults, ReproConfig, run_repro  # noqa: E402
-from moe_proxy.routing_stats import collect, routing_pins  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "fidelity"
 MODEL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -49,29 +59,60 @@ MODEL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention
              norm_topk_prob=True, router_aux_loss_coef=0.01, output_router_logits=True, tie_word_embeddings=False,
              max_position_embeddings=512)
 TRAIN = dict(steps=1000, batch=16, seq_len=128, lr=3e-3, seed=0, task_share=0.3)
+# The healing phase every model gets before the "after healing" runs: a few LM steps on the
+# original's training mix, same batches, seed and settings for all.
+HEAL_PHASE = dict(steps=30, batch=16, seq_len=128, lr=5e-4, seed=7, task_share=0.3)
 # A Qwen3-30B-A3B-shaped config: planned devices are reported for a real size at the same keep ratio.
 REAL = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
             intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 RL = dict(lr=2e-5, batch_size=8, group_size=4, max_new_tokens=6, kl_coef=0.01, mini_batches=2)
+RATIOS = (0.5, 0.125)
 FAULT_STEP = 6
-SCENARIOS = {
+FP16_MAX = 65504.0
+PERMUTATIONS = 200  # shuffled-step controls per comparison
+SCENARIOS = {  # on the trained original and its proxies; RL's router aux and z losses are off unless set
     "clean": {},
     "lr-spike": dict(faults=Faults(lr_spike_step=FAULT_STEP, lr_spike_factor=300)),
     "router-scale": dict(faults=Faults(router_scale_step=FAULT_STEP, router_scale_factor=8)),
     "faulty-op": dict(faults=Faults(op_module="model.layers.2.mlp", op_step=FAULT_STEP, op_mode="scale",
                                     op_value=30.0)),
     "fp16-no-scaling": dict(faults=Faults(fp16_no_scaling_step=FAULT_STEP)),
-    "high-lr": dict(lr=1e-3),  # no injected fault: does the proxy fail like the original on its own?
+    # no injected fault: does the proxy fail like the original on its own? Balance losses off ...
+    "high-lr": dict(lr=1e-3),
+    # ... and on (Switch aux loss as in pre-training, ST-MoE z-loss): is a collapse theirs?
+    "high-lr-balanced": dict(lr=1e-3, router_aux_coef=0.01, router_z_coef=1e-3),
 }
-PROXIES = [  # (name, method, features)
-    ("cluster-router", "cluster", "router"),
-    ("cluster-weights", "cluster", "weights"),
-    ("routing", "routing", None),
-    ("frequency", "frequency", None),
-    ("random", "random", None),
+HEALED_SCENARIOS = {"clean": {}}
+SUPER_SCENARIOS = {  # on the planted original and its proxies
+    "fp16-super": dict(precision="fp16", steps=8),  # fp16 done right (dynamic loss scaling)
+    "fp32-super": dict(steps=8),  # the same model in fp32: no overflow, but the activation shows
+}
+VARIANTS = [  # (name, build_proxy options); "calibrated": built with the lab's `calibrate` statistics
+    ("cluster-router", dict(method="cluster", features="router")),
+    ("cluster-weights", dict(method="cluster", features="weights")),
+    ("routing", dict(method="cluster", features="routing", calibrated=True)),
+    ("frequency", dict(method="frequency", calibrated=True)),
+    ("frequency-healed", dict(method="frequency", calibrated=True, heal=True)),
+    ("saliency", dict(method="saliency", calibrated=True)),
+    ("saliency-healed", dict(method="saliency", calibrated=True, heal=True)),
+    ("output-saliency", dict(method="cluster", features="output", calibrated=True)),
+    ("output-saliency-healed", dict(method="cluster", features="output", calibrated=True, heal=True)),
+    ("random", dict(method="random")),
+    ("first-n", dict(method="first-n")),
 ]
+# Only in the super-expert family: frequency without pinning super experts (--no-keep-super).
+SUPER_VARIANTS = VARIANTS + [("frequency-no-super", dict(method="frequency", calibrated=True, keep_super=False))]
+CONTROL = "original-reseeded"  # the original again, same prompts, other samples: the noise floor
 log = logging.getLogger("fidelity")
+
+
+@dataclasses.dataclass
+class Model:
+    path: Path
+    ratio: float  # share of the experts kept (1.0: the original)
+    gate_mass: float  # share of the original's gate mass on calibration tokens the kept experts carried
+    keeps_super: bool | None = None  # the planted super expert is kept (super family only)
 
 
 # ---------------------------------------------------------------- 1. the original
@@ -97,6 +138,24 @@ def task_lines(rng: random.Random, length: int) -> bytes:
     return text[:length].encode()
 
 
+def lm_batch(rng: random.Random, text: np.ndarray, batch: int, seq: int, task_share: float) -> torch.Tensor:
+    """One LM batch of the training mix: stdlib windows and task lines."""
+    rows = []
+    for _ in range(batch):
+        if rng.random() < task_share:
+            rows.append(np.frombuffer(task_lines(rng, seq), dtype=np.uint8))
+        else:
+            start = rng.randrange(len(text) - seq)
+            rows.append(text[start:start + seq])
+    return torch.tensor(np.stack(rows), dtype=torch.long)
+
+
+def train_text() -> tuple[np.ndarray, np.ndarray]:
+    """(training text, held-out text: the last 200 KB)."""
+    text = np.frombuffer(corpus(), dtype=np.uint8)
+    return text[:-200_000], text[-200_000:]
+
+
 def train_original(path: Path) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -107,21 +166,13 @@ def train_original(path: Path) -> dict:
         return json.loads(stamp.read_text())
     torch.manual_seed(TRAIN["seed"])
     rng = random.Random(TRAIN["seed"])
-    text = np.frombuffer(corpus(), dtype=np.uint8)
-    held_out, text = text[-200_000:], text[:-200_000]
+    text, held_out = train_text()
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL))
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN["lr"], weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, TRAIN["lr"], total_steps=TRAIN["steps"], pct_start=0.05)
-    seq, started, losses = TRAIN["seq_len"], time.time(), []
+    started, losses = time.time(), []
     for step in range(TRAIN["steps"]):
-        rows = []
-        for _ in range(TRAIN["batch"]):
-            if rng.random() < TRAIN["task_share"]:
-                rows.append(np.frombuffer(task_lines(rng, seq), dtype=np.uint8))
-            else:
-                start = rng.randrange(len(text) - seq)
-                rows.append(text[start:start + seq])
-        ids = torch.tensor(np.stack(rows), dtype=torch.long)
+        ids = lm_batch(rng, text, TRAIN["batch"], TRAIN["seq_len"], TRAIN["task_share"])
         out = model(input_ids=ids, labels=ids)
         opt.zero_grad()
         out.loss.backward()
@@ -146,90 +197,188 @@ def held_out_loss(path: Path, held_out: np.ndarray | None = None, n: int = 32, s
     from transformers import AutoModelForCausalLM
 
     if held_out is None:
-        held_out = np.frombuffer(corpus(), dtype=np.uint8)[-200_000:]
+        held_out = train_text()[1]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     starts = np.linspace(0, len(held_out) - seq - 1, n).astype(int)
     ids = torch.tensor(np.stack([held_out[s:s + seq] for s in starts]), dtype=torch.long)
     return float(model(input_ids=ids, labels=ids).loss)
 
 
-# ---------------------------------------------------------------- 2. proxies
-
-def build_all(original: Path) -> dict[str, Path]:
+def calibration_ids() -> torch.Tensor:
+    """The lab's calibration tokens: 32 stdlib windows and 8 task sequences of 128 bytes."""
     rng = np.random.default_rng(1)
-    text = np.frombuffer(corpus(), dtype=np.uint8)[:-200_000]
-    calib = [torch.tensor(np.stack([text[s:s + 128] for s in rng.integers(0, len(text) - 129, 8)]), dtype=torch.long)
-             for _ in range(4)]
-    calib.append(torch.tensor(np.stack([np.frombuffer(task_lines(random.Random(i), 128), dtype=np.uint8)
-                                        for i in range(8)]), dtype=torch.long))
-    stats = collect(original, calib)
-    proxies = {}
-    for ratio in (0.5, 0.125):
+    text = train_text()[0]
+    rows = [text[s:s + 128] for _ in range(4) for s in rng.integers(0, len(text) - 129, 8)]
+    rows += [np.frombuffer(task_lines(random.Random(i), 128), dtype=np.uint8) for i in range(8)]
+    return torch.tensor(np.stack(rows), dtype=torch.long)
+
+
+def weights_stamp(path: Path) -> list:
+    """Changes whenever the checkpoint's weights are rewritten (cache key of runs)."""
+    files = sorted(path.glob("*.safetensors"))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+# ---------------------------------------------------------------- 2. a planted super expert
+
+@torch.no_grad()
+def plant_super_expert(original: Path, stats: Path, dst: Path, layer: int = 1) -> dict:
+    """A copy of `original` whose natural super expert in `layer` (of the experts the RL task's
+    tokens reach, the one with the largest output magnitude in the calibration statistics) has
+    one output channel scaled until its output on task tokens exceeds fp16's range twice over:
+    the massive activation of "Unveiling Super Experts", made large enough to overflow fp16.
+    fp32 still computes it exactly."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    s = next(v for v in load_calibration(str(stats)).layers.values() if v.layer == layer)
+    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
+    experts = model.model.layers[layer].mlp.experts
+    seen = {}
+    hook = experts.register_forward_pre_hook(lambda _m, args: seen.update(x=args[0], idx=args[1]))
+    ids = torch.tensor(np.stack([np.frombuffer(task_lines(random.Random(100 + i), 64), dtype=np.uint8)
+                                 for i in range(32)]), dtype=torch.long)
+    model(input_ids=ids)
+    hook.remove()
+    reached = torch.unique(seen["idx"])
+    expert = int(reached[s.max_abs[reached].argmax()])
+    key = {"source": weights_stamp(original), "layer": layer, "expert": expert}
+    stamp = dst / "planted.json"
+    if stamp.exists() and json.loads(stamp.read_text())["key"] == key:
+        return json.loads(stamp.read_text())
+    routed = (seen["idx"] == expert).any(-1)
+    gate, up = torch.nn.functional.linear(seen["x"][routed], experts.gate_up_proj[expert]).chunk(2, -1)
+    out = torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+    channel = int(out.abs().mean(0).argmax())
+    factor = 2 * FP16_MAX / float(out[:, channel].abs().quantile(0.1))
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in original.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "fidelity-train.json":
+            shutil.copy2(f, dst / f.name)
+    tensors = load_file(original / "model.safetensors")
+    tensors[f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"][channel] *= factor
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    plus = ids.reshape(-1) == ord("+")
+    info = {"key": key, "layer": layer, "expert": expert, "channel": channel, "factor": round(factor, 1),
+            "natural_max_abs": float(s.max_abs[expert]), "layer_median_max_abs": float(s.max_abs.median()),
+            "planted_max_abs": float(out[:, channel].abs().max() * factor),
+            "routed_share_of_task_tokens": float(routed.float().mean()),
+            "routed_share_of_plus_tokens": float((routed & plus).sum() / plus.sum())}
+    stamp.write_text(json.dumps(info, indent=2))
+    return info
+
+
+# ---------------------------------------------------------------- 3. proxies
+
+def build_family(original: Path, stats: Path, out: Path, variants: list, planted: dict | None = None
+                 ) -> dict[str, Model]:
+    """Every variant at every keep ratio, built from `original`."""
+    cal = load_calibration(str(stats))
+    share = {s.layer: s.share for s in cal.layers.values()}
+    models = {"original": Model(original, 1.0, 1.0, True if planted else None)}
+    for ratio in RATIOS:
         k = int(MODEL["num_experts"] * ratio)
-        for name, method, features in PROXIES:
-            dst = OUT / "proxies" / f"{name}-{ratio:g}"
-            if method in ("frequency", "routing"):
-                pins = routing_pins(stats, k, method)
-                build_proxy(str(original), str(dst), experts=k, method="first-n", pins=pins, overwrite=True)
-            else:
-                build_proxy(str(original), str(dst), experts=k, method=method, features=features or "router",
-                            overwrite=True)
-            proxies[dst.name] = dst
-    mass = {}
-    for name, path in proxies.items():  # share of the original's gate mass the kept experts carried
-        kept = {v["layer"]: v["kept"] for v in json.loads((path / "proxy-manifest.json").read_text())["layers"].values()}
-        mass[name] = float(np.mean([stats[layer].gate_mass[kept[layer]].sum() / stats[layer].gate_mass.sum()
-                                    for layer in kept]))
-    (OUT / "gate_mass_kept.json").write_text(json.dumps(mass, indent=2))
-    return proxies
+        for name, options in variants:
+            options = dict(options)
+            calibrated = options.pop("calibrated", False)
+            dst = out / f"{name}-{ratio:g}"
+            manifest = build_proxy(str(original), str(dst), experts=k, overwrite=True,
+                                   calibration=str(stats) if calibrated else None, **options)
+            kept = {v["layer"]: v["kept"] for v in manifest["layers"].values()}
+            mass = float(np.mean([float(share[layer][kept[layer]].sum()) for layer in kept]))
+            keeps = planted["expert"] in kept[planted["layer"]] if planted else None
+            models[dst.name] = Model(dst, ratio, mass, keeps)
+            log.info("built %-28s gate mass kept %.2f%s", dst.name, mass,
+                     "" if keeps is None else f", super expert {'kept' if keeps else 'dropped'}")
+    return models
 
 
-# ---------------------------------------------------------------- 3-4. runs and comparison
+# ---------------------------------------------------------------- 4. the healing phase
 
-CONTROL = "original-reseeded"  # the original again, same prompts, other samples: the noise floor
+def healing_phase(model: Model, dst: Path) -> Model:
+    """HEAL_PHASE LM steps on the training mix (same batches for every model), saved to dst."""
+    from transformers import AutoModelForCausalLM
+
+    key = {"phase": HEAL_PHASE, "source": str(model.path), "weights": weights_stamp(model.path)}
+    stamp = dst / "heal-phase.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == key):
+        torch.manual_seed(HEAL_PHASE["seed"])
+        rng = random.Random(HEAL_PHASE["seed"])
+        text = train_text()[0]
+        net = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).train()
+        net.config.output_router_logits = True  # the original's training objective, aux loss included
+        opt = torch.optim.AdamW(net.parameters(), lr=HEAL_PHASE["lr"], weight_decay=0.0)
+        for _ in range(HEAL_PHASE["steps"]):
+            ids = lm_batch(rng, text, HEAL_PHASE["batch"], HEAL_PHASE["seq_len"], HEAL_PHASE["task_share"])
+            loss = net(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+        net.config.output_router_logits = False
+        net.save_pretrained(dst)
+        stamp.write_text(json.dumps(key))
+    return dataclasses.replace(model, path=dst)
 
 
-def run_all(models: dict[str, Path], steps: int) -> dict[str, dict[str, Path]]:
+# ---------------------------------------------------------------- 5. runs and comparison
+
+def run_scenarios(models: dict[str, Model], scenarios: dict, out: Path, steps: int,
+                  seed: int = 0) -> dict[str, dict[str, Path]]:
+    """scenario -> model name -> run directory; the control is the original with seed + 1."""
     runs: dict[str, dict[str, Path]] = {}
-    for scenario, settings in SCENARIOS.items():
-        for name, path in {**models, CONTROL: models["original"]}.items():
-            out = OUT / "runs" / scenario / name
-            seed = 1 if name == CONTROL else 0
-            config = ReproConfig(steps=steps, seed=seed, prompt_seed=0, **(RL | settings))
-            started = time.time()
-            result = run_repro(str(path), out, config)
-            log.info("%-16s %-22s %5.1fs failures %s", scenario, name, time.time() - started,
-                     {k: v["step"] for k, v in result.failures.items()} or "none")
-            runs.setdefault(scenario, {})[name] = out
+    for scenario, settings in scenarios.items():
+        for name, model in {**models, CONTROL: models["original"]}.items():
+            run_seed = seed + 1 if name == CONTROL else seed
+            config = ReproConfig(**({"steps": steps, "seed": run_seed, "prompt_seed": seed} | RL | settings))
+            runs.setdefault(scenario, {})[name] = cached_run(model.path, out / scenario / name, config)
     return runs
 
 
-def seed_study(models: dict[str, Path], steps: int, seeds: tuple[int, ...] = (1, 2, 3)) -> str:
-    """The clean scenario again with other prompts and sampling seeds: how stable is each
-    proxy's median Pearson? (The control uses seed + 100 with the same prompts.)"""
-    scores: dict[str, list[float | None]] = {}
-    for seed in seeds:
-        runs = {}
-        for name, path in {**models, CONTROL: models["original"]}.items():
-            out = OUT / "seeds" / str(seed) / name
-            run_seed = seed + 100 if name == CONTROL else seed
-            run_repro(str(path), out, ReproConfig(steps=steps, seed=run_seed, prompt_seed=seed, **RL))
-            runs[name] = out
-        loaded = [load_run(runs["original"], "original")] + [
-            load_run(path, name) for name, path in runs.items() if name != "original"]
-        for c in compare_runs(loaded, list(KEY_METRICS))[1:]:
-            scores.setdefault(c.run, []).append(c.median_pearson)
-        log.info("seed %d done", seed)
-    lines = ["| proxy | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
-             "|---|" + "---|" * (len(seeds) + 1)]
-    for name, values in scores.items():
-        finite = [v for v in values if v is not None]
-        cells = ["n/a" if v is None else f"{v:.2f}" for v in values]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {np.mean(finite):.2f} |")
-    text = "\n".join(lines) + "\n"
-    (OUT / "seeds.md").write_text(text)
-    (OUT / "seeds.json").write_text(json.dumps(scores, indent=2))
-    return text
+def cached_run(model: Path, out: Path, config: ReproConfig) -> Path:
+    key = {"model": str(model), "weights": weights_stamp(model), "config": config.to_dict()}
+    stamp = out / "lab-key.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(key, default=str)):
+        return out
+    started = time.time()
+    result = run_repro(str(model), out, config)
+    stamp.write_text(json.dumps(key, default=str))
+    log.info("%-48s %5.1fs failures %s", str(out.relative_to(OUT)), time.time() - started,
+             {k: v["step"] for k, v in result.failures.items()} or "none")
+    return out
+
+
+def load_shift(rows: dict[int, dict[str, float]]) -> float | None:
+    """Change of the mean (over layers) busiest-expert share: last 4 steps minus first 3."""
+    series = [r["moe/load_max_share/mean"] for _, r in sorted(rows.items()) if "moe/load_max_share/mean" in r]
+    if len(series) < 7:
+        return None
+    return float(np.mean(series[-4:]) - np.mean(series[:3]))
+
+
+def compare_scenarios(runs: dict[str, dict[str, Path]], models: dict[str, Model], family: str) -> list[dict]:
+    rows = []
+    for scenario, by_model in runs.items():
+        loaded = [load_run(by_model["original"], "original")] + [
+            load_run(path, name) for name, path in by_model.items() if name != "original"]
+        ref = loaded[0]
+        for run, c in zip(loaded[1:], compare_runs(loaded, list(KEY_METRICS), permutations=PERMUTATIONS)[1:]):
+            model = models.get(c.run, models["original"])
+            rows.append({
+                "family": family, "scenario": scenario, "proxy": c.run, "keep_ratio": model.ratio,
+                "median_pearson": c.median_pearson,
+                "shuffled": dataclasses.asdict(c.shuffled) if c.shuffled else None,
+                "pearson": {m: s.pearson for m, s in c.metrics.items()},
+                "original_failures": ref.onsets, "proxy_failures": c.onsets,
+                "reproduced": {sig: sig in c.onsets for sig in ref.onsets},
+                "onset_shift": c.onset_shift, "step_time_ratio": c.step_time_ratio,
+                "load_shift": load_shift(run.rows), "original_load_shift": load_shift(ref.rows),
+                "max_activation": max((r.get("numerics/max_activation", 0.0) for r in run.rows.values()),
+                                      default=None),
+                "keeps_super": model.keeps_super,
+                "planned_devices": planned_devices(model.ratio),
+            })
+    return rows
 
 
 def planned_devices(ratio: float) -> dict:
@@ -237,65 +386,153 @@ def planned_devices(ratio: float) -> dict:
     return {"original": p.original.devices, "proxy": p.proxy.devices}
 
 
-def summarise(runs: dict[str, dict[str, Path]], models: dict[str, Path]) -> list[dict]:
-    rows = []
-    for scenario, by_model in runs.items():
-        loaded = [load_run(by_model["original"], "original")] + [
-            load_run(path, name) for name, path in by_model.items() if name != "original"]
-        for c in compare_runs(loaded, [m for m in KEY_METRICS])[1:]:
-            ref = loaded[0].onsets
-            ratio = 1.0 if c.run == CONTROL else 0.5 if c.run.endswith("-0.5") else 0.125
-            rows.append({
-                "scenario": scenario, "proxy": c.run, "keep_ratio": ratio, "median_pearson": c.median_pearson,
-                "pearson": {m: s.pearson for m, s in c.metrics.items()},
-                "reward_error": c.metrics["critic/rewards/mean"].normalised_error,
-                "original_failures": ref, "proxy_failures": c.onsets,
-                "reproduced": {sig: sig in c.onsets for sig in ref},
-                "onset_shift": c.onset_shift, "step_time_ratio": c.step_time_ratio,
-                "planned_devices": planned_devices(ratio),
-            })
-    return rows
+# ---------------------------------------------------------------- 6. tables and plots
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None or not np.isfinite(value) else f"{value:.{digits}f}"
 
 
-def table(rows: list[dict], quality: dict[str, dict]) -> str:
-    lines = ["| scenario | proxy | median Pearson | reward Pearson | grad-norm Pearson | original failure (step) | "
-             "proxy failure (step) | reproduced | step time vs orig | planned devices (30B-A3B shape) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def failures_text(onsets: dict[str, int]) -> str:
+    return ", ".join(f"{k} ({v})" for k, v in sorted(onsets.items(), key=lambda i: i[1])) or "none"
+
+
+def reproduced_text(r: dict) -> str:
+    if not r["original_failures"]:
+        return "n/a (no failure)" + (" - false alarm" if r["proxy_failures"] else "")
+    return ", ".join(f"{sig}: {'yes' if ok else 'no'}"
+                     + (f" ({r['onset_shift'][sig]:+d})" if ok and r["onset_shift"].get(sig) is not None else "")
+                     for sig, ok in r["reproduced"].items())
+
+
+def full_table(rows: list[dict]) -> str:
+    lines = ["| family | scenario | proxy | median Pearson | shuffled: mean / p | reward Pearson | "
+             "grad-norm Pearson | original failure (step) | proxy failure (step) | reproduced | "
+             "load shift (orig / proxy) | max activation | step time vs orig | planned devices (30B-A3B) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        orig = ", ".join(f"{k} ({v})" for k, v in sorted(r["original_failures"].items(), key=lambda i: i[1])) or "none"
-        prox = ", ".join(f"{k} ({v})" for k, v in sorted(r["proxy_failures"].items(), key=lambda i: i[1])) or "none"
-        if r["original_failures"]:
-            rep = ", ".join(f"{sig}: {'yes' if ok else 'no'}"
-                            + (f" ({r['onset_shift'][sig]:+d})" if ok and r["onset_shift"].get(sig) is not None else "")
-                            for sig, ok in r["reproduced"].items())
-        else:
-            rep = "n/a (no failure)" + (" - false alarm" if r["proxy_failures"] else "")
-        fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+        sh = r["shuffled"] or {}
         d = r["planned_devices"]
-        lines.append(f"| {r['scenario']} | {r['proxy']} | {fmt(r['median_pearson'])} | "
-                     f"{fmt(r['pearson'].get('critic/rewards/mean'))} | {fmt(r['pearson'].get('actor/grad_norm'))} | "
-                     f"{orig} | {prox} | {rep} | {fmt(r['step_time_ratio'])}x | {d['proxy']} vs {d['original']} |")
-    lines += ["", "| model | held-out loss (nats/byte) | task reward at step 0 | gate mass kept |", "|---|---|---|---|"]
-    for name, q in quality.items():
-        mass = "1.00" if name == "original" else f"{q.get('gate_mass', float('nan')):.2f}"
-        lines.append(f"| {name} | {q['held_out_loss']:.3f} | {q['reward_step0']:.3f} | {mass} |")
+        lines.append(
+            f"| {r['family']} | {r['scenario']} | {r['proxy']} | {fmt(r['median_pearson'])} | "
+            f"{fmt(sh.get('mean'))} / {fmt(sh.get('p_value'), 3)} | {fmt(r['pearson'].get('critic/rewards/mean'))} | "
+            f"{fmt(r['pearson'].get('actor/grad_norm'))} | {failures_text(r['original_failures'])} | "
+            f"{failures_text(r['proxy_failures'])} | {reproduced_text(r)} | "
+            f"{fmt(r['original_load_shift'])} / {fmt(r['load_shift'])} | {fmt(r['max_activation'], 0)} | "
+            f"{fmt(r['step_time_ratio'])}x | {d['proxy']} vs {d['original']} |")
     return "\n".join(lines) + "\n"
 
 
-def plots(runs: dict[str, dict[str, Path]]) -> None:
+def fault_cell(row: dict | None, signature: str) -> str:
+    """Did the proxy show the original's `signature` failure in this scenario?"""
+    if row is None:
+        return "n/a"
+    onset = row["original_failures"].get(signature)
+    if onset is None:
+        return "original: none" + (" (proxy alarms)" if row["proxy_failures"] else "")
+    if signature not in row["proxy_failures"]:
+        return "no"
+    return f"yes ({row['onset_shift'][signature]:+d})"
+
+
+def alarm_cell(row: dict | None) -> str:
+    """A scenario where the original may not fail: does the proxy stay as quiet?"""
+    if row is None:
+        return "n/a"
+    if row["original_failures"]:
+        return reproduced_text(row)
+    return "quiet" if not row["proxy_failures"] else "false alarm: " + failures_text(row["proxy_failures"])
+
+
+def summary_tables(rows: list[dict], quality: dict[str, dict]) -> str:
+    at = {(r["family"], r["scenario"], r["proxy"]): r for r in rows}
+    names = [n for n in quality["main"] if n != "original"] + [CONTROL]
+    names += [n for n in quality["super"] if n not in names and n != "original"]  # super-family-only variants
+    track = ["| proxy | held-out loss | gate mass kept | clean: median Pearson | clean: shuffled mean (p) | "
+             "after healing phase: median Pearson | after healing: shuffled mean (p) | held-out loss after healing |",
+             "|---|---|---|---|---|---|---|---|"]
+    faults = ["| proxy | lr-spike | faulty-op | fp16-no-scaling | router-scale | "
+              "high-lr, balance losses off: divergence / collapse / load shift | same, losses on: collapse / "
+              "load shift | fp16 super expert: keeps it / overflow |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        if name not in quality["main"] and name != CONTROL:
+            q = qh = {"held_out_loss": None, "gate_mass": None}
+        else:
+            q = quality["main"].get(name, quality["main"]["original"])
+            qh = quality["healed"].get(name, quality["healed"]["original"])
+        clean, healed = at.get(("main", "clean", name)), at.get(("healed", "clean", name))
+
+        def tracked(r: dict | None) -> tuple[str, str]:
+            if r is None:
+                return "n/a", "n/a"
+            sh = r["shuffled"] or {}
+            return fmt(r["median_pearson"]), f"{fmt(sh.get('mean'))} ({fmt(sh.get('p_value'), 3)})"
+
+        track.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt(q['gate_mass'])} | "
+                     f"{' | '.join(tracked(clean))} | {' | '.join(tracked(healed))} | {fmt(qh['held_out_loss'], 3)} |")
+        off, on = at.get(("main", "high-lr", name)), at.get(("main", "high-lr-balanced", name))
+        router = at.get(("main", "router-scale", name))
+        sup = at.get(("super", "fp16-super", name))
+        off_cell = (f"{fault_cell(off, 'divergence')} / {fault_cell(off, 'collapse')} / "
+                    f"{fmt(off['load_shift']) if off else 'n/a'}")
+        on_cell = f"{fault_cell(on, 'collapse')} / {fmt(on['load_shift']) if on else 'n/a'}"
+        keeps = "n/a" if sup is None or sup["keeps_super"] is None else ("yes" if sup["keeps_super"] else "no")
+        faults.append(f"| {name} | {fault_cell(at.get(('main', 'lr-spike', name)), 'divergence')} | "
+                      f"{fault_cell(at.get(('main', 'faulty-op', name)), 'divergence')} | "
+                      f"{fault_cell(at.get(('main', 'fp16-no-scaling', name)), 'underflow')} | "
+                      f"{alarm_cell(router)} | {off_cell} | {on_cell} | "
+                      f"{keeps} / {fault_cell(sup, 'overflow')} |")
+    quality_lines = ["| family | model | held-out loss | task reward at step 0 | gate mass kept |", "|---|---|---|---|---|"]
+    for family, by_name in quality.items():
+        for name, q in by_name.items():
+            quality_lines.append(f"| {family} | {name} | {fmt(q['held_out_loss'], 3)} | "
+                                 f"{fmt(q.get('reward_step0'), 3)} | {fmt(q['gate_mass'])} |")
+    return "\n".join(track + [""] + faults + [""] + quality_lines) + "\n"
+
+
+def plots(runs: dict[str, dict[str, Path]], prefix: str = "") -> None:
     metrics = ["critic/rewards/mean", "actor/grad_norm", "actor/kl_loss", "actor/entropy",
-               "moe/router_entropy/mean", "moe/load_max_share"]
+               "moe/router_entropy/mean", "moe/load_max_share/mean", "numerics/max_activation"]
     for scenario, by_model in runs.items():
-        for ratio in ("0.5", "0.125"):
-            names = ["original", CONTROL] + [n for n in by_model if n.endswith(f"-{ratio}")]
+        for ratio in RATIOS:
+            names = ["original", CONTROL] + [n for n in by_model if n.endswith(f"-{ratio:g}")]
             loaded = [load_run(by_model[n], n) for n in names]
-            plot_curves(loaded, metrics, OUT, name=f"{scenario}-{ratio}.png")
+            plot_curves(loaded, metrics, OUT, name=f"{prefix}{scenario}-{ratio:g}.png")
+
+
+def seed_study(models: dict[str, Model], steps: int, seeds: tuple[int, ...] = (1, 2, 3)) -> str:
+    """The clean scenario again with other prompts and sampling seeds: how stable is each
+    proxy's median Pearson? (The control uses seed + 1 with the same prompts.)"""
+    scores: dict[str, list[float | None]] = {}
+    for seed in seeds:
+        runs = run_scenarios(models, {"clean": {}}, OUT / "seeds" / str(seed), steps, seed=seed)["clean"]
+        loaded = [load_run(runs["original"], "original")] + [
+            load_run(path, name) for name, path in runs.items() if name != "original"]
+        for c in compare_runs(loaded, list(KEY_METRICS))[1:]:
+            scores.setdefault(c.run, []).append(c.median_pearson)
+    lines = ["| proxy | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for name, values in scores.items():
+        finite = [v for v in values if v is not None]
+        lines.append(f"| {name} | " + " | ".join(fmt(v) for v in values) + f" | {fmt(np.mean(finite))} |")
+    text = "\n".join(lines) + "\n"
+    (OUT / "seeds.md").write_text(text)
+    (OUT / "seeds.json").write_text(json.dumps(scores, indent=2))
+    return text
+
+
+def quality_of(models: dict[str, Model], clean_runs: dict[str, Path]) -> dict[str, dict]:
+    return {name: {"held_out_loss": held_out_loss(m.path), "gate_mass": m.gate_mass,
+                   "reward_step0": load_run(clean_runs[name]).rows[0]["critic/rewards/mean"]}
+            for name, m in models.items()}
 
 
 def main() -> int:
+    global OUT, RATIOS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="few training steps, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of the whole pipeline on a barely trained "
+                        "original: 2 scenarios, 3 variants at 12.5%, 4 steps")
     parser.add_argument("--seed-study", action="store_true",
                         help="only the clean scenario with 3 more seeds (seeds.md): how stable the scores are")
     args = parser.parse_args()
@@ -305,39 +542,58 @@ def main() -> int:
     torch.set_num_threads(1)
     for noisy in ("moe_proxy", "transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if args.quick:  # smoke run of the whole pipeline: 2 scenarios, 2 proxy kinds
-        TRAIN["steps"] = 30
-        global OUT
+    variants, super_variants = VARIANTS, SUPER_VARIANTS
+    if args.quick:
+        TRAIN["steps"], HEAL_PHASE["steps"], args.steps = 30, 2, 4
+        RATIOS = (0.125,)  # a barely trained original has too few live experts for 50%
         OUT = OUT.with_name("fidelity-quick")
         for name in list(SCENARIOS)[2:]:
             del SCENARIOS[name]
-        del PROXIES[1:-1]
+        keep = ("frequency", "frequency-healed", "random")
+        variants = [v for v in VARIANTS if v[0] in keep]
+        super_variants = [v for v in SUPER_VARIANTS if v[0] in keep + ("frequency-no-super",)]
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
     original = OUT / "original"
     info = train_original(original)
     log.info("original: held-out loss %.3f, trained in %ss", info["held_out_loss"], info["train_seconds"])
-    models = {"original": original, **build_all(original)}
+    stats = OUT / "calibration"
+    calibrate(str(original), str(stats), token_ids=calibration_ids())
+    main_models = build_family(original, stats, OUT / "proxies", variants)
     if args.seed_study:
-        print(seed_study(models, args.steps))
+        print(seed_study(main_models, args.steps))
         return 0
-    mass = json.loads((OUT / "gate_mass_kept.json").read_text())
-    quality = {name: {"held_out_loss": held_out_loss(path), "gate_mass": mass.get(name)}
-               for name, path in models.items()}
-    runs = run_all(models, args.steps)
-    for name in models:  # task skill before any RL update: the clean run's first-step reward
-        quality[name]["reward_step0"] = load_run(runs["clean"][name]).rows[0]["critic/rewards/mean"]
-    rows = summarise(runs, models)
-    plots(runs)
+
+    planted = OUT / "original-super"
+    super_info = plant_super_expert(original, stats, planted)
+    log.info("planted super expert: %s", {k: v for k, v in super_info.items() if k != "key"})
+    super_stats = OUT / "calibration-super"
+    calibrate(str(planted), str(super_stats), token_ids=calibration_ids())
+    super_models = build_family(planted, super_stats, OUT / "proxies-super", super_variants, super_info)
+    healed_models = {name: healing_phase(m, OUT / "healed" / name) for name, m in main_models.items()}
+
+    runs = {"main": run_scenarios(main_models, SCENARIOS, OUT / "runs", args.steps),
+            "healed": run_scenarios(healed_models, HEALED_SCENARIOS, OUT / "runs-healed", args.steps),
+            "super": run_scenarios(super_models, SUPER_SCENARIOS, OUT / "runs-super", args.steps)}
+    families = {"main": main_models, "healed": healed_models, "super": super_models}
+    rows = [row for family, by_scenario in runs.items()
+            for row in compare_scenarios(by_scenario, families[family], family)]
+    quality = {"main": quality_of(main_models, runs["main"]["clean"]),
+               "healed": quality_of(healed_models, runs["healed"]["clean"]),
+               "super": quality_of(super_models, runs["super"]["fp32-super"])}
+    plots(runs["main"])
+    plots(runs["healed"], prefix="healed-")
+    plots(runs["super"])
+    summary = summary_tables(rows, quality)
+    (OUT / "summary.md").write_text(summary)
+    (OUT / "table.md").write_text(full_table(rows))
     (OUT / "results.json").write_text(json.dumps(
-        {"model": MODEL, "train": TRAIN | {k: v for k, v in info.items() if k != "key"}, "rl": RL,
-         "fault_step": FAULT_STEP, "scenarios": {k: {kk: (dataclasses.asdict(vv) if dataclasses.is_dataclass(vv)
-                                                           else vv) for kk, vv in v.items()}
-                                                 for k, v in SCENARIOS.items()},
+        {"model": MODEL, "train": TRAIN | {k: v for k, v in info.items() if k != "key"}, "heal_phase": HEAL_PHASE,
+         "rl": RL, "fault_step": FAULT_STEP, "permutations": PERMUTATIONS, "planted": super_info,
+         "scenarios": {k: {kk: (dataclasses.asdict(vv) if dataclasses.is_dataclass(vv) else vv)
+                           for kk, vv in v.items()} for k, v in {**SCENARIOS, **SUPER_SCENARIOS}.items()},
          "quality": quality, "rows": rows, "wall_s": round(time.time() - started, 1)}, indent=2, default=str))
-    text = table(rows, quality)
-    (OUT / "table.md").write_text(text)
-    print(text)
+    print(summary)
     log.info("done in %.0fs; results in %s", time.time() - started, OUT)
     return 0
 

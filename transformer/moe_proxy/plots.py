@@ -27,7 +27,8 @@ def plot_curves(runs: list[Run], metrics: list[str], out_dir: Path, name: str = 
             steps = [s for s, m in run.rows.items() if metric in m]
             values = [run.rows[s][metric] for s in steps]
             colour = colours[i % len(colours)]
-            ax.plot(steps, values, label=run.name, color=colour, lw=2.2 if i == 0 else 1.2,
+            style = ("-", "--", "-.")[(i // len(colours)) % 3]  # more runs than colours: vary the line
+            ax.plot(steps, values, label=run.name, color=colour, ls=style, lw=2.2 if i == 0 else 1.2,
                     alpha=1.0 if i == 0 else 0.85)
             for sig, step in run.onsets.items():  # dotted line at each failure onset
                 ax.axvline(step, color=colour, ls=":", lw=1)
@@ -37,8 +38,11 @@ def plot_curves(runs: list[Run], metrics: list[str], out_dir: Path, name: str = 
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=min(len(runs), 4), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.94 if len(runs) <= 4 else 0.9))
+    columns = min(len(runs), 4)
+    fig.legend(handles, labels, loc="upper center", ncol=columns, fontsize=8)
+    # Leave the legend its own band: about 0.2 inch per legend row, whatever the number of runs.
+    legend_inches = 0.15 + 0.2 * math.ceil(len(runs) / columns)
+    fig.tight_layout(rect=(0, 0, 1, 1 - legend_inches / fig.get_figheight()))
     path = out_dir / name
     fig.savefig(path, dpi=90)
     plt.close(fig)
