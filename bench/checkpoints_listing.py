@@ -7,7 +7,7 @@ A DeepSeek-V3-shaped checkpoint (61 layers, 256 routed experts, fp8 weights with
 block scales: ~91k tensors, ~690 GB) is written as sparse files: every shard holds its real
 safetensors header and is extended to its full size without writing data, so fifty of them
 (~34 TB apparent) fit on any disk. The listing reads config, index and headers only, so it
-cannot tell. With --s3 the same layout, at a small scale (data must really be uploaded), is
+cannot tell. Each listing runs twice: the default quick check and `--deep`. With --s3 the same layout, at a small scale (data must really be uploaded), is
 listed from a local SeaweedFS, to count requests' bytes as the S3 store sees them.
 """
 
@@ -80,7 +80,9 @@ def layout(n_shards: int, scale: float) -> tuple[dict[str, bytes], dict[str, int
         headers[name] = header_bytes(part)
         sizes[name] = len(headers[name]) + sum(math.prod(t.shape) * ITEMSIZE[t.dtype] for t in part)
         weight_map.update({t.name: name for t in part})
-    index = json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}).encode()
+    # As transformers writes it: keys sorted (metadata first); total_size counts tensor bytes only.
+    total = sum(sizes[name] - len(headers[name]) for name in sizes)
+    index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, sort_keys=True).encode()
     return headers, sizes, index
 
 
@@ -98,6 +100,15 @@ def write_sparse(root: Path, checkpoints: int, n_shards: int) -> int:
     return sum(sizes.values())
 
 
+def timed_listing(store, deep: bool, expected: int) -> float:
+    """Seconds to list the run; every checkpoint must come out a complete source."""
+    t0 = time.perf_counter()
+    found = list_checkpoints(store, pattern="global_step_*/actor/huggingface", deep=deep)
+    took = time.perf_counter() - t0
+    assert len(found) == expected and all(c.source for c in found), found[:1]
+    return took
+
+
 def bench_local(args) -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp) / "run"
@@ -105,14 +116,12 @@ def bench_local(args) -> None:
         per_checkpoint = write_sparse(root, args.checkpoints, args.shards)
         print(f"wrote {args.checkpoints} sparse DeepSeek-V3-shaped checkpoints of {per_checkpoint / 1e9:.0f} GB "
               f"({args.shards} shards each) in {time.perf_counter() - t0:.1f}s")
-        store = CountingStore(LocalStore(root))
-        t0 = time.perf_counter()
-        found = list_checkpoints(store, pattern="global_step_*/actor/huggingface")
-        took = time.perf_counter() - t0
-        assert len(found) == args.checkpoints and all(c.source for c in found), found[:1]
-        print(f"listed {len(found)} checkpoints ({len(found) * per_checkpoint / 1e12:.1f} TB) in {took:.2f}s: "
-              f"read {store.bytes_read / 1e6:.1f} MB in {store.reads} reads "
-              f"({store.bytes_read / len(found) / 1e6:.2f} MB per checkpoint: its index and shard headers)")
+        for deep in (False, True):
+            store = CountingStore(LocalStore(root))
+            took = timed_listing(store, deep, args.checkpoints)
+            print(f"{'deep ' if deep else 'quick'}: listed {args.checkpoints} checkpoints "
+                  f"({args.checkpoints * per_checkpoint / 1e12:.1f} TB) in {took:.2f}s: read {store.bytes_read / 1e6:.2f} "
+                  f"MB in {store.reads} reads ({store.bytes_read / args.checkpoints / 1e3:.1f} KB per checkpoint)")
 
 
 def bench_s3(args) -> None:
@@ -135,14 +144,13 @@ def bench_s3(args) -> None:
         print(f"uploaded {args.checkpoints} checkpoints of {sum(sizes.values()) / 1e6:.0f} MB in "
               f"{time.perf_counter() - t0:.0f}s")
         os.environ.update(AWS_ACCESS_KEY_ID="bench-key", AWS_SECRET_ACCESS_KEY="bench-secret")
-        store = S3Store("s3://runs/run", endpoint_url=s3.endpoint_url, region="us-east-1")
-        t0 = time.perf_counter()
-        found = list_checkpoints(store, pattern="global_step_*/actor/huggingface")
-        took = time.perf_counter() - t0
-        assert len(found) == args.checkpoints and all(c.source for c in found), found[:1]
-        print(f"listed {len(found)} checkpoints from SeaweedFS in {took:.2f}s: downloaded "
-              f"{store.bytes_downloaded / 1e6:.1f} MB ({store.bytes_downloaded / len(found) / 1e6:.2f} MB per "
-              f"checkpoint) of {len(found) * sum(sizes.values()) / 1e6:.0f} MB stored")
+        for deep in (False, True):
+            store = S3Store("s3://runs/run", endpoint_url=s3.endpoint_url, region="us-east-1")
+            took = timed_listing(store, deep, args.checkpoints)
+            print(f"{'deep ' if deep else 'quick'}: listed {args.checkpoints} checkpoints from SeaweedFS in "
+                  f"{took:.2f}s: downloaded {store.bytes_downloaded / 1e6:.2f} MB "
+                  f"({store.bytes_downloaded / args.checkpoints / 1e3:.1f} KB per checkpoint) of "
+                  f"{args.checkpoints * sum(sizes.values()) / 1e6:.0f} MB stored")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,7 +79,9 @@ def list_checkpoints(watch: WatchSpec, credentials: dict[str, str], made: set[in
                   if considered(watch, c.step, made, retired_through)]
     keys = {c.path: (c.path, c.step, tuple(sorted(c.files.items()))) for c in candidates}
     new = [c for c in candidates if keys[c.path] not in seen]
-    answers = dict(zip((keys[c.path] for c in new), inspect_all(store, new)))
+    # Deep: a checkpoint about to become a ProxyModel is worth its whole index and headers
+    # (read once: answers are kept while its files are unchanged).
+    answers = dict(zip((keys[c.path] for c in new), inspect_all(store, new, deep=True)))
     answers.update({k: seen[k] for k in keys.values() if k in seen})
     seen.clear()
     seen.update(answers)

@@ -223,9 +223,9 @@ async def test_unchanged_checkpoints_are_read_once(cluster, operator, run, monke
     inspected: list[str] = []
     real = checkpoint_watch.inspect_all
 
-    def counting(store, candidates, *args):
+    def counting(store, candidates, *args, **kwargs):
         inspected.extend(c.path for c in candidates)
-        return real(store, candidates, *args)
+        return real(store, candidates, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_watch, "inspect_all", counting)
     run.save(100, without=(SHARD2,))

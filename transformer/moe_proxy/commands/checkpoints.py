@@ -3,8 +3,10 @@
 For each directory that holds a checkpoint (default: every directory with a config.json;
 `--pattern 'global_step_*/actor/huggingface'` for verl's layout) it prints the training
 step, whether the checkpoint is complete (and if not, which file is missing or short), its
-architecture and size. Only config.json, the shard index and each shard's safetensors
-header are read, by range: never tensor data.
+architecture and size. Never tensor data: by default config.json, the start of the shard
+index (its total_size) and each shard's 8-byte header length, a few KB per checkpoint (the
+shard sizes must add up); `--deep` reads the whole index and every shard's header too, which
+also catches an index that maps a tensor to the wrong shard (about 20 MB for DeepSeek-V3).
 
 To reproduce a failure that showed at step K, build the proxy of the checkpoint just
 before it: `moe-proxy checkpoints URI --before K` prints that checkpoint's URI.
@@ -35,6 +37,9 @@ def add_parser(sub) -> None:
                    help="print only the newest complete source checkpoint before STEP (the one to reproduce "
                         "a failure at STEP from); exit 1 if there is none")
     p.add_argument("--json", action="store_true", help="a JSON array sorted by step ascending")
+    p.add_argument("--deep", action="store_true",
+                   help="also read the whole index and every shard's header (checks each tensor is where the "
+                        "index says; ~20 MB per DeepSeek-V3-sized checkpoint instead of a few KB)")
     add_storage_args(p)
     p.set_defaults(func=run)
 
@@ -48,7 +53,7 @@ def regex(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    found = list_checkpoints(args.uri, args.pattern, args.step_regex, **store_options(args))
+    found = list_checkpoints(args.uri, args.pattern, args.step_regex, args.deep, **store_options(args))
     if args.before is not None:
         pick = latest_before(found, args.before)
         if pick is None:
