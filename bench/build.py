@@ -116,6 +116,7 @@ a = json.loads(sys.argv[1])
 opts = {"endpoint_url": a["endpoint"]}
 src, dst = open_store(a["src"], **opts), open_store(a["dst"], **opts)
 t = time.perf_counter()
+cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same client, nothing else
     for name in src.list():
         w, size = dst.writer(name), src.size(name)
@@ -125,8 +126,9 @@ if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same clie
 else:
     kw = {k: a[k] for k in ("worker", "workers", "finalize_only") if k in a}
     build_proxy(src, dst, experts=a["experts"], features=a["features"], overwrite=True, **kw)
+u = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"seconds": time.perf_counter() - t, "downloaded": src.bytes_downloaded,
-                  "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "cpu_s": u.ru_utime + u.ru_stime - cpu0, "max_rss": u.ru_maxrss * 1024}))
 """
 
 

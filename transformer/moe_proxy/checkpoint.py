@@ -90,7 +90,7 @@ def slice_ranges(t: TensorInfo, axis: int, keep: list[int]) -> list[tuple[int, i
     return [(t.start + (o * n + e) * inner, inner) for o in range(outer) for e in keep]
 
 
-def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: int = 0) -> list[bytes]:
+def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: int = 0) -> list[bytes | memoryview]:
     """Read many ranges of one file, merging neighbours (within `gap` bytes) into one request."""
     out: list[bytes] = []
     i = 0
@@ -101,8 +101,11 @@ def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: 
             end = ranges[j][0] + ranges[j][1]
             j += 1
         blob = store.read_range(file, start, end - start)
-        for s, n in ranges[i:j]:
-            out.append(blob[s - start : s - start + n])
+        if j == i + 1 and length == len(blob):
+            out.append(blob)
+        else:  # views: the caller joins them, one copy instead of two
+            view = memoryview(blob)
+            out.extend(view[s - start : s - start + n] for s, n in ranges[i:j])
         i = j
     return out
 
@@ -126,6 +129,8 @@ def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: i
 
 
 def _read_batch(store: Store, file: str, batch: list[tuple[int, int]]) -> bytes:
+    if all(s + n == t for (s, n), (t, _) in zip(batch, batch[1:])):  # one run: the bytes as read, no copy
+        return store.read_range(file, batch[0][0], sum(n for _, n in batch))
     return b"".join(read_coalesced(store, file, batch))
 
 
