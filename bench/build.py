@@ -186,6 +186,7 @@ def main() -> int:
                 "size_gb": round(ckpt_bytes / GB, 2), "moe_layers": n_moe, "proxy_gb": round(proxy_bytes / GB, 3),
                 "build_s": round(r["seconds"], 2), "copy_s": round(c["seconds"], 2),
                 "overhead": round(r["seconds"] / c["seconds"], 2),
+                "build_cpu_s": round(r["cpu_s"], 2), "copy_cpu_s": round(c["cpu_s"], 2),
                 "downloaded_router": r["downloaded"], "downloaded_weights": w["downloaded"],
                 "download_ratio_router": round(r["downloaded"] / ckpt_bytes, 3),
                 "download_vs_target": round(r["downloaded"] / (proxy_bytes + headers + routers), 3),
@@ -219,12 +220,13 @@ def main() -> int:
         s["speedup"] = round(scale[0]["seconds"] / s["seconds"], 2)
     out.mkdir(parents=True, exist_ok=True)
     (out / "build.json").write_text(json.dumps({"sizes": rows, "scale_out": scale}, indent=2))
-    print("\n| checkpoint GB | MoE layers | proxy GB | build s | copy s | build/copy | downloaded/ckpt (router) "
-          "| downloaded/target | downloaded/ckpt (weights) | peak RSS MB | RSS target MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| checkpoint GB | MoE layers | proxy GB | build s | copy s | build/copy | CPU s build/copy "
+          "| downloaded/ckpt (router) | downloaded/target | downloaded/ckpt (weights) | peak RSS MB | RSS target MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['size_gb']} | {r['moe_layers']} | {r['proxy_gb']} | {r['build_s']} | {r['copy_s']} | "
-              f"{r['overhead']} | {r['download_ratio_router']} | {r['download_vs_target']} | "
+              f"{r['overhead']} | {r['build_cpu_s']}/{r['copy_cpu_s']} | {r['download_ratio_router']} | "
+              f"{r['download_vs_target']} | "
               f"{r['download_ratio_weights']} | {r['peak_rss_mb']} | {r['rss_target_mb']} |")
     print(f"\nscale-out on the {sizes[-1]:g} GB checkpoint ({os.cpu_count()} CPUs):")
     print("| workers | seconds | speedup | manifest identical to single build |")
