@@ -9,6 +9,13 @@ the module layout: per-expert tensors stacked into transformers' fused `gate_up_
 freed back to `meta` after the calibration hidden states went through it. Peak memory is one
 layer plus the hidden states, whatever the depth.
 
+Two native effects would otherwise make the process grow layer after layer (measured in
+docs/performance.md): oneDNN and ideep cache one compiled matmul primitive per input shape
+(up to 1024 each, about 0.3 MB apiece), and every layer's routed-token counts are new shapes;
+and glibc keeps the freed layer's chunks in a fragmented heap instead of returning them. So
+the caches are bounded (`bound_kernel_caches`) and the heap is trimmed after each layer
+(`release_freed_memory`).
+
 What each layer receives besides the hidden states (causal / sliding-window masks, rotary
 position embeddings, position ids) is captured from the model's own `forward`: its decoder
 layers are swapped for recorders that pass hidden states through unchanged, so nothing of
@@ -17,8 +24,13 @@ the model's input preparation is re-implemented here.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from typing import Iterator
 
 import torch
@@ -28,6 +40,33 @@ from .errors import CorruptCheckpoint, MoeProxyError
 from .features import FLOAT_DTYPES, _dequant, to_tensor
 
 COMPUTE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+KERNEL_CACHE_CAPACITY = "32"  # primitives per cache: every fixed-shape matmul of a layer still hits
+
+
+def bound_kernel_caches() -> None:
+    """Cap oneDNN's and ideep's per-shape primitive caches (default 1024 entries each).
+    Both read their capacity once, at their first matmul in the process, so this must run
+    before the process's first bf16/fp16 matmul; a value the user set is kept."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", KERNEL_CACHE_CAPACITY)
+    os.environ.setdefault("LRU_CACHE_CAPACITY", KERNEL_CACHE_CAPACITY)
+
+
+@cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None on another C library."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the freed layer's memory back to the OS: glibc keeps freed chunks in its heap, where
+    the next layer's differently sized allocations fragment it, and the process would grow."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class _Stop(Exception):
@@ -81,6 +120,7 @@ class LayerwiseModel:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype | None = None):
         import transformers
 
+        bound_kernel_caches()
         self.ckpt = ckpt
         self.config = transformers_config(ckpt.config)
         self.dtype = dtype or self._checkpoint_dtype()
@@ -128,6 +168,7 @@ class LayerwiseModel:
             yield module
         finally:
             module.to("meta")
+            release_freed_memory()
 
     def _load(self, module: torch.nn.Module, prefix: str) -> None:
         wanted = module.state_dict()
