@@ -157,3 +157,62 @@ def test_planner_and_operator_never_import_torch():
             "bad = [m for m in ('torch', 'safetensors', 'sklearn') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Devices that hold the QWEN3 proxy with 2 kept experts on one device but 4 only on two:
+# static bytes 88,576 x 18 vs 100,992 x 18 per device room of 1.7 MB - 2,816 bytes of activations.
+TIGHT = dict(device_memory_gb=0.0017, devices_per_node=1, micro_batch_tokens=1, utilization=1.0, reserve_gb=0.0)
+
+
+def test_keep_ratio_prefers_twice_top_k_when_the_devices_allow():
+    p = plan(QWEN3, PlanOptions(keep_ratio=0.25))  # 2 of 8 experts = top-k
+    assert p.proxy.experts_per_layer == 4 and p.proxy.top_k == 2
+    assert p.proxy.devices == plan(QWEN3, PlanOptions(experts=2)).proxy.devices
+    assert len(p.notes) == 1 and "raised from 2 (keep ratio 0.25) to 4" in p.notes[0]
+    # Already 2 x top-k or more: nothing to say.
+    assert plan(QWEN3, PlanOptions(keep_ratio=0.5)).notes == ()
+
+
+def test_keep_ratio_stays_and_says_why_when_the_budget_is_too_small():
+    p = plan(QWEN3, PlanOptions(keep_ratio=0.25, **TIGHT))
+    assert (p.proxy.experts_per_layer, p.proxy.devices) == (2, 1)
+    (note,) = p.notes
+    assert "stay 2" in note and "would need 2 devices, over the 1 devices that 2 experts need" in note
+    assert "routing collapse cannot show" in note
+    # An explicit budget that holds the larger proxy lets the planner raise it.
+    raised = plan(QWEN3, PlanOptions(keep_ratio=0.25, max_devices=2, **TIGHT))
+    assert (raised.proxy.experts_per_layer, raised.proxy.devices) == (4, 2)
+    assert "within the device budget of 2" in raised.notes[0]
+
+
+def test_explicit_expert_count_is_kept_with_a_warning():
+    p = plan(QWEN3, PlanOptions(experts=2))
+    assert p.proxy.experts_per_layer == 2
+    assert "kept as given" in p.notes[0] and "<= top-k (2)" in p.notes[0]
+    assert plan(QWEN3, PlanOptions(experts=3)).notes == ()  # more than top-k: routing is a choice
+
+
+def test_twice_top_k_respects_routing_groups_and_never_keeps_everything():
+    v3 = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+          "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "n_routed_experts": 16,
+          "num_experts_per_tok": 4, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}
+    assert plan(v3, PlanOptions(keep_ratio=0.25)).proxy.experts_per_layer == 8  # 2 groups x 4
+    top4 = {**QWEN3, "num_experts_per_tok": 4}  # 2 x top-k = all 8 experts: the most short of all
+    p = plan(top4, PlanOptions(keep_ratio=0.25))
+    assert p.proxy.experts_per_layer == 7 and "would keep every expert" in p.notes[0]
+
+
+def test_plan_command_shows_the_decision(tmp_path, capsys):
+    from moe_proxy.commands import plan as plan_command
+    import argparse
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    parser = argparse.ArgumentParser()
+    plan_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", str(tmp_path), "--keep-ratio", "0.25"])
+    assert args.func(args) == 0
+    assert "note: kept experts raised from 2 (keep ratio 0.25) to 4" in capsys.readouterr().out
+    args = parser.parse_args(["plan", str(tmp_path), "--keep-ratio", "0.25", "--json", "--max-devices", "8"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["proxy"]["experts_per_layer"] == 4 and "within the device budget of 8" in out["notes"][0]

@@ -16,6 +16,12 @@ input (H * w bytes per token per layer) plus one layer's working set while it is
 routed-expert intermediates), plus a fixed runtime reserve per device. A device is usable up to `utilization` of
 its memory.
 
+Kept experts: with a keep ratio (not an explicit count), the planner prefers at least
+2 x top-k kept experts when the ratio gives fewer, if that fits the device budget (by default
+the devices the ratio's proxy needs anyway, i.e. no extra node): with kept <= top-k every
+token uses every kept expert, so load imbalance and routing collapse cannot show. An explicit
+expert count is kept as given. Either way the plan's `notes` say what was decided and why.
+
 Step time, for the device-hours ratio: compute time = 12 * active params * tokens per step
 (rollout 2 + reference forward 2 + old-logprob forward 2 + train 6 FLOPs per parameter per token)
 over (devices * peak FLOP/s * MFU), plus optimizer time = the sharded static bytes read and
@@ -67,6 +73,7 @@ class PlanOptions:
     utilization: float = 0.9  # usable fraction of device memory
     reserve_gb: float = 4.0  # runtime, communication buffers, fragmentation, per device
     mfu: float = 0.3
+    max_devices: int | None = None  # the proxy's device budget (default: what the keep ratio's proxy needs)
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class Plan:
     devices_per_node: int
     original: Side
     proxy: Side
+    notes: tuple[str, ...] = ()  # decisions a person should see (kept experts raised or not, and why)
 
     @property
     def device_reduction(self) -> float:
@@ -195,6 +203,13 @@ def target_experts(n: int, arch: Arch, n_group: int, experts: int | None, keep_r
         shown = ", ".join(map(str, valid[:12])) + (" ..." if len(valid) > 12 else "")
         raise InvalidExpertCount(f"cannot keep {experts} experts per layer: {why}; valid values: {shown}")
     return experts
+
+
+def preferred_experts(n: int, arch: Arch, n_group: int, k: int) -> int | None:
+    """The smallest valid kept-expert count of at least 2 x top-k that still prunes (< n); the
+    largest valid count under n if 2 x top-k does not prune; None if no valid count exceeds k."""
+    valid = [e for e in range(n_group * arch.min_per_group, n, n_group) if e > k]
+    return next((e for e in valid if e >= 2 * k), valid[-1] if valid else None)
 
 
 # --- parameter counting --------------------------------------------------------------------
@@ -316,9 +331,10 @@ def plan(config: dict, opts: PlanOptions) -> Plan:
     n, k = expert_count(arch, c), top_k(arch, c)
     n_group, _ = groups(arch, c)
     kept = target_experts(n, arch, n_group, opts.experts, opts.keep_ratio)
-    proxy_k = min(opts.top_k or k, kept)
     if opts.top_k is not None and not 1 <= opts.top_k <= kept:
         raise InvalidExpertCount(f"top-k {opts.top_k} must be between 1 and the kept experts ({kept})")
+    if opts.max_devices is not None and opts.max_devices < 1:
+        raise InvalidExpertCount(f"device budget must be at least 1 device, got {opts.max_devices}")
     acc = ACCELERATORS.get(opts.accelerator, Accelerator(opts.accelerator, 64, 313, 1.6))
     device_gb = opts.device_memory_gb or acc.memory_gb
     n_moe = len(moe_layer_indices(c))
@@ -330,8 +346,35 @@ def plan(config: dict, opts: PlanOptions) -> Plan:
         return Side(experts, top, params, memory, devices, devices // opts.devices_per_node,
                     _step_seconds(params, memory, devices, acc, opts))
 
+    wanted_k = opts.top_k or k  # the proxy's top-k before it is capped at the kept experts
+    proxy = side(kept, min(wanted_k, kept))
+    proxy, notes = _prefer_twice_top_k(proxy, side, opts, preferred_experts(n, arch, n_group, wanted_k), wanted_k)
     return Plan(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
-                original=side(n, k), proxy=side(kept, proxy_k))
+                original=side(n, k), proxy=proxy, notes=tuple(notes))
+
+
+def _prefer_twice_top_k(proxy: Side, side, opts: PlanOptions, preferred: int | None,
+                        k: int) -> tuple[Side, list[str]]:
+    """Raise a keep ratio's kept experts to `preferred` (see preferred_experts) if the device
+    budget holds it; an explicit expert count stays. Returns the proxy side and notes saying why."""
+    kept = proxy.experts_per_layer
+    trivial = (f"kept experts ({kept}) <= top-k ({k}): every token uses every kept expert, so load "
+               f"imbalance and routing collapse cannot show")
+    if preferred is None or kept >= preferred:
+        return proxy, [trivial] if kept <= k else []
+    if opts.experts is not None:
+        return proxy, [f"{trivial}; {kept} experts kept as given ({preferred} would avoid it)"] if kept <= k else []
+    goal = f"{preferred} (2 x top-k = {2 * k}{'' if preferred >= 2 * k else ' would keep every expert'})"
+    budget = opts.max_devices if opts.max_devices is not None else proxy.devices
+    budget_text = (f"the device budget of {budget}" if opts.max_devices is not None
+                   else f"the {budget} devices that {kept} experts need (no device budget given)")
+    raised = side(preferred, min(k, preferred))
+    if raised.devices <= budget:
+        return raised, [f"kept experts raised from {kept} (keep ratio {opts.keep_ratio:g}) to {goal}, so that "
+                        f"routing stays a choice; {raised.devices} devices, within {budget_text}"]
+    why = (f"kept experts stay {kept} (keep ratio {opts.keep_ratio:g}): {goal} would need {raised.devices} "
+           f"devices, over {budget_text}")
+    return proxy, [f"{why}; {trivial}" if kept <= k else why]
 
 
 def format_plan(p: Plan) -> str:
@@ -363,4 +406,4 @@ def format_plan(p: Plan) -> str:
         f"  devices saved: {p.device_reduction:.1%}; device-hours per step, proxy/original: "
         f"{p.device_hours_ratio:.3f}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"  note: {note}" for note in p.notes])

@@ -27,6 +27,9 @@ def add_parser(subparsers) -> None:
                    help=f"resource name; known: {', '.join(ACCELERATORS)}")
     p.add_argument("--device-memory-gb", type=float, help="memory per device (default: the accelerator's)")
     p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--max-devices", type=int,
+                   help="the proxy's device budget: with --keep-ratio, kept experts are raised to 2 x top-k "
+                        "when that fits (default budget: the devices the ratio's proxy needs)")
     p.add_argument("--micro-batch-tokens", type=int, default=PlanOptions.micro_batch_tokens)
     p.add_argument("--tokens-per-step", type=int, default=PlanOptions.tokens_per_step)
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
