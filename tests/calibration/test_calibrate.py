@@ -97,6 +97,34 @@ def test_calibrate_command_prints_dead_super_and_imbalance(planted, tmp_path, ca
     assert "model.layers.0.mlp" not in summary["layers"]  # dense first layer
 
 
+def test_reused_only_while_source_and_tokens_are_unchanged(tmp_path, monkeypatch, capsys):
+    """What the operator's calibrate-then-build Job relies on: STATS beside the proxy are reused
+    for the same checkpoint and tokens, and recomputed when either changed."""
+    step1, step2, out = tmp_path / "step1", tmp_path / "step2", tmp_path / "stats"
+    make_tiny("qwen3_moe", step1, seed=0)
+    make_tiny("qwen3_moe", step2, seed=1)  # another step of the same run: same shapes, other values
+    passes = []
+    run = cal.run_statistics
+    monkeypatch.setattr(cal, "run_statistics", lambda *a, **k: passes.append(a[0].uri) or run(*a, **k))
+    args = ["--out", str(out), "--samples", "2", "--seq-len", "8", "--no-progress"]
+
+    assert main(["calibrate", str(step1), *args]) == 0 and len(passes) == 1
+    written, identity1 = (out / cal.TENSORS).stat().st_mtime_ns, cal.load(str(out)).identity
+    assert main(["calibrate", str(step1), *args]) == 0 and len(passes) == 1  # no layer pass
+    assert "[up to date: reused]" in capsys.readouterr().out and (out / cal.TENSORS).stat().st_mtime_ns == written
+    # Another checkpoint into the same STATS: recomputed, and the statistics now name it.
+    assert main(["calibrate", str(step2), *args]) == 0 and len(passes) == 2
+    assert "up to date" not in capsys.readouterr().out
+    stats = cal.load(str(out))
+    assert stats.identity != identity1 and stats.summary["source"]["uri"].endswith("step2")
+    # Other tokens (seed): recomputed.
+    assert main(["calibrate", str(step2), *args, "--seed", "5"]) == 0 and len(passes) == 3
+    # Statistics whose tensors are missing are incomplete: recomputed, not reused.
+    (out / cal.TENSORS).unlink()
+    assert main(["calibrate", str(step2), *args, "--seed", "5"]) == 0 and len(passes) == 4
+    assert (out / cal.TENSORS).exists()
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
 def test_statistics_are_finite_and_complete(tiny, tmp_path, model_type):
     summary = cal.calibrate(str(tiny(model_type)), str(tmp_path / "s"), samples=4, seq_len=16)

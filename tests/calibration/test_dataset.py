@@ -64,6 +64,18 @@ def test_plain_text_calibration_end_to_end(with_tokenizer, tmp_path):
     assert int(stats.token_ids.max()) < len(tok)
 
 
+def test_changed_dataset_is_recalibrated(with_tokenizer, tmp_path):
+    path, _ = with_tokenizer
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": " ".join(WORDS)}] * 4)
+    first = cal.calibrate(str(path), str(tmp_path / "s"), dataset=str(data), samples=2, seq_len=8)
+    assert cal.calibrate(str(path), str(tmp_path / "s"), dataset=str(data), samples=2, seq_len=8).get("up_to_date")
+    write_jsonl(data, [{"text": " ".join(reversed(WORDS))}] * 4)  # same file, other text
+    again = cal.calibrate(str(path), str(tmp_path / "s"), dataset=str(data), samples=2, seq_len=8)
+    assert not again.get("up_to_date") and again["tokens"]["sha256"] != first["tokens"]["sha256"]
+    want = calibration_tokens(LocalStore(path), str(data), samples=2, seq_len=8, seed=0, vocab_size=256).ids
+    assert torch.equal(cal.load(str(tmp_path / "s")).token_ids, want)
+
+
 def test_short_dataset_gives_fewer_samples(with_tokenizer, tmp_path, caplog):
     path, _ = with_tokenizer
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a few experts"}] * 3)
