@@ -4,6 +4,8 @@ with depth?
 Makes two Qwen3-MoE checkpoints (bf16, random weights) that differ only in depth, then
 measures in a fresh process each:
 - peak RSS of `calibrate` (layer by layer);
+- the same with one of its two memory bounds undone (layerwise.py): oneDNN/ideep kernel
+  caches at their default 1024 entries, or no heap trim after each layer;
 - peak RSS of loading the whole model with transformers and running the same tokens (what a
   whole-model calibration pass needs), for contrast;
 - the baseline: a process that only imports torch and transformers.
@@ -28,11 +30,15 @@ SAMPLES, SEQ_LEN = 16, 128
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
 PEAK = "print('PEAK', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
+CALIBRATE = ("from moe_proxy.calibration import calibrate\n"
+             f"calibrate({{src!r}}, {{out!r}}, samples={SAMPLES}, seq_len={SEQ_LEN})\n")
+UNBOUNDED_CACHES = "import os\nos.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] = os.environ['LRU_CACHE_CAPACITY'] = '1024'\n"
+NO_TRIM = "import moe_proxy.layerwise\nmoe_proxy.layerwise.release_freed_memory = lambda: None\n"
 SNIPPETS = {
     "imports only": "import torch, transformers\n",
-    "calibrate (layer by layer)":
-        "from moe_proxy.calibration import calibrate\n"
-        f"calibrate({{src!r}}, {{out!r}}, samples={SAMPLES}, seq_len={SEQ_LEN})\n",
+    "calibrate (layer by layer)": CALIBRATE,
+    "calibrate, kernel caches 1024": UNBOUNDED_CACHES + CALIBRATE,
+    "calibrate, no heap trim": NO_TRIM + CALIBRATE,
     "whole model in memory":
         "import torch, transformers\n"
         "m = transformers.AutoModelForCausalLM.from_pretrained({src!r}, dtype=torch.bfloat16).eval()\n"
@@ -63,11 +69,12 @@ def main() -> None:
             src = Path(tmp) / f"d{depth}"
             make_tiny("qwen3_moe", src, dtype=torch.bfloat16, num_hidden_layers=depth, mlp_only_layers=[], **CONFIG)
             size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-            for what, code in SNIPPETS.items():
-                peak, wall = measure(code.format(src=str(src), out=str(Path(tmp) / f"s{depth}")))
+            for i, (what, code) in enumerate(SNIPPETS.items()):
+                # Statistics in a new directory each time: calibrate does nothing where they exist.
+                peak, wall = measure(code.format(src=str(src), out=str(Path(tmp) / f"stats-{depth}-{i}")))
                 rows.append({"depth": depth, "checkpoint_bytes": size, "what": what, "peak_rss_bytes": peak,
                              "wall_s": round(wall, 1)})
-                print(f"depth {depth:>3}  checkpoint {size / 2**20:7.0f} MiB  {what:<28} "
+                print(f"depth {depth:>3}  checkpoint {size / 2**20:7.0f} MiB  {what:<30} "
                       f"peak RSS {peak / 2**20:7.0f} MiB  {wall:6.1f} s", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "calibrate_memory.json").write_text(json.dumps(
