@@ -443,13 +443,23 @@ def alarm_cell(row: dict | None) -> str:
     return "quiet" if not row["proxy_failures"] else "false alarm: " + failures_text(row["proxy_failures"])
 
 
-def summary_tables(rows: list[dict], quality: dict[str, dict]) -> str:
+def summary_tables(rows: list[dict], quality: dict[str, dict], seeds: dict[str, dict[str, list]]) -> str:
+    """The per-proxy tables of docs/fidelity.md. `seeds`: family -> proxy -> median Pearson of
+    the clean scenario with seeds 1-3 (--seed-study), averaged with this run's seed 0."""
     at = {(r["family"], r["scenario"], r["proxy"]): r for r in rows}
     names = [n for n in quality["main"] if n != "original"] + [CONTROL]
     names += [n for n in quality["super"] if n not in names and n != "original"]  # super-family-only variants
     track = ["| proxy | held-out loss | gate mass kept | clean: median Pearson | clean: shuffled mean (p) | "
-             "after healing phase: median Pearson | after healing: shuffled mean (p) | held-out loss after healing |",
-             "|---|---|---|---|---|---|---|---|"]
+             "clean, mean of 4 seeds | after healing phase: median Pearson | after healing: shuffled mean (p) | "
+             "after healing, mean of 4 seeds | held-out loss after healing |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def seed_mean(family: str, r: dict | None, name: str) -> str:
+        values = [r["median_pearson"]] if r else []
+        values += seeds.get(family, {}).get(name, [])
+        values = [v for v in values if v is not None]
+        return f"{fmt(float(np.mean(values)))}" if len(values) > 1 else "n/a"
+
     faults = ["| proxy | lr-spike | faulty-op | fp16-no-scaling | router-scale | "
               "high-lr, balance losses off: divergence / collapse / load shift | same, losses on: collapse / "
               "load shift | fp16 super expert: keeps it / overflow |",
@@ -469,7 +479,9 @@ def summary_tables(rows: list[dict], quality: dict[str, dict]) -> str:
             return fmt(r["median_pearson"]), f"{fmt(sh.get('mean'))} ({fmt(sh.get('p_value'), 3)})"
 
         track.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt(q['gate_mass'])} | "
-                     f"{' | '.join(tracked(clean))} | {' | '.join(tracked(healed))} | {fmt(qh['held_out_loss'], 3)} |")
+                     f"{' | '.join(tracked(clean))} | {seed_mean('main', clean, name)} | "
+                     f"{' | '.join(tracked(healed))} | {seed_mean('healed', healed, name)} | "
+                     f"{fmt(qh['held_out_loss'], 3)} |")
         off, on = at.get(("main", "high-lr", name)), at.get(("main", "high-lr-balanced", name))
         router = at.get(("main", "router-scale", name))
         sup = at.get(("super", "fp16-super", name))
@@ -500,24 +512,24 @@ def plots(runs: dict[str, dict[str, Path]], prefix: str = "") -> None:
             plot_curves(loaded, metrics, OUT, name=f"{prefix}{scenario}-{ratio:g}.png")
 
 
-def seed_study(models: dict[str, Model], steps: int, seeds: tuple[int, ...] = (1, 2, 3)) -> str:
+def seed_study(models: dict[str, Model], steps: int, name: str, seeds: tuple[int, ...] = (1, 2, 3)) -> str:
     """The clean scenario again with other prompts and sampling seeds: how stable is each
     proxy's median Pearson? (The control uses seed + 1 with the same prompts.)"""
     scores: dict[str, list[float | None]] = {}
     for seed in seeds:
-        runs = run_scenarios(models, {"clean": {}}, OUT / "seeds" / str(seed), steps, seed=seed)["clean"]
+        runs = run_scenarios(models, {"clean": {}}, OUT / name / str(seed), steps, seed=seed)["clean"]
         loaded = [load_run(runs["original"], "original")] + [
-            load_run(path, name) for name, path in runs.items() if name != "original"]
+            load_run(path, n) for n, path in runs.items() if n != "original"]
         for c in compare_runs(loaded, list(KEY_METRICS))[1:]:
             scores.setdefault(c.run, []).append(c.median_pearson)
     lines = ["| proxy | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
              "|---|" + "---|" * (len(seeds) + 1)]
-    for name, values in scores.items():
+    for proxy, values in scores.items():
         finite = [v for v in values if v is not None]
-        lines.append(f"| {name} | " + " | ".join(fmt(v) for v in values) + f" | {fmt(np.mean(finite))} |")
+        lines.append(f"| {proxy} | " + " | ".join(fmt(v) for v in values) + f" | {fmt(np.mean(finite))} |")
     text = "\n".join(lines) + "\n"
-    (OUT / "seeds.md").write_text(text)
-    (OUT / "seeds.json").write_text(json.dumps(scores, indent=2))
+    (OUT / f"{name}.md").write_text(text)
+    (OUT / f"{name}.json").write_text(json.dumps(scores, indent=2))
     return text
 
 
@@ -534,7 +546,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of the whole pipeline on a barely trained "
                         "original: 2 scenarios, 3 variants at 12.5%, 4 steps")
     parser.add_argument("--seed-study", action="store_true",
-                        help="only the clean scenario with 3 more seeds (seeds.md): how stable the scores are")
+                        help="only the clean scenario with 3 more seeds, before and after the healing phase "
+                        "(seeds.md, seeds-healed.md): how stable the scores are")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # One thread: on a shared 2-core machine, two torch threads per process thrash (measured
@@ -560,8 +573,10 @@ def main() -> int:
     stats = OUT / "calibration"
     calibrate(str(original), str(stats), token_ids=calibration_ids())
     main_models = build_family(original, stats, OUT / "proxies", variants)
+    healed_models = {name: healing_phase(m, OUT / "healed" / name) for name, m in main_models.items()}
     if args.seed_study:
-        print(seed_study(main_models, args.steps))
+        print(seed_study(main_models, args.steps, "seeds"))
+        print(seed_study(healed_models, args.steps, "seeds-healed"))
         return 0
 
     planted = OUT / "original-super"
@@ -570,7 +585,6 @@ def main() -> int:
     super_stats = OUT / "calibration-super"
     calibrate(str(planted), str(super_stats), token_ids=calibration_ids())
     super_models = build_family(planted, super_stats, OUT / "proxies-super", super_variants, super_info)
-    healed_models = {name: healing_phase(m, OUT / "healed" / name) for name, m in main_models.items()}
 
     runs = {"main": run_scenarios(main_models, SCENARIOS, OUT / "runs", args.steps),
             "healed": run_scenarios(healed_models, HEALED_SCENARIOS, OUT / "runs-healed", args.steps),
@@ -584,7 +598,9 @@ def main() -> int:
     plots(runs["main"])
     plots(runs["healed"], prefix="healed-")
     plots(runs["super"])
-    summary = summary_tables(rows, quality)
+    seeds = {family: json.loads((OUT / f"{name}.json").read_text())
+             for family, name in (("main", "seeds"), ("healed", "seeds-healed")) if (OUT / f"{name}.json").exists()}
+    summary = summary_tables(rows, quality, seeds)
     (OUT / "summary.md").write_text(summary)
     (OUT / "table.md").write_text(full_table(rows))
     (OUT / "results.json").write_text(json.dumps(

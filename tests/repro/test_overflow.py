@@ -75,3 +75,19 @@ def test_planted_weights_really_changed(massive, tiny_qwen3):
     a = load_file(tiny_qwen3 / "model.safetensors")["model.layers.1.mlp.experts.0.down_proj.weight"]
     b = load_file(massive / "model.safetensors")["model.layers.1.mlp.experts.0.down_proj.weight"]
     assert torch.allclose(b, a * 1e9)
+
+
+def test_router_rows_without_gradient_are_not_underflow(tiny_qwen3):
+    """An expert no token chose gets no router gradient (renormalised top-k): exact zeros there
+    are not fp16 flushing; zeros in a dense weight are."""
+    from moe_proxy.repro.runner import _Loop
+
+    loop = _Loop(tiny_qwen3, ReproConfig(steps=1), torch.device("cpu"))
+    for p in loop.params:
+        p.grad = torch.ones_like(p)
+    router = loop.tap.routers[0].module.weight
+    router.grad[0] = 0.0  # expert 0 unchosen in this batch
+    assert loop._grad_stats()["numerics/dense_grad_zero_frac"] == 0
+    attention = next(p for p in loop.params if "self_attn.q_proj" in loop.names[id(p)])
+    attention.grad[0, 0] = 0.0
+    assert loop._grad_stats()["numerics/dense_grad_zero_frac"] > 0

@@ -210,6 +210,9 @@ class _Loop:
         self.activations = ActivationWatch(self.policy)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in self.policy.named_parameters()}
+        # Router weights are not dense in the underflow sense: with a renormalised top-k, the row
+        # of an expert no token chose gets no gradient (exactly 0 in fp16, rounding noise in fp32).
+        self.router_params = {id(p) for r in self.tap.routers for p in r.module.parameters()}
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=config.init_loss_scale)
 
@@ -378,9 +381,9 @@ class _Loop:
             total += g.numel()
             name = self.names[id(p)]
             # Dense weights get a gradient from every token, so in fp32 none of its elements is
-            # exactly 0; zeros there are values flushed by fp16 underflow. (Unrouted experts and
-            # unused embedding rows are legitimately zero and are left out.)
-            if "experts" not in name and "embed" not in name:
+            # exactly 0; zeros there are values flushed by fp16 underflow. (Unrouted experts, router
+            # rows of unchosen experts and unused embedding rows are legitimately zero: left out.)
+            if "experts" not in name and "embed" not in name and id(p) not in self.router_params:
                 dense_zeros += int((g == 0).sum().item())
                 dense_total += g.numel()
             match = _LAYER.search(name)
