@@ -20,7 +20,7 @@
    statistics, each against its shuffled-step-order control), write results.json, table.md,
    summary.md and plots under bench/out/fidelity/.
 
-    .venv/bin/python bench/fidelity.py [--steps 16] [--quick] [--seed-study]
+    .venv/bin/python bench/fidelity.py [--steps 16] [--quick] [--seed-study] [--collapse-study]
 
 About 40-60 minutes on 2 busy CPU cores when the original is cached. Every build and run is
 cached under bench/out/fidelity/ by its settings, so an interrupted lab resumes.
@@ -423,15 +423,13 @@ def full_table(rows: list[dict]) -> str:
 
 
 def fault_cell(row: dict | None, signature: str) -> str:
-    """Did the proxy show the original's `signature` failure in this scenario?"""
+    """Did the proxy show the original's `signature` failure in this scenario (onset shift)?"""
     if row is None:
         return "n/a"
-    onset = row["original_failures"].get(signature)
-    if onset is None:
-        return "original: none" + (" (proxy alarms)" if row["proxy_failures"] else "")
-    if signature not in row["proxy_failures"]:
-        return "no"
-    return f"yes ({row['onset_shift'][signature]:+d})"
+    mine, theirs = row["proxy_failures"].get(signature), row["original_failures"].get(signature)
+    if theirs is None:
+        return "neither" if mine is None else f"false alarm ({mine})"
+    return "no" if mine is None else f"yes ({mine - theirs:+d})"
 
 
 def alarm_cell(row: dict | None) -> str:
@@ -464,12 +462,20 @@ def summary_tables(rows: list[dict], quality: dict[str, dict], seeds: dict[str, 
               "high-lr, balance losses off: divergence / collapse / load shift | same, losses on: collapse / "
               "load shift | fp16 super expert: keeps it / overflow |",
               "|---|---|---|---|---|---|---|---|"]
+    def onset(family: str, scenario: str, signature: str) -> str:
+        r = next((r for r in rows if r["family"] == family and r["scenario"] == scenario), None)
+        step = r["original_failures"].get(signature) if r else None
+        return "n/a" if r is None else "none" if step is None else f"{signature} ({step})"
+
+    faults.append(f"| original (reference) | {onset('main', 'lr-spike', 'divergence')} | "
+                  f"{onset('main', 'faulty-op', 'divergence')} | {onset('main', 'fp16-no-scaling', 'underflow')} | "
+                  f"{failures_text(next((r['original_failures'] for r in rows if r['scenario'] == 'router-scale'), {}))}"
+                  f" | {onset('main', 'high-lr', 'divergence')} / {onset('main', 'high-lr', 'collapse')} / "
+                  f"{fmt(next((r['original_load_shift'] for r in rows if r['scenario'] == 'high-lr'), None))} | "
+                  f"{onset('main', 'high-lr-balanced', 'collapse')} / "
+                  f"{fmt(next((r['original_load_shift'] for r in rows if r['scenario'] == 'high-lr-balanced'), None))}"
+                  f" | yes / {onset('super', 'fp16-super', 'overflow')} |")
     for name in names:
-        if name not in quality["main"] and name != CONTROL:
-            q = qh = {"held_out_loss": None, "gate_mass": None}
-        else:
-            q = quality["main"].get(name, quality["main"]["original"])
-            qh = quality["healed"].get(name, quality["healed"]["original"])
         clean, healed = at.get(("main", "clean", name)), at.get(("healed", "clean", name))
 
         def tracked(r: dict | None) -> tuple[str, str]:
@@ -478,10 +484,13 @@ def summary_tables(rows: list[dict], quality: dict[str, dict], seeds: dict[str, 
             sh = r["shuffled"] or {}
             return fmt(r["median_pearson"]), f"{fmt(sh.get('mean'))} ({fmt(sh.get('p_value'), 3)})"
 
-        track.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt(q['gate_mass'])} | "
-                     f"{' | '.join(tracked(clean))} | {seed_mean('main', clean, name)} | "
-                     f"{' | '.join(tracked(healed))} | {seed_mean('healed', healed, name)} | "
-                     f"{fmt(qh['held_out_loss'], 3)} |")
+        if name in quality["main"] or name == CONTROL:  # the super-family-only variants have no such runs
+            q = quality["main"].get(name, quality["main"]["original"])
+            qh = quality["healed"].get(name, quality["healed"]["original"])
+            track.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt(q['gate_mass'])} | "
+                         f"{' | '.join(tracked(clean))} | {seed_mean('main', clean, name)} | "
+                         f"{' | '.join(tracked(healed))} | {seed_mean('healed', healed, name)} | "
+                         f"{fmt(qh['held_out_loss'], 3)} |")
         off, on = at.get(("main", "high-lr", name)), at.get(("main", "high-lr-balanced", name))
         router = at.get(("main", "router-scale", name))
         sup = at.get(("super", "fp16-super", name))
@@ -533,6 +542,34 @@ def seed_study(models: dict[str, Model], steps: int, name: str, seeds: tuple[int
     return text
 
 
+def collapse_study(models: dict[str, Model], steps: int, seeds: tuple[int, ...] = (0, 1, 2, 3)) -> str:
+    """high-lr with the balance losses off and on, with seeds 0-3 (seed 0: the main run's, reused
+    from its cache): how often does each model's routing collapse, and how far does its load drift?"""
+    stats: dict[str, dict[str, list]] = {}
+    for seed in seeds:
+        for scenario in ("high-lr", "high-lr-balanced"):
+            out = OUT / "runs" if seed == 0 else OUT / "collapse" / str(seed)
+            runs = run_scenarios(models, {scenario: SCENARIOS[scenario]}, out, steps, seed=seed)[scenario]
+            for name, path in runs.items():
+                run = load_run(path, name)
+                entry = stats.setdefault(name, {})
+                entry.setdefault(f"{scenario}/collapse", []).append(run.onsets.get("collapse"))
+                entry.setdefault(f"{scenario}/load_shift", []).append(load_shift(run.rows))
+    (OUT / "collapse.json").write_text(json.dumps(stats, indent=2))
+    lines = ["| model | losses off: collapsed (seeds) | losses off: mean load shift | losses on: collapsed (seeds) | "
+             "losses on: mean load shift |", "|---|---|---|---|---|"]
+    for name, entry in stats.items():
+        cells = []
+        for scenario in ("high-lr", "high-lr-balanced"):
+            onsets = entry[f"{scenario}/collapse"]
+            shifts = [v for v in entry[f"{scenario}/load_shift"] if v is not None]
+            cells += [f"{sum(o is not None for o in onsets)}/{len(onsets)}", fmt(float(np.mean(shifts)))]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    (OUT / "collapse.md").write_text(text)
+    return text
+
+
 def quality_of(models: dict[str, Model], clean_runs: dict[str, Path]) -> dict[str, dict]:
     return {name: {"held_out_loss": held_out_loss(m.path), "gate_mass": m.gate_mass,
                    "reward_step0": load_run(clean_runs[name]).rows[0]["critic/rewards/mean"]}
@@ -548,6 +585,8 @@ def main() -> int:
     parser.add_argument("--seed-study", action="store_true",
                         help="only the clean scenario with 3 more seeds, before and after the healing phase "
                         "(seeds.md, seeds-healed.md): how stable the scores are")
+    parser.add_argument("--collapse-study", action="store_true",
+                        help="only high-lr with the balance losses off and on, seeds 0-3 (collapse.md)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # One thread: on a shared 2-core machine, two torch threads per process thrash (measured
@@ -577,6 +616,9 @@ def main() -> int:
     if args.seed_study:
         print(seed_study(main_models, args.steps, "seeds"))
         print(seed_study(healed_models, args.steps, "seeds-healed"))
+        return 0
+    if args.collapse_study:
+        print(collapse_study(main_models, args.steps))
         return 0
 
     planted = OUT / "original-super"
