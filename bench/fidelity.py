@@ -467,9 +467,10 @@ def summary_tables(rows: list[dict], quality: dict[str, dict], seeds: dict[str, 
         step = r["original_failures"].get(signature) if r else None
         return "n/a" if r is None else "none" if step is None else f"{signature} ({step})"
 
+    router_ref = next((r["original_failures"] for r in rows if r["scenario"] == "router-scale"), None)
     faults.append(f"| original (reference) | {onset('main', 'lr-spike', 'divergence')} | "
                   f"{onset('main', 'faulty-op', 'divergence')} | {onset('main', 'fp16-no-scaling', 'underflow')} | "
-                  f"{failures_text(next((r['original_failures'] for r in rows if r['scenario'] == 'router-scale'), {}))}"
+                  f"{'n/a' if router_ref is None else failures_text(router_ref)}"
                   f" | {onset('main', 'high-lr', 'divergence')} / {onset('main', 'high-lr', 'collapse')} / "
                   f"{fmt(next((r['original_load_shift'] for r in rows if r['scenario'] == 'high-lr'), None))} | "
                   f"{onset('main', 'high-lr-balanced', 'collapse')} / "
