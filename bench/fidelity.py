@@ -442,74 +442,88 @@ def alarm_cell(row: dict | None) -> str:
 
 
 def summary_tables(rows: list[dict], quality: dict[str, dict], seeds: dict[str, dict[str, list]]) -> str:
-    """The per-proxy tables of docs/fidelity.md. `seeds`: family -> proxy -> median Pearson of
-    the clean scenario with seeds 1-3 (--seed-study), averaged with this run's seed 0."""
+    """The per-proxy tables of docs/fidelity.md: tracking, faults, model quality."""
     at = {(r["family"], r["scenario"], r["proxy"]): r for r in rows}
-    names = [n for n in quality["main"] if n != "original"] + [CONTROL]
-    names += [n for n in quality["super"] if n not in names and n != "original"]  # super-family-only variants
-    track = ["| proxy | held-out loss | gate mass kept | clean: median Pearson | clean: shuffled mean (p) | "
+    tracked = [n for n in quality["main"] if n != "original"] + [CONTROL]
+    super_only = [n for n in quality["super"] if n not in tracked and n != "original"]
+    return "\n".join(tracking_table(at, tracked, quality, seeds) + [""] + fault_table(rows, at, tracked + super_only)
+                     + [""] + quality_table(quality)) + "\n"
+
+
+def tracking_table(at: dict, names: list[str], quality: dict[str, dict], seeds: dict[str, dict[str, list]]
+                   ) -> list[str]:
+    """Clean-scenario correlation, its shuffled control and the seed mean, before and after the
+    healing phase. `seeds`: family -> proxy -> median Pearson with seeds 1-3 (--seed-study)."""
+    lines = ["| proxy | held-out loss | gate mass kept | clean: median Pearson | clean: shuffled mean (p) | "
              "clean, mean of 4 seeds | after healing phase: median Pearson | after healing: shuffled mean (p) | "
              "after healing, mean of 4 seeds | held-out loss after healing |",
              "|---|---|---|---|---|---|---|---|---|---|"]
 
-    def seed_mean(family: str, r: dict | None, name: str) -> str:
-        values = [r["median_pearson"]] if r else []
-        values += seeds.get(family, {}).get(name, [])
-        values = [v for v in values if v is not None]
-        return f"{fmt(float(np.mean(values)))}" if len(values) > 1 else "n/a"
+    def cells(family: str, name: str) -> str:
+        r = at.get((family, "clean", name))
+        if r is None:
+            return "n/a | n/a | n/a"
+        sh = r["shuffled"] or {}
+        values = [v for v in [r["median_pearson"], *seeds.get(family, {}).get(name, [])] if v is not None]
+        mean = fmt(float(np.mean(values))) if len(values) > 1 else "n/a"
+        return f"{fmt(r['median_pearson'])} | {fmt(sh.get('mean'))} ({fmt(sh.get('p_value'), 3)}) | {mean}"
 
-    faults = ["| proxy | lr-spike | faulty-op | fp16-no-scaling | router-scale | "
-              "high-lr, balance losses off: divergence / collapse / load shift | same, losses on: collapse / "
-              "load shift | fp16 super expert: keeps it / overflow |",
-              "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        q = quality["main"].get(name, quality["main"]["original"])  # the control is the original
+        qh = quality["healed"].get(name, quality["healed"]["original"])
+        lines.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt(q['gate_mass'])} | {cells('main', name)} | "
+                     f"{cells('healed', name)} | {fmt(qh['held_out_loss'], 3)} |")
+    return lines
+
+
+def fault_table(rows: list[dict], at: dict, names: list[str]) -> list[str]:
+    """Per proxy: the original's failures reproduced or not, false alarms, load shifts, and the
+    planted super expert kept or not; first the original's own onsets."""
+    lines = ["| proxy | lr-spike | faulty-op | fp16-no-scaling | router-scale | "
+             "high-lr, balance losses off: divergence / collapse / load shift | same, losses on: collapse / "
+             "load shift | fp16 super expert: keeps it / overflow |",
+             "|---|---|---|---|---|---|---|---|"]
+    reference = {(r["family"], r["scenario"]): r for r in rows}
+
     def onset(family: str, scenario: str, signature: str) -> str:
-        r = next((r for r in rows if r["family"] == family and r["scenario"] == scenario), None)
+        r = reference.get((family, scenario))
         step = r["original_failures"].get(signature) if r else None
         return "n/a" if r is None else "none" if step is None else f"{signature} ({step})"
 
-    router_ref = next((r["original_failures"] for r in rows if r["scenario"] == "router-scale"), None)
-    faults.append(f"| original (reference) | {onset('main', 'lr-spike', 'divergence')} | "
-                  f"{onset('main', 'faulty-op', 'divergence')} | {onset('main', 'fp16-no-scaling', 'underflow')} | "
-                  f"{'n/a' if router_ref is None else failures_text(router_ref)}"
-                  f" | {onset('main', 'high-lr', 'divergence')} / {onset('main', 'high-lr', 'collapse')} / "
-                  f"{fmt(next((r['original_load_shift'] for r in rows if r['scenario'] == 'high-lr'), None))} | "
-                  f"{onset('main', 'high-lr-balanced', 'collapse')} / "
-                  f"{fmt(next((r['original_load_shift'] for r in rows if r['scenario'] == 'high-lr-balanced'), None))}"
-                  f" | yes / {onset('super', 'fp16-super', 'overflow')} |")
+    def original_shift(scenario: str) -> str:
+        r = reference.get(("main", scenario))
+        return fmt(r["original_load_shift"]) if r else "n/a"
+
+    router = reference.get(("main", "router-scale"))
+    lines.append(f"| original (reference) | {onset('main', 'lr-spike', 'divergence')} | "
+                 f"{onset('main', 'faulty-op', 'divergence')} | {onset('main', 'fp16-no-scaling', 'underflow')} | "
+                 f"{failures_text(router['original_failures']) if router else 'n/a'} | "
+                 f"{onset('main', 'high-lr', 'divergence')} / {onset('main', 'high-lr', 'collapse')} / "
+                 f"{original_shift('high-lr')} | {onset('main', 'high-lr-balanced', 'collapse')} / "
+                 f"{original_shift('high-lr-balanced')} | yes / {onset('super', 'fp16-super', 'overflow')} |")
     for name in names:
-        clean, healed = at.get(("main", "clean", name)), at.get(("healed", "clean", name))
-
-        def tracked(r: dict | None) -> tuple[str, str]:
-            if r is None:
-                return "n/a", "n/a"
-            sh = r["shuffled"] or {}
-            return fmt(r["median_pearson"]), f"{fmt(sh.get('mean'))} ({fmt(sh.get('p_value'), 3)})"
-
-        if name in quality["main"] or name == CONTROL:  # the super-family-only variants have no such runs
-            q = quality["main"].get(name, quality["main"]["original"])
-            qh = quality["healed"].get(name, quality["healed"]["original"])
-            track.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt(q['gate_mass'])} | "
-                         f"{' | '.join(tracked(clean))} | {seed_mean('main', clean, name)} | "
-                         f"{' | '.join(tracked(healed))} | {seed_mean('healed', healed, name)} | "
-                         f"{fmt(qh['held_out_loss'], 3)} |")
         off, on = at.get(("main", "high-lr", name)), at.get(("main", "high-lr-balanced", name))
-        router = at.get(("main", "router-scale", name))
         sup = at.get(("super", "fp16-super", name))
-        off_cell = (f"{fault_cell(off, 'divergence')} / {fault_cell(off, 'collapse')} / "
-                    f"{fmt(off['load_shift']) if off else 'n/a'}")
-        on_cell = f"{fault_cell(on, 'collapse')} / {fmt(on['load_shift']) if on else 'n/a'}"
         keeps = "n/a" if sup is None or sup["keeps_super"] is None else ("yes" if sup["keeps_super"] else "no")
-        faults.append(f"| {name} | {fault_cell(at.get(('main', 'lr-spike', name)), 'divergence')} | "
-                      f"{fault_cell(at.get(('main', 'faulty-op', name)), 'divergence')} | "
-                      f"{fault_cell(at.get(('main', 'fp16-no-scaling', name)), 'underflow')} | "
-                      f"{alarm_cell(router)} | {off_cell} | {on_cell} | "
-                      f"{keeps} / {fault_cell(sup, 'overflow')} |")
-    quality_lines = ["| family | model | held-out loss | task reward at step 0 | gate mass kept |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {name} | {fault_cell(at.get(('main', 'lr-spike', name)), 'divergence')} | "
+            f"{fault_cell(at.get(('main', 'faulty-op', name)), 'divergence')} | "
+            f"{fault_cell(at.get(('main', 'fp16-no-scaling', name)), 'underflow')} | "
+            f"{alarm_cell(at.get(('main', 'router-scale', name)))} | "
+            f"{fault_cell(off, 'divergence')} / {fault_cell(off, 'collapse')} / "
+            f"{fmt(off['load_shift']) if off else 'n/a'} | "
+            f"{fault_cell(on, 'collapse')} / {fmt(on['load_shift']) if on else 'n/a'} | "
+            f"{keeps} / {fault_cell(sup, 'overflow')} |")
+    return lines
+
+
+def quality_table(quality: dict[str, dict]) -> list[str]:
+    lines = ["| family | model | held-out loss | task reward at step 0 | gate mass kept |", "|---|---|---|---|---|"]
     for family, by_name in quality.items():
         for name, q in by_name.items():
-            quality_lines.append(f"| {family} | {name} | {fmt(q['held_out_loss'], 3)} | "
-                                 f"{fmt(q.get('reward_step0'), 3)} | {fmt(q['gate_mass'])} |")
-    return "\n".join(track + [""] + faults + [""] + quality_lines) + "\n"
+            lines.append(f"| {family} | {name} | {fmt(q['held_out_loss'], 3)} | "
+                         f"{fmt(q.get('reward_step0'), 3)} | {fmt(q['gate_mass'])} |")
+    return lines
 
 
 def plots(runs: dict[str, dict[str, Path]], prefix: str = "") -> None:
