@@ -137,3 +137,12 @@ def test_cli_reports_the_shuffled_control(tmp_path, capsys):
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["comparisons"][1]["shuffled"]["permutations"] == 50
     assert "shuffled steps: mean / p95 / p" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_negative_permutations_is_one_clear_line(tmp_path, capsys):
+    write_run(tmp_path / "orig", curve())
+    write_run(tmp_path / "proxy", curve(shift=1))
+    assert main(["compare", str(tmp_path / "orig"), str(tmp_path / "proxy"), "--out", str(tmp_path / "rep"),
+                 "--permutations", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--permutations -1" in err and "\n" not in err
