@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from .architectures import Arch, detect, expert_count, groups, top_k
 from .errors import InvalidExpertCount
@@ -353,7 +354,7 @@ def plan(config: dict, opts: PlanOptions) -> Plan:
                 original=side(n, k), proxy=proxy, notes=tuple(notes))
 
 
-def _prefer_twice_top_k(proxy: Side, side, opts: PlanOptions, preferred: int | None,
+def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: PlanOptions, preferred: int | None,
                         k: int) -> tuple[Side, list[str]]:
     """Raise a keep ratio's kept experts to `preferred` (see preferred_experts) if the device
     budget holds it; an explicit expert count stays. Returns the proxy side and notes saying why."""
