@@ -104,6 +104,16 @@ def _parse(spec: dict, namespace: str, name: str) -> ProxyModelSpec:
     return parse(dict(spec), namespace, name, config)
 
 
+def _as_planned(spec: ProxyModelSpec, status: dict) -> ProxyModelSpec:
+    """The spec with the plan's expert count in place of a keep ratio. The planner may keep
+    more than the ratio says (at least 2 x top-k where the device budget holds it); the build
+    must make the proxy that was planned and that the reproduction was sized for."""
+    planned = ((status.get("plan") or {}).get("proxy") or {}).get("expertsPerLayer")
+    if spec.pruning.experts is not None or not planned:
+        return spec
+    return replace(spec, pruning=replace(spec.pruning, experts=int(planned)))
+
+
 def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str) -> NoReturn:
     """Bad input: say so in status and an Event, then stop (kopf.PermanentError)."""
     _set_condition(patch, status, condition(ACCEPTED, False, reason, message, generation))
@@ -158,7 +168,7 @@ async def _ensure_recorded_child(body: dict) -> None:
     if phase == TRANSFORMING and not status.get("proxy"):
         spec = _parse(body["spec"], meta["namespace"], meta["name"])
         step = ran.get("transformerStep") or BUILD  # absent in the status of older operators
-        job = step_job(step, meta["name"], meta["namespace"], ran["generation"], spec)
+        job = step_job(step, meta["name"], meta["namespace"], ran["generation"], _as_planned(spec, status))
         kopf.adopt(job, owner=body)
         if not await kube.exists(JOBS, meta["namespace"], job["metadata"]["name"]):
             await kube.create(JOBS, meta["namespace"], job)
@@ -218,7 +228,8 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
         devices = parsed.reproduction.accelerator.devices or plan.proxy.devices
         patch.status["accelerators"] = arrow(plan.original.devices, devices)
         message = (f"{plan.architecture}: {plan.original.experts_per_layer} -> {plan.proxy.experts_per_layer} experts "
-                   f"per layer; {plan.original.devices} -> {devices} x {plan.accelerator}")
+                   f"per layer; {plan.original.devices} -> {devices} x {plan.accelerator}"
+                   + "".join(f"; {note}" for note in plan.notes))
     else:
         message = "spec accepted (preflight disabled)"
     _set_condition(patch, status, condition(ACCEPTED, True, "SpecValid", message, generation))
@@ -240,7 +251,7 @@ async def transform(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body:
         kopf.event(body, type="Normal", reason="ChildrenReplaced",
                    message=f"deleted {', '.join(sorted(deleted))} of an older spec")
     step = steps(parsed)[0]
-    job = step_job(step, name, namespace, generation, parsed)
+    job = step_job(step, name, namespace, generation, _as_planned(parsed, dict(status)))
     kopf.adopt(job, owner=body)
     job_name = job["metadata"]["name"]
     # Status first, then the Job: whatever the Job does next, its handler finds it recorded.
@@ -468,7 +479,7 @@ async def _step_verdict(parent: dict, verdict: Outcome, step: str, workload: dic
         logger.info("%s done; the next step waits until spec.suspend is false", what)
         return
     following = next_step(spec, step)
-    job = step_job(following, meta["name"], meta["namespace"], generation, spec)
+    job = step_job(following, meta["name"], meta["namespace"], generation, _as_planned(spec, status))
     kopf.adopt(job, owner=parent)
     job_name = job["metadata"]["name"]
     await _patch_parent(parent, _step_status(status, following, job_name, spec, generation))

@@ -122,6 +122,7 @@ def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Plan:
         experts=p.experts, keep_ratio=p.keep_ratio, top_k=p.top_k, precision=r.precision,
         accelerator=r.accelerator.resource, device_memory_gb=r.accelerator.memory_gb or settings.device_memory_gb,
         devices_per_node=r.accelerator.devices_per_node,
+        max_devices=r.accelerator.devices,  # an explicit device count is the budget for the kept experts
     )
     try:
         return plan(config, options)

@@ -91,6 +91,7 @@ def plan_summary(plan) -> dict:
         "precision": plan.precision, "original": side(plan.original), "proxy": side(plan.proxy),
         "deviceReduction": f"{plan.device_reduction:.1%}",
         "deviceHoursRatio": f"{plan.device_hours_ratio:.3f}",
+        **({"notes": list(plan.notes)} if plan.notes else {}),  # e.g. kept experts raised to 2 x top-k
     }
 
 

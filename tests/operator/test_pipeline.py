@@ -158,3 +158,23 @@ async def test_runtimes_get_the_device_count(cluster, operator, runtime, resourc
         if runtime == "AscendJob":
             assert container["name"] == "ascend"
     assert cluster.status(NS, "q3")["accelerators"].endswith("->16")
+
+
+@pytest.mark.parametrize("devices, built", [("auto", "16"), (4, "8")])
+async def test_the_job_builds_the_planned_expert_count(cluster, operator, devices, built):
+    """A keep ratio of 1/16 keeps 8 of Qwen3-30B-A3B's 128 experts, its top-k: routing would be
+    trivial. The planner raises that to 16 where the device budget holds it, and the transformer
+    Job must build what was planned (and what the reproduction is sized for); with a budget of
+    4 devices it stays at 8, and status says why."""
+    manifest = proxymodel("ratio", reproduction={"accelerator": {"devices": devices}})
+    manifest["spec"]["pruning"] = {"keepRatio": 0.0625}
+    await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    await cluster.create(PROXYMODELS, NS, manifest)
+    job = await eventually(lambda: cluster.get(JOBS, NS, "ratio-transform-g1"), what="transformer Job")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--experts") + 1] == built and "--keep-ratio" not in args
+    status = cluster.get(PROXYMODELS, NS, "ratio")["status"]
+    assert status["plan"]["proxy"]["expertsPerLayer"] == int(built)
+    assert status["experts"] == f"128->{built}"
+    (note,) = status["plan"]["notes"]
+    assert note.startswith("kept experts raised from 8" if built == "16" else "kept experts stay 8"), note
