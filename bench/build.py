@@ -6,7 +6,8 @@ weights) of about 1, 2, 4 and 8 GB, uploads them to a local SeaweedFS (S3 on 127
 then measures in one run, per size:
 
 - build wall time (router features, 64 -> 8 experts) versus the time to simply copy the
-  proxy's bytes (download + upload through the same S3 client): the transformation overhead;
+  proxy's bytes (download + upload through the same S3 client, with the same 4-part read-ahead
+  overlapping download and upload): the transformation overhead; CPU seconds of both;
 - bytes downloaded / checkpoint bytes, for router features and for weight features, and
   against the target (proxy bytes + headers + router tensors);
 - peak RSS of the build process (a fresh process per build);
@@ -117,12 +118,19 @@ opts = {"endpoint_url": a["endpoint"]}
 src, dst = open_store(a["src"], **opts), open_store(a["dst"], **opts)
 t = time.perf_counter()
 cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same client, nothing else
-    for name in src.list():
-        w, size = dst.writer(name), src.size(name)
-        for start in range(0, size, 64 << 20):
-            w.write(src.read_range(name, start, min(64 << 20, size - start)))
-        w.commit()
+if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same client, nothing else,
+    # with the build's own overlap of download and upload (4 reads of 64 MB ahead of the writer)
+    from concurrent.futures import ThreadPoolExecutor
+    from itertools import islice
+    from moe_proxy.checkpoint import part_readers
+    from moe_proxy.shard_writer import shard_pieces
+    with ThreadPoolExecutor(4) as pool:
+        for name in src.list():
+            w, size = dst.writer(name), src.size(name)
+            pieces = shard_pieces([], part_readers(src, name, [(0, size)], 64 << 20), pool)
+            for piece in islice(pieces, 1, None):  # without the (empty) safetensors header it starts with
+                w.write(piece)
+            w.commit()
 else:
     kw = {k: a[k] for k in ("worker", "workers", "finalize_only") if k in a}
     build_proxy(src, dst, experts=a["experts"], features=a["features"], overwrite=True, **kw)
