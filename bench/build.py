@@ -121,14 +121,12 @@ cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same client, nothing else,
     # with the build's own overlap of download and upload (4 reads of 64 MB ahead of the writer)
     from concurrent.futures import ThreadPoolExecutor
-    from itertools import islice
     from moe_proxy.checkpoint import part_readers
-    from moe_proxy.shard_writer import shard_pieces
+    from moe_proxy.shard_writer import read_ahead
     with ThreadPoolExecutor(4) as pool:
         for name in src.list():
             w, size = dst.writer(name), src.size(name)
-            pieces = shard_pieces([], part_readers(src, name, [(0, size)], 64 << 20), pool)
-            for piece in islice(pieces, 1, None):  # without the (empty) safetensors header it starts with
+            for piece in read_ahead(part_readers(src, name, [(0, size)], 64 << 20), pool):
                 w.write(piece)
             w.commit()
 else:

@@ -74,7 +74,7 @@ class Checkpoint:
         one request."""
         t = self.tensors[name]
         ranges = slice_ranges(t, axis, keep)
-        return b"".join(read_coalesced(self.store, t.file, ranges, gap))
+        return read_coalesced(self.store, t.file, ranges, gap)
 
     def other_files(self) -> list[str]:
         """Files that are neither shards nor the index (tokenizer, generation config, code)."""
@@ -90,9 +90,10 @@ def slice_ranges(t: TensorInfo, axis: int, keep: list[int]) -> list[tuple[int, i
     return [(t.start + (o * n + e) * inner, inner) for o in range(outer) for e in keep]
 
 
-def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: int = 0) -> list[bytes | memoryview]:
-    """Read many ranges of one file, merging neighbours (within `gap` bytes) into one request."""
-    out: list[bytes] = []
+def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: int = 0) -> bytes:
+    """The bytes of many ranges of one file, in order, merging neighbours (within `gap` bytes)
+    into one request. A request whose ranges leave no gap is used as read, without copies."""
+    out: list[bytes | memoryview] = []
     i = 0
     while i < len(ranges):
         start, length = ranges[i]
@@ -101,13 +102,13 @@ def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: 
             end = ranges[j][0] + ranges[j][1]
             j += 1
         blob = store.read_range(file, start, end - start)
-        if j == i + 1 and length == len(blob):
+        if sum(n for _, n in ranges[i:j]) == len(blob):  # one contiguous run: all of it
             out.append(blob)
-        else:  # views: the caller joins them, one copy instead of two
+        else:  # views of what is kept: the join below is the only copy
             view = memoryview(blob)
             out.extend(view[s - start : s - start + n] for s, n in ranges[i:j])
         i = j
-    return out
+    return out[0] if len(out) == 1 and isinstance(out[0], bytes) else b"".join(out)
 
 
 def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: int) -> list[Callable[[], bytes]]:
@@ -125,13 +126,7 @@ def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: i
         size += r[1]
     if batch:
         tasks.append(batch)
-    return [partial(_read_batch, store, file, b) for b in tasks]
-
-
-def _read_batch(store: Store, file: str, batch: list[tuple[int, int]]) -> bytes:
-    if all(s + n == t for (s, n), (t, _) in zip(batch, batch[1:])):  # one run: the bytes as read, no copy
-        return store.read_range(file, batch[0][0], sum(n for _, n in batch))
-    return b"".join(read_coalesced(store, file, batch))
+    return [partial(read_coalesced, store, file, b) for b in tasks]
 
 
 def read_header(store: Store, file: str, file_size: int) -> tuple[dict[str, TensorInfo], dict]:

@@ -52,9 +52,14 @@ def shard_size(tensors: list[OutTensor]) -> int:
 def shard_pieces(tensors: list[OutTensor], parts: list[Callable[[], bytes]], pool: Executor | None = None,
                  window: int = 4) -> Iterable[bytes]:
     """The shard's bytes in order: its header, then `parts` (read in order, they give the
-    tensors' data). With a pool, up to `window` parts are fetched ahead while earlier ones are
-    written, overlapping download and upload."""
+    tensors' data), fetched ahead with `pool` (see read_ahead)."""
     yield header_bytes(tensors)
+    yield from read_ahead(parts, pool, window)
+
+
+def read_ahead(parts: list[Callable[[], bytes]], pool: Executor | None = None, window: int = 4) -> Iterable[bytes]:
+    """Each part's bytes, in order. With a pool, up to `window` parts are fetched ahead while
+    earlier ones are written, overlapping download and upload."""
     if pool is None:
         yield from (p() for p in parts)
         return
