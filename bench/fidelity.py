@@ -51,7 +51,8 @@ from moe_proxy.calibration import load as load_calibration  # noqa: E402
 from moe_proxy.compare import KEY_METRICS, compare_runs, load_run  # noqa: E402
 from moe_proxy.planner import PlanOptions, plan  # noqa: E402
 from moe_proxy.plots import plot_curves  # noqa: E402
-from moe_proxy.repro import Faults, ReproConfig, run_repro  # noqa: E402
+from moe_proxy.repro.config import Faults, ReproConfig  # noqa: E402
+from moe_proxy.repro.runner import run_repro  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "fidelity"
 MODEL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -2,7 +2,8 @@
 
 import pytest
 
-from moe_proxy.repro import ReproConfig, run_repro
+from moe_proxy.repro.config import ReproConfig
+from moe_proxy.repro.runner import run_repro
 from moe_proxy.repro.metrics_io import read_metrics
 from moe_proxy.tiny import TINY, make_tiny
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.repro import FailureDetector, ReproConfig, run_repro
+from moe_proxy.repro.detect import FailureDetector
+from moe_proxy.repro.config import ReproConfig
+from moe_proxy.repro.runner import run_repro
 from moe_proxy.repro.metrics_io import read_metrics
 
 FP16_MAX = 65504.0
