@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
@@ -30,9 +29,10 @@ from moe_proxy.checkpoints import Checkpoint, find, inspect_all
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, ObjectNotFound, StorageError
 from moe_proxy.s3 import S3Store
 
-from . import handlers, kube
+from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the settings in memo
 from .preflight import PreflightError, read_credentials, redact
 from .resources import GROUP, PROXYMODELS, VERSION, Resource
+from .settings import checkpoint_tick
 from .status import condition, now, with_condition
 from .watch_plan import LABEL_STEP, LABEL_WATCH, Child, considered, decide, proxymodel_for, watch_label
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
@@ -40,7 +40,8 @@ from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
 # How often each watch's timer wakes to see whether its pollInterval has passed (seconds): the
 # CRD's smallest pollInterval, so polls fall on 30 s ticks and kopf logs one line per tick.
-TICK = float(os.environ.get("MOEPROXY_CHECKPOINT_TICK", "30"))
+# Read at import: kopf takes the interval when the timer is registered, below.
+TICK = checkpoint_tick()
 ACCEPTED = "Accepted"  # the spec, and the ProxyModels its template makes, are valid
 SOURCE_REACHABLE = "SourceReachable"
 SUSPENDED = "Suspended"
@@ -105,7 +106,7 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
                name: str, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     generation = meta.get("generation") or 1
     try:
-        watch = parse_watch(dict(spec), handlers.config)
+        watch = parse_watch(dict(spec), memo.settings)
     except InvalidWatch as exc:
         if status.get("observedGeneration") != generation:  # say so once per spec
             if _condition(patch, status, ACCEPTED, False, "InvalidSpec", str(exc), generation):

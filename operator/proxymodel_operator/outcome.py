@@ -9,20 +9,17 @@ The most specific one wins, so status names the real cause.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
-from .resources import ASCEND_JOBS, JOBS, VOLCANO_JOBS, Resource
+from moe_proxy.reports import parse_termination_log
+
+from .resources import Resource
+from .runtimes import Conditions, runtime_of
 
 RUNNING, SUCCEEDED, FAILED = "Running", "Succeeded", "Failed"
-MAX_MESSAGE = 4096  # the kubelet keeps at most 4 KiB of a termination message
 # Waiting reasons that never resolve without a change to the spec: fail instead of hanging.
 STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
                  "CreateContainerError")
-
-
-# (succeeded, failed) condition types of the workloads that report by conditions.
-CONDITION_TYPES = {JOBS: ("Complete", "Failed"), ASCEND_JOBS: ("Succeeded", "Failed")}
 
 
 @dataclass(frozen=True)
@@ -41,36 +38,29 @@ def _condition(obj: dict, kind: str) -> dict | None:
 
 
 def workload_state(resource: Resource, obj: dict) -> Outcome:
-    """The workload's own verdict, before looking at its pods."""
-    status = obj.get("status") or {}
-    if resource in CONDITION_TYPES:  # batch/v1 Job and AscendJob: a condition says it
-        done, failed_type = CONDITION_TYPES[resource]
-        if _condition(obj, done):
+    """The workload's own verdict, before looking at its pods, read as its runtime says."""
+    runtime = runtime_of(resource)
+    if runtime is None:
+        return Outcome(RUNNING)
+    rule = runtime.state
+    if isinstance(rule, Conditions):
+        if _condition(obj, rule.succeeded):
             return Outcome(SUCCEEDED)
-        failed = _condition(obj, failed_type)
+        failed = _condition(obj, rule.failed)
         if failed:
             return Outcome(FAILED, failed.get("reason") or "JobFailed", failed.get("message", ""))
-    elif resource == VOLCANO_JOBS:  # a Volcano Job: its state's phase says it
-        state = status.get("state") or {}
-        phase = state.get("phase")
-        if phase == "Completed":
-            return Outcome(SUCCEEDED)
-        if phase in ("Failed", "Aborted", "Terminated"):
-            return Outcome(FAILED, state.get("reason") or f"VolcanoJob{phase}", state.get("message", ""))
-        if phase == "Pending" and state.get("reason"):
-            return Outcome(RUNNING, state["reason"], state.get("message", ""))  # e.g. gang unschedulable
+        return Outcome(RUNNING)
+    state = obj.get("status") or {}  # the object holding the phase, with its reason and message
+    for key in rule.path[:-1]:
+        state = state.get(key) or {}
+    phase = state.get(rule.path[-1])
+    if phase in rule.succeeded:
+        return Outcome(SUCCEEDED)
+    if phase in rule.failed:
+        return Outcome(FAILED, state.get("reason") or f"{runtime.name}{phase}", state.get("message", ""))
+    if phase in rule.pending and state.get("reason"):
+        return Outcome(RUNNING, state["reason"], state.get("message", ""))  # e.g. gang unschedulable
     return Outcome(RUNNING)
-
-
-def parse_report(text: str | None) -> dict:
-    """A termination message as a JSON object; {} when absent or not ours."""
-    if not text or len(text) > MAX_MESSAGE:
-        return {}
-    try:
-        report = json.loads(text)
-    except ValueError:
-        return {}
-    return report if isinstance(report, dict) else {}
 
 
 @dataclass
@@ -95,7 +85,7 @@ def examine_pods(pods: list[dict]) -> PodFindings:
             state = cs.get("state") or {}
             terminated, waiting = state.get("terminated"), state.get("waiting")
             if terminated:
-                report = parse_report(terminated.get("message"))
+                report = parse_termination_log(terminated.get("message"))
                 if terminated.get("exitCode") == 0 and report:
                     found.success_report = report
                 elif report.get("error"):

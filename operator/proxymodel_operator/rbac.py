@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .runtimes import RUNTIMES
+
 
 @dataclass(frozen=True)
 class Permission:
@@ -21,6 +23,8 @@ class Permission:
     features: tuple[str, ...] = ()
 
 
+WORKLOAD_VERBS = ("get", "list", "watch", "create", "delete")
+
 PERMISSIONS: tuple[Permission, ...] = (
     # The custom resource itself: kopf watches it, stores its progress in annotations,
     # adds/removes the finalizer, and writes status through the status subresource.
@@ -28,13 +32,9 @@ PERMISSIONS: tuple[Permission, ...] = (
                "watch ProxyModels; kopf progress annotations and finalizer"),
     Permission("moeproxy.io", "proxymodels/status", ("get", "patch"),
                "write status (phase, conditions, proxy summary, plan, outcome)"),
-    # Child workloads: created, followed, and deleted when a new generation replaces them.
-    Permission("batch", "jobs", ("get", "list", "watch", "create", "delete"),
-               "transformer Job and batch/v1 reproduction Job"),
-    Permission("batch.volcano.sh", "jobs", ("get", "list", "watch", "create", "delete"),
-               "reproduction as a Volcano Job (gang scheduling)"),
-    Permission("mindxdl.gitee.com", "ascendjobs", ("get", "list", "watch", "create", "delete"),
-               "reproduction as an Ascend MindCluster AscendJob"),
+    # Child workloads, one per runtime of the table (the transformer's Jobs are batch/v1 Jobs):
+    # created, followed, and deleted when a new generation replaces them.
+    *(Permission(r.resource.group, r.resource.plural, WORKLOAD_VERBS, r.why) for r in RUNTIMES.values()),
     # Pods of those Jobs: the termination message carries the result; waiting/terminated
     # reasons carry the real failure (OOMKilled, ImagePullBackOff, Unschedulable).
     Permission("", "pods", ("get", "list", "watch"),
@@ -73,8 +73,3 @@ def allowed(api_group: str, resource: str, verb: str) -> bool:
     return any(p.api_group == api_group and p.resource == resource and verb in p.verbs
                for p in PERMISSIONS)
 
-
-def as_rules() -> list[dict]:
-    """PERMISSIONS as ClusterRole `rules` (one rule per group and resource)."""
-    return [{"apiGroups": [p.api_group], "resources": [p.resource], "verbs": list(p.verbs)}
-            for p in PERMISSIONS]

@@ -37,9 +37,6 @@ ASCEND_JOBS = Resource("mindxdl.gitee.com", "v1", "ascendjobs", "AscendJob")
 PODS = Resource("", "v1", "pods", "Pod")
 SECRETS = Resource("", "v1", "secrets", "Secret")
 
-# The reproduction runtimes a ProxyModel may ask for (spec.reproduction.runtime).
-RUNTIMES: dict[str, Resource] = {"Job": JOBS, "VolcanoJob": VOLCANO_JOBS, "AscendJob": ASCEND_JOBS}
-
 # Labels on every child workload and on its pods (through the pod templates).
 LABEL_PROXYMODEL = f"{GROUP}/proxymodel"  # the owning ProxyModel's name
 LABEL_ROLE = f"{GROUP}/role"  # transformer | reproduction

@@ -1,7 +1,9 @@
-"""The operator's settings, read once from the environment at start-up.
+"""The operator's settings: the one place that reads MOEPROXY_* environment variables.
 
-Every name the Helm chart may set is a constant here (ENV_*), so the chart (issue 5) and the
-code agree. Nothing here is secret: credentials live in the Secrets that ProxyModels name.
+`from_env` runs once at start-up (the startup handler puts the result in kopf's `memo`, and
+every handler takes it from there). Every name the Helm chart sets is a constant here (ENV_*,
+listed in ALL_ENV), so the chart (issue 5) and the code agree. Nothing here is secret:
+credentials live in the Secrets that ProxyModels name.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ ENV_PREFLIGHT = "MOEPROXY_PREFLIGHT"  # "false" skips reading config.json before
 ENV_LIVENESS = "MOEPROXY_LIVENESS"  # kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz
 ENV_LOG_FORMAT = "MOEPROXY_LOG_FORMAT"  # plain | full | json
 ENV_CHECKPOINT_WATCH = "MOEPROXY_CHECKPOINT_WATCH"  # "true" serves CheckpointWatches (chart: checkpointWatch.enabled)
+# Not set by the chart: how often each CheckpointWatch's timer wakes (seconds; tests shorten it).
+ENV_CHECKPOINT_TICK = "MOEPROXY_CHECKPOINT_TICK"
 
+# What the chart sets.
 ALL_ENV = (ENV_NAMESPACES, ENV_TRANSFORMER_IMAGE, ENV_REPRO_IMAGE, ENV_ACCELERATOR,
            ENV_DEVICES_PER_NODE, ENV_DEVICE_MEMORY_GB, ENV_S3_ENDPOINT, ENV_S3_REGION,
            ENV_PREFLIGHT, ENV_LIVENESS, ENV_LOG_FORMAT, ENV_CHECKPOINT_WATCH)
@@ -49,6 +54,7 @@ class Settings:
     liveness: str = "http://0.0.0.0:8080/healthz"
     log_format: str = "json"
     checkpoint_watch: bool = False  # the chart grants its RBAC only when this is on
+    checkpoint_tick: float = 30.0  # the CRD's smallest pollInterval: polls fall on 30 s ticks
 
     @property
     def cluster_wide(self) -> bool:
@@ -81,6 +87,12 @@ def _float(env: dict[str, str], name: str, default: float) -> float:
     return value
 
 
+def checkpoint_tick(env: dict[str, str] | None = None) -> float:
+    """MOEPROXY_CHECKPOINT_TICK, on its own: kopf takes a timer's interval when the timer is
+    registered (at import), before any Settings exist."""
+    return _float(dict(os.environ if env is None else env), ENV_CHECKPOINT_TICK, Settings.checkpoint_tick)
+
+
 def from_env(env: dict[str, str] | None = None) -> Settings:
     """Settings from `env` (default: os.environ); a bad value raises SettingsError naming it."""
     env = dict(os.environ if env is None else env)
@@ -110,4 +122,5 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         liveness=env.get(ENV_LIVENESS, "").strip() or "http://0.0.0.0:8080/healthz",
         log_format=log_format,
         checkpoint_watch=checkpoint_watch in ("true", "1", "yes"),
+        checkpoint_tick=checkpoint_tick(env),
     )

@@ -11,10 +11,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .resources import RUNTIMES
+from moe_proxy.reports import calibration_needs
+from moe_proxy.repro.detect import SIGNATURES as DETECTED_SIGNATURES
+
+from .runtimes import RUNTIMES
 from .settings import Settings
 
-SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse", "threshold")
+# The detector's built-in signatures (what `moe-proxy repro --fail-on` accepts by name), and
+# a user threshold on any metric.
+SIGNATURES = (*DETECTED_SIGNATURES, "threshold")
 # The CamelCase reason each failure signature shows in status and Events.
 SIGNATURE_REASONS = {
     "overflow": "GradientOverflow", "underflow": "GradientUnderflow", "nan": "NaN",
@@ -56,8 +61,9 @@ class Pruning:
 
 @dataclass(frozen=True)
 class Calibration:
-    """spec.calibration: `moe-proxy calibrate` runs before the build (an init container); its
-    statistics live beside the proxy and are reused while the source and the data are unchanged."""
+    """spec.calibration: `moe-proxy calibrate` runs before the build (the single build's init
+    container, or the calibrate step's Job before several workers); its statistics live beside
+    the proxy and are reused while the source and the data are unchanged."""
 
     dataset: str | None = None  # s3://... JSONL, parquet or text; None: seeded random token ids
     samples: int = 64
@@ -67,7 +73,8 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Workload:
-    """What both Jobs share: where and how their pods run."""
+    """Where and how a child's pods run: spec.transformer for the transformer's Jobs,
+    spec.reproduction for the reproduction workload."""
 
     image: str
     image_pull_policy: str | None = None
@@ -112,7 +119,7 @@ class Accelerator:
 @dataclass(frozen=True)
 class Reproduction:
     enabled: bool
-    runtime: str  # Job | VolcanoJob | AscendJob
+    runtime: str  # a key of runtimes.RUNTIMES
     workload: Workload
     accelerator: Accelerator
     precision: str = "bf16"
@@ -133,7 +140,6 @@ class ProxyModelSpec:
     suspend: bool = False
     ttl_seconds_after_finished: int | None = None
     queue_name: str | None = None  # Kueue LocalQueue, set as a label on child batch/v1 Jobs
-    delete_proxy_on_delete: bool = False
     calibration: Calibration | None = None
     workers: int = 1  # spec.transformer.parallelism: pods sharing the build (an Indexed Job when > 1)
 
@@ -260,7 +266,6 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
         reproduction=reproduction, suspend=bool(spec.get("suspend", False)),
         ttl_seconds_after_finished=spec.get("ttlSecondsAfterFinished"),
         queue_name=spec.get("queueName"),
-        delete_proxy_on_delete=bool((spec.get("cleanup") or {}).get("deleteProxy", False)),
         calibration=calibration,
         workers=workers,
     )
@@ -278,10 +283,7 @@ def _workers(transformer: dict) -> int:
 
 
 def _calibration(raw: dict | None, pruning: Pruning) -> Calibration | None:
-    needs = [f for f, used in (("method " + pruning.method, pruning.method in ("frequency", "saliency")),
-                               ("features " + pruning.features, pruning.features in ("routing", "output")),
-                               ("representative saliency", pruning.representative == "saliency"),
-                               ("heal", pruning.heal)) if used]
+    needs = calibration_needs(pruning.method, pruning.features, pruning.representative, pruning.heal)
     if raw is None:
         if needs:
             raise InvalidSpec(f"spec.pruning {', '.join(needs)}: needs spec.calibration (usage statistics)")

@@ -1,5 +1,5 @@
 """Status: the phase, standard conditions (one per type), and the summaries `kubectl get`
-prints. Pure functions over dicts; the handlers decide when to write them.
+prints. Pure functions over dicts; `pipeline.decide` says when to write them.
 
 Phases: Pending -> Transforming -> ProxyReady -> Reproducing -> Reproduced | NotReproduced,
 or Failed at any step, or Suspended.

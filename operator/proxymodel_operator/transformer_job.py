@@ -13,20 +13,21 @@ W workers: up to three Jobs, each created once the one before it succeeded (see 
 3. finalize: `--workers W --finalize`, once: checks every worker's shards, writes config,
    index and manifest, and reports like a single build.
 
-Each Job reports through its termination message (a short JSON, see `outcome.py`). Bad input
-(exit code 2: unsupported architecture, invalid expert count, access denied...) fails the Job
-at once through a pod failure policy instead of burning the retries on the same error.
+Each Job reports through its termination message (a short JSON, see `moe_proxy.reports`).
+Bad input (exit code 2: unsupported architecture, invalid expert count, access denied...) fails
+the Job at once through a pod failure policy instead of burning the retries on the same error.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from moe_proxy.reports import EXIT_BAD_INPUT
+
 from .children import (CALIBRATE, FINALIZE, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
                        merge_env, pod_spec_basics, s3_env)
 from .spec import ProxyModelSpec
 
-BAD_INPUT_EXIT_CODE = 2  # moe-proxy exits 2 on a MoeProxyError (see moe_proxy.cli)
 BUILD, WORKERS = "build", "workers"  # the single build; the Indexed Job of the scale-out build
 # Kubernetes sets JOB_COMPLETION_INDEX in an Indexed Job's pods, but `$(VAR)` in args expands
 # only variables the container declares: declared from the pod's annotation, as its docs do.
@@ -165,7 +166,7 @@ def _job(proxymodel: str, kind: str, namespace: str, generation: int, spec: Prox
         "backoffLimit": workload.backoff_limit,
         "podFailurePolicy": {"rules": [{
             "action": "FailJob",
-            "onExitCodes": {"containerName": c["name"], "operator": "In", "values": [BAD_INPUT_EXIT_CODE]},
+            "onExitCodes": {"containerName": c["name"], "operator": "In", "values": [EXIT_BAD_INPUT]},
         } for c in pod.get("initContainers", []) + [container]]},
         "template": {
             "metadata": {"labels": labels(proxymodel, TRANSFORMER, name, generation)},

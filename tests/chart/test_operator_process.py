@@ -15,12 +15,14 @@ import uuid
 
 import pytest
 
-from proxymodel_operator.resources import PROXYMODELS, RUNTIMES
+from proxymodel_operator.resources import PROXYMODELS
+from proxymodel_operator.runtimes import WORKLOADS
 
+from ..promised import require
 from .conftest import ROOT, grants, kubeconfig_for, one, render_objects
 
-kmock = pytest.importorskip("kmock")
-aiohttp = pytest.importorskip("aiohttp")
+kmock = require("kmock", "kmock")
+aiohttp = require("aiohttp", "kopf (which depends on aiohttp)")
 
 WATCHED = "team-a"
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch",
@@ -112,7 +114,7 @@ async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, n
 
     async with RecordingEmulator() as emulator, kmock.Server(emulator):
         emulator.resources.load_bundled()
-        for resource in (PROXYMODELS, *RUNTIMES.values()):  # what the operator's handlers serve
+        for resource in (PROXYMODELS, *WORKLOADS):  # what the operator's handlers serve
             emulator.resources[f"{resource.group}/{resource.version}/{resource.plural}"] = kmock.ResourceInfo(
                 kind=resource.kind, namespaced=True, verbs=set(VERBS.values()),
                 subresources={"status"} if resource is PROXYMODELS else set())

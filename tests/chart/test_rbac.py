@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from proxymodel_operator import rbac
-from proxymodel_operator.resources import RUNTIMES
+from proxymodel_operator.runtimes import RUNTIMES
 
+from ..promised import require
 from .conftest import CHART, NAMESPACE, ROOT, by_kind, grants, helm, load_chart, one, render_objects
 
 CLUSTER_SCOPED = {("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
@@ -94,9 +95,9 @@ def test_every_reproduction_runtime_can_be_created(chart, values):
     may ask for (batch/v1 Job, Volcano Job, AscendJob)."""
     objects = render_objects(chart, values)
     granted = set().union(*(grants(r["rules"]) for r in objects if r["kind"] in ("Role", "ClusterRole")))
-    for runtime, resource in RUNTIMES.items():
+    for runtime in RUNTIMES.values():
         for verb in ("create", "get", "list", "watch", "delete"):
-            assert (resource.group, resource.plural, verb) in granted, (runtime, verb)
+            assert (runtime.resource.group, runtime.resource.plural, verb) in granted, (runtime.name, verb)
 
 
 def test_secret_get_follows_the_features_that_need_it(chart):
@@ -171,7 +172,7 @@ def test_kopf_can_serve_every_registered_handler(chart, values):
     """kopf's own calls bypass the operator's API client: each resource a handler is
     registered for must be listable and watchable, and the ones kopf keeps state on
     (progress annotations, finalizer) patchable."""
-    kopf = pytest.importorskip("kopf")
+    kopf = require("kopf", "kopf")
     import proxymodel_operator.checkpoint_watch  # noqa: F401 - registered when checkpointWatch.enabled
     import proxymodel_operator.handlers  # noqa: F401 - registers the handlers
 

@@ -1,0 +1,467 @@
+"""What the ProxyModel pipeline does next, decided without I/O.
+
+`decide(proxymodel, observed, settings)` takes the ProxyModel as read (its spec, and its
+status, the single source of truth), what a handler observed (which event, a child's verdict,
+whether a recorded child exists) and returns the actions to take, in order. The handlers
+observe and act (`handlers.py`); nothing here calls the API, so every branch is unit-tested
+without a cluster. The same split as CheckpointWatch's `watch_plan.decide`.
+
+`status.pipeline` records which spec the pipeline runs for (`specHash`), the generation its
+children are named after, their names, and which transformer step runs (`transformerStep`:
+the single build, or calibrate -> workers -> finalize when several workers share it). Each
+child is recorded there before it is created, so its first event always finds it expected,
+and a restart between the two creates it; so an operator restart never redoes a finished step
+and never makes a second child.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+
+from .children import FINALIZE, REPRODUCTION, TRANSFORMER
+from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome
+from .reproduction import reproduction_workload
+from .resources import JOBS, Resource
+from .runtimes import RUNTIMES, Runtime
+from .settings import Settings
+from .spec import SIGNATURE_REASONS, ProxyModelSpec, parse
+from .status import (FAILED as PHASE_FAILED, NOT_REPRODUCED, PROXY_READY, PROXY_READY_CONDITION, REPRODUCED,
+                     REPRODUCED_CONDITION, REPRODUCING, SUSPENDED, SUSPENDED_CONDITION, TERMINAL, TRANSFORMING, arrow,
+                     condition, proxy_summary, reproduction_summary, with_condition)
+from .transformer_job import BUILD, STEP_TEXT, WORKERS, next_step, step_job, step_message, steps
+
+# Spec fields that change how the pipeline runs, not what it builds: no restart for them.
+RUN_CONTROL_FIELDS = ("suspend", "ttlSecondsAfterFinished")
+MAX_EVENT = 1024  # characters of an Event's message
+
+# What a handler observed happen (Observed.event).
+ADMITTED = "admitted"  # the ProxyModel was created, or seen again after a restart
+VALIDATED = "validated"  # its spec was accepted (the validate step): start the transformer
+SPEC_CHANGED = "spec-changed"
+CHILD_CHANGED = "child-changed"  # a child workload or one of its pods changed
+WORKERS_PROGRESS = "workers-progress"  # the workers' Indexed Job finished another index
+
+
+# --- what a handler observed -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Child:
+    """A child workload as its handler saw it."""
+
+    name: str
+    role: str  # TRANSFORMER | REPRODUCTION
+    verdict: Outcome = Outcome(RUNNING)  # from the workload and its pods (`outcome.outcome`)
+    failed_indexes: str | None = None  # an Indexed Job's status.failedIndexes
+    progress: str | None = None  # an Indexed Job's finished indexes, done/all
+
+
+@dataclass(frozen=True)
+class Observed:
+    event: str  # ADMITTED | VALIDATED | SPEC_CHANGED | CHILD_CHANGED | WORKERS_PROGRESS
+    child: Child | None = None  # CHILD_CHANGED, WORKERS_PROGRESS
+    child_exists: bool | None = None  # ADMITTED: whether `recorded_child` exists
+
+
+# --- what to do ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    status: dict
+    # Written before the next action (a child created next must find itself recorded). Otherwise
+    # the ProxyModel's own handlers leave it to kopf, which writes it when the handler returns.
+    first: bool = False
+
+
+@dataclass(frozen=True)
+class Emit:
+    """An Event on the ProxyModel."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How an API refusal of a child fails the ProxyModel."""
+
+    kind: str  # the condition type
+    what: str  # the step, as messages name it
+
+
+@dataclass(frozen=True)
+class CreateChild:
+    """Create a child owned by the ProxyModel; one that exists already counts as created."""
+
+    resource: Resource
+    manifest: dict
+    created: Emit | None = None  # the Event when it was created now
+    refused: Failure | None = None  # None: an API refusal fails the handler (kopf retries it)
+
+
+@dataclass(frozen=True)
+class DeleteChildren:
+    """Delete the ProxyModel's children of other generations (all of them: None)."""
+
+    keep_generation: int | None
+    announce: bool = False  # a ChildrenReplaced Event naming them
+
+
+@dataclass(frozen=True)
+class StartPipeline:
+    """Validate the spec, then start the transformer: kopf sub-handlers, each done once."""
+
+
+@dataclass(frozen=True)
+class JudgeChild:
+    """Judge a child again now (a step that finished while the ProxyModel was suspended)."""
+
+    resource: Resource
+    name: str
+    role: str
+
+
+@dataclass(frozen=True)
+class Log:
+    message: str
+
+
+Action = PatchStatus | Emit | CreateChild | DeleteChildren | StartPipeline | JudgeChild | Log
+
+
+# --- pure helpers over spec and status ------------------------------------------------------------
+
+
+def spec_hash(spec: dict) -> str:
+    """What the pipeline builds depends on every spec field except the run-control ones."""
+    essence = {k: v for k, v in spec.items() if k not in RUN_CONTROL_FIELDS}
+    return hashlib.sha256(json.dumps(essence, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _ran(status: dict) -> dict:
+    return status.get("pipeline") or {}
+
+
+def _generation(status: dict) -> int:
+    """The generation the pipeline's children are named after."""
+    return _ran(status).get("generation") or 1
+
+
+def recorded_child(spec: dict, status: dict) -> tuple[Resource, str] | None:
+    """The child that status records as in progress for this spec and has no verdict from yet:
+    what a restarted operator checks is there (`Observed.child_exists`)."""
+    ran, phase = _ran(status), status.get("phase")
+    if ran.get("specHash") != spec_hash(spec) or not ran.get("transformerJob"):
+        return None
+    if phase == TRANSFORMING and not status.get("proxy"):
+        return JOBS, ran["transformerJob"]
+    if phase == REPRODUCING and not status.get("reproduction") and ran.get("reproductionJob"):
+        return child_resource(status, REPRODUCTION), ran["reproductionJob"]
+    return None
+
+
+def child_resource(status: dict, role: str) -> Resource:
+    """The workload resource of the pipeline's child in `role`."""
+    if role == TRANSFORMER:
+        return JOBS
+    return RUNTIMES[_ran(status).get("reproductionKind") or "Job"].resource
+
+
+def wants_verdict(status: dict, role: str, child: str) -> bool:
+    """Whether the child's verdict still matters: the current child of its role, with no verdict
+    in status yet, of a ProxyModel that has not failed."""
+    ran = _ran(status)
+    if child != (ran.get("transformerJob") if role == TRANSFORMER else ran.get("reproductionJob")):
+        return False  # a child of an older spec, being deleted
+    if role == TRANSFORMER and status.get("proxy") or role == REPRODUCTION and status.get("reproduction"):
+        return False  # this step's verdict is in status already
+    return status.get("phase") != PHASE_FAILED
+
+
+def as_planned(spec: ProxyModelSpec, status: dict) -> ProxyModelSpec:
+    """The spec with the plan's expert count in place of a keep ratio. The planner may keep
+    more than the ratio says (at least 2 x top-k where the device budget holds it); the build
+    must make the proxy that was planned and that the reproduction was sized for."""
+    planned = ((status.get("plan") or {}).get("proxy") or {}).get("expertsPerLayer")
+    if spec.pruning.experts is not None or not planned:
+        return spec
+    return replace(spec, pruning=replace(spec.pruning, experts=int(planned)))
+
+
+def suspended(status: dict, generation: int) -> dict:
+    """The status of a ProxyModel whose spec.suspend holds back every new child."""
+    return {"phase": SUSPENDED, "observedGeneration": generation,
+            "conditions": with_condition(status.get("conditions"), condition(
+                SUSPENDED_CONDITION, True, "SuspendedBySpec", "spec.suspend is true: no new child is created",
+                generation))}
+
+
+def failed(status: dict, kind: str, reason: str, message: str, what: str) -> list[Action]:
+    """Fail the ProxyModel at step `what`: phase Failed, the condition `kind`, a Warning Event."""
+    new = condition(kind, False, reason, message, _generation(status))
+    return [PatchStatus({"phase": PHASE_FAILED, "message": f"{what} failed: {reason}: {message}"[:MAX_EVENT],
+                         "conditions": with_condition(status.get("conditions"), new)}),
+            Emit("Warning", reason, f"{what} failed: {message}"[:MAX_EVENT])]
+
+
+def step_status(status: dict, step: str, job_name: str, spec: ProxyModelSpec, generation: int) -> dict:
+    """The status that records `job_name` as the transformer step in progress (written before
+    the Job is created)."""
+    recorded = {
+        "pipeline": {**_ran(status), "generation": generation, "transformerJob": job_name, "transformerStep": step},
+        "phase": TRANSFORMING,
+        "conditions": with_condition(status.get("conditions"), condition(
+            PROXY_READY_CONDITION, False, STEP_TEXT[step].running, step_message(step, job_name, spec), generation)),
+    }
+    if spec.workers > 1:  # workers done, of all: every worker before finalize, none before
+        recorded["workers"] = f"{spec.workers if step == FINALIZE else 0}/{spec.workers}"
+    return recorded
+
+
+# --- the decision ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ProxyModel:
+    """The ProxyModel a decision is about, as read."""
+
+    namespace: str
+    name: str
+    generation: int  # metadata.generation
+    spec: dict
+    status: dict
+    settings: Settings
+
+    def parsed(self) -> ProxyModelSpec:
+        return parse(dict(self.spec), self.namespace, self.name, self.settings)
+
+
+def decide(proxymodel: dict, observed: Observed, settings: Settings) -> list[Action]:
+    """The actions that follow what was observed, in order (none: nothing to do)."""
+    meta = proxymodel["metadata"]
+    pm = _ProxyModel(meta["namespace"], meta["name"], meta.get("generation") or 1, proxymodel.get("spec") or {},
+                     proxymodel.get("status") or {}, settings)
+    decisions = {ADMITTED: _admitted, VALIDATED: _validated, SPEC_CHANGED: _spec_changed,
+                 CHILD_CHANGED: _child_changed, WORKERS_PROGRESS: _workers_progress}
+    return decisions[observed.event](pm, observed)
+
+
+def _admitted(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """Run the pipeline for this spec unless status shows it already runs (a resume after a
+    restart, or the create event seen again): then only a recorded child that is missing."""
+    ran = _ran(pm.status)
+    if ran.get("specHash") == spec_hash(pm.spec) and ran.get("transformerJob"):
+        return _recorded_but_missing(pm, observed.child_exists)
+    if pm.spec.get("suspend"):
+        return [PatchStatus(suspended(pm.status, pm.generation))]
+    return [StartPipeline()]
+
+
+def _recorded_but_missing(pm: _ProxyModel, exists: bool | None) -> list[Action]:
+    """Status records each child before it is created; if the operator stopped in between, the
+    child of the step in progress is created now."""
+    if exists is not False or recorded_child(pm.spec, pm.status) is None:
+        return []
+    if pm.status.get("phase") == TRANSFORMING:
+        step = _ran(pm.status).get("transformerStep") or BUILD  # absent in the status of older operators
+        job = step_job(step, pm.name, pm.namespace, _generation(pm.status), as_planned(pm.parsed(), pm.status))
+        return [CreateChild(JOBS, job, Emit("Normal", STEP_TEXT[step].created, f"Job {job['metadata']['name']}"))]
+    runtime, manifest = _reproduction(pm, pm.status, {})  # recorded already: the record is dropped
+    return [_create_reproduction(runtime, manifest)]
+
+
+def _validated(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """Replace older generations' children by this generation's first transformer Job (the
+    build; with several workers, calibration or the workers)."""
+    if _ran(pm.status).get("specHash") != spec_hash(pm.spec):
+        # kopf runs the next sub-handler even after one failed permanently
+        return [Log("no transformer Job: this spec was not accepted (see the Accepted condition)")]
+    spec = pm.parsed()
+    # Generation 1 has no older children: no listings (they add up at scale).
+    actions: list[Action] = [DeleteChildren(pm.generation, announce=True)] if pm.generation > 1 else []
+    step = steps(spec)[0]
+    job = step_job(step, pm.name, pm.namespace, pm.generation, as_planned(spec, pm.status))
+    job_name = job["metadata"]["name"]
+    recorded = step_status(pm.status, step, job_name, spec, pm.generation)
+    recorded["pipeline"]["specHash"] = spec_hash(pm.spec)
+    # Status first, then the Job: whatever the Job does next, its handler finds it recorded.
+    return actions + [PatchStatus(recorded, first=True),
+                      CreateChild(JOBS, job, Emit("Normal", STEP_TEXT[step].created,
+                                                  step_message(step, job_name, spec)))]
+
+
+def _spec_changed(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """A new spec restarts the pipeline (old children deleted); suspend and TTL alone do not."""
+    status, ran, generation = pm.status, _ran(pm.status), pm.generation
+    if ran.get("specHash") != spec_hash(pm.spec):
+        if pm.spec.get("suspend"):
+            cleared = {"pipeline": None, "proxy": None, "reproduction": None, "plan": None, "workers": None}
+            return [DeleteChildren(None), PatchStatus({**cleared, **suspended(status, generation)}),
+                    Log("spec changed while suspended: the pipeline starts over on resume")]
+        return [Log(f"spec changed: restarting the pipeline at generation {generation}"), StartPipeline()]
+
+    out: dict = {"observedGeneration": generation}
+    if pm.spec.get("suspend"):
+        if status.get("phase") not in TERMINAL:
+            out.update(suspended(status, generation))
+        return [PatchStatus(out)]
+    out["conditions"] = with_condition(status.get("conditions"), condition(
+        SUSPENDED_CONDITION, False, "Resumed", "spec.suspend is false", generation))
+    if not ran.get("transformerJob"):  # suspended before the first Job: start now
+        return [PatchStatus(out), StartPipeline()]
+    if status.get("phase") != SUSPENDED:
+        return [PatchStatus(out)]
+    out["phase"] = REPRODUCING if ran.get("reproductionJob") else (PROXY_READY if status.get("proxy") else TRANSFORMING)
+    if status.get("proxy") and not ran.get("reproductionJob"):
+        runtime, manifest = _reproduction(pm, status, out)
+        return [PatchStatus(out, first=True), _create_reproduction(runtime, manifest)]
+    if not status.get("proxy") and ran.get("transformerStep") not in (None, BUILD, FINALIZE):
+        # A step before the workers' finalize may have succeeded while suspended, its next Job
+        # held back: judge it again now, after status is written (the judge changes conditions).
+        return [PatchStatus(out, first=True), JudgeChild(JOBS, ran["transformerJob"], TRANSFORMER)]
+    return [PatchStatus(out)]
+
+
+def _workers_progress(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """`status.workers` shows done/all while the workers' Indexed Job runs."""
+    child, ran = observed.child, _ran(pm.status)
+    if (ran.get("transformerJob"), ran.get("transformerStep")) != (child.name, WORKERS) \
+            or pm.status.get("workers") == child.progress:
+        return []  # another step's, or an older spec's, or nothing new
+    return [PatchStatus({"workers": child.progress})]
+
+
+def _child_changed(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """Carry a child's verdict into status, and start what follows it."""
+    child = observed.child
+    if not wants_verdict(pm.status, child.role, child.name):
+        return []
+    step = _ran(pm.status).get("transformerStep") or BUILD
+    if child.role == REPRODUCTION:
+        return _reproduction_verdict(pm, child.verdict)
+    if step in (BUILD, FINALIZE):  # the Job that reports the proxy
+        return _transformer_verdict(pm, child.verdict, STEP_TEXT[step].what)
+    return _step_verdict(pm, child, step)
+
+
+def _unfinished(status: dict, verdict: Outcome, kind: str, running_status: bool | None,
+                what: str) -> list[Action] | None:
+    """None when the child succeeded; else what its state brings: a failure, or a running
+    child's notable state (e.g. Unschedulable) carried into its condition once."""
+    if verdict.state == SUCCEEDED:
+        return None
+    if verdict.state == FAILED:
+        return failed(status, kind, verdict.reason, verdict.message, what)
+    conditions = status.get("conditions") or []
+    if verdict.reason and not any(c.get("reason") == verdict.reason for c in conditions):
+        new = condition(kind, running_status, verdict.reason, verdict.message, _generation(status))
+        return [PatchStatus({"conditions": with_condition(conditions, new)}),
+                Emit("Warning", verdict.reason, f"{what}: {verdict.message}"[:MAX_EVENT])]
+    return []
+
+
+def _transformer_verdict(pm: _ProxyModel, verdict: Outcome, what: str) -> list[Action]:
+    """The Job that reports the proxy finished: ProxyReady, and the reproduction starts."""
+    status = pm.status
+    unfinished = _unfinished(status, verdict, PROXY_READY_CONDITION, False, what)
+    if unfinished is not None:
+        return unfinished
+    report = verdict.report
+    if not report.get("proxy_uri"):
+        return failed(status, PROXY_READY_CONDITION, "NoProxyReport",
+                      f"the {what} Job succeeded without reporting a proxy in its termination message", what)
+    proxy = proxy_summary(report)
+    experts = proxy["expertsPerLayer"]
+    message = f"proxy at {proxy['uri']}: {experts['before']} -> {experts['after']} experts per layer"
+    patch = {"phase": PROXY_READY, "proxy": proxy, "experts": arrow(experts["before"], experts["after"]),
+             "conditions": with_condition(status.get("conditions"), condition(
+                 PROXY_READY_CONDITION, True, "ProxyBuilt", message, _generation(status)))}
+    spec = pm.parsed()
+    create: list[Action] = []
+    if spec.reproduction.enabled and not spec.suspend:
+        create = [_create_reproduction(*_reproduction(pm, {**status, **patch}, patch))]
+    elif spec.suspend:
+        patch["phase"] = SUSPENDED
+    return [Log(message), PatchStatus(patch), Emit("Normal", "ProxyReady", message), *create]
+
+
+def _step_verdict(pm: _ProxyModel, child: Child, step: str) -> list[Action]:
+    """A transformer step before the last (calibration, the workers) finished: on success, record
+    and create the next step's Job. The workers' Indexed Job succeeds only once every index has."""
+    status, what, verdict = pm.status, STEP_TEXT[step].what, child.verdict
+    if verdict.state == FAILED and child.failed_indexes:
+        verdict = replace(verdict, message=f"worker index(es) {child.failed_indexes} failed; {verdict.message}"
+                          .rstrip("; "))
+    unfinished = _unfinished(status, verdict, PROXY_READY_CONDITION, False, what)
+    if unfinished is not None:
+        return unfinished
+    if _ran(status).get("specHash") != spec_hash(pm.spec):
+        return []  # the spec changed: its new pipeline replaces these children
+    spec = pm.parsed()
+    if spec.suspend:
+        return [Log(f"{what} done; the next step waits until spec.suspend is false")]
+    following = next_step(spec, step)
+    generation = _generation(status)
+    job = step_job(following, pm.name, pm.namespace, generation, as_planned(spec, status))
+    job_name = job["metadata"]["name"]
+    return [PatchStatus(step_status(status, following, job_name, spec, generation)),
+            CreateChild(JOBS, job, Emit("Normal", STEP_TEXT[following].created, step_message(following, job_name, spec)),
+                        Failure(PROXY_READY_CONDITION, STEP_TEXT[following].what)),
+            Log(f"{what} done: {following} Job {job_name}")]
+
+
+def _reproduction_verdict(pm: _ProxyModel, verdict: Outcome) -> list[Action]:
+    status = pm.status
+    unfinished = _unfinished(status, verdict, REPRODUCED_CONDITION, None, "reproduction")
+    if unfinished is not None:
+        return unfinished
+    result = reproduction_summary(verdict.report)
+    if not verdict.report:
+        phase, ok, reason = NOT_REPRODUCED, False, "NoReport"
+        message = "the reproduction finished without a termination message; see its logs"
+    elif result["reproduced"]:
+        signature = str(result["signature"] or "")
+        phase, ok = REPRODUCED, True
+        reason = SIGNATURE_REASONS.get(signature, "MetricThreshold" if signature else "FailureReproduced")
+        message = f"{signature} at step {result['step']}"
+    else:
+        phase, ok, reason = NOT_REPRODUCED, False, "NotObserved"
+        message = "the failure signature was not seen within the run"
+    conditions = with_condition(status.get("conditions"),
+                                condition(REPRODUCED_CONDITION, ok, reason, message, _generation(status)))
+    return [PatchStatus({"phase": phase, "reproduction": result, "conditions": conditions}),
+            Emit("Normal" if ok else "Warning", reason if ok else "NotReproduced", message),
+            Log(f"reproduction: {phase} ({message})")]
+
+
+def _reproduction(pm: _ProxyModel, status: dict, into: dict) -> tuple[Runtime, dict]:
+    """The reproduction workload's manifest, recorded in the status patch `into` (pending over
+    `status`): its name and runtime, phase Reproducing, and its condition."""
+    spec = pm.parsed()
+    r = spec.reproduction
+    generation = _generation(status)
+    devices = r.accelerator.devices or ((status.get("plan") or {}).get("proxy") or {}).get("devices")
+    if not devices:  # validate refuses `auto` without a plan, so this is a bug
+        raise RuntimeError("no device count: no plan and spec.reproduction.accelerator.devices is auto")
+    proxy = status.get("proxy") or into.get("proxy") or {}
+    manifest = reproduction_workload(pm.name, pm.namespace, generation, spec, proxy["uri"],
+                                     proxy.get("manifestSha256") or "", devices)
+    child = manifest["metadata"]["name"]
+    into["pipeline"] = {**_ran(status), "reproductionJob": child, "reproductionKind": r.runtime}
+    into["phase"] = REPRODUCING
+    into["conditions"] = with_condition(into.get("conditions", status.get("conditions")), condition(
+        REPRODUCED_CONDITION, None, "ReproductionRunning",
+        f"{r.runtime} {child} runs up to {r.max_steps} steps on {devices} x {r.accelerator.resource}", generation))
+    return RUNTIMES[r.runtime], manifest
+
+
+def _create_reproduction(runtime: Runtime, manifest: dict) -> CreateChild:
+    container = runtime.pod_templates(manifest["spec"])[0]["spec"]["containers"][0]
+    devices = next(iter((container.get("resources") or {}).get("limits", {}).items()), ("", ""))
+    created = Emit("Normal", "ReproductionCreated",
+                   f"{manifest['kind']} {manifest['metadata']['name']} ({devices[1]} x {devices[0]} per pod)")
+    return CreateChild(runtime.resource, manifest, created, Failure(REPRODUCED_CONDITION, "reproduction"))

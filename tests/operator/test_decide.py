@@ -1,0 +1,452 @@
+"""The ProxyModel pipeline's decisions (`pipeline.decide`), branch by branch, without an API
+server or a running operator: a ProxyModel as read, what a handler observed, the actions.
+
+`walk` plays the handlers' part where it matters: it writes each PatchStatus into status, so
+a test can follow the pipeline from admission to the verdict and decide again on what it wrote.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from proxymodel_operator.children import REPRODUCTION, TRANSFORMER
+from proxymodel_operator.outcome import FAILED, RUNNING, SUCCEEDED, Outcome
+from proxymodel_operator.pipeline import (ADMITTED, CHILD_CHANGED, SPEC_CHANGED, VALIDATED, WORKERS_PROGRESS, Child,
+                                          CreateChild, DeleteChildren, Emit, Failure, JudgeChild, Log, Observed,
+                                          PatchStatus, StartPipeline, child_resource, decide, failed, recorded_child,
+                                          spec_hash, wants_verdict)
+from proxymodel_operator.resources import ASCEND_JOBS, JOBS, VOLCANO_JOBS
+from proxymodel_operator.settings import Settings
+
+from .harness import TRANSFORMER_REPORT, proxymodel
+
+SETTINGS = Settings()
+NS, NAME = "team-a", "q3"
+PLAN = {"proxy": {"devices": 16, "expertsPerLayer": 16}, "original": {"devices": 32}}
+REPRODUCED_REPORT = {"reproduced": True, "signature": "overflow", "step": 12, "metrics": {"actor/grad_norm": "inf"}}
+
+
+def pxm(spec: dict | None = None, status: dict | None = None, generation: int = 1, **spec_overrides) -> dict:
+    """A ProxyModel as the API returns it."""
+    spec = spec if spec is not None else proxymodel(NAME, **spec_overrides)["spec"]
+    return {"apiVersion": "moeproxy.io/v1alpha1", "kind": "ProxyModel",
+            "metadata": {"name": NAME, "namespace": NS, "uid": "uid-1", "generation": generation,
+                         "resourceVersion": "7"},
+            "spec": spec, "status": status or {}}
+
+
+def accepted(body: dict) -> dict:
+    """`body` as the validate step leaves it: its spec accepted, with a plan."""
+    generation = body["metadata"]["generation"]
+    status = {"pipeline": {"specHash": spec_hash(body["spec"]), "generation": generation, "transformerJob": None,
+                           "transformerStep": None, "reproductionJob": None, "reproductionKind": None},
+              "phase": "Pending", "observedGeneration": generation, "plan": PLAN,
+              "conditions": [{"type": "Accepted", "status": "True", "reason": "SpecValid"}]}
+    return {**body, "status": status}
+
+
+def walk(body: dict, actions: list) -> dict:
+    """`body` after the status patches among `actions` (JSON merge patch at the top level)."""
+    status = copy.deepcopy(body.get("status") or {})
+    for action in actions:
+        if isinstance(action, PatchStatus):
+            for key, value in action.status.items():
+                if value is None:
+                    status.pop(key, None)
+                else:
+                    status[key] = copy.deepcopy(value)
+    return {**body, "status": status}
+
+
+def only(actions: list, kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def child(name: str, verdict: Outcome, role: str = TRANSFORMER, **kwargs) -> Observed:
+    return Observed(CHILD_CHANGED, child=Child(name, role, verdict, **kwargs))
+
+
+def succeeded(report: dict | None = None) -> Outcome:
+    return Outcome(SUCCEEDED, report=report if report is not None else TRANSFORMER_REPORT)
+
+
+def condition(body: dict, kind: str) -> dict:
+    return next(c for c in body["status"]["conditions"] if c["type"] == kind)
+
+
+def transforming(**spec_overrides) -> dict:
+    """Accepted, its transformer's first Job recorded (the handler creates it next)."""
+    body = accepted(pxm(**spec_overrides))
+    return walk(body, decide(body, Observed(VALIDATED), SETTINGS))
+
+
+def reproducing(**spec_overrides) -> dict:
+    body = transforming(**spec_overrides)
+    return walk(body, decide(body, child("q3-transform-g1", succeeded()), SETTINGS))
+
+
+# --- admission --------------------------------------------------------------------------------------
+
+
+def test_first_admission_starts_the_pipeline():
+    assert decide(pxm(), Observed(ADMITTED), SETTINGS) == [StartPipeline()]
+
+
+def test_admission_while_suspended_creates_nothing():
+    actions = decide(pxm(suspend=True), Observed(ADMITTED), SETTINGS)
+    [patch] = actions
+    assert patch.status["phase"] == "Suspended" and patch.status["observedGeneration"] == 1
+    assert walk(pxm(), actions)["status"]["conditions"][0]["reason"] == "SuspendedBySpec"
+
+
+def test_admission_of_a_running_pipeline_checks_its_recorded_child():
+    body = transforming()
+    assert recorded_child(body["spec"], body["status"]) == (JOBS, "q3-transform-g1")
+    assert decide(body, Observed(ADMITTED, child_exists=True), SETTINGS) == []  # a resume: nothing to do
+
+
+def test_a_recorded_child_that_is_missing_is_created():
+    """The operator stopped between recording a child and creating it."""
+    body = transforming()
+    [create] = decide(body, Observed(ADMITTED, child_exists=False), SETTINGS)
+    assert create.resource == JOBS and create.manifest["metadata"]["name"] == "q3-transform-g1"
+    assert create.created == Emit("Normal", "TransformerCreated", "Job q3-transform-g1")
+    assert create.refused is None  # an API refusal fails the handler: kopf retries it
+
+    body = reproducing(reproduction={"runtime": "VolcanoJob"})
+    assert recorded_child(body["spec"], body["status"]) == (VOLCANO_JOBS, "q3-repro-g1")
+    [create] = decide(body, Observed(ADMITTED, child_exists=False), SETTINGS)
+    assert (create.resource, create.manifest["kind"]) == (VOLCANO_JOBS, "Job")
+    assert create.refused == Failure("FailureReproduced", "reproduction")
+    assert walk(body, [create])["status"] == body["status"]  # recorded already: status unchanged
+
+
+def test_nothing_is_recorded_for_another_spec_or_after_the_verdict():
+    body = transforming()
+    assert recorded_child({**body["spec"], "pruning": {"experts": 8}}, body["status"]) is None
+    done = walk(body, decide(body, child("q3-transform-g1", succeeded()), SETTINGS))
+    done = walk(done, decide(done, child("q3-repro-g1", succeeded(REPRODUCED_REPORT), REPRODUCTION), SETTINGS))
+    assert recorded_child(done["spec"], done["status"]) is None
+    assert decide(done, Observed(ADMITTED, child_exists=None), SETTINGS) == []
+
+
+# --- the transformer's first Job ---------------------------------------------------------------------
+
+
+def test_validated_records_then_creates_the_build():
+    body = accepted(pxm())
+    patch, create = decide(body, Observed(VALIDATED), SETTINGS)
+    assert patch.first  # status first, then the Job: the Job's first event finds it recorded
+    assert patch.status["phase"] == "Transforming"
+    assert patch.status["pipeline"] == {**body["status"]["pipeline"], "transformerJob": "q3-transform-g1",
+                                        "transformerStep": "build"}
+    assert create.resource == JOBS and create.manifest["metadata"]["name"] == "q3-transform-g1"
+    assert create.created.reason == "TransformerCreated"
+    assert "--experts" in create.manifest["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_a_keep_ratio_builds_the_planned_expert_count():
+    spec = proxymodel(NAME)["spec"]
+    spec["pruning"] = {"keepRatio": 0.1}
+    body = accepted(pxm(spec))
+    _, create = decide(body, Observed(VALIDATED), SETTINGS)
+    args = create.manifest["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--experts") + 1] == "16" and "--keep-ratio" not in args
+
+
+def test_a_later_generation_first_replaces_older_children():
+    body = accepted(pxm(generation=3))
+    actions = decide(body, Observed(VALIDATED), SETTINGS)
+    assert actions[0] == DeleteChildren(3, announce=True)
+    assert actions[-1].manifest["metadata"]["name"] == "q3-transform-g3"
+
+
+def test_an_unaccepted_spec_gets_no_job():
+    body = pxm()  # validate refused it: status records no pipeline for this spec
+    assert only(decide(body, Observed(VALIDATED), SETTINGS), CreateChild) == []
+
+
+@pytest.mark.parametrize("calibrated, first", [(True, "calibrate"), (False, "workers")])
+def test_several_workers_start_with_calibration_or_the_workers(calibrated, first):
+    extra = {"calibration": {"samples": 8}, "pruning": {"experts": 16, "features": "routing"}} if calibrated else {}
+    body = accepted(pxm(transformer={"parallelism": 3}, **extra))
+    patch, create = decide(body, Observed(VALIDATED), SETTINGS)
+    assert patch.status["pipeline"]["transformerStep"] == first
+    assert patch.status["workers"] == "0/3"
+    name = {"calibrate": "q3-calibrate-g1", "workers": "q3-transform-g1"}[first]
+    assert create.manifest["metadata"]["name"] == name
+
+
+# --- the transformer's verdict -------------------------------------------------------------------------
+
+
+def test_transformer_success_makes_the_proxy_ready_and_starts_the_reproduction():
+    body = transforming()
+    actions = decide(body, child("q3-transform-g1", succeeded()), SETTINGS)
+    patch, event, create = only(actions, PatchStatus) + only(actions, Emit) + only(actions, CreateChild)
+    assert not patch.first and event == Emit("Normal", "ProxyReady", event.message)
+    assert actions.index(patch) < actions.index(create)  # recorded before it is created
+    after = walk(body, actions)
+    assert after["status"]["phase"] == "Reproducing" and after["status"]["experts"] == "128->16"
+    assert after["status"]["proxy"]["uri"] == TRANSFORMER_REPORT["proxy_uri"]
+    assert after["status"]["pipeline"]["reproductionJob"] == "q3-repro-g1"
+    assert condition(after, "ProxyReady")["status"] == "True"
+    assert condition(after, "FailureReproduced")["reason"] == "ReproductionRunning"
+    assert create.resource == JOBS and create.manifest["spec"]["completions"] == 2  # 16 devices, 8 per node
+    assert create.created.message == "Job q3-repro-g1 (8 x huawei.com/Ascend910 per pod)"
+    assert create.refused == Failure("FailureReproduced", "reproduction")
+
+
+@pytest.mark.parametrize("runtime, resource, container", [
+    ("VolcanoJob", VOLCANO_JOBS, "reproduction"), ("AscendJob", ASCEND_JOBS, "ascend")])
+def test_the_reproduction_runs_as_its_runtime(runtime, resource, container):
+    body = transforming(reproduction={"runtime": runtime})
+    [create] = only(decide(body, child("q3-transform-g1", succeeded()), SETTINGS), CreateChild)
+    assert create.resource == resource and create.manifest["kind"] == resource.kind
+    assert create.created.message.startswith(f"{resource.kind} q3-repro-g1 (8 x ")
+    after = walk(body, decide(body, child("q3-transform-g1", succeeded()), SETTINGS))
+    assert child_resource(after["status"], REPRODUCTION) == resource
+    assert after["status"]["pipeline"]["reproductionKind"] == runtime
+    assert container in json.dumps(create.manifest)
+
+
+def test_transformer_success_without_reproduction_or_while_suspended():
+    body = transforming(reproduction={"enabled": False})
+    actions = decide(body, child("q3-transform-g1", succeeded()), SETTINGS)
+    assert only(actions, CreateChild) == [] and walk(body, actions)["status"]["phase"] == "ProxyReady"
+    body = transforming()
+    body["spec"]["suspend"] = True
+    actions = decide(body, child("q3-transform-g1", succeeded()), SETTINGS)
+    assert only(actions, CreateChild) == [] and walk(body, actions)["status"]["phase"] == "Suspended"
+
+
+def test_transformer_success_without_a_report_fails():
+    body = transforming()
+    after = walk(body, decide(body, child("q3-transform-g1", succeeded({})), SETTINGS))
+    assert after["status"]["phase"] == "Failed" and condition(after, "ProxyReady")["reason"] == "NoProxyReport"
+
+
+@pytest.mark.parametrize("verdict, reason", [
+    (Outcome(FAILED, "OOMKilled", "container transformer exited with code 137"), "OOMKilled"),
+    # bad input (exit code 2): the report names the cause, the pod failure policy failed the Job at once
+    (Outcome(FAILED, "UnsupportedArchitecture", "llama is dense",
+             {"error": "UnsupportedArchitecture", "message": "llama is dense"}), "UnsupportedArchitecture"),
+])
+def test_transformer_failure_fails_the_proxymodel(verdict, reason):
+    body = transforming()
+    actions = decide(body, child("q3-transform-g1", verdict), SETTINGS)
+    assert [type(a) for a in actions] == [type(a) for a in failed(body["status"], "ProxyReady", reason, "", "")]
+    after = walk(body, actions)
+    assert condition(after, "ProxyReady")["reason"] == reason
+    assert after["status"]["phase"] == "Failed"
+    assert after["status"]["message"] == f"transformer failed: {reason}: {verdict.message}"
+    assert only(actions, Emit)[0].type == "Warning"
+    assert decide(after, child("q3-transform-g1", verdict), SETTINGS) == []  # failed: judged once
+
+
+def test_a_notable_running_state_is_reported_once():
+    body = transforming()
+    pending = Outcome(RUNNING, "Unschedulable", "0/3 nodes are available")
+    actions = decide(body, child("q3-transform-g1", pending), SETTINGS)
+    after = walk(body, actions)
+    assert condition(after, "ProxyReady")["reason"] == "Unschedulable" and after["status"]["phase"] == "Transforming"
+    assert only(actions, Emit) == [Emit("Warning", "Unschedulable", "transformer: 0/3 nodes are available")]
+    assert decide(after, child("q3-transform-g1", pending), SETTINGS) == []
+    assert decide(after, child("q3-transform-g1", Outcome(RUNNING)), SETTINGS) == []
+
+
+def test_verdicts_of_other_children_or_given_already_are_ignored():
+    body = transforming()
+    assert decide(body, child("q3-transform-g0", succeeded()), SETTINGS) == []  # an older spec's
+    assert not wants_verdict(body["status"], REPRODUCTION, "q3-repro-g1")
+    after = walk(body, decide(body, child("q3-transform-g1", succeeded()), SETTINGS))
+    assert decide(after, child("q3-transform-g1", succeeded()), SETTINGS) == []  # idempotent
+
+
+# --- several workers: calibrate -> workers -> finalize ----------------------------------------------------
+
+
+def test_calibrate_then_workers_then_finalize():
+    spec = {"calibration": {"samples": 8}, "pruning": {"experts": 16, "features": "routing"},
+            "transformer": {"parallelism": 3}}
+    body = transforming(**spec)
+    assert body["status"]["pipeline"]["transformerStep"] == "calibrate"
+
+    actions = decide(body, child("q3-calibrate-g1", succeeded({})), SETTINGS)
+    [create] = only(actions, CreateChild)
+    assert create.manifest["metadata"]["name"] == "q3-transform-g1" and create.manifest["spec"]["completions"] == 3
+    assert create.created.reason == "WorkersCreated"
+    assert create.refused == Failure("ProxyReady", "transformer workers")
+    body = walk(body, actions)
+    assert body["status"]["pipeline"]["transformerStep"] == "workers" and body["status"]["workers"] == "0/3"
+    assert condition(body, "ProxyReady")["reason"] == "WorkersRunning"
+    assert decide(body, child("q3-calibrate-g1", succeeded({})), SETTINGS) == []  # not the current child
+
+    progress = Observed(WORKERS_PROGRESS, child=Child("q3-transform-g1", TRANSFORMER, progress="2/3"))
+    [patch] = decide(body, progress, SETTINGS)
+    assert patch == PatchStatus({"workers": "2/3"})
+    body = walk(body, [patch])
+    assert decide(body, progress, SETTINGS) == []  # nothing new
+    assert decide(body, Observed(WORKERS_PROGRESS, child=Child("q3-calibrate-g1", TRANSFORMER, progress="1/1")),
+                  SETTINGS) == []
+
+    actions = decide(body, child("q3-transform-g1", succeeded({})), SETTINGS)
+    [create] = only(actions, CreateChild)
+    assert create.manifest["metadata"]["name"] == "q3-finalize-g1" and create.created.reason == "FinalizeCreated"
+    body = walk(body, actions)
+    assert body["status"]["pipeline"]["transformerStep"] == "finalize" and body["status"]["workers"] == "3/3"
+
+    body = walk(body, decide(body, child("q3-finalize-g1", succeeded()), SETTINGS))
+    assert body["status"]["phase"] == "Reproducing" and body["status"]["proxy"]
+
+
+def test_failed_worker_indexes_are_named():
+    body = transforming(transformer={"parallelism": 4})
+    verdict = Outcome(FAILED, "OOMKilled", "container transformer exited with code 137")
+    after = walk(body, decide(body, child("q3-transform-g1", verdict, failed_indexes="1,3"), SETTINGS))
+    assert after["status"]["message"].startswith("transformer workers failed: OOMKilled: worker index(es) 1,3 failed")
+
+
+def test_a_step_done_while_suspended_or_for_an_older_spec_goes_no_further():
+    body = transforming(transformer={"parallelism": 2})
+    suspended = {**body, "spec": {**body["spec"], "suspend": True}}
+    assert [type(a) for a in decide(suspended, child("q3-transform-g1", succeeded({})), SETTINGS)] == [Log]
+    changed = {**body, "spec": {**body["spec"], "pruning": {"experts": 8}}}
+    assert decide(changed, child("q3-transform-g1", succeeded({})), SETTINGS) == []
+
+
+# --- the reproduction's verdict ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verdict, phase, reason, event", [
+    (succeeded(REPRODUCED_REPORT), "Reproduced", "GradientOverflow", "Normal"),
+    (succeeded({"reproduced": True, "signature": "actor/grad_norm>100", "step": 3}), "Reproduced",
+     "MetricThreshold", "Normal"),
+    (succeeded({"reproduced": False, "signature": None, "step": None}), "NotReproduced", "NotObserved", "Warning"),
+    (succeeded({}), "NotReproduced", "NoReport", "Warning"),
+    (Outcome(FAILED, "BackoffLimitExceeded", "Job has reached the specified backoff limit"), "Failed",
+     "BackoffLimitExceeded", "Warning"),
+])
+def test_reproduction_verdicts(verdict, phase, reason, event):
+    body = reproducing()
+    actions = decide(body, child("q3-repro-g1", verdict, REPRODUCTION), SETTINGS)
+    after = walk(body, actions)
+    assert after["status"]["phase"] == phase
+    assert condition(after, "FailureReproduced")["reason"] == reason
+    assert only(actions, Emit)[0].type == event
+    assert only(actions, CreateChild) == []
+    assert decide(after, child("q3-repro-g1", verdict, REPRODUCTION), SETTINGS) == []  # judged once
+
+
+def test_a_running_reproduction_reports_an_unschedulable_gang():
+    body = reproducing(reproduction={"runtime": "VolcanoJob"})
+    verdict = Outcome(RUNNING, "PodGroupPending", "gang of 2 cannot be scheduled")
+    after = walk(body, decide(body, child("q3-repro-g1", verdict, REPRODUCTION), SETTINGS))
+    assert condition(after, "FailureReproduced")["status"] == "Unknown"
+    assert condition(after, "FailureReproduced")["reason"] == "PodGroupPending"
+    assert after["status"]["phase"] == "Reproducing"
+
+
+# --- spec changes ----------------------------------------------------------------------------------------
+
+
+def test_a_new_spec_restarts_the_pipeline():
+    body = reproducing()
+    changed = {**body, "spec": {**body["spec"], "pruning": {"experts": 8}}, "metadata": {**body["metadata"],
+                                                                                          "generation": 2}}
+    actions = decide(changed, Observed(SPEC_CHANGED), SETTINGS)
+    assert actions[-1] == StartPipeline() and not only(actions, PatchStatus)
+
+
+def test_a_new_spec_while_suspended_deletes_every_child_and_waits():
+    body = reproducing()
+    changed = {**body, "spec": {**body["spec"], "pruning": {"experts": 8}, "suspend": True}}
+    actions = decide(changed, Observed(SPEC_CHANGED), SETTINGS)
+    assert actions[0] == DeleteChildren(None)
+    after = walk(changed, actions)
+    assert after["status"]["phase"] == "Suspended"
+    assert not {"pipeline", "proxy", "reproduction", "plan"} & set(after["status"])
+    resumed = {**after, "spec": {**after["spec"], "suspend": False}}
+    assert decide(resumed, Observed(SPEC_CHANGED), SETTINGS)[-1] == StartPipeline()
+
+
+def test_suspend_and_ttl_alone_do_not_restart():
+    body = reproducing()
+    suspended = {**body, "spec": {**body["spec"], "suspend": True, "ttlSecondsAfterFinished": 60}}
+    [patch] = decide(suspended, Observed(SPEC_CHANGED), SETTINGS)
+    assert patch.status["phase"] == "Suspended"
+    done = walk(body, decide(body, child("q3-repro-g1", succeeded(REPRODUCED_REPORT), REPRODUCTION), SETTINGS))
+    [patch] = decide({**done, "spec": suspended["spec"]}, Observed(SPEC_CHANGED), SETTINGS)
+    assert patch.status == {"observedGeneration": 1}  # a finished ProxyModel stays as it is
+    [patch] = decide({**body, "spec": {**body["spec"], "ttlSecondsAfterFinished": 60}}, Observed(SPEC_CHANGED),
+                     SETTINGS)
+    assert "phase" not in patch.status and patch.status["conditions"][-1]["reason"] == "Resumed"
+
+
+def test_resume_before_the_first_job_starts_the_pipeline():
+    body = walk(pxm(suspend=True), decide(pxm(suspend=True), Observed(ADMITTED), SETTINGS))
+    body = {**accepted(body), "status": {**accepted(body)["status"], "phase": "Suspended"}}
+    resumed = {**body, "spec": {**body["spec"], "suspend": False}}
+    patch, start = decide(resumed, Observed(SPEC_CHANGED), SETTINGS)
+    assert start == StartPipeline() and not patch.first
+
+
+def test_resume_with_the_proxy_built_starts_the_reproduction():
+    body = transforming()
+    body["spec"]["suspend"] = True
+    body = walk(body, decide(body, child("q3-transform-g1", succeeded()), SETTINGS))
+    assert body["status"]["phase"] == "Suspended" and not body["status"]["pipeline"]["reproductionJob"]
+    resumed = {**body, "spec": {**body["spec"], "suspend": False}}
+    patch, create = decide(resumed, Observed(SPEC_CHANGED), SETTINGS)
+    assert patch.first and patch.status["phase"] == "Reproducing"
+    assert patch.status["pipeline"]["reproductionJob"] == create.manifest["metadata"]["name"] == "q3-repro-g1"
+    assert condition(walk(resumed, [patch]), "Suspended")["reason"] == "Resumed"
+
+
+def test_resume_judges_a_step_that_finished_while_suspended():
+    body = transforming(transformer={"parallelism": 2})
+    body = {**body, "status": {**body["status"], "phase": "Suspended"}}
+    patch, judge = decide(body, Observed(SPEC_CHANGED), SETTINGS)
+    assert patch.first and patch.status["phase"] == "Transforming"  # written before the judge reads it
+    assert judge == JudgeChild(JOBS, "q3-transform-g1", TRANSFORMER)
+
+
+def test_resume_of_a_single_build_or_a_reproduction_only_sets_the_phase():
+    for body, phase in ((transforming(), "Transforming"), (reproducing(), "Reproducing")):
+        body = {**body, "status": {**body["status"], "phase": "Suspended"}}
+        [patch] = decide(body, Observed(SPEC_CHANGED), SETTINGS)
+        assert patch.status["phase"] == phase
+
+
+# --- idempotency -------------------------------------------------------------------------------------------
+
+
+def test_deciding_again_on_what_was_written_creates_nothing_twice():
+    """Every decision that creates a child records it first; deciding again on that status
+    (the same event seen twice, a restart) creates no second child."""
+    body = accepted(pxm(transformer={"parallelism": 2}))
+    seen_creates = []
+    events = [Observed(VALIDATED), child("q3-transform-g1", succeeded({})), child("q3-finalize-g1", succeeded()),
+              child("q3-repro-g1", succeeded(REPRODUCED_REPORT), REPRODUCTION)]
+    for observed in events:
+        actions = decide(body, observed, SETTINGS)
+        seen_creates += [a.manifest["metadata"]["name"] for a in only(actions, CreateChild)]
+        body = walk(body, actions)
+        if observed.event == CHILD_CHANGED:
+            assert decide(body, observed, SETTINGS) == []
+        assert decide(body, Observed(ADMITTED, child_exists=True), SETTINGS) == []
+    assert seen_creates == ["q3-transform-g1", "q3-finalize-g1", "q3-repro-g1"]
+    assert body["status"]["phase"] == "Reproduced"
+
+
+def test_decide_reads_nothing_but_its_arguments():
+    body = transforming()
+    before = copy.deepcopy(body)
+    first = decide(body, child("q3-transform-g1", succeeded()), SETTINGS)
+    again = decide(body, child("q3-transform-g1", succeeded()), SETTINGS)
+    assert [type(a) for a in first] == [type(a) for a in again]
+    assert only(first, CreateChild) == only(again, CreateChild)
+    assert body == before  # the ProxyModel as read is not changed

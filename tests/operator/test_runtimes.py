@@ -1,0 +1,62 @@
+"""The runtimes table is the one place a reproduction runtime is declared: the CRD's enum,
+RBAC, the watched resources and the manifests all follow it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from proxymodel_operator import rbac
+from proxymodel_operator.reproduction import reproduction_workload
+from proxymodel_operator.resources import LABEL_CHILD
+from proxymodel_operator.runtimes import RUNTIMES, WORKLOADS, runtime_of
+from proxymodel_operator.settings import Settings
+from proxymodel_operator.spec import parse
+
+from .harness import proxymodel
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "proxymodels.moeproxy.io.yaml"
+
+
+def _crd_runtime_schema() -> dict:
+    crd = yaml.safe_load(CRD.read_text())
+    [version] = [v for v in crd["spec"]["versions"] if v.get("storage")]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return spec["properties"]["reproduction"]["properties"]["runtime"]
+
+
+def test_the_crd_enum_names_exactly_the_runtimes():
+    schema = _crd_runtime_schema()
+    assert schema["enum"] == list(RUNTIMES)
+    assert schema["default"] in RUNTIMES
+
+
+@pytest.mark.parametrize("name", list(RUNTIMES))
+def test_each_runtime_has_rbac_to_create_follow_and_delete(name):
+    resource = RUNTIMES[name].resource
+    for verb in ("create", "get", "list", "watch", "delete"):
+        assert rbac.allowed(resource.group, resource.plural, verb), (name, verb)
+
+
+@pytest.mark.parametrize("name", list(RUNTIMES))
+def test_each_runtime_builds_its_workload_and_finds_its_pods(name):
+    runtime = RUNTIMES[name]
+    body = proxymodel("q3", reproduction={"runtime": name, "accelerator": {"devices": 16}})
+    spec = parse(body["spec"], "team-a", "q3", Settings())
+    manifest = reproduction_workload("q3", "team-a", 1, spec, "s3://ckpt/proxy/", "ab" * 32, 16)
+    assert (manifest["apiVersion"], manifest["kind"]) == (runtime.resource.api_version, runtime.resource.kind)
+    templates = runtime.pod_templates(manifest["spec"])
+    assert templates, name
+    for template in templates:  # pods are found by the child label every template carries
+        assert template["metadata"]["labels"][LABEL_CHILD] == manifest["metadata"]["name"]
+    container = templates[0]["spec"]["containers"][0]
+    assert container["name"] == (runtime.container or "reproduction")
+    assert container["resources"]["limits"] == {"huawei.com/Ascend910": 8}  # one node's devices per pod
+
+
+def test_workloads_are_the_runtimes_resources_and_are_found_back():
+    assert set(WORKLOADS) == {r.resource for r in RUNTIMES.values()}
+    for runtime in RUNTIMES.values():
+        assert runtime_of(runtime.resource) is runtime
