@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from moe_proxy.errors import InvalidExpertCount, NotMoE, UnsupportedArchitecture
-from moe_proxy.planner import GB, PlanOptions, count_params, format_plan, moe_layer_indices, plan
+from moe_proxy.params import config_params, moe_layer_indices
+from moe_proxy.planner import GB, PlanOptions, format_plan, plan
 
 # A tiny Qwen3-MoE: H=64, vocab 256, 2 layers (layer 0 dense), 4 heads of 16, 2 KV heads,
 # 8 experts of width 32, top-2, untied embeddings.
@@ -31,10 +32,10 @@ def test_qwen3_params_by_hand():
     expert = 3 * 64 * 32  # 6144
     total = embed + 64 + 2 * (attention + norms) + dense_mlp + router + 8 * expert
     active = total - 6 * expert  # top-2 of 8
-    params = count_params(QWEN3)
+    params = config_params(QWEN3)
     assert (params.total, params.active) == (total, active) == (125824, 88960)
     # The proxy with 4 experts: 4 router rows and 4 experts fewer.
-    assert count_params(QWEN3, experts=4).total == total - 4 * expert - 4 * 64
+    assert config_params(QWEN3, experts=4).total == total - 4 * expert - 4 * 64
 
 
 @pytest.mark.parametrize("model_type, extra", [
@@ -58,7 +59,7 @@ def test_params_match_what_transformers_stores(model_type, extra):
         **extra)
     model = transformers.AutoModelForCausalLM.from_config(config)
     stored = sum(t.numel() for t in model.state_dict().values())
-    assert count_params(json.loads(config.to_json_string())).total == stored
+    assert config_params(json.loads(config.to_json_string())).total == stored
 
 
 def test_deepseek_v3_full_size_is_671b_with_37b_active():
@@ -69,7 +70,7 @@ def test_deepseek_v3_full_size_is_671b_with_37b_active():
         "n_group": 8, "topk_group": 4, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
         "qk_nope_head_dim": 128, "v_head_dim": 128, "tie_word_embeddings": False,
     }
-    params = count_params(config)
+    params = config_params(config)
     assert round(params.total / 1e9) == 671 and round(params.active / 1e9) == 38  # 37.55B
     p = plan(config, PlanOptions(experts=32))
     assert p.moe_layers == 58

@@ -6,3 +6,43 @@ post-training failures of the original can be reproduced on a fraction of the ac
 """
 
 __version__ = "0.1.0"
+
+# The torch-free line: every module the operator and the header-only commands (`--help`,
+# `inspect`, `plan`, `checkpoints`) may import. Each imports without torch, transformers,
+# scikit-learn or scipy (tests/house/test_torch_free.py blocks them and imports each); every
+# other module may need them. Commands import their implementation when they run.
+TORCH_FREE = (
+    "moe_proxy",
+    "moe_proxy.reports",  # exit codes and termination messages: the CLI-operator contract
+    "moe_proxy.errors",
+    "moe_proxy.architectures",  # the one place that knows model types
+    "moe_proxy.params",  # parameter counts from config.json or from headers
+    "moe_proxy.planner",  # accelerators for RL on the original and the proxy
+    "moe_proxy.storage",
+    "moe_proxy.s3",  # boto3, not torch
+    "moe_proxy.materialize",
+    "moe_proxy.checkpoint",  # config, index and safetensors headers
+    "moe_proxy.reads",  # the build's read path
+    "moe_proxy.layout",
+    "moe_proxy.checkpoints",  # the listing (`checkpoints`, the operator's CheckpointWatch)
+    "moe_proxy.summary",  # `inspect`
+    "moe_proxy.shard_writer",
+    "moe_proxy.proxy_config",
+    "moe_proxy.compare",  # numpy only
+    "moe_proxy.plots",  # matplotlib when a plot is drawn
+    "moe_proxy.repro",
+    "moe_proxy.repro.config",
+    "moe_proxy.repro.detect",
+    "moe_proxy.repro.metrics_io",
+    "moe_proxy.cli",
+    "moe_proxy.commands",
+    "moe_proxy.commands._common",
+    "moe_proxy.commands.build",
+    "moe_proxy.commands.calibrate",
+    "moe_proxy.commands.checkpoints",
+    "moe_proxy.commands.compare",
+    "moe_proxy.commands.inspect",
+    "moe_proxy.commands.plan",
+    "moe_proxy.commands.repro",
+    "moe_proxy.commands.verify",
+)

@@ -4,7 +4,9 @@ Tensor roles are found from tensor *names* (see layout.py): an MoE block is what
 `<block>.experts.<E>.*` (per-expert) or `<block>.experts.<name>` (fused, expert axis 0).
 What differs between architectures is small and declarative: where the router sits relative
 to the block, which per-expert vectors ride along with it, which config fields count
-experts, and whether routing is grouped. Adding an architecture is adding one `Arch`.
+experts, whether routing is grouped, which layers hold experts and what the parameter count
+(params.py) and the layer-by-layer loader (layerwise.py) must know. This is the one module
+that knows model types: adding an architecture is adding one `Arch`.
 Torch-free: the operator and planner import this.
 """
 
@@ -28,27 +30,52 @@ class Arch:
     # Grouped routing: (n_group field, topk_group field), and the config condition that turns it on.
     group_keys: tuple[str, str] | None = None
     grouped_when: dict[str, str] = field(default_factory=dict)  # e.g. {"topk_method": "group_limited_greedy"}
+    # Which decoder layers hold routed experts: "all"; "first_k_dense" (all from config's
+    # first_k_dense_replace on, every moe_layer_freq-th); "sparse_step" (every
+    # decoder_sparse_step-th, except mlp_only_layers).
+    moe_layers: str = "all"
+    # Attention and expert parameters config.json does not spell out (params.py).
+    qkv_bias: bool = False  # q/k/v projections have biases even without attention_bias
+    qk_norm: str | None = None  # RMSNorm on q and k: "head" (one per head) or "all" (over all channels)
+    attention_sinks: bool = False  # one learned sink logit per attention head
+    expert_biases: bool = False  # each routed expert's projections have biases
+    # Checkpoint (hub) names where transformers' modules differ (layerwise.py): the MoE block
+    # that the modules call `mlp`, and the per-expert projections that transformers stacks into
+    # its fused `gate_up_proj` and `down_proj`.
+    hub_moe: str = "mlp"
+    hub_gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    hub_down: tuple[str, ...] = ("down_proj",)
     notes: str = ""
 
 
 ARCHITECTURES: tuple[Arch, ...] = (
-    Arch("Mixtral", ("mixtral",), ("num_local_experts", "num_experts")),
-    Arch("Qwen2-MoE", ("qwen2_moe",), ("num_experts",),
+    Arch("Mixtral", ("mixtral",), ("num_local_experts", "num_experts"),
+         hub_moe="block_sparse_moe", hub_gate_up=("w1", "w3"), hub_down=("w2",)),
+    Arch("Qwen2-MoE", ("qwen2_moe",), ("num_experts",), moe_layers="sparse_step", qkv_bias=True,
          notes="shared_expert and shared_expert_gate are kept whole"),
-    Arch("Qwen3-MoE", ("qwen3_moe",), ("num_experts", "num_local_experts")),
+    Arch("Qwen3-MoE", ("qwen3_moe",), ("num_experts", "num_local_experts"), moe_layers="sparse_step",
+         qk_norm="head"),
     Arch("DeepSeek-V2", ("deepseek_v2",), ("n_routed_experts",),
-         group_keys=("n_group", "topk_group"), grouped_when={"topk_method": "group_limited_greedy"}),
+         group_keys=("n_group", "topk_group"), grouped_when={"topk_method": "group_limited_greedy"},
+         moe_layers="first_k_dense"),
     Arch("DeepSeek-V3", ("deepseek_v3", "kimi_k2"), ("n_routed_experts",),
          router=("gate.weight", "gate.e_score_correction_bias"), group_keys=("n_group", "topk_group"),
-         min_per_group=2, notes="also Kimi-K2 (same layout); the MTP layer (index num_hidden_layers) is pruned alike"),
+         min_per_group=2, moe_layers="first_k_dense",
+         notes="also Kimi-K2 (same layout); the MTP layer (index num_hidden_layers) is pruned alike"),
     Arch("GLM-4.5 MoE", ("glm4_moe",), ("n_routed_experts",),
          router=("gate.weight", "gate.e_score_correction_bias"), group_keys=("n_group", "topk_group"),
-         min_per_group=2, notes="the MTP layer (index num_hidden_layers) is pruned alike"),
-    Arch("OLMoE", ("olmoe",), ("num_experts", "num_local_experts")),
+         min_per_group=2, moe_layers="first_k_dense", notes="the MTP layer (index num_hidden_layers) is pruned alike"),
+    Arch("OLMoE", ("olmoe",), ("num_experts", "num_local_experts"), qk_norm="all"),
     Arch("GPT-OSS", ("gpt_oss",), ("num_local_experts", "num_experts"),
          router=("router.weight", "router.bias"), top_k_keys=("num_experts_per_tok", "experts_per_token"),
-         notes="fused experts, also MXFP4 blocks/scales"),
+         attention_sinks=True, expert_biases=True, notes="fused experts, also MXFP4 blocks/scales"),
 )
+
+
+# Model types transformers has no classes for, and the model type whose classes run them:
+# Kimi-K2 is DeepSeek-V3's architecture under another name (its checkpoints ship DeepSeek-V3's
+# remote code), so verify, calibrate, heal and repro run it with transformers' DeepSeek-V3.
+TRANSFORMERS_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
 
 
 def supported() -> str:

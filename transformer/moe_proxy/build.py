@@ -4,7 +4,7 @@
 2. Plan (pruning_plan.py): per MoE block, the experts to keep.
 3. Write, shard by shard in the source's sharding: backbone tensors byte for byte, router rows
    and expert tensors of kept experts only, in their source dtype. Dropped experts' bytes are
-   never read. Reads run ahead in a small thread pool while earlier bytes are written.
+   never read. Reads run ahead in a small thread pool while earlier bytes are written (reads.py).
 4. Finalize: config.json, the index, tokenizer/other files, and `proxy-manifest.json` last:
    its presence marks the proxy complete.
 
@@ -29,17 +29,18 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .architectures import detect
-from .checkpoint import INDEX, MANIFEST, Checkpoint, TensorInfo, open_checkpoint, part_readers, read_json, slice_ranges
+from .checkpoint import INDEX, MANIFEST, Checkpoint, TensorInfo, open_checkpoint, read_json, slice_ranges
 from .errors import CorruptCheckpoint, DestinationExists, MoeProxyError
 from .layout import Layout, find_layout, source_identity
 from .proxy_config import rewrite_config
-from .pruning_plan import Options, Plan, count_params, make_plan
+from .reads import read_tasks
+from .params import stored_params
+from .pruning_plan import Options, Plan, make_plan
 from .shard_writer import OutTensor, Written, shard_pieces, shard_size, write_file
 from .storage import Store, open_store, sha256_of, write_bytes
 
 log = logging.getLogger(__name__)
 JOURNAL = ".moe-proxy-journal"
-PART = 64 << 20  # bytes per read task
 READ_THREADS = 4
 
 
@@ -96,22 +97,6 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, li
         if out:
             shards[f] = out
     return shards
-
-
-def read_tasks(store: Store, file: str, tensors: list[OutTensor]) -> list[Callable[[], bytes]]:
-    """Tasks of about PART bytes that read one output shard's data in order. Ranges are pooled
-    across tensors, so kept tensors that sit next to each other in the source (a layer's
-    backbone, a kept expert's projections) come in one request, not one per tensor."""
-    tasks: list[Callable[[], bytes]] = []
-    ranges: list[tuple[int, int]] = []
-    for t in tensors:
-        if callable(t.source):
-            tasks += part_readers(store, file, ranges, PART)
-            tasks.append(t.source)
-            ranges = []
-        else:
-            ranges += t.source
-    return tasks + part_readers(store, file, ranges, PART)
 
 
 def assign_shards(shards: dict[str, list[OutTensor]], workers: int) -> list[list[str]]:
@@ -331,7 +316,7 @@ def make_manifest(p: Prepared, written: dict[str, Written]) -> dict:
                        "cluster_sizes": plan.selections[b.prefix].cluster_sizes} | plan.selections[b.prefix].record
             for b in p.layout.blocks
         },
-        "params": count_params(ckpt, p.layout, plan),
+        "params": stored_params(ckpt, p.layout, plan.experts_after, plan.top_k_after),
         "bytes": {"before": sum(ckpt.file_sizes.values()),
                   "after": sum(w.size for f, w in written.items() if f in p.shards)},
         "files": {f: {"size": w.size, "sha256": w.sha256} for f, w in sorted(written.items())},

@@ -1,7 +1,7 @@
 """Open a Hugging Face checkpoint without loading it: config.json, the shard index and each
 shard's safetensors *header* (8-byte little-endian length, then JSON). Headers give every
 tensor's dtype, shape and byte range, which is all the planner needs; tensor bytes are read
-later by range, only for the tensors that are kept. Torch-free, so the operator can use it.
+later by range, only for the tensors that are kept (reads.py). Torch-free, so the operator can use it.
 """
 
 from __future__ import annotations
@@ -10,10 +10,8 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Callable
-
 from .errors import CorruptCheckpoint
+from .reads import read_coalesced
 from .storage import Store, open_store
 
 INDEX = "model.safetensors.index.json"
@@ -88,45 +86,6 @@ def slice_ranges(t: TensorInfo, axis: int, keep: list[int]) -> list[tuple[int, i
     inner = math.prod(t.shape[axis + 1 :]) * ITEMSIZE[t.dtype]
     n = t.shape[axis]
     return [(t.start + (o * n + e) * inner, inner) for o in range(outer) for e in keep]
-
-
-def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: int = 0) -> bytes:
-    """The bytes of many ranges of one file, in order, merging neighbours (within `gap` bytes)
-    into one request. A request whose ranges leave no gap is used as read, without copies."""
-    out: list[bytes | memoryview] = []
-    i = 0
-    while i < len(ranges):
-        start, length = ranges[i]
-        j, end = i + 1, start + length
-        while j < len(ranges) and ranges[j][0] >= end and ranges[j][0] - end <= gap:
-            end = ranges[j][0] + ranges[j][1]
-            j += 1
-        blob = store.read_range(file, start, end - start)
-        if sum(n for _, n in ranges[i:j]) == len(blob):  # one contiguous run: all of it
-            out.append(blob)
-        else:  # views of what is kept: the join below is the only copy
-            view = memoryview(blob)
-            out.extend(view[s - start : s - start + n] for s, n in ranges[i:j])
-        i = j
-    return out[0] if len(out) == 1 and isinstance(out[0], bytes) else b"".join(out)
-
-
-def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: int) -> list[Callable[[], bytes]]:
-    """Split the reading of `ranges` (in order) into tasks of about `part` bytes each, so a
-    pool can fetch them concurrently while earlier ones are being written."""
-    pieces: list[tuple[int, int]] = []
-    for start, length in ranges:  # split ranges larger than a part
-        pieces += [(s, min(part, start + length - s)) for s in range(start, start + length, part)] or [(start, 0)]
-    tasks, batch, size = [], [], 0
-    for r in pieces:
-        if batch and size + r[1] > part:
-            tasks.append(batch)
-            batch, size = [], 0
-        batch.append(r)
-        size += r[1]
-    if batch:
-        tasks.append(batch)
-    return [partial(read_coalesced, store, file, b) for b in tasks]
 
 
 def read_header(store: Store, file: str, file_size: int) -> tuple[dict[str, TensorInfo], dict]:

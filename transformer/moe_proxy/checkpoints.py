@@ -90,29 +90,6 @@ class Checkpoint:
 # --- finding candidates: names and sizes only -------------------------------------------------
 
 
-def list_sizes(store: Store) -> dict[str, int]:
-    """Every file under the store with its size, from one listing (no per-file request)."""
-    if hasattr(store, "list_sizes"):
-        return store.list_sizes()
-    if isinstance(store, LocalStore):
-        return {name: (store.root / name).stat().st_size for name in store.list()}
-    client = getattr(store, "client", None)
-    if client is not None and hasattr(store, "bucket"):  # S3Store: sizes come with the listing
-        return _s3_list_sizes(store)
-    return {name: store.size(name) for name in store.list()}
-
-
-def _s3_list_sizes(store) -> dict[str, int]:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    base = f"{store.prefix}/" if store.prefix else ""
-    try:
-        pages = store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=base)
-        return {o["Key"][len(base):]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
-    except (ClientError, BotoCoreError) as exc:
-        raise store._error(exc, "list_objects_v2", None) from exc
-
-
 def step_of(path: str, step_regex: str | None = None) -> int | None:
     """The training step in a checkpoint's relative path: the first group (or the whole
     match) of `step_regex`, else the last integer in the path; None when there is none."""
@@ -158,7 +135,7 @@ def find(store: Store, pattern: str | None = None, step_regex: str | None = None
          sizes: dict[str, int] | None = None) -> list[Candidate]:
     """The directories that may hold a checkpoint: those matching `pattern` (relative to the
     store), or by default every directory holding a config.json. Sorted by step, then path."""
-    sizes = list_sizes(store) if sizes is None else sizes
+    sizes = store.list_sizes() if sizes is None else sizes
     names = [n for n in sizes if not posixpath.basename(n).startswith(".")]
     if pattern:
         dirs = sorted(d for d in _directories(names) if matches(d, pattern))
@@ -396,8 +373,8 @@ class CountingStore:
         self.reads += 1
         return data
 
-    def list_sizes(self) -> dict[str, int]:
-        return list_sizes(self.store)
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        return self.store.list_sizes(prefix)
 
     def __getattr__(self, name: str):  # exists, size, list, ... pass through
         return getattr(self.store, name)

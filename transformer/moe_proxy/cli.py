@@ -10,6 +10,7 @@ import sys
 
 from . import __version__
 from .errors import MoeProxyError
+from .reports import EXIT_BAD_INPUT
 
 # Subcommand modules, in the order `moe-proxy --help` lists them.
 COMMANDS = [
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except MoeProxyError as exc:
         print(f"moe-proxy {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted: no manifest was written, so the destination is not a complete proxy; "
               "rerun the same command to finish", file=sys.stderr)

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 from .errors import MalformedMetrics
+from .plots import plot_curves
 from .repro.detect import FailureDetector
 from .repro.metrics_io import read_metrics, read_summary
 
@@ -97,7 +97,7 @@ def metric_stats(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]],
     spearman = error = None
     pearson = _pearson(x, y)
     if pearson is not None:
-        spearman = float(stats.spearmanr(x, y).statistic)
+        spearman = _pearson(_ranks(x), _ranks(y))
     if len(steps) and np.abs(x).mean() > 0:
         error = float(np.abs(y - x).mean() / np.abs(x).mean())
     return MetricStats(len(steps), pearson, spearman, error)
@@ -107,6 +107,17 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return None
     return float(np.corrcoef(x, y)[0, 1])
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, tied values sharing their mean rank: Spearman's rho is Pearson's r of these."""
+    order = np.argsort(x, kind="stable")
+    first = np.r_[True, x[order][1:] != x[order][:-1]]  # where each run of equal values starts
+    starts = np.flatnonzero(first)
+    ends = np.r_[starts[1:], len(x)]
+    ranks = np.empty(len(x))
+    ranks[order] = ((starts + ends + 1) / 2)[np.cumsum(first) - 1]
+    return ranks
 
 
 def _median_key_pearson(ref: dict[int, dict[str, float]], rows: dict[int, dict[str, float]],
@@ -178,8 +189,6 @@ def _verdict(median: float | None, ref: dict[str, int], run: dict[str, int]) -> 
 
 
 def write_report(runs: list[Run], results: list[RunComparison], out_dir: str | Path) -> Path:
-    from .plots import plot_curves
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {"reference": runs[0].name, "runs": [{"name": r.name, "path": r.path} for r in runs],

@@ -47,11 +47,3 @@ class AccessDenied(StorageError):
 
 class EndpointUnreachable(StorageError):
     """The object store did not answer (wrong endpoint URL, network down), even after retries."""
-
-
-class InvalidReproConfig(MoeProxyError):
-    """A reproduction-run setting is out of range or inconsistent (repro, --fail-on, faults)."""
-
-
-class MalformedMetrics(MoeProxyError):
-    """A run's metrics.jsonl cannot be read (not JSON, no step, missing file)."""

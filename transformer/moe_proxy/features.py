@@ -5,6 +5,8 @@
 - `weights`: a compact, deterministic projection of each of the expert's matrices,
   R_out^T W R_in with fixed Gaussian sketches, so experts with similar weights land close.
   Reads every expert's weights (dequantising block-FP8 with its scale companion).
+
+Turning bytes into tensors (dtypes, dequantisation) is tensors.py's.
 """
 
 from __future__ import annotations
@@ -15,21 +17,9 @@ import torch
 from .checkpoint import Checkpoint, TensorInfo
 from .errors import MoeProxyError
 from .layout import MoeBlock
+from .tensors import FLOAT_DTYPES, dequantize_fp8, to_tensor
 
-TORCH_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
-    "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
 SKETCH = 8  # sketch width per matrix side: 64 numbers per matrix
-
-
-def to_tensor(data: bytes, t: TensorInfo, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    if t.dtype not in TORCH_DTYPES:
-        raise MoeProxyError(f"{t.name}: dtype {t.dtype} cannot be read as numbers")
-    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[t.dtype]).reshape(shape or t.shape)
 
 
 def router_features(ckpt: Checkpoint, block: MoeBlock) -> np.ndarray:
@@ -51,13 +41,6 @@ def _project(w: torch.Tensor) -> torch.Tensor:
     return (_sketch(out, "out").T @ w @ _sketch(inn, "in")).flatten()
 
 
-def _dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Block FP8: `scale[i, j]` multiplies block (i, j) of the weight."""
-    bo, bi = -(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1])
-    s = scale.float().repeat_interleave(bo, 0)[: w.shape[0]].repeat_interleave(bi, 1)[:, : w.shape[1]]
-    return w.float() * s
-
-
 def weight_features(ckpt: Checkpoint, block: MoeBlock) -> np.ndarray:
     rows = []
     for e in range(block.n_experts):
@@ -68,7 +51,7 @@ def weight_features(ckpt: Checkpoint, block: MoeBlock) -> np.ndarray:
             w = to_tensor(ckpt.read(t.name), t).float()
             scale = block.per_expert[e].get(rest + "_scale_inv")
             if scale is not None:
-                w = _dequant(w, to_tensor(ckpt.read(scale.name), scale))
+                w = dequantize_fp8(w, to_tensor(ckpt.read(scale.name), scale))
             parts.append(_project(w))
         for rest, t in sorted(block.fused.items()):
             if not _is_matrix(rest, t, fused=True):

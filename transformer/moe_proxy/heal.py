@@ -27,10 +27,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import Checkpoint
-from .features import TORCH_DTYPES
 from .layerwise import HiddenStates, LayerwiseModel, moe_modules, transformers_config
 from .layout import Layout
 from .proxy_config import rewrite_config
+from .tensors import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 HEAL_STEPS = 200

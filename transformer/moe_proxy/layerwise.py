@@ -5,7 +5,8 @@ own class with the model's own config: attention, norms, rotary embedding, route
 function, grouped routing with DeepSeek's correction bias, renormalisation. Only one decoder
 layer at a time gets real tensors, read lazily from the checkpoint (hub layout converted to
 the module layout: per-expert tensors stacked into transformers' fused `gate_up_proj` /
-`down_proj`, Mixtral's `block_sparse_moe.w1/w2/w3` renamed, block-FP8 dequantised) and
+`down_proj`, hub names the modules call otherwise (the `Arch`'s hub_* fields, e.g. Mixtral's
+`block_sparse_moe.w1/w2/w3`) renamed, block-FP8 dequantised) and
 freed back to `meta` after the calibration hidden states went through it. Peak memory is one
 layer plus the hidden states, whatever the depth.
 
@@ -35,9 +36,10 @@ from typing import Iterator
 
 import torch
 
+from .architectures import TRANSFORMERS_MODEL_TYPE, detect
 from .checkpoint import Checkpoint
 from .errors import CorruptCheckpoint, MoeProxyError
-from .features import FLOAT_DTYPES, _dequant, to_tensor
+from .tensors import FLOAT_DTYPES, dequantize_fp8, to_tensor
 
 COMPUTE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 KERNEL_CACHE_CAPACITY = "32"  # primitives per cache: every fixed-shape matmul of a layer still hits
@@ -106,12 +108,12 @@ def moe_modules(layer: torch.nn.Module) -> MoeModules | None:
 def transformers_config(config: dict):
     import transformers
 
-    model_type = config.get("model_type")
+    model_type = TRANSFORMERS_MODEL_TYPE.get(config.get("model_type"), config.get("model_type"))
     try:
         cls = transformers.CONFIG_MAPPING[model_type]
     except KeyError:
         raise MoeProxyError(f"transformers {transformers.__version__} has no model class for {model_type!r}") from None
-    return cls.from_dict(config)
+    return cls.from_dict({**config, "model_type": model_type})
 
 
 class LayerwiseModel:
@@ -122,6 +124,7 @@ class LayerwiseModel:
 
         bound_kernel_caches()
         self.ckpt = ckpt
+        self.arch = detect(ckpt.config)
         self.config = transformers_config(ckpt.config)
         self.dtype = dtype or self._checkpoint_dtype()
         with torch.device("meta"):
@@ -178,7 +181,7 @@ class LayerwiseModel:
 
     def _tensor(self, name: str, meta: torch.Tensor) -> torch.Tensor:
         """The checkpoint's tensor for module parameter `name`, in the module's layout and dtype."""
-        for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+        for candidate in self._hub_names(name):
             if candidate in self.ckpt.tensors:
                 x = self._read(candidate)
                 break
@@ -197,6 +200,11 @@ class LayerwiseModel:
             )
         return x.to(meta.dtype).contiguous()
 
+    def _hub_names(self, name: str) -> list[str]:
+        """Where the checkpoint may keep module parameter `name`: as named, or under the
+        architecture's hub name of the MoE block."""
+        return list(dict.fromkeys((name, name.replace(".mlp.", f".{self.arch.hub_moe}."))))
+
     def _read(self, name: str) -> torch.Tensor:
         t = self.ckpt.tensors[name]
         if t.dtype not in FLOAT_DTYPES:
@@ -207,34 +215,33 @@ class LayerwiseModel:
         x = to_tensor(self.ckpt.read(name), t)
         scale = self.ckpt.tensors.get(name + "_scale_inv")
         if t.dtype.startswith("F8") and scale is not None:
-            x = _dequant(x, to_tensor(self.ckpt.read(scale.name), scale))
+            x = dequantize_fp8(x, to_tensor(self.ckpt.read(scale.name), scale))
         return x
 
     def _stacked_experts(self, name: str, meta: torch.Tensor) -> torch.Tensor:
         """transformers' fused `experts.gate_up_proj` [N, 2I, H] / `experts.down_proj` [N, H, I]
-        from the hub's per-expert tensors (gate/up/down_proj, or Mixtral's w1/w3/w2), filled
-        expert by expert into the module's dtype: the layer is held once, plus one expert."""
+        from the hub's per-expert tensors (the `Arch`'s hub_gate_up / hub_down: gate/up/down_proj,
+        or Mixtral's w1/w3/w2), filled expert by expert into the module's dtype: the layer is
+        held once, plus one expert."""
         head, _, leaf = name.rpartition(".")
-        blocks = [head, head.replace(".mlp.", ".block_sparse_moe.")]
-        parts = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
-        for block in blocks:
-            for names in parts.get(leaf, ()):
-                first = f"{block}.0.{names[0]}.weight"
-                if first not in self.ckpt.tensors:
-                    continue
-                n = sum(1 for e in range(meta.shape[0]) if f"{block}.{e}.{names[0]}.weight" in self.ckpt.tensors)
-                if n != meta.shape[0]:
-                    raise CorruptCheckpoint(f"{self.ckpt.uri}: {block} has {n} experts, the model expects {meta.shape[0]}")
-                out = torch.empty(meta.shape, dtype=meta.dtype)
-                for e in range(n):
-                    part = torch.cat([self._read(f"{block}.{e}.{p}.weight") for p in names], dim=0)
-                    if part.shape != out.shape[1:] and part.T.shape == out.shape[1:]:
-                        part = part.T  # a module stored transposed relative to the hub
-                    if part.shape != out.shape[1:]:
-                        raise CorruptCheckpoint(f"{self.ckpt.uri}: {block}.{e} {'/'.join(names)} give "
-                                                f"{list(part.shape)}, the model expects {list(out.shape[1:])}")
-                    out[e] = part
-                return out
+        names = {"gate_up_proj": self.arch.hub_gate_up, "down_proj": self.arch.hub_down}.get(leaf)
+        for block in self._hub_names(head) if names else []:
+            first = f"{block}.0.{names[0]}.weight"
+            if first not in self.ckpt.tensors:
+                continue
+            n = sum(1 for e in range(meta.shape[0]) if f"{block}.{e}.{names[0]}.weight" in self.ckpt.tensors)
+            if n != meta.shape[0]:
+                raise CorruptCheckpoint(f"{self.ckpt.uri}: {block} has {n} experts, the model expects {meta.shape[0]}")
+            out = torch.empty(meta.shape, dtype=meta.dtype)
+            for e in range(n):
+                part = torch.cat([self._read(f"{block}.{e}.{p}.weight") for p in names], dim=0)
+                if part.shape != out.shape[1:] and part.T.shape == out.shape[1:]:
+                    part = part.T  # a module stored transposed relative to the hub
+                if part.shape != out.shape[1:]:
+                    raise CorruptCheckpoint(f"{self.ckpt.uri}: {block}.{e} {'/'.join(names)} give "
+                                            f"{list(part.shape)}, the model expects {list(out.shape[1:])}")
+                out[e] = part
+            return out
         raise CorruptCheckpoint(f"{self.ckpt.uri}: no tensor for the model's parameter {name}")
 
 

@@ -47,9 +47,6 @@ class Layout:
     blocks: list[MoeBlock]  # in layer order
     backbone: list[str]  # tensor names copied unchanged
 
-    def block_of(self, layer: int) -> MoeBlock | None:
-        return next((b for b in self.blocks if b.layer == layer), None)
-
 
 def find_layout(ckpt: Checkpoint, arch: Arch) -> Layout:
     n_config = expert_count(arch, ckpt.config)
@@ -90,9 +87,10 @@ def find_layout(ckpt: Checkpoint, arch: Arch) -> Layout:
 def _expert_axis(t: TensorInfo, n: int) -> int:
     if t.shape and t.shape[0] == n:
         return 0
-    if t.shape and t.shape[-1] == n:  # ERNIE / Pangu style [1, N] vectors
+    if t.shape and t.shape[-1] == n:  # experts on the last axis, e.g. a [1, N] bias vector
         return len(t.shape) - 1
-    raise CorruptCheckpoint(f"router tensor {t.name} {list(t.shape)} has no axis of the expert count {n}")
+    raise CorruptCheckpoint(f"{t.file}: router tensor {t.name} {list(t.shape)} has no axis of "
+                            f"config.json's expert count {n}: its rows disagree with the config")
 
 
 def _validate(b: MoeBlock, n: int, arch: Arch) -> None:
@@ -102,9 +100,11 @@ def _validate(b: MoeBlock, n: int, arch: Arch) -> None:
     if b.per_expert:
         ids = sorted(b.per_expert)
         if ids != list(range(n)):
+            files = sorted({t.file for rests in b.per_expert.values() for t in rests.values()})
+            missing, extra = sorted(set(range(n)) - set(ids)), sorted(set(ids) - set(range(n)))
             raise CorruptCheckpoint(
-                f"{where}: expert indices {ids[:4]}...{ids[-1]} ({len(ids)} experts) do not match "
-                f"config's {n} experts numbered 0..{n - 1}"
+                f"{', '.join(files)}: {where}: {len(ids)} experts (missing {missing[:8]}, unexpected "
+                f"{extra[:8]}) do not match config's {n} experts numbered 0..{n - 1}"
             )
         rests = set(b.per_expert[0])
         for e, r in b.per_expert.items():

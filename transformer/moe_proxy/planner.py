@@ -1,7 +1,7 @@
 """Resource planning: how many accelerators an RL step needs, for the original and for a proxy.
 
 From a checkpoint's config.json alone (no weights, no torch) it counts parameters (total and
-active per token) of the original and of the proxy, estimates RL-training memory, and finds
+active per token, params.config_params) of the original and of the proxy, estimates RL-training memory, and finds
 the smallest whole number of nodes that holds each. The operator uses it to size the
 reproduction Job (`devices: auto`); `moe-proxy plan` prints it.
 
@@ -36,6 +36,7 @@ from typing import Callable
 
 from .architectures import Arch, detect, expert_count, groups, top_k
 from .errors import InvalidExpertCount
+from .params import Params, config_int, config_params, expert_width, moe_layer_indices, text_config
 
 GIB = 1 << 30
 GB = 10**9
@@ -75,12 +76,6 @@ class PlanOptions:
     reserve_gb: float = 4.0  # runtime, communication buffers, fragmentation, per device
     mfu: float = 0.3
     max_devices: int | None = None  # the proxy's device budget (default: what the keep ratio's proxy needs)
-
-
-@dataclass(frozen=True)
-class Params:
-    total: int
-    active: int  # per token: backbone + top-k routed experts + shared experts
 
 
 @dataclass(frozen=True)
@@ -143,45 +138,6 @@ class Plan:
         return out
 
 
-# --- reading config.json -------------------------------------------------------------------
-
-
-def text_config(config: dict) -> dict:
-    """The language-model part of a config (multimodal checkpoints nest it in text_config)."""
-    inner = config.get("text_config")
-    if isinstance(inner, dict) and "hidden_size" not in config:
-        return {**inner, "model_type": inner.get("model_type", config.get("model_type"))}
-    return config
-
-
-def _int(config: dict, *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        if isinstance(config.get(key), int):
-            return config[key]
-    if default is None:
-        raise InvalidExpertCount(f"config.json lacks {' / '.join(keys)}, needed to plan")
-    return default
-
-
-def moe_layer_indices(config: dict) -> list[int]:
-    """Indices of the decoder layers that hold routed experts (MTP layers not counted)."""
-    n = _int(config, "num_hidden_layers")
-    if "first_k_dense_replace" in config:  # DeepSeek, GLM, Kimi
-        first, freq = config.get("first_k_dense_replace") or 0, config.get("moe_layer_freq") or 1
-        return [i for i in range(n) if i >= first and i % freq == 0]
-    if "moe_layer_start_index" in config:  # ERNIE
-        start, end = config["moe_layer_start_index"], config.get("moe_layer_end_index", -1)
-        end = n - 1 if end in (-1, None) else end
-        step = config.get("moe_layer_interval") or 1
-        return [i for i in range(n) if start <= i <= end and (i + 1) % step == 0]
-    if "decoder_sparse_step" in config or "mlp_only_layers" in config:  # Qwen2/3-MoE
-        step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or [])
-        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if isinstance(config.get("moe_layers"), list):  # Llama-4
-        return list(config["moe_layers"])
-    return list(range(n))  # Mixtral, OLMoE, GPT-OSS, MiniMax
-
-
 # --- the expert target ---------------------------------------------------------------------
 
 
@@ -213,86 +169,13 @@ def preferred_experts(n: int, arch: Arch, n_group: int, k: int) -> int | None:
     return next((e for e in valid if e >= 2 * k), valid[-1] if valid else None)
 
 
-# --- parameter counting --------------------------------------------------------------------
-
-
-def _attention_params(c: dict) -> int:
-    h, heads = c["hidden_size"], _int(c, "num_attention_heads")
-    if c.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
-        rope, nope, v = c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
-        q_rank = c.get("q_lora_rank")
-        q = h * q_rank + q_rank + q_rank * heads * (nope + rope) if q_rank else h * heads * (nope + rope)
-        kv = h * (c["kv_lora_rank"] + rope) + c["kv_lora_rank"] + c["kv_lora_rank"] * heads * (nope + v)
-        return q + kv + heads * v * h
-    kv_heads = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or h // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    total = h * q + 2 * h * kv + q * h
-    if c.get("attention_bias") or c.get("qkv_bias") or c.get("model_type") == "qwen2_moe":
-        total += q + 2 * kv + (h if c.get("attention_bias") else 0)
-    if c.get("model_type") == "qwen3_moe":  # per-head RMSNorm on q and k
-        total += 2 * head_dim
-    elif c.get("model_type") == "olmoe":  # RMSNorm over all q and k channels
-        total += q + kv
-    elif c.get("model_type") == "gpt_oss":  # attention sinks
-        total += heads
-    return total
-
-
-def _expert_width(c: dict) -> int:
-    return c.get("moe_intermediate_size") or c["intermediate_size"]
-
-
-def _expert_params(c: dict) -> int:
-    """One routed expert (gated MLP: gate, up, down)."""
-    h, i = c["hidden_size"], _expert_width(c)
-    return 3 * h * i + (2 * i + h if c.get("model_type") == "gpt_oss" else 0)
-
-
-def _router_params(c: dict, arch: Arch, n_experts: int) -> int:
-    """Router rows plus the per-expert vectors that ride with them (bias, correction bias)."""
-    return n_experts * (c["hidden_size"] + len(arch.router) - 1)
-
-
-def _shared_params(c: dict) -> int:
-    h = c["hidden_size"]
-    if c.get("shared_expert_intermediate_size"):  # Qwen2-MoE, Qwen3-Next: one gated shared expert
-        return 3 * h * c["shared_expert_intermediate_size"] + h
-    if c.get("n_shared_experts"):  # DeepSeek, GLM: one MLP of n_shared times the expert width
-        return 3 * h * _expert_width(c) * c["n_shared_experts"]
-    return 0
-
-
-def count_params(config: dict, experts: int | None = None, k: int | None = None) -> Params:
-    """Parameters of the checkpoint described by config.json, with `experts` routed experts per
-    MoE layer (default: as the config says) and top-`k` routing (default: as the config says)."""
-    c = text_config(config)
-    arch = detect(c)
-    n = expert_count(arch, c) if experts is None else experts
-    k = top_k(arch, c) if k is None else k
-    h, vocab, layers = c["hidden_size"], c["vocab_size"], _int(c, "num_hidden_layers")
-    moe = set(moe_layer_indices(c))
-    embed = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
-    backbone = embed + h  # final norm
-    routed_total = routed_active = 0
-    for i in range(layers):
-        backbone += _attention_params(c) + 2 * h
-        if i in moe:
-            backbone += _router_params(c, arch, n) + _shared_params(c)
-            routed_total += n * _expert_params(c)
-            routed_active += min(k, n) * _expert_params(c)
-        else:
-            backbone += 3 * h * c["intermediate_size"]
-    return Params(total=backbone + routed_total, active=backbone + routed_active)
-
-
 # --- memory and devices --------------------------------------------------------------------
 
 
 def _memory(c: dict, params: Params, k: int, n_moe: int, opts: PlanOptions) -> Memory:
     w = BYTES_PER_PARAM[opts.precision]
-    layers, h = _int(c, "num_hidden_layers"), c["hidden_size"]
-    per_token = layers * h * w + 34 * h * w // 2 + (k * 3 * _expert_width(c) * w if n_moe else 0)
+    layers, h = config_int(c, "num_hidden_layers"), c["hidden_size"]
+    per_token = layers * h * w + 34 * h * w // 2 + (k * 3 * expert_width(c) * w if n_moe else 0)
     return Memory(
         weights=params.total * w,
         gradients=params.total * w,
@@ -338,10 +221,10 @@ def plan(config: dict, opts: PlanOptions) -> Plan:
         raise InvalidExpertCount(f"device budget must be at least 1 device, got {opts.max_devices}")
     acc = ACCELERATORS.get(opts.accelerator, Accelerator(opts.accelerator, 64, 313, 1.6))
     device_gb = opts.device_memory_gb or acc.memory_gb
-    n_moe = len(moe_layer_indices(c))
+    n_moe = len(moe_layer_indices(c, arch))
 
     def side(experts: int, top: int) -> Side:
-        params = count_params(c, experts, top)
+        params = config_params(c, experts, top)
         memory = _memory(c, params, top, n_moe, opts)
         devices = devices_needed(memory, device_gb * GB, opts)
         return Side(experts, top, params, memory, devices, devices // opts.devices_per_node,

@@ -1,16 +1,22 @@
-"""PNG plots of training curves, several runs overlaid per metric, failure onsets marked."""
+"""PNG plots of training curves, several runs overlaid per metric, failure onsets marked.
+Takes plain data (anything shaped like `Curves`, e.g. compare.Run); matplotlib loads on use."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .compare import Run
+from typing import Protocol
 
 
-def plot_curves(runs: list[Run], metrics: list[str], out_dir: Path, name: str = "curves.png") -> list[Path]:
+class Curves(Protocol):
+    """One run's curves: per step, metric -> value; and the step of each failure onset."""
+
+    name: str
+    rows: dict[int, dict[str, float]]
+    onsets: dict[str, int]
+
+
+def plot_curves(runs: list[Curves], metrics: list[str], out_dir: Path, name: str = "curves.png") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display

@@ -15,8 +15,9 @@ from .errors import InvalidExpertCount
 from .features import expert_features
 from .layout import Layout
 from .planner import target_experts  # one rule for the CLI, the library and the operator
-from .selection import SCORED_METHODS, Selection, select
-from .usage import CALIBRATED_FEATURES, usage_select
+from .reports import CALIBRATED_FEATURES, SCORED_METHODS, calibration_needs
+from .selection import Selection, select
+from .usage import usage_select
 
 
 @dataclass
@@ -55,11 +56,8 @@ def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool
               calibration=None) -> Plan:
     """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
     arch, config = layout.arch, ckpt.config
-    needs = [flag for flag, used in (
-        (f"--method {options.method}", options.method in SCORED_METHODS),
-        (f"--features {options.features}", options.features in CALIBRATED_FEATURES),
-        ("--representative saliency", options.representative == "saliency"),
-        ("--heal", options.heal)) if used]
+    needs = [f"--{what}" for what in calibration_needs(options.method, options.features, options.representative,
+                                                        options.heal)]
     if needs and calibration is None:
         raise InvalidExpertCount(f"{', '.join(needs)} need(s) --calibration STATS (from moe-proxy calibrate)")
     n, k0 = expert_count(arch, config), top_k(arch, config)
@@ -119,16 +117,3 @@ def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool
         plan.router_overrides = heal_routers(ckpt, layout, plan, calibration, progress)
     return plan
 
-
-def count_params(ckpt: Checkpoint, layout: Layout, plan: Plan | None = None) -> dict[str, int]:
-    """Stored elements, total and active per token (top-k of the routed experts)."""
-    total = sum(t.numel for t in ckpt.tensors.values())
-    n, k0 = expert_count(layout.arch, ckpt.config), top_k(layout.arch, ckpt.config)
-    experts = sum(b.expert_numel for b in layout.blocks)
-    router = sum(t.numel for b in layout.blocks for t, _ in b.router.values())
-    out = {"total_before": total, "active_before": total - experts + experts * k0 // n}
-    if plan:
-        k, tk = plan.experts_after, plan.top_k_after
-        after = total - experts - router + experts * k // n + router * k // n
-        out |= {"total_after": after, "active_after": after - experts * k // n + experts * tk // n}
-    return out

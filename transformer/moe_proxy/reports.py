@@ -25,6 +25,10 @@ ERROR_MESSAGE_LIMIT = 3000  # an error's text, leaving room for the rest of its 
 # the same list, each naming the options in its own words.
 SCORED_METHODS = ("frequency", "saliency")  # selection by routing mass / REAP saliency
 CALIBRATED_FEATURES = ("routing", "output")  # features measured on calibration tokens
+# The pruning options' vocabulary (the ProxyModel CRD's enums say the same).
+METHODS = ("cluster", "random", "first-n", *SCORED_METHODS)
+CLUSTERINGS = ("kmeans", "agglomerative")
+REPRESENTATIVES = ("medoid", "saliency")
 
 
 def calibration_needs(method: str, features: str, representative: str | None, heal: bool) -> list[str]:

@@ -298,10 +298,15 @@ class S3Store:
         return self.read_range(name, 0, self.size(name))
 
     def list(self) -> list[str]:
+        return list(self.list_sizes())
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Objects under this store's prefix whose names start with `prefix`, with their sizes
+        (the listing carries them: one request per 1,000 objects)."""
         base = f"{self.prefix}/" if self.prefix else ""
         try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base)
-            return sorted(o["Key"][len(base) :] for page in pages for o in page.get("Contents", []))
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
+            return dict(sorted((o["Key"][len(base) :], int(o["Size"])) for page in pages for o in page.get("Contents", [])))
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, "list_objects_v2", None) from exc
 

@@ -22,11 +22,7 @@ import numpy as np
 from sklearn.cluster import AgglomerativeClustering, KMeans
 
 from .errors import MoeProxyError
-
-METHODS = ("cluster", "random", "first-n", "frequency", "saliency")
-SCORED_METHODS = ("frequency", "saliency")  # need calibration scores
-CLUSTERINGS = ("kmeans", "agglomerative")
-REPRESENTATIVES = ("medoid", "saliency")
+from .reports import CLUSTERINGS, METHODS, SCORED_METHODS
 
 
 @dataclass

@@ -11,12 +11,12 @@ import hashlib
 import json
 import math
 import struct
-from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .checkpoint import ITEMSIZE
+from .reads import read_ahead
 from .storage import Store
 
 
@@ -55,21 +55,6 @@ def shard_pieces(tensors: list[OutTensor], parts: list[Callable[[], bytes]], poo
     tensors' data), fetched ahead with `pool` (see read_ahead)."""
     yield header_bytes(tensors)
     yield from read_ahead(parts, pool, window)
-
-
-def read_ahead(parts: list[Callable[[], bytes]], pool: Executor | None = None, window: int = 4) -> Iterable[bytes]:
-    """Each part's bytes, in order. With a pool, up to `window` parts are fetched ahead while
-    earlier ones are written, overlapping download and upload."""
-    if pool is None:
-        yield from (p() for p in parts)
-        return
-    ahead: deque = deque()
-    for p in parts:
-        ahead.append(pool.submit(p))
-        if len(ahead) >= window:
-            yield ahead.popleft().result()
-    while ahead:
-        yield ahead.popleft().result()
 
 
 @dataclass

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from .architectures import detect, expert_count, groups, top_k
-from .pruning_plan import count_params
 from .checkpoint import Checkpoint
 from .layout import find_layout
+from .params import stored_params
 
 
 def describe(ckpt: Checkpoint) -> dict:
@@ -29,7 +29,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "grouped_routing": {"n_group": n_group, "topk_group": topk_group} if n_group > 1 else None,
         "expert_layout": "fused" if any(b.fused for b in layout.blocks) else "per-expert",
         "dtypes": sorted({t.dtype for t in ckpt.tensors.values()}),
-        "params": {k.removesuffix("_before"): v for k, v in count_params(ckpt, layout).items()},
+        "params": {k.removesuffix("_before"): v for k, v in stored_params(ckpt, layout).items()},
         "bytes": sum(ckpt.file_sizes.values()),
         "shards": len(ckpt.files),
     }

@@ -21,7 +21,8 @@ from .features import expert_features
 from .layout import MoeBlock
 from .selection import Selection, select
 
-CALIBRATED_FEATURES = {"routing": "routing_probe", "output": "output_probe"}
+# reports.CALIBRATED_FEATURES -> the statistics that hold them
+PROBES = {"routing": "routing_probe", "output": "output_probe"}
 
 
 def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: list[int], k: int, n_group: int,
@@ -49,8 +50,8 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: l
                 f"{where} on the calibration data (gate-mass share >= {DEAD_SHARE:g} x uniform), so {k_per} "
                 f"cannot be kept there without keeping dead experts; use fewer --experts or --pin them"
             )
-    if options.features in CALIBRATED_FEATURES:
-        feats = getattr(stats, CALIBRATED_FEATURES[options.features]).double().numpy()
+    if options.features in PROBES:
+        feats = getattr(stats, PROBES[options.features]).double().numpy()
     else:
         feats = expert_features(ckpt, block, options.features if options.method == "cluster" else "router")
     scores = (stats.gate_mass if options.method == "frequency" else stats.saliency).double().numpy()

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-from ..build import build_proxy
 from ..errors import MoeProxyError
-from ..selection import CLUSTERINGS, METHODS, REPRESENTATIVES
-from ..summary import human
+from ..reports import CALIBRATED_FEATURES, CLUSTERINGS, METHODS, REPRESENTATIVES
 from ._common import add_storage_args, store_options
 
 
@@ -37,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--method", choices=METHODS, default="cluster",
                    help="cluster (default: one representative per cluster); frequency / saliency (top-N by gate "
                         "mass / REAP saliency, need --calibration); random and first-n are baselines")
-    p.add_argument("--features", choices=("router", "weights", "routing", "output"), default="router",
+    p.add_argument("--features", choices=("router", "weights", *CALIBRATED_FEATURES), default="router",
                    help="what to cluster on: router rows (default, cheap), a projection of expert weights, or "
                         "with --calibration: routing (router logits on probe tokens) / output (expert outputs)")
     p.add_argument("--clustering", choices=CLUSTERINGS, default="kmeans")
@@ -69,8 +65,16 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..build import build_proxy  # torch and scikit-learn load only when a build runs
+    from ..reports import build_report, error_report, worker_report, write_termination_log
+
     if args.worker is not None and args.finalize:
         raise MoeProxyError("--worker and --finalize are separate steps: run the workers, then finalize once")
+
+    def report(payload: dict) -> None:
+        if args.termination_log:
+            write_termination_log(args.termination_log, payload)
+
     try:
         manifest = build_proxy(
             args.src, args.dst, experts=args.experts, keep_ratio=args.keep_ratio, method=args.method,
@@ -81,40 +85,22 @@ def run(args: argparse.Namespace) -> int:
             representative=args.representative, heal=args.heal,
         )
     except MoeProxyError as exc:
-        _termination(args, {"error": type(exc).__name__, "message": str(exc)[:3000]})
+        report(error_report(exc))
         raise
     if args.worker is not None:  # a worker's share only: no manifest yet
-        _termination(args, {"worker": args.worker, "workers": args.workers, "files": len(manifest["files"])})
+        report(worker_report(args.worker, args.workers, len(manifest["files"])))
         print(json.dumps(manifest, indent=2) if args.json else
               f"worker {args.worker} of {args.workers}: wrote {len(manifest['files'])} shard(s); "
               f"run --finalize once all workers are done")
         return 0
-    _termination(args, result(manifest, args.dst))
+    report(build_report(manifest, args.dst))
     print(json.dumps(manifest, indent=2) if args.json else summary(manifest))
     return 0
 
 
-def result(m: dict, dst: str) -> dict:
-    """The short result the operator reads from the container's termination message."""
-    import hashlib
-
-    return {
-        "proxy_uri": dst,
-        "manifest_sha256": hashlib.sha256(json.dumps(m.get("files"), sort_keys=True).encode()).hexdigest(),
-        "architecture": m["source"]["architecture"],
-        "experts_per_layer": {"before": m["experts"]["before"], "after": m["experts"]["after"],
-                              "top_k": m["experts"]["top_k_after"]},
-        "params": m["params"],
-        "bytes": m["bytes"],
-    }
-
-
-def _termination(args: argparse.Namespace, payload: dict) -> None:
-    if args.termination_log:
-        Path(args.termination_log).write_text(json.dumps(payload, separators=(",", ":")))
-
-
 def summary(m: dict) -> str:
+    from ..summary import human
+
     e, p, b = m["experts"], m["params"], m["bytes"]
     lines = [
         f"proxy of {m['source']['uri']} ({m['source']['architecture']})",

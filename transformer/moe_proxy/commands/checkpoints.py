@@ -19,8 +19,13 @@ import json
 import re
 import sys
 
-from ..checkpoints import Checkpoint, latest_before, list_checkpoints
+from typing import TYPE_CHECKING
+
+from ..reports import EXIT_FAILED, EXIT_OK
 from ._common import add_storage_args, store_options
+
+if TYPE_CHECKING:
+    from ..checkpoints import Checkpoint
 
 
 def add_parser(sub) -> None:
@@ -53,14 +58,16 @@ def regex(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoints import latest_before, list_checkpoints
+
     found = list_checkpoints(args.uri, args.pattern, args.step_regex, args.deep, **store_options(args))
     if args.before is not None:
         pick = latest_before(found, args.before)
         if pick is None:
             print(f"no complete source checkpoint before step {args.before} under {args.uri}", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
         print(json.dumps(pick.to_json(), indent=2) if args.json else pick.uri)
-        return 0
+        return EXIT_OK
     if args.json:
         print(json.dumps([c.to_json() for c in found], indent=2))
     else:

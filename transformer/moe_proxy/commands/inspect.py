@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..checkpoint import open_checkpoint
-from ..summary import describe, text
 from ._common import add_storage_args, store_options
 
 
@@ -19,6 +17,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import open_checkpoint
+    from ..summary import describe, text
+
     d = describe(open_checkpoint(args.src, **store_options(args)))
     print(json.dumps(d, indent=2) if args.json else text(d))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..verify import as_json, text, verify
+from ..reports import EXIT_FAILED, EXIT_OK
 from ._common import add_storage_args, store_options
 
 
@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..verify import as_json, text, verify  # torch and transformers load only when it runs
+
     report = verify(args.dst, forward=not args.no_forward, progress=not args.no_progress,
                     store_options=store_options(args))
     print(as_json(report) if args.json else text(report))
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_FAILED

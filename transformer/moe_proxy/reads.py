@@ -1,0 +1,94 @@
+"""The read path of a build, in one place: which byte ranges of a source shard are fetched in
+which requests, and how fetching runs ahead of writing. Torch-free.
+
+- `read_coalesced`: many ranges of one file in as few requests as their gaps allow.
+- `part_readers`: ranges split into tasks of about `part` bytes, for a pool.
+- `read_tasks`: one output shard's tasks, ranges pooled across its tensors (PART bytes each).
+- `read_ahead`: the tasks' bytes in order, up to `window` fetched ahead while earlier ones are
+  written, so download and upload overlap and memory stays bounded by the window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Executor
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from .storage import Store
+
+if TYPE_CHECKING:
+    from .shard_writer import OutTensor
+
+PART = 64 << 20  # bytes per read task
+
+
+def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: int = 0) -> bytes:
+    """The bytes of many ranges of one file, in order, merging neighbours (within `gap` bytes)
+    into one request. A request whose ranges leave no gap is used as read, without copies."""
+    out: list[bytes | memoryview] = []
+    i = 0
+    while i < len(ranges):
+        start, length = ranges[i]
+        j, end = i + 1, start + length
+        while j < len(ranges) and ranges[j][0] >= end and ranges[j][0] - end <= gap:
+            end = ranges[j][0] + ranges[j][1]
+            j += 1
+        blob = store.read_range(file, start, end - start)
+        if sum(n for _, n in ranges[i:j]) == len(blob):  # one contiguous run: all of it
+            out.append(blob)
+        else:  # views of what is kept: the join below is the only copy
+            view = memoryview(blob)
+            out.extend(view[s - start : s - start + n] for s, n in ranges[i:j])
+        i = j
+    return out[0] if len(out) == 1 and isinstance(out[0], bytes) else b"".join(out)
+
+
+def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: int) -> list[Callable[[], bytes]]:
+    """Split the reading of `ranges` (in order) into tasks of about `part` bytes each, so a
+    pool can fetch them concurrently while earlier ones are being written."""
+    pieces: list[tuple[int, int]] = []
+    for start, length in ranges:  # split ranges larger than a part
+        pieces += [(s, min(part, start + length - s)) for s in range(start, start + length, part)] or [(start, 0)]
+    tasks, batch, size = [], [], 0
+    for r in pieces:
+        if batch and size + r[1] > part:
+            tasks.append(batch)
+            batch, size = [], 0
+        batch.append(r)
+        size += r[1]
+    if batch:
+        tasks.append(batch)
+    return [partial(read_coalesced, store, file, b) for b in tasks]
+
+
+def read_tasks(store: Store, file: str, tensors: list[OutTensor], part: int = PART) -> list[Callable[[], bytes]]:
+    """Tasks of about `part` bytes that read one output shard's data in order. Ranges are pooled
+    across tensors, so kept tensors that sit next to each other in the source (a layer's
+    backbone, a kept expert's projections) come in one request, not one per tensor; a tensor
+    whose bytes come from a function (router rows, healed routers) is its own task."""
+    tasks: list[Callable[[], bytes]] = []
+    ranges: list[tuple[int, int]] = []
+    for t in tensors:
+        if callable(t.source):
+            tasks += part_readers(store, file, ranges, part)
+            tasks.append(t.source)
+            ranges = []
+        else:
+            ranges += t.source
+    return tasks + part_readers(store, file, ranges, part)
+
+
+def read_ahead(parts: list[Callable[[], bytes]], pool: Executor | None = None, window: int = 4) -> Iterable[bytes]:
+    """Each part's bytes, in order. With a pool, up to `window` parts are fetched ahead while
+    earlier ones are written, overlapping download and upload."""
+    if pool is None:
+        yield from (p() for p in parts)
+        return
+    ahead: deque = deque()
+    for p in parts:
+        ahead.append(pool.submit(p))
+        if len(ahead) >= window:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
