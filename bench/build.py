@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_proxy.seaweed import SeaweedFS
-from moe_proxy.shard_writer import OutTensor, header_bytes
+from moe_proxy.demo.seaweed import SeaweedFS
+from moe_proxy.build.writer import OutTensor, header_bytes
 
 H, I_MOE, I_DENSE, VOCAB = 2048, 512, 4096, 32000
 EXPERTS, N_GROUP, TOPK_GROUP, TOP_K, KEEP = 64, 4, 2, 8, 8
@@ -111,7 +111,7 @@ def generate(path: Path, gb: float) -> Path:
 # Each measurement runs in a fresh process, so peak RSS is the build's own.
 CHILD = r"""
 import json, resource, sys, time
-from moe_proxy.build import build_proxy
+from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.storage import open_store
 a = json.loads(sys.argv[1])
 opts = {"endpoint_url": a["endpoint"]}
@@ -121,8 +121,8 @@ cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same client, nothing else,
     # with the build's own overlap of download and upload (4 reads of 64 MB ahead of the writer)
     from concurrent.futures import ThreadPoolExecutor
-    from moe_proxy.checkpoint import part_readers
-    from moe_proxy.shard_writer import read_ahead
+    from moe_proxy.checkpoint.reader import part_readers
+    from moe_proxy.build.writer import read_ahead
     with ThreadPoolExecutor(4) as pool:
         for name in src.list():
             w, size = dst.writer(name), src.size(name)

@@ -30,10 +30,10 @@ SAMPLES, SEQ_LEN = 16, 128
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
 PEAK = "print('PEAK', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
-CALIBRATE = ("from moe_proxy.calibration import calibrate\n"
+CALIBRATE = ("from moe_proxy.calibrate.statistics import calibrate\n"
              f"calibrate({{src!r}}, {{out!r}}, samples={SAMPLES}, seq_len={SEQ_LEN})\n")
 UNBOUNDED_CACHES = "import os\nos.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] = os.environ['LRU_CACHE_CAPACITY'] = '1024'\n"
-NO_TRIM = "import moe_proxy.layerwise\nmoe_proxy.layerwise.release_freed_memory = lambda: None\n"
+NO_TRIM = "import moe_proxy.calibrate.layerwise\nmoe_proxy.layerwise.release_freed_memory = lambda: None\n"
 SNIPPETS = {
     "imports only": "import torch, transformers\n",
     "calibrate (layer by layer)": CALIBRATE,
@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from moe_proxy.tiny import make_tiny
+    from moe_proxy.demo.tiny import make_tiny
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

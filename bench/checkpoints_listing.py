@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_proxy.checkpoint import INDEX, ITEMSIZE
-from moe_proxy.checkpoints import CountingStore, list_checkpoints
-from moe_proxy.shard_writer import OutTensor, header_bytes
+from moe_proxy.checkpoint.reader import INDEX, ITEMSIZE
+from moe_proxy.checkpoint.listing import CountingStore, list_checkpoints
+from moe_proxy.build.writer import OutTensor, header_bytes
 from moe_proxy.storage import LocalStore
 
 DSV3 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
@@ -125,8 +125,8 @@ def bench_local(args) -> None:
 
 
 def bench_s3(args) -> None:
-    from moe_proxy.s3 import S3Store
-    from moe_proxy.seaweed import SeaweedFS
+    from moe_proxy.storage.s3 import S3Store
+    from moe_proxy.demo.seaweed import SeaweedFS
 
     # Every dimension divided by --shrink: the same tensor names and count, far less data to upload.
     headers, sizes, index = layout(args.shards, 1 / args.shrink)

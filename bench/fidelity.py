@@ -3,7 +3,7 @@
 1. Train a small Qwen3-MoE "original" (byte-level, 64 experts, top-4) on the Python standard
    library's own sources mixed with the task's format ("12+7=19" lines), long enough that its
    experts specialise. Cached in bench/out/fidelity/original (delete it to retrain).
-2. `calibrate` it (moe_proxy.calibration, the code behind `moe-proxy calibrate`) on the lab's
+2. `calibrate` it (moe_proxy.calibrate.statistics, the code behind `moe-proxy calibrate`) on the lab's
    calibration tokens, then build proxies at 50% and 12.5% of the experts with
    `build_proxy` (the code behind `moe-proxy build`): data-free clustering on router rows and
    on expert weights, the usage-aware variants through `--calibration` (routing-profile
@@ -45,12 +45,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "transformer"))
 
-from moe_proxy.build import build_proxy  # noqa: E402
-from moe_proxy.calibration import calibrate  # noqa: E402
-from moe_proxy.calibration import load as load_calibration  # noqa: E402
-from moe_proxy.compare import KEY_METRICS, compare_runs, load_run  # noqa: E402
-from moe_proxy.planner import PlanOptions, plan  # noqa: E402
-from moe_proxy.plots import plot_curves  # noqa: E402
+from moe_proxy.build.pipeline import build_proxy  # noqa: E402
+from moe_proxy.calibrate.statistics import calibrate  # noqa: E402
+from moe_proxy.calibrate.statistics import load as load_calibration  # noqa: E402
+from moe_proxy.repro.compare import KEY_METRICS, compare_runs, load_run  # noqa: E402
+from moe_proxy.sizing import SizingOptions, estimate  # noqa: E402
+from moe_proxy.repro.plots import plot_curves  # noqa: E402
 from moe_proxy.repro.config import Faults, ReproConfig  # noqa: E402
 from moe_proxy.repro.runner import run_repro  # noqa: E402
 
@@ -383,7 +383,7 @@ def compare_scenarios(runs: dict[str, dict[str, Path]], models: dict[str, Model]
 
 
 def planned_devices(ratio: float) -> dict:
-    p = plan(REAL, PlanOptions(keep_ratio=ratio))
+    p = estimate(REAL, SizingOptions(keep_ratio=ratio))
     return {"original": p.original.devices, "proxy": p.proxy.devices}
 
 

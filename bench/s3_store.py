@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_proxy.seaweed import SeaweedFS
+from moe_proxy.demo.seaweed import SeaweedFS
 
 KEYS = ("bench-access-key", "bench-secret-key")
 CHUNK = 8 << 20

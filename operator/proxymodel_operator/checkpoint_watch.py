@@ -3,7 +3,7 @@
 One kopf timer per CheckpointWatch. Every `spec.pollInterval` seconds it
 1. lists the ProxyModels the watch made (label `moeproxy.io/checkpoint-watch`): what exists
    is the truth, so a restarted operator never makes one twice;
-2. lists the run's prefix with `moe_proxy.checkpoints` (the function behind
+2. lists the run's prefix with `moe_proxy.checkpoint.listing` (the function behind
    `moe-proxy checkpoints`; config, index and shard headers only), with the credentials of
    the Secret the watch names, read with `get` and kept in memory;
 3. decides (watch_plan.decide) and acts: creates ProxyModels `<watch>-step-<N>` owned by the
@@ -25,9 +25,9 @@ from typing import Any
 
 import kopf
 
-from moe_proxy.checkpoints import Checkpoint, find, inspect_all
+from moe_proxy.checkpoint.listing import ListedCheckpoint, find, inspect_all
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, ObjectNotFound, StorageError
-from moe_proxy.s3 import S3Store
+from moe_proxy.storage.s3 import S3Store
 
 from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the settings in memo
 from .preflight import PreflightError, read_credentials, redact
@@ -68,7 +68,7 @@ async def children_of(namespace: str, watch: str) -> list[Child]:
 
 
 def list_checkpoints(watch: WatchSpec, credentials: dict[str, str], made: set[int],
-                     retired_through: int | None, seen: dict) -> list[Checkpoint]:
+                     retired_through: int | None, seen: dict) -> list[ListedCheckpoint]:
     """The prefix's checkpoints still to decide (blocking: runs in a thread). Directories of
     steps already made, retired or before startAfterStep are found but not read, nor is a
     directory whose files (names and sizes) are as the last poll saw them: `seen` keeps

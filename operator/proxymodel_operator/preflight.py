@@ -17,8 +17,8 @@ import threading
 from dataclasses import dataclass
 
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, MoeProxyError, ObjectNotFound, StorageError
-from moe_proxy.planner import Plan, PlanOptions, plan
-from moe_proxy.s3 import S3Store
+from moe_proxy.sizing import Sizing, SizingOptions, estimate
+from moe_proxy.storage.s3 import S3Store
 
 from . import kube
 from .resources import SECRETS
@@ -39,7 +39,7 @@ class PreflightError(Exception):
 @dataclass(frozen=True)
 class Preflight:
     config: dict
-    plan: Plan
+    plan: Sizing
 
 
 def redact(text: str, secrets: dict[str, str]) -> str:
@@ -115,17 +115,17 @@ def read_source_config(spec: ProxyModelSpec, credentials: dict[str, str]) -> dic
     return config
 
 
-def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Plan:
+def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Sizing:
     """The planner's verdict on this spec; its errors become a reason named after the error."""
     r, p = spec.reproduction, spec.pruning
-    options = PlanOptions(
+    options = SizingOptions(
         experts=p.experts, keep_ratio=p.keep_ratio, top_k=p.top_k, precision=r.precision,
         accelerator=r.accelerator.resource, device_memory_gb=r.accelerator.memory_gb or settings.device_memory_gb,
         devices_per_node=r.accelerator.devices_per_node,
         max_devices=r.accelerator.devices,  # an explicit device count is the budget for the kept experts
     )
     try:
-        return plan(config, options)
+        return estimate(config, options)
     except MoeProxyError as exc:
         raise PreflightError(type(exc).__name__, str(exc)) from None
 

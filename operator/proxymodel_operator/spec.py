@@ -109,7 +109,7 @@ class FailOn:
 
 
 @dataclass(frozen=True)
-class Accelerator:
+class AcceleratorRequest:
     resource: str
     devices_per_node: int
     devices: int | None  # None = planned (`auto`)
@@ -121,7 +121,7 @@ class Reproduction:
     enabled: bool
     runtime: str  # a key of runtimes.RUNTIMES
     workload: Workload
-    accelerator: Accelerator
+    accelerator: AcceleratorRequest
     precision: str = "bf16"
     max_steps: int = 50
     fail_on: FailOn | None = None
@@ -188,7 +188,7 @@ def _fail_on(raw: dict | None) -> FailOn | None:
     return FailOn("threshold", metric, raw.get("operator", ">"), number, int(raw.get("steps", 1)))
 
 
-def _accelerator(raw: dict, settings: Settings) -> Accelerator:
+def _accelerator(raw: dict, settings: Settings) -> AcceleratorRequest:
     per_node = raw.get("devicesPerNode") or settings.devices_per_node
     devices = raw.get("devices", "auto")
     if devices == "auto":
@@ -204,7 +204,7 @@ def _accelerator(raw: dict, settings: Settings) -> Accelerator:
             raise InvalidSpec(
                 f"spec.reproduction.accelerator.devices {count}: more than one node's {per_node} devices "
                 f"must be whole nodes (a multiple of devicesPerNode)")
-    return Accelerator(raw.get("resource") or settings.accelerator, per_node, count, raw.get("memoryGB"))
+    return AcceleratorRequest(raw.get("resource") or settings.accelerator, per_node, count, raw.get("memoryGB"))
 
 
 def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -> ProxyModelSpec:

@@ -78,7 +78,7 @@ def proxy_summary(report: dict) -> dict:
 
 
 def plan_summary(plan) -> dict:
-    """A moe_proxy.planner.Plan, in status's camelCase."""
+    """A moe_proxy.sizing.Sizing, in status's camelCase."""
 
     def side(s) -> dict:
         return {"devices": s.devices, "nodes": s.nodes, "expertsPerLayer": s.experts_per_layer, "topK": s.top_k,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import kopf
 
-from moe_proxy.checkpoints import MOE, PROXY, Checkpoint
+from moe_proxy.checkpoint.listing import MOE, PROXY, ListedCheckpoint
 
 from .resources import GROUP, PROXYMODELS
 from .status import PENDING, TRANSFORMING
@@ -86,11 +86,11 @@ class Child:
 
 @dataclass
 class Decision:
-    create: list[Checkpoint] = field(default_factory=list)  # become ProxyModels now, oldest first
+    create: list[ListedCheckpoint] = field(default_factory=list)  # become ProxyModels now, oldest first
     delete: list[Child] = field(default_factory=list)  # retired by keepLast
     pending: list[int] = field(default_factory=list)  # complete sources waiting for a slot
-    waiting: list[Checkpoint] = field(default_factory=list)  # incomplete: retried next poll
-    skipped: list[Checkpoint] = field(default_factory=list)  # no source: dense, unsupported, unreadable
+    waiting: list[ListedCheckpoint] = field(default_factory=list)  # incomplete: retried next poll
+    skipped: list[ListedCheckpoint] = field(default_factory=list)  # no source: dense, unsupported, unreadable
     retired_through: int | None = None
     last_seen_step: int | None = None
 
@@ -104,7 +104,7 @@ def considered(watch: WatchSpec, step: int | None, made: set[int], retired_throu
     return retired_through is None or step > retired_through
 
 
-def decide(watch: WatchSpec, children: list[Child], found: list[Checkpoint],
+def decide(watch: WatchSpec, children: list[Child], found: list[ListedCheckpoint],
            retired_through: int | None) -> Decision:
     """From the ProxyModels that exist and the checkpoints listed, what to do now."""
     made = {c.step for c in children}

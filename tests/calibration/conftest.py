@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from moe_proxy.tiny import add_mtp_layer, make_tiny, tiny_config
+from moe_proxy.demo.tiny import add_mtp_layer, make_tiny, tiny_config
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from moe_proxy import calibration as cal
-from moe_proxy.build import build_proxy
-from moe_proxy.calibration_data import BadDataset
-from moe_proxy.checkpoint import MANIFEST
+from moe_proxy.calibrate import statistics as cal
+from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.calibrate.tokens import BadDataset
+from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidExpertCount, MoeProxyError
-from moe_proxy.tiny import make_tiny
+from moe_proxy.demo.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from moe_proxy import calibration as cal
+from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main
-from moe_proxy.layerwise import moe_modules
-from moe_proxy.tiny import make_tiny
+from moe_proxy.calibrate.layerwise import moe_modules
+from moe_proxy.demo.tiny import make_tiny
 
 
 def full_model_routing(path, ids) -> dict[int, tuple]:

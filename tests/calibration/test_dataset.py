@@ -10,10 +10,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from moe_proxy import calibration as cal
-from moe_proxy.calibration_data import calibration_tokens, read_documents
+from moe_proxy.calibrate import statistics as cal
+from moe_proxy.calibrate.tokens import calibration_tokens, read_documents
 from moe_proxy.storage import LocalStore
-from moe_proxy.tiny import make_tiny
+from moe_proxy.demo.tiny import make_tiny
 
 CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 WORDS = "the router sends each token to a few experts while shared experts see every token".split()
@@ -99,7 +99,7 @@ def test_parquet_needs_pyarrow_or_reads_verl_rows(with_tokenizer, tmp_path):
         import pyarrow.parquet as pq
     except ImportError:
         (tmp_path / "d.parquet").write_bytes(b"PAR1")
-        from moe_proxy.calibration_data import BadDataset
+        from moe_proxy.calibrate.tokens import BadDataset
 
         with pytest.raises(BadDataset, match="needs pyarrow"):
             read_documents(str(tmp_path / "d.parquet"))

@@ -9,8 +9,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy import calibration as cal
-from moe_proxy.tiny import make_tiny
+from moe_proxy.calibrate import statistics as cal
+from moe_proxy.demo.tiny import make_tiny
 
 BLOCK = 16
 

@@ -10,9 +10,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from moe_proxy import calibration as cal
-from moe_proxy.build import build_proxy
-from moe_proxy.tiny import make_tiny
+from moe_proxy.calibrate import statistics as cal
+from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.demo.tiny import make_tiny
 
 
 def tensors(path) -> dict[str, torch.Tensor]:

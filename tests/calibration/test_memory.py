@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_proxy.tiny import make_tiny
+from moe_proxy.demo.tiny import make_tiny
 
 # bf16 (oneDNN matmuls, whose per-shape caches grew the process before), every layer MoE;
 # 32 experts x 3 x 256 x 256 x 2 bytes = 12 MiB of experts per layer.
@@ -23,7 +23,7 @@ LAYER_BYTES = 32 * 3 * 256 * 256 * 2
 # kernel caches are bounded only before the process's first bf16 matmul.
 PEAK = """
 import sys
-from moe_proxy.calibration import calibrate
+from moe_proxy.calibrate.statistics import calibrate
 calibrate(sys.argv[1], sys.argv[2], samples=8, seq_len=64)
 print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])
 """

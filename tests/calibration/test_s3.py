@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from moe_proxy import calibration as cal
-from moe_proxy.build import build_proxy
+from moe_proxy.calibrate import statistics as cal
+from moe_proxy.build.pipeline import build_proxy
 from tests.s3.conftest import aws_env, local_ckpt, prefix, s3_ckpt, seaweed  # noqa: F401 (fixtures)
 
 
@@ -30,7 +30,7 @@ def test_calibrate_and_build_through_s3(s3_ckpt, local_ckpt, seaweed, prefix, tm
 
 
 def test_dataset_from_s3(s3_ckpt, seaweed, prefix, tmp_path):  # noqa: F811
-    from moe_proxy.calibration_data import BadDataset, read_documents
+    from moe_proxy.calibrate.tokens import BadDataset, read_documents
 
     opts = {"endpoint_url": seaweed.endpoint_url}
     seaweed.client().put_object(Bucket="proxy", Key=f"{prefix}/data.jsonl",

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from moe_proxy import calibration as cal
-from moe_proxy.build import build_proxy
+from moe_proxy.calibrate import statistics as cal
+from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidExpertCount
 

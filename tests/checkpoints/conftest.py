@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_proxy.seaweed import SeaweedFS
+from moe_proxy.demo.seaweed import SeaweedFS
 
 from . import synthetic
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from moe_proxy.checkpoints import CountingStore, list_checkpoints
+from moe_proxy.checkpoint.listing import CountingStore, list_checkpoints
 from moe_proxy.cli import main
-from moe_proxy.s3 import S3Store
+from moe_proxy.storage.s3 import S3Store
 from moe_proxy.storage import LocalStore
 
 from .conftest import BUCKET, HF, SECRET_KEY

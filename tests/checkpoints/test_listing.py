@@ -1,4 +1,4 @@
-"""`moe_proxy.checkpoints` on a local training run: which directories are checkpoints, at
+"""`moe_proxy.checkpoint.listing` on a local training run: which directories are checkpoints, at
 which step, complete or not and why, and that only headers and small JSON files are read."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moe_proxy.checkpoints import (DENSE, INDEX_HEAD, MOE, PROXY, UNKNOWN, CountingStore, find, latest_before,
+from moe_proxy.checkpoint.listing import (DENSE, INDEX_HEAD, MOE, PROXY, UNKNOWN, CountingStore, find, latest_before,
                                    list_checkpoints, matches, step_of)
 from moe_proxy.errors import StorageError
 from moe_proxy.storage import LocalStore
@@ -148,7 +148,7 @@ def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
 
 
 def test_a_real_transformers_checkpoint_is_complete(tmp_path):
-    from moe_proxy.tiny import make_tiny
+    from moe_proxy.demo.tiny import make_tiny
 
     make_tiny("qwen3_moe", tmp_path / "global_step_3" / "actor" / "huggingface", max_shard_size="100KB")
     (entry,) = list_checkpoints(str(tmp_path), pattern=VERL)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_proxy.seaweed import SeaweedFS
+from moe_proxy.demo.seaweed import SeaweedFS
 
 from ..operator.harness import ACCESS_KEY, QWEN3, SECRET_KEY, TRANSFORMER_REPORT, Operator
 

@@ -17,7 +17,7 @@ def test_imports_without_torch(module):
     assert r.returncode == 0, f"{module} needs a blocked package:\n{r.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("module", ["moe_proxy.features", "moe_proxy.selection"])
+@pytest.mark.parametrize("module", ["moe_proxy.build.features", "moe_proxy.build.selection"])
 def test_the_blocker_blocks(module):
     """A module that does need torch (features) or scikit-learn (selection) fails to import,
     so a pass above means something."""

@@ -22,7 +22,7 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from moe_proxy.seaweed import SeaweedFS
+from moe_proxy.demo.seaweed import SeaweedFS
 from proxymodel_operator import handlers  # noqa: F401 - registers the handlers
 
 from .harness import ACCESS_KEY, BUCKET, DENSE, QWEN3, SECRET_KEY, Api, Operator

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from moe_proxy.errors import InvalidExpertCount, NotMoE, UnsupportedArchitecture
-from moe_proxy.params import config_params, moe_layer_indices
-from moe_proxy.planner import GB, PlanOptions, format_plan, plan
+from moe_proxy.checkpoint.params import config_params, moe_layer_indices
+from moe_proxy.sizing import GB, SizingOptions, format_sizing, estimate
 
 # A tiny Qwen3-MoE: H=64, vocab 256, 2 layers (layer 0 dense), 4 heads of 16, 2 KV heads,
 # 8 experts of width 32, top-2, untied embeddings.
@@ -72,7 +72,7 @@ def test_deepseek_v3_full_size_is_671b_with_37b_active():
     }
     params = config_params(config)
     assert round(params.total / 1e9) == 671 and round(params.active / 1e9) == 38  # 37.55B
-    p = plan(config, PlanOptions(experts=32))
+    p = estimate(config, SizingOptions(experts=32))
     assert p.moe_layers == 58
     assert p.proxy.devices < p.original.devices
     assert p.original.devices % 8 == 0 and p.proxy.devices % 8 == 0
@@ -80,9 +80,9 @@ def test_deepseek_v3_full_size_is_671b_with_37b_active():
 
 def test_memory_and_devices_by_hand():
     # 1 GB devices, no reserve, full utilisation, 1 device per node: devices = ceil(static / room).
-    opts = PlanOptions(experts=4, device_memory_gb=0.001, devices_per_node=1, micro_batch_tokens=1,
+    opts = SizingOptions(experts=4, device_memory_gb=0.001, devices_per_node=1, micro_batch_tokens=1,
                        utilization=1.0, reserve_gb=0.0)
-    p = plan(QWEN3, opts)
+    p = estimate(QWEN3, opts)
     o = p.original
     assert o.memory.weights == o.memory.gradients == o.memory.reference == 125824 * 2
     assert o.memory.optimizer == 125824 * 12
@@ -98,11 +98,11 @@ def test_memory_and_devices_by_hand():
     assert p.proxy.devices == -(-proxy_total * 18 // room) == 2
     assert p.device_reduction == pytest.approx(1 / 3)
     # fp32: 4 + 4 + 8 + 4 bytes per parameter.
-    assert plan(QWEN3, PlanOptions(experts=4, precision="fp32")).original.memory.static == 125824 * 20
+    assert estimate(QWEN3, SizingOptions(experts=4, precision="fp32")).original.memory.static == 125824 * 20
 
 
 def test_whole_nodes():
-    p = plan(QWEN3, PlanOptions(experts=4, devices_per_node=8))
+    p = estimate(QWEN3, SizingOptions(experts=4, devices_per_node=8))
     assert (p.original.devices, p.original.nodes) == (8, 1)
 
 
@@ -111,29 +111,29 @@ def test_keep_ratio_and_grouped_routing():
           "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "n_routed_experts": 64,
           "num_experts_per_tok": 4, "first_k_dense_replace": 1, "n_group": 8, "topk_group": 2}
     assert moe_layer_indices(v3) == [1, 2]
-    assert plan(v3, PlanOptions(keep_ratio=0.25)).proxy.experts_per_layer == 16
+    assert estimate(v3, SizingOptions(keep_ratio=0.25)).proxy.experts_per_layer == 16
     with pytest.raises(InvalidExpertCount, match="8 groups.*valid values: 16, 24"):
-        plan(v3, PlanOptions(experts=12))
+        estimate(v3, SizingOptions(experts=12))
     with pytest.raises(InvalidExpertCount, match="64 routed experts"):
-        plan(v3, PlanOptions(experts=80))
+        estimate(v3, SizingOptions(experts=80))
 
 
 def test_bad_input_is_refused_clearly():
     with pytest.raises(NotMoE):
-        plan({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64}, PlanOptions(experts=2))
+        estimate({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64}, SizingOptions(experts=2))
     with pytest.raises(UnsupportedArchitecture):
-        plan({"model_type": "jamba", "num_experts": 16}, PlanOptions(experts=2))
+        estimate({"model_type": "jamba", "num_experts": 16}, SizingOptions(experts=2))
     with pytest.raises(InvalidExpertCount, match="top-k 5"):
-        plan(QWEN3, PlanOptions(experts=4, top_k=5))
+        estimate(QWEN3, SizingOptions(experts=4, top_k=5))
     with pytest.raises(InvalidExpertCount, match="exactly one"):
-        plan(QWEN3, PlanOptions())
+        estimate(QWEN3, SizingOptions())
     with pytest.raises(InvalidExpertCount, match="does not fit"):
-        plan(QWEN3, PlanOptions(experts=4, device_memory_gb=1, micro_batch_tokens=10**9))
+        estimate(QWEN3, SizingOptions(experts=4, device_memory_gb=1, micro_batch_tokens=10**9))
 
 
 def test_format_and_summary():
-    p = plan(QWEN3, PlanOptions(experts=4))
-    text = format_plan(p)
+    p = estimate(QWEN3, SizingOptions(experts=4))
+    text = format_sizing(p)
     assert "Qwen3-MoE" in text and "125,824" in text and "devices saved" in text
     summary = json.loads(json.dumps(p.summary()))
     assert summary["original"]["params"]["total"] == 125824
@@ -154,7 +154,7 @@ def test_plan_command(tmp_path, capsys):
 
 
 def test_planner_and_operator_never_import_torch():
-    code = ("import sys, moe_proxy.planner, moe_proxy.commands.plan, proxymodel_operator.handlers, proxymodel_operator.__main__; "
+    code = ("import sys, moe_proxy.sizing, moe_proxy.commands.plan, proxymodel_operator.handlers, proxymodel_operator.__main__; "
             "bad = [m for m in ('torch', 'safetensors', 'sklearn') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -166,40 +166,40 @@ TIGHT = dict(device_memory_gb=0.0017, devices_per_node=1, micro_batch_tokens=1, 
 
 
 def test_keep_ratio_prefers_twice_top_k_when_the_devices_allow():
-    p = plan(QWEN3, PlanOptions(keep_ratio=0.25))  # 2 of 8 experts = top-k
+    p = estimate(QWEN3, SizingOptions(keep_ratio=0.25))  # 2 of 8 experts = top-k
     assert p.proxy.experts_per_layer == 4 and p.proxy.top_k == 2
-    assert p.proxy.devices == plan(QWEN3, PlanOptions(experts=2)).proxy.devices
+    assert p.proxy.devices == estimate(QWEN3, SizingOptions(experts=2)).proxy.devices
     assert len(p.notes) == 1 and "raised from 2 (keep ratio 0.25) to 4" in p.notes[0]
     # Already 2 x top-k or more: nothing to say.
-    assert plan(QWEN3, PlanOptions(keep_ratio=0.5)).notes == ()
+    assert estimate(QWEN3, SizingOptions(keep_ratio=0.5)).notes == ()
 
 
 def test_keep_ratio_stays_and_says_why_when_the_budget_is_too_small():
-    p = plan(QWEN3, PlanOptions(keep_ratio=0.25, **TIGHT))
+    p = estimate(QWEN3, SizingOptions(keep_ratio=0.25, **TIGHT))
     assert (p.proxy.experts_per_layer, p.proxy.devices) == (2, 1)
     (note,) = p.notes
     assert "stay 2" in note and "would need 2 devices, over the 1 devices that 2 experts need" in note
     assert "routing collapse cannot show" in note
     # An explicit budget that holds the larger proxy lets the planner raise it.
-    raised = plan(QWEN3, PlanOptions(keep_ratio=0.25, max_devices=2, **TIGHT))
+    raised = estimate(QWEN3, SizingOptions(keep_ratio=0.25, max_devices=2, **TIGHT))
     assert (raised.proxy.experts_per_layer, raised.proxy.devices) == (4, 2)
     assert "within the device budget of 2" in raised.notes[0]
 
 
 def test_explicit_expert_count_is_kept_with_a_warning():
-    p = plan(QWEN3, PlanOptions(experts=2))
+    p = estimate(QWEN3, SizingOptions(experts=2))
     assert p.proxy.experts_per_layer == 2
     assert "kept as given" in p.notes[0] and "<= top-k (2)" in p.notes[0]
-    assert plan(QWEN3, PlanOptions(experts=3)).notes == ()  # more than top-k: routing is a choice
+    assert estimate(QWEN3, SizingOptions(experts=3)).notes == ()  # more than top-k: routing is a choice
 
 
 def test_twice_top_k_respects_routing_groups_and_never_keeps_everything():
     v3 = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
           "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "n_routed_experts": 16,
           "num_experts_per_tok": 4, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}
-    assert plan(v3, PlanOptions(keep_ratio=0.25)).proxy.experts_per_layer == 8  # 2 groups x 4
+    assert estimate(v3, SizingOptions(keep_ratio=0.25)).proxy.experts_per_layer == 8  # 2 groups x 4
     top4 = {**QWEN3, "num_experts_per_tok": 4}  # 2 x top-k = all 8 experts: the most short of all
-    p = plan(top4, PlanOptions(keep_ratio=0.25))
+    p = estimate(top4, SizingOptions(keep_ratio=0.25))
     assert p.proxy.experts_per_layer == 7 and "would keep every expert" in p.notes[0]
 
 

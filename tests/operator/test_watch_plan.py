@@ -3,7 +3,7 @@ startAfterStep, keepLast, maxConcurrent, names, and the ProxyModel it makes."""
 
 from __future__ import annotations
 
-from moe_proxy.checkpoints import DENSE, MOE, PROXY, UNKNOWN, Checkpoint
+from moe_proxy.checkpoint.listing import DENSE, MOE, PROXY, UNKNOWN, ListedCheckpoint
 from proxymodel_operator.watch_plan import Child, decide, proxymodel_for, proxymodel_name
 from proxymodel_operator.watch_spec import parse_watch
 
@@ -14,8 +14,8 @@ def watch(**spec):
     return parse_watch({"source": SOURCE, "template": {"spec": {"pruning": {"experts": 8}}}, **spec})
 
 
-def ckpt(step: int, complete: bool = True, kind: str = MOE, reason: str | None = None) -> Checkpoint:
-    return Checkpoint(step=step, uri=f"s3://runs/grpo/global_step_{step}", path=f"global_step_{step}",
+def ckpt(step: int, complete: bool = True, kind: str = MOE, reason: str | None = None) -> ListedCheckpoint:
+    return ListedCheckpoint(step=step, uri=f"s3://runs/grpo/global_step_{step}", path=f"global_step_{step}",
                       complete=complete, kind=kind, reason=reason)
 
 

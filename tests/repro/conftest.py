@@ -1,6 +1,6 @@
 import pytest
 
-from moe_proxy.tiny import make_tiny
+from moe_proxy.demo.tiny import make_tiny
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import pytest
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.runner import run_repro
 from moe_proxy.repro.metrics_io import read_metrics
-from moe_proxy.tiny import TINY, make_tiny
+from moe_proxy.demo.tiny import TINY, make_tiny
 
 # MoE layers of the tiny checkpoints: some start with a dense layer 0.
 MOE_LAYERS = {"gpt_oss": [0, 1], "mixtral": [0, 1], "olmoe": [0, 1]}

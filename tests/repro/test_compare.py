@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_proxy.cli import main
-from moe_proxy.compare import compare_runs, load_run
+from moe_proxy.repro.compare import compare_runs, load_run
 from moe_proxy.errors import MalformedMetrics
 
 STEPS = 30

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_proxy.seaweed import SeaweedFS
-from moe_proxy.tiny import make_tiny
+from moe_proxy.demo.seaweed import SeaweedFS
+from moe_proxy.demo.tiny import make_tiny
 
 from .helpers import ACCESS_KEY, SECRET_KEY
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from moe_proxy.seaweed import SeaweedFS
+from moe_proxy.demo.seaweed import SeaweedFS
 
 ACCESS_KEY = "moe-proxy-test-key"
 SECRET_KEY = "test-secret-" + secrets.token_hex(12)

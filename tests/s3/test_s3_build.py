@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from moe_proxy.build import build_proxy
-from moe_proxy.checkpoint import MANIFEST
+from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.errors import DestinationExists
 from .faultproxy import FaultProxy
 from .helpers import download, incomplete_uploads, tree

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from moe_proxy.checkpoint import open_checkpoint
+from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.errors import AccessDenied, CorruptCheckpoint, EndpointUnreachable, ObjectNotFound
-from moe_proxy.seaweed import SeaweedFS, free_ports
+from moe_proxy.demo.seaweed import SeaweedFS, free_ports
 from moe_proxy.storage import open_store, write_bytes
 from .helpers import ACCESS_KEY, SECRET_KEY
 

@@ -1,6 +1,6 @@
 import pytest
 
-from moe_proxy.tiny import TINY, make_tiny
+from moe_proxy.demo.tiny import TINY, make_tiny
 
 ARCHS = sorted(TINY)
 

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from moe_proxy.build import build_proxy
-from moe_proxy.checkpoint import open_checkpoint
+from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.checkpoint.reader import open_checkpoint
 
 from .conftest import ARCHS
 from .equivalence import restricted

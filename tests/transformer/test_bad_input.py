@@ -7,13 +7,13 @@ import pytest
 import torch
 import transformers
 
-import moe_proxy.build as build_module
-from moe_proxy.build import build_proxy
-from moe_proxy.checkpoint import MANIFEST
+import moe_proxy.build.pipeline as build_module
+from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, InvalidExpertCount, NotMoE, UnsupportedArchitecture
-from moe_proxy.tiny import make_tiny
-from moe_proxy.verify import verify
+from moe_proxy.demo.tiny import make_tiny
+from moe_proxy.build.verify import verify
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.build import build_proxy, prepare, write_share
-from moe_proxy.pruning_plan import Options
-from moe_proxy.checkpoint import open_checkpoint
+from moe_proxy.build.pipeline import build_proxy, prepare, write_share
+from moe_proxy.build.expert_plan import PruningOptions
+from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.cli import main
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.storage import LocalStore
-from moe_proxy.tiny import make_tiny
-from moe_proxy.verify import verify
+from moe_proxy.demo.tiny import make_tiny
+from moe_proxy.build.verify import verify
 
 
 def rewrite_tensors(path, fn):
@@ -98,7 +98,7 @@ def test_neighbouring_kept_tensors_come_in_one_request(tmp_path):
     make_tiny("qwen3_moe", src, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3, mlp_only_layers=[])
     store = CountingStore(src)
     # Experts 0 and 1 kept everywhere: neighbours in the source, so one request for both.
-    p = prepare(store, str(tmp_path / "dst"), Options(experts=4, pins={i: [0, 1] for i in range(3)}),
+    p = prepare(store, str(tmp_path / "dst"), PruningOptions(experts=4, pins={i: [0, 1] for i in range(3)}),
                 overwrite=False, progress=False, store_options=None)
     store.requests.clear()
     write_share(p, 0, 1)

@@ -2,11 +2,11 @@
 
 import pytest
 
-from moe_proxy.build import assign_shards, build_proxy, journal_name
+from moe_proxy.build.pipeline import assign_shards, build_proxy, journal_name
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint
-from moe_proxy.tiny import make_tiny
-from moe_proxy.verify import verify
+from moe_proxy.demo.tiny import make_tiny
+from moe_proxy.build.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +67,10 @@ def test_finalize_before_a_worker_ran(src, tmp_path):
 
 
 def test_partition_is_balanced_and_complete(src, tmp_path):
-    from moe_proxy.build import prepare
-    from moe_proxy.pruning_plan import Options
+    from moe_proxy.build.pipeline import prepare
+    from moe_proxy.build.expert_plan import PruningOptions
 
-    p = prepare(str(src), str(tmp_path / "x"), Options(experts=8), False, False, None)
+    p = prepare(str(src), str(tmp_path / "x"), PruningOptions(experts=8), False, False, None)
     for w in (1, 2, 3, 5):
         shares = assign_shards(p.shards, w)
         assert sorted(f for s in shares for f in s) == sorted(p.shards)

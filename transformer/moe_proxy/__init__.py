@@ -16,20 +16,20 @@ TORCH_FREE = (
     "moe_proxy.reports",  # exit codes and termination messages: the CLI-operator contract
     "moe_proxy.errors",
     "moe_proxy.architectures",  # the one place that knows model types
-    "moe_proxy.params",  # parameter counts from config.json or from headers
-    "moe_proxy.planner",  # accelerators for RL on the original and the proxy
+    "moe_proxy.checkpoint.params",  # parameter counts from config.json or from headers
+    "moe_proxy.sizing",  # accelerators for RL on the original and the proxy
     "moe_proxy.storage",
-    "moe_proxy.s3",  # boto3, not torch
-    "moe_proxy.materialize",
-    "moe_proxy.checkpoint",  # config, index and safetensors headers
-    "moe_proxy.reads",  # the build's read path
-    "moe_proxy.layout",
-    "moe_proxy.checkpoints",  # the listing (`checkpoints`, the operator's CheckpointWatch)
-    "moe_proxy.summary",  # `inspect`
-    "moe_proxy.shard_writer",
-    "moe_proxy.proxy_config",
-    "moe_proxy.compare",  # numpy only
-    "moe_proxy.plots",  # matplotlib when a plot is drawn
+    "moe_proxy.storage.s3",  # boto3, not torch
+    "moe_proxy.storage.materialize",
+    "moe_proxy.checkpoint.reader",  # config, index and safetensors headers
+    "moe_proxy.checkpoint.reads",  # the build's read path
+    "moe_proxy.checkpoint.layout",
+    "moe_proxy.checkpoint.listing",  # the listing (`checkpoints`, the operator's CheckpointWatch)
+    "moe_proxy.checkpoint.describe",  # `inspect`
+    "moe_proxy.build.writer",
+    "moe_proxy.build.config",
+    "moe_proxy.repro.compare",  # numpy only
+    "moe_proxy.repro.plots",  # matplotlib when a plot is drawn
     "moe_proxy.repro",
     "moe_proxy.repro.config",
     "moe_proxy.repro.detect",

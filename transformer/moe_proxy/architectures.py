@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import NotMoE, UnsupportedArchitecture
+from moe_proxy.errors import NotMoE, UnsupportedArchitecture
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import importlib
 import logging
 import sys
 
-from . import __version__
-from .errors import MoeProxyError
-from .reports import EXIT_BAD_INPUT
+from moe_proxy import __version__
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.reports import EXIT_BAD_INPUT
 
 # Subcommand modules, in the order `moe-proxy --help` lists them.
 COMMANDS = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import MoeProxyError
-from ..reports import CALIBRATED_FEATURES, CLUSTERINGS, METHODS, REPRESENTATIVES
-from ._common import add_storage_args, store_options
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.reports import CALIBRATED_FEATURES, CLUSTERINGS, METHODS, REPRESENTATIVES
+from moe_proxy.commands._common import add_storage_args, store_options
 
 
 def parse_pins(values: list[str]) -> dict[int, list[int]]:
@@ -65,8 +65,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..build import build_proxy  # torch and scikit-learn load only when a build runs
-    from ..reports import build_report, error_report, worker_report, write_termination_log
+    from moe_proxy.build.pipeline import build_proxy  # torch and scikit-learn load only when a build runs
+    from moe_proxy.reports import build_report, error_report, worker_report, write_termination_log
 
     if args.worker is not None and args.finalize:
         raise MoeProxyError("--worker and --finalize are separate steps: run the workers, then finalize once")
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(m: dict) -> str:
-    from ..summary import human
+    from moe_proxy.checkpoint.describe import human
 
     e, p, b = m["experts"], m["params"], m["bytes"]
     lines = [

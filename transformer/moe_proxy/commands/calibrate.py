@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ._common import add_storage_args, store_options
+from moe_proxy.commands._common import add_storage_args, store_options
 
 
 def add_parser(sub) -> None:
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..calibration import calibrate  # torch loads only when it runs
+    from moe_proxy.calibrate.statistics import calibrate  # torch loads only when it runs
 
     summary = calibrate(args.src, args.out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
                         seed=args.seed, batch_size=args.batch_size, progress=not args.no_progress,

@@ -21,11 +21,11 @@ import sys
 
 from typing import TYPE_CHECKING
 
-from ..reports import EXIT_FAILED, EXIT_OK
-from ._common import add_storage_args, store_options
+from moe_proxy.reports import EXIT_FAILED, EXIT_OK
+from moe_proxy.commands._common import add_storage_args, store_options
 
 if TYPE_CHECKING:
-    from ..checkpoints import Checkpoint
+    from moe_proxy.checkpoint.listing import ListedCheckpoint
 
 
 def add_parser(sub) -> None:
@@ -58,7 +58,7 @@ def regex(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoints import latest_before, list_checkpoints
+    from moe_proxy.checkpoint.listing import latest_before, list_checkpoints
 
     found = list_checkpoints(args.uri, args.pattern, args.step_regex, args.deep, **store_options(args))
     if args.before is not None:
@@ -83,7 +83,7 @@ def human(n: int) -> str:
     return str(n)
 
 
-def table(found: list[Checkpoint]) -> str:
+def table(found: list[ListedCheckpoint]) -> str:
     if not found:
         return "no checkpoints found"
     rows = [("STEP", "COMPLETE", "KIND", "ARCHITECTURE", "SIZE", "URI", "NOTE")]

@@ -22,8 +22,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..compare import compare_runs, load_run, write_report
-    from ..errors import MalformedMetrics
+    from moe_proxy.repro.compare import compare_runs, load_run, write_report
+    from moe_proxy.errors import MalformedMetrics
 
     names = args.names.split(",") if args.names else [None] * len(args.runs)
     if len(names) != len(args.runs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ._common import add_storage_args, store_options
+from moe_proxy.commands._common import add_storage_args, store_options
 
 
 def add_parser(sub) -> None:
@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import open_checkpoint
-    from ..summary import describe, text
+    from moe_proxy.checkpoint.reader import open_checkpoint
+    from moe_proxy.checkpoint.describe import describe, text
 
     d = describe(open_checkpoint(args.src, **store_options(args)))
     print(json.dumps(d, indent=2) if args.json else text(d))

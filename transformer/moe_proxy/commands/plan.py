@@ -7,8 +7,8 @@ import argparse
 import json
 from dataclasses import fields
 
-from ..errors import CorruptCheckpoint
-from ..planner import ACCELERATORS, BYTES_PER_PARAM, PlanOptions, format_plan, plan
+from moe_proxy.errors import CorruptCheckpoint
+from moe_proxy.sizing import ACCELERATORS, BYTES_PER_PARAM, SizingOptions, format_sizing, estimate
 
 
 def add_parser(subparsers) -> None:
@@ -30,8 +30,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-devices", type=int,
                    help="the proxy's device budget: with --keep-ratio, kept experts are raised to 2 x top-k "
                         "when that fits (default budget: the devices the ratio's proxy needs)")
-    p.add_argument("--micro-batch-tokens", type=int, default=PlanOptions.micro_batch_tokens)
-    p.add_argument("--tokens-per-step", type=int, default=PlanOptions.tokens_per_step)
+    p.add_argument("--micro-batch-tokens", type=int, default=SizingOptions.micro_batch_tokens)
+    p.add_argument("--tokens-per-step", type=int, default=SizingOptions.tokens_per_step)
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
 
 def read_config(location: str, endpoint_url: str | None = None) -> dict:
     """config.json of a checkpoint given as a directory, the file itself, or an s3:// prefix."""
-    from ..storage import open_store  # the S3 client only when asked for
+    from moe_proxy.storage import open_store  # the S3 client only when asked for
 
     if location.endswith("config.json"):
         location, name = location.rsplit("/", 1) if "/" in location else (".", location)
@@ -59,9 +59,9 @@ def read_config(location: str, endpoint_url: str | None = None) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
-    known = {f.name for f in fields(PlanOptions)}
-    opts = PlanOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
+    known = {f.name for f in fields(SizingOptions)}
+    opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
                        reference=not args.no_reference)
-    result = plan(config, opts)
-    print(json.dumps(result.summary(), indent=2) if args.json else format_plan(result))
+    result = estimate(config, opts)
+    print(json.dumps(result.summary(), indent=2) if args.json else format_sizing(result))
     return 0

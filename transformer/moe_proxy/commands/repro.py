@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..repro.config import LOSS_SCALING, LR_SCHEDULES, OP_FAULT_MODES, PRECISIONS, Faults, ReproConfig
-from ..repro.detect import Signature, Thresholds
+from moe_proxy.repro.config import LOSS_SCALING, LR_SCHEDULES, OP_FAULT_MODES, PRECISIONS, Faults, ReproConfig
+from moe_proxy.repro.detect import Signature, Thresholds
 
 
 def add_parser(subparsers) -> None:
@@ -85,8 +85,8 @@ def config_from_args(args: argparse.Namespace) -> ReproConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import InvalidReproConfig
-    from ..repro.runner import run_repro  # torch and transformers load only when a run starts
+    from moe_proxy.errors import InvalidReproConfig
+    from moe_proxy.repro.runner import run_repro  # torch and transformers load only when a run starts
 
     try:
         config = config_from_args(args)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..reports import EXIT_FAILED, EXIT_OK
-from ._common import add_storage_args, store_options
+from moe_proxy.reports import EXIT_FAILED, EXIT_OK
+from moe_proxy.commands._common import add_storage_args, store_options
 
 
 def add_parser(sub) -> None:
@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..verify import as_json, text, verify  # torch and transformers load only when it runs
+    from moe_proxy.build.verify import as_json, text, verify  # torch and transformers load only when it runs
 
     report = verify(args.dst, forward=not args.no_forward, progress=not args.no_progress,
                     store_options=store_options(args))

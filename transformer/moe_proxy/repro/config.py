@@ -63,7 +63,7 @@ class ReproConfig:
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
-        from ..errors import InvalidReproConfig
+        from moe_proxy.errors import InvalidReproConfig
 
         checks = [
             (self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}"),

@@ -36,7 +36,7 @@ import re
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from ..errors import InvalidReproConfig
+from moe_proxy.errors import InvalidReproConfig
 
 SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse")
 DIVERGENCE_METRICS = ("actor/grad_norm", "moe/router_logit_max", "numerics/max_activation")

@@ -7,7 +7,7 @@ import importlib
 
 import torch
 
-from ..errors import InvalidReproConfig
+from moe_proxy.errors import InvalidReproConfig
 
 
 def pick_device(requested: str | None = None) -> torch.device:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import InvalidReproConfig
-from .config import Faults
-from .routers import Router
+from moe_proxy.errors import InvalidReproConfig
+from moe_proxy.repro.config import Faults
+from moe_proxy.repro.routers import Router
 
 
 class FaultInjector:

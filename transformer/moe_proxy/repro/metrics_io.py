@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from ..errors import MalformedMetrics
+from moe_proxy.errors import MalformedMetrics
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import NotMoE
+from moe_proxy.errors import NotMoE
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _LAYER = re.compile(r"layers\.(\d+)\.")

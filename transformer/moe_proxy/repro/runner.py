@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ReproConfig
-from .detect import FailureDetector, Signature, Thresholds
-from .device import pick_device
-from .faults import FaultInjector
-from .metrics_io import METRICS_FILE, SUMMARY_FILE, append_step, finite_or_none
-from .routers import RouterTap
-from .source import local_checkpoint
-from .task import Codec, make_prompts, reward
+from moe_proxy.repro.config import ReproConfig
+from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
+from moe_proxy.repro.device import pick_device
+from moe_proxy.repro.faults import FaultInjector
+from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step, finite_or_none
+from moe_proxy.repro.routers import RouterTap
+from moe_proxy.repro.source import local_checkpoint
+from moe_proxy.repro.task import Codec, make_prompts, reward
 
 log = logging.getLogger(__name__)
 

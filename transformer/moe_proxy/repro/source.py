@@ -7,9 +7,9 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import CorruptCheckpoint
-from ..materialize import local_copy
-from ..storage import open_store
+from moe_proxy.errors import CorruptCheckpoint
+from moe_proxy.storage.materialize import local_copy
+from moe_proxy.storage import open_store
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidReproConfig
+from moe_proxy.errors import InvalidReproConfig
 
 TASKS = ("arithmetic",)
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .calibration import DEAD_SHARE, LayerStats
-from .checkpoint import Checkpoint
-from .errors import InvalidExpertCount, MoeProxyError
-from .features import expert_features
-from .layout import MoeBlock
-from .selection import Selection, select
+from moe_proxy.calibrate.statistics import DEAD_SHARE, LayerStats
+from moe_proxy.checkpoint.reader import Checkpoint
+from moe_proxy.errors import InvalidExpertCount, MoeProxyError
+from moe_proxy.build.features import expert_features
+from moe_proxy.checkpoint.layout import MoeBlock
+from moe_proxy.build.selection import Selection, select
 
 # reports.CALIBRATED_FEATURES -> the statistics that hold them
 PROBES = {"routing": "routing_probe", "output": "output_probe"}

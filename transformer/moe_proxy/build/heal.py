@@ -26,11 +26,11 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import Checkpoint
-from .layerwise import HiddenStates, LayerwiseModel, moe_modules, transformers_config
-from .layout import Layout
-from .proxy_config import rewrite_config
-from .tensors import TORCH_DTYPES
+from moe_proxy.checkpoint.reader import Checkpoint
+from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules, transformers_config
+from moe_proxy.checkpoint.layout import Layout
+from moe_proxy.build.config import rewrite_config
+from moe_proxy.checkpoint.tensors import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 HEAL_STEPS = 200

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint, TensorInfo
-from .errors import MoeProxyError
-from .layout import MoeBlock
-from .tensors import FLOAT_DTYPES, dequantize_fp8, to_tensor
+from moe_proxy.checkpoint.reader import Checkpoint, TensorInfo
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.checkpoint.layout import MoeBlock
+from moe_proxy.checkpoint.tensors import FLOAT_DTYPES, dequantize_fp8, to_tensor
 
 SKETCH = 8  # sketch width per matrix side: 64 numbers per matrix
 

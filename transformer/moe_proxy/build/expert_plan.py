@@ -9,19 +9,19 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from .architectures import Arch, expert_count, groups, top_k
-from .checkpoint import Checkpoint
-from .errors import InvalidExpertCount
-from .features import expert_features
-from .layout import Layout
-from .planner import target_experts  # one rule for the CLI, the library and the operator
-from .reports import CALIBRATED_FEATURES, SCORED_METHODS, calibration_needs
-from .selection import Selection, select
-from .usage import usage_select
+from moe_proxy.architectures import Arch, expert_count, groups, top_k
+from moe_proxy.checkpoint.reader import Checkpoint
+from moe_proxy.errors import InvalidExpertCount
+from moe_proxy.build.features import expert_features
+from moe_proxy.checkpoint.layout import Layout
+from moe_proxy.sizing import target_experts  # one rule for the CLI, the library and the operator
+from moe_proxy.reports import CALIBRATED_FEATURES, SCORED_METHODS, calibration_needs
+from moe_proxy.build.selection import Selection, select
+from moe_proxy.build.usage import usage_select
 
 
 @dataclass
-class Options:
+class PruningOptions:
     experts: int | None = None
     keep_ratio: float | None = None
     method: str = "cluster"
@@ -38,7 +38,7 @@ class Options:
 
 
 @dataclass
-class Plan:
+class ExpertPlan:
     arch: Arch
     experts_before: int
     experts_after: int
@@ -52,8 +52,8 @@ class Plan:
     router_overrides: dict[str, bytes] = field(default_factory=dict)  # healed router tensors, source dtype
 
 
-def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool = False,
-              calibration=None) -> Plan:
+def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, progress: bool = False,
+              calibration=None) -> ExpertPlan:
     """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
     arch, config = layout.arch, ckpt.config
     needs = [f"--{what}" for what in calibration_needs(options.method, options.features, options.representative,
@@ -105,14 +105,14 @@ def make_plan(ckpt: Checkpoint, layout: Layout, options: Options, progress: bool
             feats, k, n_group=n_group, method="cluster" if options.method in SCORED_METHODS else options.method,
             clustering=options.clustering, seed=options.seed, pins=sorted(set(pins)),
         )
-    plan = Plan(arch, n, k, k0, new_top_k, n_group, topk_group, selections, notes)
+    plan = ExpertPlan(arch, n, k, k0, new_top_k, n_group, topk_group, selections, notes)
     if calibration is not None:
         plan.calibration = calibration.record()
     if k <= new_top_k:
         notes.append(f"{k} experts kept with top-k {new_top_k}: every token uses every kept expert, so load "
                      f"imbalance and routing collapse cannot show; keep at least {2 * k0} experts if you can")
     if options.heal:
-        from .heal import heal_routers  # torch-heavy, only when asked
+        from moe_proxy.build.heal import heal_routers  # torch-heavy, only when asked
 
         plan.router_overrides = heal_routers(ckpt, layout, plan, calibration, progress)
     return plan

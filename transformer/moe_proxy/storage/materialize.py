@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .storage import LocalStore, Store
+from moe_proxy.storage import LocalStore, Store
 
 
 @contextmanager

@@ -38,14 +38,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tqdm.auto import tqdm
 
-from . import __version__
-from .architectures import detect, expert_count
-from .calibration_data import Tokens, calibration_tokens
-from .checkpoint import Checkpoint, open_checkpoint, read_json
-from .errors import MoeProxyError
-from .layout import Layout, find_layout, source_identity
-from .layerwise import HiddenStates, LayerwiseModel, MoeModules, moe_modules
-from .storage import Store, open_store, write_bytes
+from moe_proxy import __version__
+from moe_proxy.architectures import detect, expert_count
+from moe_proxy.calibrate.tokens import Tokens, calibration_tokens
+from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint, read_json
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
+from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, MoeModules, moe_modules
+from moe_proxy.storage import Store, open_store, write_bytes
 
 log = logging.getLogger(__name__)
 FORMAT = "moe-proxy-calibration/v1"

@@ -35,16 +35,16 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from .architectures import detect
-from .checkpoint import INDEX, MANIFEST, SINGLE, read_header
-from .errors import CorruptCheckpoint, NotMoE, ObjectNotFound, StorageError, UnsupportedArchitecture
-from .storage import LocalStore, Store, open_store
+from moe_proxy.architectures import detect
+from moe_proxy.checkpoint.reader import INDEX, MANIFEST, SINGLE, read_header
+from moe_proxy.errors import CorruptCheckpoint, NotMoE, ObjectNotFound, StorageError, UnsupportedArchitecture
+from moe_proxy.storage import LocalStore, Store, open_store
 
 CONFIG = "config.json"
 PROXIES_SUFFIX = "-proxies"  # moe-proxy's default destinations: <checkpoint>-proxies/<ns>/<name>/
 MAX_JSON = 64 << 20  # config and index files larger than this are not checkpoint metadata
 
-# What a directory holds, for `Checkpoint.kind`.
+# What a directory holds, for `ListedCheckpoint.kind`.
 MOE = "moe"  # a mixture-of-experts checkpoint moe-proxy can prune: a source
 PROXY = "proxy"  # a proxy moe-proxy built (proxy-manifest.json, or under a *-proxies/ folder)
 DENSE = "dense"  # a model without routed experts
@@ -62,7 +62,7 @@ class Candidate:
 
 
 @dataclass
-class Checkpoint:
+class ListedCheckpoint:
     """One listed checkpoint. `source` is what a proxy can be built from: complete, MoE,
     supported, and not itself a proxy."""
 
@@ -282,11 +282,11 @@ def deep_check(d: _Dir, files: dict[str, int], pool: ThreadPoolExecutor | None =
 
 
 def inspect(store: Store, candidate: Candidate, pool: ThreadPoolExecutor | None = None,
-            deep: bool = False) -> Checkpoint:
+            deep: bool = False) -> ListedCheckpoint:
     """Read what decides a candidate: config.json, then the quick check, then (if it cannot
     decide, or with `deep`) the whole index and each shard's header."""
     d, files = _Dir(store, candidate.path), candidate.files
-    entry = Checkpoint(step=candidate.step, uri=d.uri, path=candidate.path, complete=False, kind=UNKNOWN,
+    entry = ListedCheckpoint(step=candidate.step, uri=d.uri, path=candidate.path, complete=False, kind=UNKNOWN,
                        bytes=sum(files.values()))
     is_proxy = MANIFEST in files or any(p.endswith(PROXIES_SUFFIX) for p in candidate.path.split("/"))
     if CONFIG not in files:
@@ -327,14 +327,14 @@ def inspect(store: Store, candidate: Candidate, pool: ThreadPoolExecutor | None 
     return entry
 
 
-def inspect_all(store: Store, candidates: list[Candidate], workers: int = 16, deep: bool = False) -> list[Checkpoint]:
+def inspect_all(store: Store, candidates: list[Candidate], workers: int = 16, deep: bool = False) -> list[ListedCheckpoint]:
     """inspect() every candidate; each checkpoint's shards are read concurrently."""
     with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-headers") as pool:
         return [inspect(store, c, pool, deep) for c in candidates]
 
 
 def list_checkpoints(uri: str | Store, pattern: str | None = None, step_regex: str | None = None,
-                     deep: bool = False, **store_options) -> list[Checkpoint]:
+                     deep: bool = False, **store_options) -> list[ListedCheckpoint]:
     """Every checkpoint under `uri` (local path or s3://), sorted by step ascending."""
     store = open_store(uri, **store_options) if isinstance(uri, str) else uri
     if isinstance(store, LocalStore) and not store.root.is_dir():
@@ -342,7 +342,7 @@ def list_checkpoints(uri: str | Store, pattern: str | None = None, step_regex: s
     return inspect_all(store, find(store, pattern, step_regex), deep=deep)
 
 
-def latest_before(checkpoints: list[Checkpoint], step: int) -> Checkpoint | None:
+def latest_before(checkpoints: list[ListedCheckpoint], step: int) -> ListedCheckpoint | None:
     """The newest source checkpoint strictly before `step`: the one to reproduce a failure
     that showed at `step` from."""
     earlier = [c for c in checkpoints if c.source and c.step is not None and c.step < step]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import TensorInfo
-from .errors import MoeProxyError
+from moe_proxy.checkpoint.reader import TensorInfo
+from moe_proxy.errors import MoeProxyError
 
 # safetensors dtype -> torch dtype (every dtype that reads as numbers; not MXFP4's packed U8 blocks' meaning).
 TORCH_DTYPES = {

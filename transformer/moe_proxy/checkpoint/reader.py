@@ -10,9 +10,9 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from .errors import CorruptCheckpoint
-from .reads import read_coalesced
-from .storage import Store, open_store
+from moe_proxy.errors import CorruptCheckpoint
+from moe_proxy.checkpoint.reads import read_coalesced
+from moe_proxy.storage import Store, open_store
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import MoeProxyError
-from .storage import Store
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.storage import Store
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -67,7 +67,7 @@ def read_documents(path: str, store_options: dict | None = None) -> list[str | l
 
 
 def _download(uri: str, into: Path, store_options: dict) -> str:
-    from .storage import open_store
+    from moe_proxy.storage import open_store
 
     parent, _, name = uri.rpartition("/")
     store = open_store(parent, **store_options)

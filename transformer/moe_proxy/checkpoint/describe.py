@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .architectures import detect, expert_count, groups, top_k
-from .checkpoint import Checkpoint
-from .layout import find_layout
-from .params import stored_params
+from moe_proxy.architectures import detect, expert_count, groups, top_k
+from moe_proxy.checkpoint.reader import Checkpoint
+from moe_proxy.checkpoint.layout import find_layout
+from moe_proxy.checkpoint.params import stored_params
 
 
 def describe(ckpt: Checkpoint) -> dict:

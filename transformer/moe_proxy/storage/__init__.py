@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from .errors import CorruptCheckpoint, StorageError
+from moe_proxy.errors import CorruptCheckpoint, StorageError
 
 
 class Writer(Protocol):
@@ -49,7 +49,7 @@ class Store(Protocol):
 def open_store(uri: str, **options) -> Store:
     """A store for a local path or an `s3://bucket/prefix` URI."""
     if uri.startswith("s3://"):
-        from .s3 import S3Store  # boto3 only when needed
+        from moe_proxy.storage.s3 import S3Store  # boto3 only when needed
 
         return S3Store(uri, **options)
     if "://" in uri:

@@ -15,10 +15,10 @@ from concurrent.futures import Executor
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from .storage import Store
+from moe_proxy.storage import Store
 
 if TYPE_CHECKING:
-    from .shard_writer import OutTensor
+    from moe_proxy.build.writer import OutTensor
 
 PART = 64 << 20  # bytes per read task
 

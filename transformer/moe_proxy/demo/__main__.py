@@ -14,14 +14,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import demo_s3
-from .build import build_proxy
-from .checkpoint import open_checkpoint
-from .commands.build import summary
-from .summary import describe, text
-from .tiny import make_tiny
-from .verify import text as verify_text
-from .verify import verify
+from moe_proxy.demo import s3 as demo_s3
+from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.checkpoint.reader import open_checkpoint
+from moe_proxy.commands.build import summary
+from moe_proxy.checkpoint.describe import describe, text
+from moe_proxy.demo.tiny import make_tiny
+from moe_proxy.build.verify import text as verify_text
+from moe_proxy.build.verify import verify
 
 
 def main(argv: list[str] | None = None) -> int:

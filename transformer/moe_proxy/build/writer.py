@@ -15,9 +15,9 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .checkpoint import ITEMSIZE
-from .reads import read_ahead
-from .storage import Store
+from moe_proxy.checkpoint.reader import ITEMSIZE
+from moe_proxy.checkpoint.reads import read_ahead
+from moe_proxy.storage import Store
 
 
 @dataclass

@@ -11,9 +11,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .architectures import Arch, expert_count
-from .checkpoint import Checkpoint, TensorInfo
-from .errors import CorruptCheckpoint, NotMoE
+from moe_proxy.architectures import Arch, expert_count
+from moe_proxy.checkpoint.reader import Checkpoint, TensorInfo
+from moe_proxy.errors import CorruptCheckpoint, NotMoE
 
 PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<rest>.+)$")
 FUSED = re.compile(r"^(?P<block>.+)\.experts\.(?P<rest>[A-Za-z_][^.]*)$")

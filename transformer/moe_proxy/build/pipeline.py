@@ -1,7 +1,7 @@
 """Build a proxy checkpoint: read -> plan -> write.
 
 1. Open the source (config, index, safetensors headers; no tensor data yet).
-2. Plan (pruning_plan.py): per MoE block, the experts to keep.
+2. ExpertPlan (pruning_plan.py): per MoE block, the experts to keep.
 3. Write, shard by shard in the source's sharding: backbone tensors byte for byte, router rows
    and expert tensors of kept experts only, in their source dtype. Dropped experts' bytes are
    never read. Reads run ahead in a small thread pool while earlier bytes are written (reads.py).
@@ -27,17 +27,17 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from . import __version__
-from .architectures import detect
-from .checkpoint import INDEX, MANIFEST, Checkpoint, TensorInfo, open_checkpoint, read_json, slice_ranges
-from .errors import CorruptCheckpoint, DestinationExists, MoeProxyError
-from .layout import Layout, find_layout, source_identity
-from .proxy_config import rewrite_config
-from .reads import read_tasks
-from .params import stored_params
-from .pruning_plan import Options, Plan, make_plan
-from .shard_writer import OutTensor, Written, shard_pieces, shard_size, write_file
-from .storage import Store, open_store, sha256_of, write_bytes
+from moe_proxy import __version__
+from moe_proxy.architectures import detect
+from moe_proxy.checkpoint.reader import INDEX, MANIFEST, Checkpoint, TensorInfo, open_checkpoint, read_json, slice_ranges
+from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
+from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
+from moe_proxy.build.config import rewrite_config
+from moe_proxy.checkpoint.reads import read_tasks
+from moe_proxy.checkpoint.params import stored_params
+from moe_proxy.build.expert_plan import PruningOptions, ExpertPlan, plan_experts
+from moe_proxy.build.writer import OutTensor, Written, shard_pieces, shard_size, write_file
+from moe_proxy.storage import Store, open_store, sha256_of, write_bytes
 
 log = logging.getLogger(__name__)
 JOURNAL = ".moe-proxy-journal"
@@ -49,10 +49,10 @@ class Prepared:
     ckpt: Checkpoint
     layout: Layout
     dst: Store
-    options: Options
+    options: PruningOptions
     identity: str
     build_id: str
-    plan: Plan
+    plan: ExpertPlan
     shards: dict[str, list[OutTensor]]  # output shard -> its tensors, in source order
 
 
@@ -136,7 +136,7 @@ def _check_destination(dst: Store, src: Store, build_id: str, overwrite: bool) -
     return None
 
 
-def prepare(src: str | Store, dst: str | Store, options: Options, overwrite: bool, progress: bool,
+def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
             store_options: dict | None) -> Prepared | dict:
     """Open, check the destination, plan. Returns the existing manifest if dst is up to date."""
     ckpt = open_checkpoint(src, **(store_options or {}))
@@ -145,7 +145,7 @@ def prepare(src: str | Store, dst: str | Store, options: Options, overwrite: boo
     identity = source_identity(ckpt, layout)
     calibration = None
     if options.calibration:  # usage statistics: must be of this very checkpoint
-        from .calibration import load as load_calibration
+        from moe_proxy.calibrate.statistics import load as load_calibration
 
         calibration = load_calibration(options.calibration, **(store_options or {}))
         calibration.check_source(identity, ckpt.uri)
@@ -156,7 +156,7 @@ def prepare(src: str | Store, dst: str | Store, options: Options, overwrite: boo
     if existing is not None:
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
         return existing | {"up_to_date": True}
-    plan = make_plan(ckpt, layout, options, progress, calibration=calibration)
+    plan = plan_experts(ckpt, layout, options, progress, calibration=calibration)
     for note in plan.notes:
         log.warning(note)
     # Unpublish: from here until finalize writes the manifest, dst is visibly incomplete.
@@ -280,7 +280,7 @@ def build_proxy(
     """Build the proxy of checkpoint `src` into `dst` and return its manifest (a dict).
     Rerunning an identical build is a no-op that returns the existing manifest.
     With `worker`, write only that worker's shards and return {"worker", "workers", "files"}."""
-    options = Options(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}),
+    options = PruningOptions(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}),
                       calibration, keep_super, representative, heal)
     p = prepare(src, dst, options, overwrite, progress, store_options)
     if isinstance(p, dict):

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from sklearn.cluster import AgglomerativeClustering, KMeans
 
-from .errors import MoeProxyError
-from .reports import CLUSTERINGS, METHODS, SCORED_METHODS
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.reports import CLUSTERINGS, METHODS, SCORED_METHODS
 
 
 @dataclass

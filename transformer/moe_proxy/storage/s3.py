@@ -35,8 +35,8 @@ from botocore.exceptions import (
 )
 from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
 
-from . import __version__
-from .errors import AccessDenied, CorruptCheckpoint, EndpointUnreachable, ObjectNotFound, StorageError
+from moe_proxy import __version__
+from moe_proxy.errors import AccessDenied, CorruptCheckpoint, EndpointUnreachable, ObjectNotFound, StorageError
 
 log = logging.getLogger(__name__)
 

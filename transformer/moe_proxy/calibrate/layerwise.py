@@ -36,10 +36,10 @@ from typing import Iterator
 
 import torch
 
-from .architectures import TRANSFORMERS_MODEL_TYPE, detect
-from .checkpoint import Checkpoint
-from .errors import CorruptCheckpoint, MoeProxyError
-from .tensors import FLOAT_DTYPES, dequantize_fp8, to_tensor
+from moe_proxy.architectures import TRANSFORMERS_MODEL_TYPE, detect
+from moe_proxy.checkpoint.reader import Checkpoint
+from moe_proxy.errors import CorruptCheckpoint, MoeProxyError
+from moe_proxy.checkpoint.tensors import FLOAT_DTYPES, dequantize_fp8, to_tensor
 
 COMPUTE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 KERNEL_CACHE_CAPACITY = "32"  # primitives per cache: every fixed-shape matmul of a layer still hits

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import StorageError
+from moe_proxy.errors import StorageError
 
 # Every listener `weed mini` opens; each gets its own free port so that several servers (or
 # parallel test runs) never collide.

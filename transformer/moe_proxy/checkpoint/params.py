@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .architectures import Arch, detect, expert_count, top_k
-from .errors import InvalidExpertCount
+from moe_proxy.architectures import Arch, detect, expert_count, top_k
+from moe_proxy.errors import InvalidExpertCount
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .layout import Layout
+    from moe_proxy.checkpoint.reader import Checkpoint
+    from moe_proxy.checkpoint.layout import Layout
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from .architectures import detect, expert_count, groups, top_k
-from .checkpoint import MANIFEST, open_checkpoint, read_json
-from .errors import CorruptCheckpoint
-from .layout import find_layout
-from .storage import open_store, sha256_of
+from moe_proxy.architectures import detect, expert_count, groups, top_k
+from moe_proxy.checkpoint.reader import MANIFEST, open_checkpoint, read_json
+from moe_proxy.errors import CorruptCheckpoint
+from moe_proxy.checkpoint.layout import find_layout
+from moe_proxy.storage import open_store, sha256_of
 
 
 @dataclass
@@ -79,7 +79,7 @@ def run_forward(store, config: dict) -> str:
         from transformers import AutoModelForCausalLM
     except ImportError:
         return "skipped (transformers not installed)"
-    from .materialize import local_copy
+    from moe_proxy.storage.materialize import local_copy
 
     transformers.logging.set_verbosity_error()  # its load report would list the MTP layer it skips
     with local_copy(store) as path:

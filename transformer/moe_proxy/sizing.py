@@ -34,9 +34,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from .architectures import Arch, detect, expert_count, groups, top_k
-from .errors import InvalidExpertCount
-from .params import Params, config_int, config_params, expert_width, moe_layer_indices, text_config
+from moe_proxy.architectures import Arch, detect, expert_count, groups, top_k
+from moe_proxy.errors import InvalidExpertCount
+from moe_proxy.checkpoint.params import Params, config_int, config_params, expert_width, moe_layer_indices, text_config
 
 GIB = 1 << 30
 GB = 10**9
@@ -61,7 +61,7 @@ BYTES_PER_PARAM = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
-class PlanOptions:
+class SizingOptions:
     experts: int | None = None  # routed experts per layer to keep ...
     keep_ratio: float | None = None  # ... or the fraction to keep
     top_k: int | None = None  # the proxy's top-k (default: the original's, capped at experts)
@@ -109,7 +109,7 @@ class Side:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Sizing:
     architecture: str
     moe_layers: int
     precision: str
@@ -172,7 +172,7 @@ def preferred_experts(n: int, arch: Arch, n_group: int, k: int) -> int | None:
 # --- memory and devices --------------------------------------------------------------------
 
 
-def _memory(c: dict, params: Params, k: int, n_moe: int, opts: PlanOptions) -> Memory:
+def _memory(c: dict, params: Params, k: int, n_moe: int, opts: SizingOptions) -> Memory:
     w = BYTES_PER_PARAM[opts.precision]
     layers, h = config_int(c, "num_hidden_layers"), c["hidden_size"]
     per_token = layers * h * w + 34 * h * w // 2 + (k * 3 * expert_width(c) * w if n_moe else 0)
@@ -185,7 +185,7 @@ def _memory(c: dict, params: Params, k: int, n_moe: int, opts: PlanOptions) -> M
     )
 
 
-def devices_needed(memory: Memory, device_bytes: float, opts: PlanOptions) -> int:
+def devices_needed(memory: Memory, device_bytes: float, opts: SizingOptions) -> int:
     """Smallest multiple of devices_per_node whose devices hold the sharded static memory plus
     each device's activations and reserve."""
     room = device_bytes * opts.utilization - opts.reserve_gb * GB - memory.activations_per_device
@@ -198,14 +198,14 @@ def devices_needed(memory: Memory, device_bytes: float, opts: PlanOptions) -> in
     return nodes * opts.devices_per_node
 
 
-def _step_seconds(params: Params, memory: Memory, devices: int, acc: Accelerator, opts: PlanOptions) -> float:
+def _step_seconds(params: Params, memory: Memory, devices: int, acc: Accelerator, opts: SizingOptions) -> float:
     compute = 12 * params.active * opts.tokens_per_step / (devices * acc.peak_tflops * 1e12 * opts.mfu)
     optimizer = 2 * memory.static / devices / (acc.hbm_tbps * 1e12)
     return compute + optimizer
 
 
-def plan(config: dict, opts: PlanOptions) -> Plan:
-    """Plan the original and the proxy described by `opts` (see PlanOptions)."""
+def estimate(config: dict, opts: SizingOptions) -> Sizing:
+    """Plan the original and the proxy described by `opts` (see SizingOptions)."""
     if opts.precision not in BYTES_PER_PARAM:
         raise InvalidExpertCount(f"precision {opts.precision!r}: expected one of {', '.join(BYTES_PER_PARAM)}")
     if opts.devices_per_node < 1:
@@ -233,11 +233,11 @@ def plan(config: dict, opts: PlanOptions) -> Plan:
     wanted_k = opts.top_k or k  # the proxy's top-k before it is capped at the kept experts
     proxy = side(kept, min(wanted_k, kept))
     proxy, notes = _prefer_twice_top_k(proxy, side, opts, preferred_experts(n, arch, n_group, wanted_k), wanted_k)
-    return Plan(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
+    return Sizing(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
                 original=side(n, k), proxy=proxy, notes=tuple(notes))
 
 
-def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: PlanOptions, preferred: int | None,
+def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: SizingOptions, preferred: int | None,
                         k: int) -> tuple[Side, list[str]]:
     """Raise a keep ratio's kept experts to `preferred` (see preferred_experts) if the device
     budget holds it; an explicit expert count stays. Returns the proxy side and notes saying why."""
@@ -261,7 +261,7 @@ def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: Pla
     return proxy, [f"{why}; {trivial}" if kept <= k else why]
 
 
-def format_plan(p: Plan) -> str:
+def format_sizing(p: Sizing) -> str:
     """The plan as a short table a person reads."""
 
     def row(label: str, o, x) -> str:

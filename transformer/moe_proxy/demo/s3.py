@@ -11,10 +11,10 @@ import os
 import secrets
 from pathlib import Path
 
-from . import cli
-from .s3 import S3Store
-from .seaweed import SeaweedFS
-from .summary import human
+from moe_proxy import cli
+from moe_proxy.storage.s3 import S3Store
+from moe_proxy.demo.seaweed import SeaweedFS
+from moe_proxy.checkpoint.describe import human
 
 BUCKET = "models"
 

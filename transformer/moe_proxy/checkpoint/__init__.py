@@ -1,0 +1,5 @@
+"""Reading a checkpoint: safetensors headers and byte ranges (`reader`), the one read path
+(`reads`: coalesced ranged reads, read tasks, read-ahead), tensor roles per architecture
+(`layout`), parameter counts (`params`), decoding stored tensors (`tensors`, torch),
+`moe-proxy inspect` (`describe`) and finding checkpoints under a prefix (`listing`).
+Torch-free but for `tensors`."""
