@@ -1,4 +1,4 @@
-"""Calibration data: JSONL (text, prompt, verl chat prompt) and plain text, tokenised with the
+"""Calibration data: JSONL (text, prompt, verl chat prompt), parquet in verl's schema and plain text, tokenised with the
 checkpoint's own tokenizer (a real one, trained here with the `tokenizers` library)."""
 
 from __future__ import annotations
@@ -92,18 +92,43 @@ def test_without_tokenizer_random_ids_said_plainly(tmp_path):
     assert torch.equal(tokens.ids, again.ids)  # seeded: the same ids every time
 
 
-def test_parquet_needs_pyarrow_or_reads_verl_rows(with_tokenizer, tmp_path):
-    path, _ = with_tokenizer
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        (tmp_path / "d.parquet").write_bytes(b"PAR1")
-        from moe_proxy.calibrate.tokens import BadDataset
+def verl_rows(questions):
+    """Rows in verl's dataset schema (its examples/data_preprocess scripts, e.g. gsm8k.py)."""
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": q}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"split": "train", "index": i}}
+            for i, q in enumerate(questions)]
 
-        with pytest.raises(BadDataset, match="needs pyarrow"):
-            read_documents(str(tmp_path / "d.parquet"))
-        return
-    chat = [{"role": "user", "content": "the router"}]
-    pq.write_table(pa.table({"prompt": [chat, chat], "data_source": ["x", "y"]}), tmp_path / "d.parquet")
-    assert read_documents(str(tmp_path / "d.parquet")) == [chat, chat]
+
+def test_parquet_in_verl_schema(with_tokenizer, tmp_path):
+    """A real parquet file written by pyarrow (a dependency of the `hf` and `test` extras), the
+    chat `prompt` a list<struct<role, content>> column: rendered with the chat template, end to end."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, tok = with_tokenizer
+    questions = ["the router sends each token", "shared experts see every token", "a few experts"]
+    table = pa.Table.from_pylist(verl_rows(questions))
+    assert table.schema.field("prompt").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    pq.write_table(table, tmp_path / "train.parquet")
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    assert read_documents(str(tmp_path / "train.parquet")) == chats
+    tokens = calibration_tokens(LocalStore(path), str(tmp_path / "train.parquet"), samples=2, seq_len=5, seed=0,
+                                vocab_size=256)
+    want = [t for chat in chats for t in tok(tok.apply_chat_template(chat, tokenize=False))["input_ids"] + [tok.eos_token_id]]
+    assert not tokens.random and tokens.ids.flatten().tolist() == want[:10]
+    summary = cal.calibrate(str(path), str(tmp_path / "s"), dataset=str(tmp_path / "train.parquet"), samples=2, seq_len=5)
+    assert summary["tokens"]["random"] is False and "train.parquet, 3 documents" in summary["tokens"]["origin"]
+
+
+def test_parquet_broken_or_without_prompts(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moe_proxy.calibrate.tokens import BadDataset
+
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(BadDataset, match="broken.parquet: not a readable parquet file"):
+        read_documents(str(tmp_path / "broken.parquet"))
+    pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), tmp_path / "qa.parquet")
+    with pytest.raises(BadDataset, match=r"qa.parquet, row 0: no usable 'text'.*fields present: \['answer', 'question'\]"):
+        read_documents(str(tmp_path / "qa.parquet"))

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python")
+from ..promised import require
+
+helm = require("helm_python", "helm-python-sdk")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "moe-proxy"

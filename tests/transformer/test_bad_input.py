@@ -15,6 +15,8 @@ from moe_proxy.errors import CorruptCheckpoint, DestinationExists, InvalidExpert
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.build.verify import verify
 
+from .corrupt import edit_config, edit_shard, renumber_expert, shard_of
+
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
@@ -180,3 +182,61 @@ def test_cli_reports_errors_in_one_line(src, tmp_path, capsys):
     assert main(["build", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--experts", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no config.json" in err
+
+
+# The same damage that fails `verify` on a proxy stops a build of a source, naming the file.
+
+def test_source_expert_numbering_gap(src, tmp_path):
+    bad = copy_of(src, tmp_path / "c")
+    shards = renumber_expert(bad, "model.layers.1.mlp", 5, 9)
+    with pytest.raises(CorruptCheckpoint, match=rf"{shards[0]}.*missing \[5\], unexpected \[9\]"):
+        build_proxy(str(bad), str(tmp_path / "out"), experts=2)
+    no_proxy(tmp_path / "out")
+
+
+def test_source_router_rows_disagree_with_config(src, tmp_path):
+    bad = copy_of(src, tmp_path / "c")
+    gate = "model.layers.1.mlp.gate.weight"
+    shard = shard_of(bad, gate)
+    edit_shard(bad, shard, lambda ts: ts | {gate: ts[gate][:7].clone()})
+    with pytest.raises(CorruptCheckpoint, match=rf"{shard}: router tensor {gate} \[7, 64\].*expert count 8"):
+        build_proxy(str(bad), str(tmp_path / "out"), experts=2)
+    edit_config(copy_of(src, tmp_path / "d"), num_experts=6)
+    with pytest.raises(CorruptCheckpoint, match=r"\[8, 64\] has no axis of config.json's expert count 6"):
+        build_proxy(str(tmp_path / "d"), str(tmp_path / "out"), experts=2)
+    no_proxy(tmp_path / "out")
+
+
+def test_header_span_disagrees_with_shape(src, tmp_path):
+    """A shape edited in the header (offsets untouched): the tensor's bytes no longer fit it."""
+    bad = copy_of(src, tmp_path / "c")
+    shard = first_shard(bad)
+    data = shard.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [2 * header[name]["shape"][0], *header[name]["shape"][1:]]
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)  # safetensors pads with spaces too
+    assert len(raw) == n
+    shard.write_bytes(data[:8] + raw + data[8 + n:])
+    with pytest.raises(CorruptCheckpoint, match=rf"{shard.name}: tensor '{name}' spans \d+ bytes, but"):
+        build_proxy(str(bad), str(tmp_path / "out"), experts=2)
+
+
+def test_index_names_a_tensor_its_shard_lacks(src, tmp_path):
+    bad = copy_of(src, tmp_path / "c")
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.1.mlp.experts.8.up_proj.weight"] = first_shard(bad).name
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpoint, match=r"not in the shard it names.*experts\.8\.up_proj"):
+        build_proxy(str(bad), str(tmp_path / "out"), experts=2)
+
+
+def test_cli_refuses_a_corrupt_source_with_status_2(src, tmp_path, capsys):
+    bad = copy_of(src, tmp_path / "c")
+    shard = first_shard(bad)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert main(["build", str(bad), str(tmp_path / "out"), "--experts", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert shard.name in err and "truncated" in err
+    no_proxy(tmp_path / "out")

@@ -41,6 +41,27 @@ TINY = {
 }
 
 
+# Kimi-K2 (moonshotai/Kimi-K2-Instruct): DeepSeek-V3's architecture, config.json fields and
+# tensor names, with model_type "kimi_k2" (transformers has no model of that name; the release
+# ships DeepSeek-V3's remote code), one routing group, its own routed scaling, no MTP layer.
+KIMI_K2 = dict(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+               auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                         "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+               n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+               routed_scaling_factor=2.827, moe_layer_freq=1, num_nextn_predict_layers=0)
+
+
+def make_tiny_kimi_k2(path: str | Path, **kwargs):
+    """A tiny Kimi-K2 checkpoint: made with transformers' DeepSeek-V3 classes, saved with Kimi's
+    config fields. Returns the model."""
+    settings = {k: v for k, v in KIMI_K2.items() if k not in ("model_type", "architectures", "auto_map")}
+    model = make_tiny("deepseek_v3", path, **(settings | kwargs))
+    config_file = Path(path) / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | KIMI_K2, indent=2))
+    return model
+
+
 def tiny_config(model_type: str, **overrides):
     import transformers
 

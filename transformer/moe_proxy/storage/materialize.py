@@ -27,3 +27,20 @@ def local_copy(store: Store) -> Iterator[str]:
                 for start in range(0, size, chunk):
                     f.write(store.read_range(name, start, min(chunk, size - start)))
         yield tmp
+
+
+def load_causal_lm(path: str, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(path)`; a model type transformers has no classes for
+    (architectures.TRANSFORMERS_MODEL_TYPE: Kimi-K2) runs with the classes of the one it copies."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from moe_proxy.architectures import TRANSFORMERS_MODEL_TYPE
+
+    config = json.loads(Path(path, "config.json").read_text())
+    if config.get("model_type") in TRANSFORMERS_MODEL_TYPE:
+        from moe_proxy.calibrate.layerwise import transformers_config
+
+        kwargs["config"] = transformers_config(config)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
