@@ -15,97 +15,27 @@ then measures in one run, per size:
 
 Prints a table and writes bench/out/build.json.
 Usage: .venv/bin/python bench/build.py [--sizes 1,2,4,8] [--workers 1,2,4] [--out bench/out]
+
+With `--paced LAT_MS,MBPS[,POD_MBPS]` (repeatable) the build runs through paced relays that
+stand for a remote object store and each pod's link instead (bench/paced_build.py: latency,
+per-connection and per-pod bandwidth, scale-out over pods, a DeepSeek-V3 projection);
+`--quick` does that on a tiny checkpoint in well under a minute (tests/bench/test_bench_smoke.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from moe_proxy.demo.seaweed import SeaweedFS
-from moe_proxy.build.writer import OutTensor, header_bytes
+from synthetic import BENCH, GB, KEYS, Facts, generate, read_object, upload
 
-H, I_MOE, I_DENSE, VOCAB = 2048, 512, 4096, 32000
-EXPERTS, N_GROUP, TOPK_GROUP, TOP_K, KEEP = 64, 4, 2, 8, 8
-KEYS = ("bench-access-key", "bench-secret-key")
-GB = 1 << 30
-
-
-def bf16(shape, rng) -> bytes:
-    """Random finite bf16 values (sign and mantissa random, exponent in a small range), fast."""
-    u = rng.integers(0, 1 << 16, size=math.prod(shape), dtype=np.uint16)
-    return ((u & 0x807F) | 0x3C00).tobytes()
-
-
-def layer_tensors(layer: int, dense: bool) -> list[tuple[str, str, tuple]]:
-    p = f"model.layers.{layer}."
-    out = [(p + "input_layernorm.weight", "BF16", (H,)), (p + "post_attention_layernorm.weight", "BF16", (H,)),
-           (p + "self_attn.q_a_proj.weight", "BF16", (512, H)), (p + "self_attn.q_a_layernorm.weight", "BF16", (512,)),
-           (p + "self_attn.q_b_proj.weight", "BF16", (16 * 192, 512)),
-           (p + "self_attn.kv_a_proj_with_mqa.weight", "BF16", (576, H)),
-           (p + "self_attn.kv_a_layernorm.weight", "BF16", (512,)),
-           (p + "self_attn.kv_b_proj.weight", "BF16", (16 * 256, 512)),
-           (p + "self_attn.o_proj.weight", "BF16", (H, 16 * 128))]
-    if dense:
-        return out + [(p + f"mlp.{n}_proj.weight", "BF16", s) for n, s in
-                      (("gate", (I_DENSE, H)), ("up", (I_DENSE, H)), ("down", (H, I_DENSE)))]
-    out += [(p + "mlp.gate.weight", "F32", (EXPERTS, H)), (p + "mlp.gate.e_score_correction_bias", "F32", (EXPERTS,))]
-    out += [(p + f"mlp.shared_experts.{n}_proj.weight", "BF16", s) for n, s in
-            (("gate", (I_MOE, H)), ("up", (I_MOE, H)), ("down", (H, I_MOE)))]
-    for e in range(EXPERTS):
-        out += [(p + f"mlp.experts.{e}.{n}_proj.weight", "BF16", s) for n, s in
-                (("gate", (I_MOE, H)), ("up", (I_MOE, H)), ("down", (H, I_MOE)))]
-    return out
-
-
-def generate(path: Path, gb: float) -> Path:
-    """A sharded checkpoint of about `gb` GB, one or more layers per shard. Cached on disk."""
-    if (path / "model.safetensors.index.json").exists():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    moe_layer_bytes = EXPERTS * 3 * H * I_MOE * 2
-    n_moe = max(1, round((gb * GB - 2 * VOCAB * H * 2 - 3 * H * I_DENSE * 2) / (moe_layer_bytes * 1.1)))
-    layers = 1 + n_moe
-    groups = [[("model.embed_tokens.weight", "BF16", (VOCAB, H))] + layer_tensors(0, dense=True)]
-    groups += [layer_tensors(i, dense=False) for i in range(1, layers)]
-    groups[-1] += [("model.norm.weight", "BF16", (H,)), ("lm_head.weight", "BF16", (VOCAB, H))]
-    rng = np.random.default_rng(0)
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-
-        def data(n, dtype, shape):
-            if dtype == "F32":  # routers: real floats, so clustering has something to find
-                return rng.normal(0, 0.02 if "bias" not in n else 0.001, math.prod(shape)).astype(np.float32).tobytes()
-            return bf16(shape, rng)
-
-        outs = [OutTensor(n, d, s, []) for n, d, s in tensors]
-        with open(path / name, "wb") as f:
-            f.write(header_bytes(outs))
-            for n, d, s in tensors:
-                f.write(data(n, d, s))
-        for t in outs:
-            weight_map[t.name] = name
-            total += t.nbytes
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": H,
-        "intermediate_size": I_DENSE, "moe_intermediate_size": I_MOE, "num_hidden_layers": layers,
-        "n_routed_experts": EXPERTS, "n_shared_experts": 1, "num_experts_per_tok": TOP_K, "n_group": N_GROUP,
-        "topk_group": TOPK_GROUP, "first_k_dense_replace": 1, "vocab_size": VOCAB, "num_attention_heads": 16,
-        "kv_lora_rank": 512, "q_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-        "v_head_dim": 128, "torch_dtype": "bfloat16", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-    }, indent=2))
-    return path
+KEEP = BENCH.keep
 
 
 # Each measurement runs in a fresh process, so peak RSS is the build's own.
@@ -145,13 +75,10 @@ def child(**args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def upload(s3: SeaweedFS, path: Path, bucket: str, prefix: str) -> None:
-    client = s3.client()
-    for f in sorted(path.iterdir()):
-        client.upload_file(str(f), bucket, f"{prefix}/{f.name}")
-
-
 def main() -> int:
+    if {"--paced", "--quick"} & {a.split("=")[0] for a in sys.argv[1:]}:  # through paced relays: paced_build.py
+        from paced_build import main as paced_main
+        return paced_main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,2,4,8", help="checkpoint sizes in GB")
     ap.add_argument("--workers", default="1,2,4")
@@ -166,13 +93,9 @@ def main() -> int:
         for gb in sizes:
             ckpt = generate(out / f"ckpt-{gb:g}gb", gb)
             src = f"s3://bench/src-{gb:g}gb"
-            upload(s3, ckpt, "bench", f"src-{gb:g}gb")
-            index = json.loads((ckpt / "model.safetensors.index.json").read_text())
-            ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-            headers = sum(8 + int.from_bytes(open(f, "rb").read(8), "little") for f in ckpt.glob("*.safetensors"))
-            n_moe = sum(1 for k in index["weight_map"] if k.endswith("mlp.gate.weight"))
-            routers = n_moe * (EXPERTS * H + EXPERTS) * 4
-            layer_expert_bytes = EXPERTS * 3 * H * I_MOE * 2
+            upload(s3.client(), ckpt, "bench", f"src-{gb:g}gb")
+            facts = Facts.of(ckpt, BENCH)
+            ckpt_bytes, n_moe = facts.bytes, facts.moe_layers
 
             # Build and copy alternate, twice each; the faster of each pair counts (the machine is shared).
             builds, copies = [], []
@@ -183,8 +106,7 @@ def main() -> int:
                                     dst=f"s3://bench/copy-{gb:g}gb-{rep}", endpoint=ep))
             r = min(builds, key=lambda x: x["seconds"]) | {"max_rss": max(b["max_rss"] for b in builds)}
             c = min(copies, key=lambda x: x["seconds"])
-            manifest = json.loads(s3.client().get_object(Bucket="bench", Key=f"proxy-{gb:g}gb-0/proxy-manifest.json")
-                                  ["Body"].read())
+            manifest = json.loads(read_object(s3.client(), "bench", f"proxy-{gb:g}gb-0/proxy-manifest.json"))
             proxy_bytes = manifest["bytes"]["after"]
             w = child(mode="build", src=src, dst=f"s3://bench/wproxy-{gb:g}gb", endpoint=ep, experts=KEEP,
                       features="weights")
@@ -195,10 +117,10 @@ def main() -> int:
                 "build_cpu_s": round(r["cpu_s"], 2), "copy_cpu_s": round(c["cpu_s"], 2),
                 "downloaded_router": r["downloaded"], "downloaded_weights": w["downloaded"],
                 "download_ratio_router": round(r["downloaded"] / ckpt_bytes, 3),
-                "download_vs_target": round(r["downloaded"] / (proxy_bytes + headers + routers), 3),
+                "download_vs_target": round(r["downloaded"] / (proxy_bytes + facts.headers + facts.routers), 3),
                 "download_ratio_weights": round(w["downloaded"] / ckpt_bytes, 3),
                 "weights_build_s": round(w["seconds"], 2),
-                "peak_rss_mb": round(r["max_rss"] / 2**20), "rss_target_mb": round((1.5 * layer_expert_bytes + 512 * 2**20) / 2**20),
+                "peak_rss_mb": round(r["max_rss"] / 2**20), "rss_target_mb": round(BENCH.rss_target / 2**20),
             })
             print(rows[-1], flush=True)
 
@@ -216,9 +138,8 @@ def main() -> int:
             child(mode="build", src=f"s3://bench/src-{gb:g}gb", dst=dst, endpoint=ep, experts=KEEP, features="router",
                   workers=workers, finalize_only=True)
             seconds = time.perf_counter() - t
-            same = (s3.client().get_object(Bucket="bench", Key=f"scale-{workers}-{gb:g}gb/proxy-manifest.json")["Body"]
-                    .read() == s3.client().get_object(Bucket="bench", Key=f"proxy-{gb:g}gb-0/proxy-manifest.json")["Body"]
-                    .read())
+            same = (read_object(s3.client(), "bench", f"scale-{workers}-{gb:g}gb/proxy-manifest.json")
+                    == read_object(s3.client(), "bench", f"proxy-{gb:g}gb-0/proxy-manifest.json"))
             scale.append({"workers": workers, "seconds": round(seconds, 2), "manifest_identical_to_single": same})
             print(scale[-1], flush=True)
 
