@@ -82,9 +82,10 @@ def test_planted_weights_really_changed(massive, tiny_qwen3):
 def test_router_rows_without_gradient_are_not_underflow(tiny_qwen3):
     """An expert no token chose gets no router gradient (renormalised top-k): exact zeros there
     are not fp16 flushing; zeros in a dense weight are."""
+    from moe_proxy.repro.distributed import Comm
     from moe_proxy.repro.runner import _Loop
 
-    loop = _Loop(tiny_qwen3, ReproConfig(steps=1), torch.device("cpu"))
+    loop = _Loop(tiny_qwen3, ReproConfig(steps=1), Comm())
     for p in loop.params:
         p.grad = torch.ones_like(p)
     router = loop.tap.routers[0].module.weight

@@ -45,4 +45,5 @@ TORCH_FREE = (
     "moe_proxy.commands.plan",
     "moe_proxy.commands.repro",
     "moe_proxy.commands.verify",
+    "moe_proxy.commands.watch",
 )

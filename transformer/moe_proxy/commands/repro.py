@@ -1,8 +1,11 @@
-"""`moe-proxy repro CKPT --out RUN_DIR`: RL steps on a checkpoint, metrics and failure onsets."""
+"""`moe-proxy repro CKPT --out RUN_DIR`: RL steps on a checkpoint, metrics and failure onsets;
+over several ranks and nodes with `--nproc-per-node` / `--nnodes`, or as one rank of torchrun."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from moe_proxy.repro.config import LOSS_SCALING, LR_SCHEDULES, OP_FAULT_MODES, PRECISIONS, Faults, ReproConfig
 from moe_proxy.repro.detect import Signature, Thresholds
@@ -25,6 +28,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--termination-log", metavar="PATH",
                    help="also write {reproduced, signature, step, metrics} JSON here (Kubernetes' "
                    "/dev/termination-log)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="verl RL data (parquet or JSON lines, local or s3://): each row's chat `prompt` and "
+                   "`reward_model.ground_truth`, answers scored by exact match (default: the built-in "
+                   "arithmetic task)")
+
+    d = p.add_argument_group("distributed (one run over all ranks; policy and reference sharded with FSDP2)")
+    d.add_argument("--nproc-per-node", type=int, metavar="P",
+                   help="start P ranks on this node (one per device; any number on the CPU) through "
+                   "torch.distributed.run. Under torchrun (RANK/WORLD_SIZE set) the process joins that job instead")
+    d.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes in the run (default 1)")
+    d.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..N-1")
+    d.add_argument("--master-addr", metavar="A", help="node 0's address (required with --nnodes > 1)")
+    d.add_argument("--master-port", type=int, default=29500, metavar="Q")
+    d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+                   help="a collective waiting longer ends the run, naming the rank that is missing (default 600)")
 
     rl = p.add_argument_group("RL settings")
     rl.add_argument("--batch-size", type=int, default=8, help="prompts per step")
@@ -50,6 +68,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--fault-op", metavar="MODULE@STEP", help="perturb MODULE's output from STEP, e.g. model.layers.1.mlp@5")
     f.add_argument("--fault-op-mode", choices=OP_FAULT_MODES, default="scale")
     f.add_argument("--fault-op-value", type=float, default=100.0, help="factor (scale) or relative std (noise)")
+    f.add_argument("--fault-rank-exit", metavar="RANK@STEP", help="kill rank RANK (SIGKILL) when STEP starts")
+    f.add_argument("--fault-rank-hang", metavar="RANK@STEP", help="rank RANK stops answering when STEP starts")
     p.set_defaults(func=run)
 
 
@@ -85,19 +105,64 @@ def config_from_args(args: argparse.Namespace) -> ReproConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
     from moe_proxy.errors import InvalidReproConfig
-    from moe_proxy.repro.runner import run_repro  # torch and transformers load only when a run starts
+    from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, RankFault, launched
 
     try:
         config = config_from_args(args)
     except argparse.ArgumentTypeError as exc:
         raise InvalidReproConfig(str(exc)) from None
     fail_on = Signature.parse(args.fail_on) if args.fail_on else None
-    result = run_repro(args.checkpoint, args.out, config, fail_on=fail_on, thresholds=Thresholds(),
-                       device=args.device, termination_log=args.termination_log)
-    if result.signature:
-        print(f"{result.signature} at step {result.step}" + (" (reproduced)" if fail_on else ""))
-    else:
-        print(f"no failure in {result.steps_completed} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
-    print(f"metrics: {args.out}/metrics.jsonl  summary: {args.out}/summary.json")
+    if args.fault_rank_exit and args.fault_rank_hang:
+        raise InvalidReproConfig("--fault-rank-exit and --fault-rank-hang: one rank fault at a time")
+    rank_fault = (RankFault.parse(args.fault_rank_exit, "exit") if args.fault_rank_exit else
+                  RankFault.parse(args.fault_rank_hang, "hang") if args.fault_rank_hang else None)
+    common = dict(device=args.device, termination_log=args.termination_log, prompts=args.prompts,
+                  timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S, rank_fault=rank_fault)
+    if (args.nproc_per_node or args.nnodes > 1) and not launched():
+        from moe_proxy.repro.device import pick_device
+        from moe_proxy.repro.distributed import check_local_ranks
+        from moe_proxy.repro.launch import launch
+        from moe_proxy.reports import error_report, write_termination_log
+
+        nproc = args.nproc_per_node or 1
+        check_local_ranks(pick_device(args.device).type, nproc)
+        try:
+            launch(args.checkpoint, args.out, config, nproc_per_node=nproc, nnodes=args.nnodes,
+                   node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                   fail_on=args.fail_on, **common)
+        except RankFailed as exc:
+            if args.termination_log:  # this node's pod fails with the reason, not a verdict
+                write_termination_log(args.termination_log, error_report(exc))
+            print(f"moe-proxy repro: error: {exc}", file=sys.stderr)
+            return 1
+        if args.node_rank != 0:  # rank 0 (node 0) holds the verdict
+            print(f"node {args.node_rank}: all {nproc} ranks finished")
+            return 0
+        summary = json.loads((Path(args.out) / "summary.json").read_text())
+        signature, step = (summary["first_failure"] or {}).get("signature"), (summary["first_failure"] or {}).get("step")
+        _print_verdict(args, fail_on, signature, step, summary["steps_completed"])
+        return 0
+
+    from moe_proxy.repro.runner import run_repro  # torch and transformers load only when a run starts
+
+    try:
+        result = run_repro(args.checkpoint, args.out, config, fail_on=fail_on, thresholds=Thresholds(), **common)
+    except RankFailed as exc:
+        print(f"moe-proxy repro: error: {exc}", file=sys.stderr)
+        return 1
+    if launched() and int(os.environ["RANK"]) != 0:
+        return 0
+    _print_verdict(args, fail_on, result.signature, result.step, result.steps_completed)
     return 0
+
+
+def _print_verdict(args, fail_on, signature: str | None, step: int | None, steps: int) -> None:
+    if signature:
+        print(f"{signature} at step {step}" + (" (reproduced)" if fail_on else ""))
+    else:
+        print(f"no failure in {steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
+    print(f"metrics: {args.out}/metrics.jsonl  summary: {args.out}/summary.json")

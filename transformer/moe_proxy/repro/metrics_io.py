@@ -36,29 +36,32 @@ def read_metrics(run: str | Path) -> dict[int, dict[str, float]]:
     path = metrics_path(run)
     rows: dict[int, dict[str, float]] = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise MalformedMetrics(f"{where}: not JSON ({exc.msg}); each line must be one JSON object") from None
-        if not isinstance(record, dict):
-            raise MalformedMetrics(f"{where}: a line must be a JSON object, got {type(record).__name__}")
-        step = record.get("step")
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
-            raise MalformedMetrics(f"{where}: missing or non-integer \"step\"")
-        data = record["data"] if isinstance(record.get("data"), dict) else {
-            k: v for k, v in record.items() if k != "step"}
-        values = {}
-        for key, value in data.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue  # strings, lists: not a curve
-            values[key] = float(value)
-        rows.setdefault(int(step), {}).update(values)
+        parsed = parse_line(line, f"{path}:{number}")
+        if parsed is not None:
+            rows.setdefault(parsed[0], {}).update(parsed[1])
     if not rows:
         raise MalformedMetrics(f"{path}: no steps recorded")
     return dict(sorted(rows.items()))
+
+
+def parse_line(line: str, where: str) -> tuple[int, dict[str, float]] | None:
+    """(step, numeric metrics) of one line, verl's `{"step", "data": {...}}` or flat; None for a
+    blank line. Strings and lists are not curves and are left out."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise MalformedMetrics(f"{where}: not JSON ({exc.msg}); each line must be one JSON object") from None
+    if not isinstance(record, dict):
+        raise MalformedMetrics(f"{where}: a line must be a JSON object, got {type(record).__name__}")
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
+        raise MalformedMetrics(f"{where}: missing or non-integer \"step\"")
+    data = record["data"] if isinstance(record.get("data"), dict) else {
+        k: v for k, v in record.items() if k != "step"}
+    return int(step), {key: float(value) for key, value in data.items()
+                       if not isinstance(value, bool) and isinstance(value, (int, float))}
 
 
 def read_summary(run: str | Path) -> dict | None:

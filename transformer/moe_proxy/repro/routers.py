@@ -87,48 +87,71 @@ class RouterTap:
     def stop(self) -> None:
         self.recording = False
 
-    def aux_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(load-balancing loss, z-loss), averaged over layers, with gradients."""
+    def aux_losses(self, comm=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(load-balancing loss, z-loss), averaged over layers, with gradients. In a distributed run
+        (`comm`, see distributed.Comm) expert loads and token counts are the global batch's, and
+        each rank returns its share of the global losses: the shares add up to them."""
+        layers = sorted(self.logits)
+        if not layers:
+            zero = torch.zeros(())
+            return zero, zero
+        logits = {layer: self.logits[layer].float() for layer in layers}
+        # Per layer: routed slots per expert, then the token count; one reduction for all layers.
+        stats = []
+        for layer in layers:
+            chosen = self.chosen_experts(layer, logits[layer])
+            slots = torch.zeros(logits[layer].shape[-1], device=chosen.device).index_add_(
+                0, chosen.reshape(-1), torch.ones(chosen.numel(), device=chosen.device))
+            stats.append(torch.cat([slots, slots.new_tensor([float(logits[layer].shape[0])])]))
+        stats = _sum_over_ranks(comm, torch.cat(stats)).split([s.numel() for s in stats])
         aux, z = [], []
-        for layer, logits in self.logits.items():
-            logits = logits.float()
-            probs = logits.softmax(-1)
-            chosen = self.chosen_experts(layer, logits)
-            experts = logits.shape[-1]
+        for layer, stat in zip(layers, stats):
+            slots, tokens = stat[:-1], stat[-1]
+            experts = slots.numel()
+            probs = logits[layer].softmax(-1)
             # Switch Transformer: E * sum_e (share of routed slots to e) * (mean router prob of e).
-            slots = torch.zeros(experts, device=logits.device).index_add_(
-                0, chosen.reshape(-1), torch.ones(chosen.numel(), device=logits.device))
-            aux.append(experts * (slots / chosen.numel() * probs.mean(0)).sum())
-            z.append(torch.logsumexp(logits, -1).pow(2).mean())
+            aux.append(experts * (slots / slots.sum() * probs.sum(0) / tokens).sum())
+            z.append(torch.logsumexp(logits[layer], -1).pow(2).sum() / tokens)
         return torch.stack(aux).mean(), torch.stack(z).mean()
 
-    def metrics(self) -> dict[str, float]:
-        """Per-layer and summary MoE metrics of the last recorded forward pass."""
+    def metrics(self, comm=None) -> dict[str, float]:
+        """Per-layer and summary MoE metrics of the last recorded forward pass (of the global
+        batch in a distributed run: entropy sums, expert loads and token counts are summed over
+        ranks, logit maxima maxed)."""
         out: dict[str, float] = {}
-        entropies, max_shares, min_shares, logit_max = [], [], [], []
-        for layer in sorted(self.logits):
+        layers = sorted(self.logits)
+        if not layers:
+            return out
+        stats, logit_max = [], []
+        for layer in layers:
             logits = self.logits[layer].detach().float()
             probs = logits.softmax(-1)
-            entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean().item()
+            entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).sum()
             chosen = self.chosen_experts(layer, logits)
+            load = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).to(entropy.dtype)
+            stats.append(torch.cat([entropy.reshape(1), entropy.new_tensor([float(logits.shape[0])]), load]))
+            logit_max.append(logits.abs().max().item())
+        stats = _sum_over_ranks(comm, torch.cat(stats)).split([s.numel() for s in stats])
+        logit_max = comm.max(logit_max) if comm is not None else logit_max
+        entropies, max_shares, min_shares = [], [], []
+        for layer, stat, largest in zip(layers, stats, logit_max):
+            tokens = max(1.0, stat[1].item())
             # Share of tokens routed to each expert; uniform routing gives top_k / experts.
-            share = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).float() / max(1, logits.shape[0])
-            values = {"router_entropy": entropy, "load_max_share": share.max().item(),
-                      "load_min_share": share.min().item(), "router_logit_max": logits.abs().max().item()}
+            share = stat[2:] / tokens
+            values = {"router_entropy": stat[0].item() / tokens, "load_max_share": share.max().item(),
+                      "load_min_share": share.min().item(), "router_logit_max": largest}
             for key, value in values.items():
                 out[f"moe/{key}/layer_{layer}"] = value
-            entropies.append(entropy)
+            entropies.append(values["router_entropy"])
             max_shares.append(values["load_max_share"])
             min_shares.append(values["load_min_share"])
-            logit_max.append(values["router_logit_max"])
-        if entropies:
-            out["moe/router_entropy/mean"] = sum(entropies) / len(entropies)
-            out["moe/load_max_share"] = max(max_shares)
-            # The busiest layer saturates first; the mean shows routing narrowing in every layer.
-            out["moe/load_max_share/mean"] = sum(max_shares) / len(max_shares)
-            out["moe/load_min_share"] = min(min_shares)
-            out["moe/router_logit_max"] = max(logit_max)
-            out["moe/load_uniform_share"] = self.top_k / next(iter(self.logits.values())).shape[-1]
+        out["moe/router_entropy/mean"] = sum(entropies) / len(entropies)
+        out["moe/load_max_share"] = max(max_shares)
+        # The busiest layer saturates first; the mean shows routing narrowing in every layer.
+        out["moe/load_max_share/mean"] = sum(max_shares) / len(max_shares)
+        out["moe/load_min_share"] = min(min_shares)
+        out["moe/router_logit_max"] = max(logit_max)
+        out["moe/load_uniform_share"] = self.top_k / stats[0][2:].numel()
         return out
 
     def chosen_experts(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
@@ -137,3 +160,7 @@ class RouterTap:
         if layer in self.chosen:
             return self.chosen[layer]
         return logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices
+
+
+def _sum_over_ranks(comm, t: torch.Tensor) -> torch.Tensor:
+    return comm.sum_tensor(t) if comm is not None else t

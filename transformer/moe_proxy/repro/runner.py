@@ -4,12 +4,21 @@ One step = sample `group_size` answers to each of `batch_size` prompts, score th
 task's rule-based reward, normalise the rewards within each group (GRPO advantages), then
 `mini_batches` clipped policy-gradient updates with a k3 KL term to a frozen copy of the
 starting model (verl's use_kl_loss) and optional router load-balancing / z losses.
+
+Distributed (one rank of a torchrun job, see distributed.py): every rank loads the models and
+shards them (FSDP2); the rollout rows of the global batch are split across ranks and the
+sampled answers gathered back, so every rank holds the whole batch (token ids: small) and the
+rewards, GRPO advantages and data metrics are those of the one-process run. Each mini-batch is
+split across ranks in turn; losses are normalised by the global token count and every metric
+is reduced to its global value, so the failure detector sees the same numbers on every rank
+(and in a one-process run), and all ranks stop at the same step. Rank 0 alone writes files.
+Sampling draws each row's noise from a generator of its own (seed, step, row), so a row's
+answer does not depend on which rows share its rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -22,21 +31,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_proxy.reports import error_report, write_termination_log
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.repro.device import pick_device
+from moe_proxy.repro.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, RankFault, check_rows, full_value, join,
+                                         local, shard)
 from moe_proxy.repro.faults import FaultInjector
-from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step, finite_or_none
+from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
 from moe_proxy.repro.routers import RouterTap
 from moe_proxy.repro.source import local_checkpoint
-from moe_proxy.repro.task import Codec, make_prompts, reward
+from moe_proxy.repro.task import Codec, PromptSet, load_prompts, make_prompts
+from moe_proxy.repro.verdict import first_failure, stop_reason as stop_reason_of, verdict_report
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Metrics copied into the operator's termination log (it must stay under 4 KB).
-HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",
-            "moe/load_max_share", "numerics/max_activation", "numerics/loss_scale")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
@@ -53,77 +62,106 @@ class RunResult:
 
 def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail_on: Signature | None = None,
               thresholds: Thresholds | None = None, device: str | None = None,
-              termination_log: str | Path | None = None) -> RunResult:
+              termination_log: str | Path | None = None, prompts: str | None = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S, rank_fault: RankFault | None = None) -> RunResult:
     """Run `config.steps` RL steps on `checkpoint`, writing metrics.jsonl and summary.json into
-    `out_dir`. Stops early once `fail_on` is detected, or when the loss or weights are NaN."""
+    `out_dir`. Stops early once `fail_on` is detected, or when the loss or weights are NaN.
+    `prompts` (a file or s3:// object of verl RL data) replaces the built-in task. Launched by
+    torchrun (RANK, WORLD_SIZE, LOCAL_RANK set), this process is one rank of the run."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in (METRICS_FILE, SUMMARY_FILE):  # a rerun into the same directory starts afresh
-        (out / stale).unlink(missing_ok=True)
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
     started = time.time()
     last: dict[str, float] = {}
     steps_done, stop_reason, device_used = 0, "completed", device
+    comm, error = Comm(), None
     try:
+        comm = join(device, timeout_s)
+        device_used = str(comm.device)
+        if comm.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            for stale in (METRICS_FILE, SUMMARY_FILE):  # a rerun into the same directory starts afresh
+                (out / stale).unlink(missing_ok=True)
+        dataset = PromptSet(load_prompts(prompts), config.seed if config.prompt_seed is None else config.prompt_seed) \
+            if prompts else None
         with local_checkpoint(checkpoint) as path:
-            loop = _Loop(path, config, pick_device(device))
-            device_used = str(loop.device)
+            loop = _Loop(path, config, comm, dataset)
             for step in range(config.steps):
+                if rank_fault:
+                    rank_fault.maybe_fire(comm.rank, step)
+                comm.mark(step)
                 last = loop.step(step)
-                append_step(out / METRICS_FILE, step, last)
+                if comm.is_main:
+                    append_step(out / METRICS_FILE, step, last)
                 steps_done = step + 1
                 for name in detector.update(step, last):
                     onset = detector.onsets[name]
-                    log.info("step %d: %s detected (%s)", onset.step, name, onset.detail)
-                if fail_on and fail_on.name in detector.onsets:
-                    stop_reason = f"reproduced {fail_on.name}"
+                    if comm.is_main:
+                        log.info("step %d: %s detected (%s)", onset.step, name, onset.detail)
+                stop = stop_reason_of(detector, fail_on)
+                # The metrics are the same on every rank, so is the decision; agreeing on it
+                # keeps the ranks in step even if it were not.
+                if comm.any(stop is not None):
+                    stop_reason = stop or "another rank stopped"
                     break
-                if "nan" in detector.onsets:
-                    stop_reason = "loss or weights are NaN; later steps would be meaningless"
-                    break
-                log.info("step %d: reward %.3f grad_norm %.4g pg_loss %.4g", step, last["critic/rewards/mean"],
-                         last["actor/grad_norm"], last["actor/pg_loss"])
+                if comm.is_main:
+                    log.info("step %d: reward %.3f grad_norm %.4g pg_loss %.4g", step, last["critic/rewards/mean"],
+                             last["actor/grad_norm"], last["actor/pg_loss"])
     except BaseException as exc:  # the steps recorded so far stay readable, and say why they end
+        error = exc  # (kept should naming the lost rank be cut short, e.g. by the launcher's SIGTERM)
         stop_reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(exc).__name__}: {exc}"
-        raise
+        error = _rank_error(comm, exc)
+        stop_reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(error).__name__}: {error}"
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         result = _result(detector, fail_on, steps_done, last)
-        summary = {
-            "checkpoint": checkpoint, "device": device_used, "steps_requested": config.steps,
-            "steps_completed": steps_done, "stopped": stop_reason, "wall_s": round(time.time() - started, 3),
-            "failures": result.failures,
-            "first_failure": ({"signature": result.signature, "step": result.step} if result.signature else None),
-            "fail_on": fail_on.name if fail_on else None, "reproduced": result.reproduced,
-            "thresholds": detector.thresholds.__dict__, "config": config.to_dict(),
-        }
-        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        if termination_log:
-            _write_termination_log(Path(termination_log), result)
+        if comm.is_main:
+            _write_outputs(out, termination_log, verdict_report(detector, fail_on, last), error, {
+                "checkpoint": checkpoint, "device": device_used, "ranks": comm.world, "prompts": prompts,
+                "steps_requested": config.steps, "steps_completed": steps_done, "stopped": stop_reason,
+                "wall_s": round(time.time() - started, 3), "failures": result.failures,
+                "first_failure": ({"signature": result.signature, "step": result.step} if result.signature else None),
+                "fail_on": fail_on.name if fail_on else None,
+                # a run that ended in error has no verdict: its steps are a partial run
+                "reproduced": result.reproduced if error is None else None,
+                "thresholds": detector.thresholds.__dict__, "config": config.to_dict(),
+            })
+        comm.close()
     return result
 
 
+def _rank_error(comm: Comm, exc: BaseException) -> BaseException:
+    """In a distributed run: an error of this rank is posted for the others to name; a failed
+    collective (a peer died or hung) becomes RankFailed naming the peer."""
+    if not comm.distributed or isinstance(exc, (RankFailed, KeyboardInterrupt)):
+        return exc
+    if _is_collective_error(exc):
+        return comm.failure(exc)
+    comm.report_error(exc)
+    return exc
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("gloo", "nccl", "NCCL", "hccl", "HCCL", "Connection closed", "Connection reset",
+                                  "imed out", "Broken pipe"))
+
+
+def _write_outputs(out: Path, termination_log: str | Path | None, verdict: dict, error: BaseException | None,
+                   summary: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if termination_log:
+        write_termination_log(termination_log, error_report(error) if error is not None else verdict)
+
+
 def _result(detector: FailureDetector, fail_on: Signature | None, steps: int, last: dict) -> RunResult:
-    failures = detector.to_dict()
-    if fail_on:  # reproduced = the named failure happened
-        onset = detector.onsets.get(fail_on.name)
-        signature, step = (fail_on.name, onset.step) if onset else (None, None)
-    else:  # no target: report the first failure of any kind
-        first = detector.first()
-        signature, step = (first[0], first[1].step) if first else (None, None)
-    return RunResult(steps, failures, signature is not None, signature, step, last)
-
-
-def _write_termination_log(path: Path, result: RunResult) -> None:
-    # Kubernetes keeps at most 4 KB of a container's termination message.
-    payload = {"reproduced": result.reproduced, "signature": result.signature, "step": result.step,
-               "metrics": {k: finite_or_none(result.last_metrics.get(k)) for k in HEADLINE
-                           if k in result.last_metrics}}
-    text = json.dumps(payload, allow_nan=False)
-    if len(text.encode()) > 4000:
-        payload["metrics"] = {}
-        text = json.dumps(payload, allow_nan=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    signature, step = first_failure(detector, fail_on)
+    return RunResult(steps, detector.to_dict(), signature is not None, signature, step, last)
 
 
 def _aggregate(updates: list[dict[str, float]]) -> dict[str, float]:
@@ -151,10 +189,6 @@ def _batch_metrics(batch: dict[str, torch.Tensor], max_new_tokens: int) -> dict[
         "response_length/min": lengths.min().item(),
         "response_length/clip_ratio": (lengths >= max_new_tokens).float().mean().item(),
     }
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
 class ActivationWatch:
@@ -185,36 +219,68 @@ class ActivationWatch:
     def stop(self) -> None:
         self.recording = False
 
-    def metrics(self) -> dict[str, float]:
-        largest = math.inf if self.nonfinite else self.max_abs
-        return {"numerics/max_activation": largest, "numerics/nonfinite_activations": float(self.nonfinite)}
+    def metrics(self, comm: Comm) -> dict[str, float]:
+        """Of the global batch: the max over ranks, and the count summed over ranks."""
+        (largest,), (nonfinite,) = comm.max([self.max_abs]), comm.sum([self.nonfinite])
+        return {"numerics/max_activation": math.inf if nonfinite else largest,
+                "numerics/nonfinite_activations": float(nonfinite)}
+
+
+class _RowSampler:
+    """Sampling whose draws do not depend on which rows share a batch (or a rank): row i's
+    noise comes from a generator seeded with its own (run seed, step, global row), and
+    argmax(logits / T + Gumbel noise) is an exact sample of softmax(logits / T). Used as a
+    logits processor under greedy decoding, after transformers' own processors."""
+
+    def __init__(self, seeds: list[int], temperature: float):
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.temperature = temperature
+
+    def __call__(self, _input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.temperature <= 0:  # greedy
+            return scores
+        noise = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
+        gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
+        return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
 
 
 class _Loop:
     """Models, optimiser and per-step state of one run."""
 
-    def __init__(self, path: Path, config: ReproConfig, device: torch.device):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, path: Path, config: ReproConfig, comm: Comm, dataset: PromptSet | None = None):
+        from moe_proxy.storage.materialize import load_causal_lm
 
-        self.config, self.device = config, device
+        self.config, self.comm, self.device, self.dataset = config, comm, comm.device, dataset
+        check_rows(config, comm.world)
         random.seed(config.seed)
         np.random.seed(config.seed)
         torch.manual_seed(config.seed)
-        self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-        self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+
+        def load() -> torch.nn.Module:  # one full copy at a time, sharded (FSDP2) before the next loads
+            model = load_causal_lm(path, dtype=torch.float32)
+            return model.to(self.device) if not comm.distributed else model
+
+        self.policy = load()
         self.fp32_experts = getattr(self.policy.config, "_experts_implementation", None)
         self.codec = Codec(path, self.policy.config.vocab_size)
         top_k = getattr(self.policy.config, "num_experts_per_tok", None) or 1
         self.tap = RouterTap(self.policy, top_k)
         self.faults = FaultInjector(self.policy, self.tap.routers, config.faults, config.seed)
         self.activations = ActivationWatch(self.policy)
+        shard(self.policy, comm)  # hooks stay; parameters become this rank's shards (DTensors)
+        self.reference = shard(load().eval().requires_grad_(False), comm)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in self.policy.named_parameters()}
         # Router weights are not dense in the underflow sense: with a renormalised top-k, the row
         # of an expert no token chose gets no gradient (exactly 0 in fp16, rounding noise in fp32).
         self.router_params = {id(p) for r in self.tap.routers for p in r.module.parameters()}
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=config.init_loss_scale)
+        if comm.distributed:  # found-inf agreed over ranks, so all skip the same steps
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device.type, init_scale=config.init_loss_scale)
+        else:
+            self.scaler = torch.amp.GradScaler(self.device.type, init_scale=config.init_loss_scale)
 
     def _experts_kernel(self, precision: str) -> None:
         """transformers' default experts kernel (grouped_mm) is not autocast-enabled: under fp16/bf16
@@ -245,63 +311,91 @@ class _Loop:
 
         batch = self._rollout(step, precision)
         t_gen = time.perf_counter()
+        # Mini-batch k is the same rows as in a one-process run, split across the ranks: this
+        # rank's part of each, in order.
+        world, rank = self.comm.world, self.comm.rank
+        parts = [rows.tensor_split(world)[rank] for rows in torch.arange(batch["seq"].shape[0]).tensor_split(
+            cfg.mini_batches)]
+        mine = torch.cat(parts)
         with torch.no_grad(), self._autocast(precision):
-            old_logp = self._logp(self.policy, batch)[0]
+            old_logp = self._logp(self.policy, batch, mine)[0]
             t_old = time.perf_counter()
-            ref_logp = self._logp(self.reference, batch)[0]
+            ref_logp = self._logp(self.reference, batch, mine)[0]
         t_ref = time.perf_counter()
 
-        updates = [self._update(batch, idx, old_logp[idx], ref_logp[idx], precision, scaled)
-                   for idx in torch.arange(batch["seq"].shape[0]).chunk(cfg.mini_batches)]
+        updates, start = [], 0
+        for idx in parts:
+            at = slice(start, start + len(idx))
+            updates.append(self._update(batch, idx, old_logp[at], ref_logp[at], precision, scaled))
+            start += len(idx)
         t_end = time.perf_counter()
 
         m = _aggregate(updates)
         m["numerics/half_precision"] = float(precision != "fp32")
         if scaled:
             m["numerics/loss_scale"] = float(self.scaler.get_scale())
-        m["numerics/params_nonfinite"] = float(sum(int(not torch.isfinite(p).all()) for p in self.params))
+        bad = [float(not torch.isfinite(local(p)).all()) for p in self.params]  # a parameter bad on any rank
+        m["numerics/params_nonfinite"] = float(sum(v > 0 for v in self.comm.max(bad)))
         m.update(_batch_metrics(batch, cfg.max_new_tokens))
+        # The slowest rank's times: the step takes as long as it does.
+        gen, old, ref, update, total = self.comm.max([t_gen - t0, t_old - t_gen, t_ref - t_old, t_end - t_ref,
+                                                      t_end - t0])
         m.update({
             "training/global_step": float(step), "actor/lr": lr, "actor/kl_coef": cfg.kl_coef,
-            "timing_s/gen": t_gen - t0, "timing_s/old_log_prob": t_old - t_gen, "timing_s/ref": t_ref - t_old,
-            "timing_s/update_actor": t_end - t_ref, "perf/time_per_step": t_end - t0,
+            "timing_s/gen": gen, "timing_s/old_log_prob": old, "timing_s/ref": ref,
+            "timing_s/update_actor": update, "perf/time_per_step": total,
             "perf/total_num_tokens": float(batch["attn"].sum().item()),
         })
         m["perf/throughput"] = m["perf/total_num_tokens"] / max(m["perf/time_per_step"], 1e-9)
         return m
 
     def _rollout(self, step: int, precision: str) -> dict[str, torch.Tensor]:
-        cfg, codec = self.config, self.codec
+        """The global batch's rollouts, on every rank: each rank samples its block of rows, and
+        the answers are gathered."""
+        from transformers import LogitsProcessorList
+
+        cfg, codec, comm = self.config, self.codec, self.comm
         prompt_seed = cfg.seed if cfg.prompt_seed is None else cfg.prompt_seed
-        prompts = make_prompts(cfg.task, prompt_seed, step, cfg.batch_size)
-        encoded = [codec.encode(p.text) for p in prompts for _ in range(cfg.group_size)]
+        prompts = make_prompts(cfg.task, prompt_seed, step, cfg.batch_size, self.dataset)
+        encoded = [codec.encode(codec.render(p)) for p in prompts]
         width = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(encoded), width), codec.pad_id, dtype=torch.long)
+        rows = cfg.batch_size * cfg.group_size
+        input_ids = torch.full((rows, width), codec.pad_id, dtype=torch.long)
         prompt_attn = torch.zeros_like(input_ids)
-        for row, ids in enumerate(encoded):  # left padding: every answer starts at the same column
+        for row in range(rows):  # left padding: every answer starts at the same column
+            ids = encoded[row // cfg.group_size]
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             prompt_attn[row, width - len(ids):] = 1
         input_ids, prompt_attn = input_ids.to(self.device), prompt_attn.to(self.device)
-        torch.manual_seed(cfg.seed * 1_000_003 + step)
+        blocks = torch.arange(rows).tensor_split(comm.world)
+        mine = blocks[comm.rank]
+        seeds = [((cfg.seed * 1_000_003 + step) * 1_000_033 + int(row)) % 2**63 for row in mine]
         self.policy.eval()
         with torch.no_grad(), self._autocast(precision):
             out = self.policy.generate(
-                input_ids=input_ids, attention_mask=prompt_attn, do_sample=True, temperature=cfg.temperature,
-                top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, min_new_tokens=1,
-                eos_token_id=codec.eos_id, pad_token_id=codec.pad_id, remove_invalid_values=True)
+                input_ids=input_ids[mine], attention_mask=prompt_attn[mine], do_sample=False,
+                logits_processor=LogitsProcessorList([_RowSampler(seeds, cfg.temperature)]),
+                max_new_tokens=cfg.max_new_tokens, min_new_tokens=1, eos_token_id=codec.eos_id,
+                pad_token_id=codec.pad_id, remove_invalid_values=True,
+                synced_gpus=comm.distributed)  # every rank runs forward until all have finished
         self.policy.train()
         response = out[:, width:]
+        response = torch.nn.functional.pad(response, (0, cfg.max_new_tokens - response.shape[1]), value=codec.pad_id)
+        response = comm.gather_rows(response, [len(block) for block in blocks])
         # The answer runs up to and including the first end-of-sequence token.
         is_eos = (response == codec.eos_id).long()
         resp_mask = ((is_eos.cumsum(-1) - is_eos) == 0).long()
         lengths = resp_mask.sum(-1)
-        scores = torch.tensor([
-            reward(codec.decode(response[i, : lengths[i]].tolist()), prompts[i // cfg.group_size].answer)
-            for i in range(len(encoded))])
+        # As wide as the longest answer, as generation on one rank stops when all rows have ended.
+        keep = int(lengths.max())
+        response, resp_mask = response[:, :keep], resp_mask[:, :keep]
+        scores = torch.tensor([prompts[i // cfg.group_size].score(codec.decode(response[i, : lengths[i]].tolist()))
+                               for i in range(rows)])
         grouped = scores.view(cfg.batch_size, cfg.group_size)
         adv = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-6)).reshape(-1)
         attn = torch.cat([prompt_attn, resp_mask], dim=-1)
-        return {"seq": out, "attn": attn, "positions": (attn.cumsum(-1) - 1).clamp_min(0),
+        return {"seq": torch.cat([input_ids, response], dim=-1), "attn": attn,
+                "positions": (attn.cumsum(-1) - 1).clamp_min(0),
                 "resp_mask": resp_mask.float(), "prompt_len": torch.tensor(width), "lengths": lengths,
                 "scores": scores, "adv": adv.to(self.device)}
 
@@ -316,8 +410,14 @@ class _Loop:
         return logp, logits, out
 
     def _update(self, batch, idx, old_logp, ref_logp, precision: str, scaled: bool) -> dict[str, float]:
-        cfg = self.config
+        """One optimizer update on this rank's rows `idx` of a mini-batch. Token means are over
+        the whole mini-batch (all ranks): each rank's share is its sum over the global count."""
+        cfg, comm = self.config, self.comm
         mask, adv = batch["resp_mask"][idx].to(self.device), batch["adv"][idx].unsqueeze(-1)
+        tokens = max(1.0, comm.sum([mask.sum().item()])[0])
+
+        def share(values: torch.Tensor) -> torch.Tensor:
+            return (values * mask).sum() / tokens
         self.tap.start(batch["attn"][idx])
         with self._autocast(precision):
             self.activations.start()
@@ -328,31 +428,33 @@ class _Loop:
         ratio = torch.exp(logp - old_logp)
         pg_losses = -adv * ratio
         pg_clipped = -adv * ratio.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio)
-        pg_loss = _masked_mean(torch.maximum(pg_losses, pg_clipped), mask)
+        pg_loss = share(torch.maximum(pg_losses, pg_clipped))
         log_ratio = (ref_logp - logp).clamp(-20, 20)
-        kl_loss = _masked_mean((log_ratio.exp() - log_ratio - 1).clamp(-10, 10), mask)  # k3 estimator
-        aux_loss, z_loss = self.tap.aux_losses()
+        kl_loss = share((log_ratio.exp() - log_ratio - 1).clamp(-10, 10))  # k3 estimator
+        aux_loss, z_loss = self.tap.aux_losses(comm)
         loss = pg_loss + cfg.kl_coef * kl_loss + cfg.router_aux_coef * aux_loss + cfg.router_z_coef * z_loss
         with torch.no_grad():
             probs = logits.softmax(-1)
-            entropy = _masked_mean(-(probs * probs.clamp_min(1e-30).log()).sum(-1), mask)
-            metrics = {
-                "actor/pg_loss": pg_loss.item(), "actor/kl_loss": kl_loss.item(), "actor/entropy": entropy.item(),
-                "actor/ppo_kl": _masked_mean(old_logp - logp, mask).item(),
-                "actor/pg_clipfrac": _masked_mean((pg_clipped > pg_losses).float(), mask).item(),
-                "moe/aux_loss": aux_loss.item(), "moe/z_loss": z_loss.item(),
-                **self.activations.metrics(),
-                "numerics/max_logit": logits.abs().max().item(),
-                **self.tap.metrics(),
-            }
+            entropy = share(-(probs * probs.clamp_min(1e-30).log()).sum(-1))
+            shares = comm.sum([t.item() for t in (
+                pg_loss, kl_loss, entropy, share(old_logp - logp), share((pg_clipped > pg_losses).float()),
+                aux_loss, z_loss)])
+            metrics = dict(zip(("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/ppo_kl",
+                                "actor/pg_clipfrac", "moe/aux_loss", "moe/z_loss"), shares))
+            metrics.update(self.activations.metrics(comm))
+            metrics["numerics/max_logit"] = comm.max([logits.abs().max().item()])[0]
+            metrics.update(self.tap.metrics(comm))
 
         self.optimizer.zero_grad(set_to_none=True)
+        # FSDP averages the ranks' gradients; the ranks' shares of the loss must add up instead.
+        loss = loss * comm.world
         (self.scaler.scale(loss) if scaled else loss).backward()
         if scaled:
             self.scaler.unscale_(self.optimizer)
         metrics.update(self._grad_stats())
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
+        # Of the full gradient: with sharded parameters the norm is reduced over the ranks.
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm)).item()
         metrics["actor/grad_norm"] = grad_norm
         found_inf = metrics["numerics/nonfinite_grads"] > 0
         backoff = 0.0
@@ -370,27 +472,32 @@ class _Loop:
         return metrics
 
     def _grad_stats(self) -> dict[str, float]:
+        """Counts and per-layer norms of the full gradient (summed over the ranks' shards)."""
         nonfinite, zeros, total, dense_zeros, dense_total = 0, 0, 0, 0, 0
         layer_sq: dict[int, float] = {}
         for p in self.params:
+            name = self.names[id(p)]
+            match = _LAYER.search(name)
+            if match:  # every layer, grad or not, so that all ranks reduce the same list
+                layer_sq.setdefault(int(match.group(1)), 0.0)
             if p.grad is None:
                 continue
-            g = p.grad.detach()
+            g = local(p.grad.detach())
             nonfinite += int((~torch.isfinite(g)).sum().item())
             zeros += int((g == 0).sum().item())
             total += g.numel()
-            name = self.names[id(p)]
             # Dense weights get a gradient from every token, so in fp32 none of its elements is
             # exactly 0; zeros there are values flushed by fp16 underflow. (Unrouted experts, router
             # rows of unchosen experts and unused embedding rows are legitimately zero: left out.)
             if "experts" not in name and "embed" not in name and id(p) not in self.router_params:
                 dense_zeros += int((g == 0).sum().item())
                 dense_total += g.numel()
-            match = _LAYER.search(name)
             if match:
-                layer = int(match.group(1))
-                layer_sq[layer] = layer_sq.get(layer, 0.0) + g.float().pow(2).sum().item()
-        stats = {f"numerics/grad_norm/layer_{k}": math.sqrt(v) for k, v in sorted(layer_sq.items())}
+                layer_sq[int(match.group(1))] += g.float().pow(2).sum().item()
+        layers = sorted(layer_sq)
+        nonfinite, zeros, total, dense_zeros, dense_total, *squares = self.comm.sum(
+            [nonfinite, zeros, total, dense_zeros, dense_total, *(layer_sq[k] for k in layers)])
+        stats = {f"numerics/grad_norm/layer_{k}": math.sqrt(v) for k, v in zip(layers, squares)}
         stats["numerics/nonfinite_grads"] = float(nonfinite)
         stats["numerics/grad_zero_frac"] = zeros / max(1, total)
         stats["numerics/dense_grad_zero_frac"] = dense_zeros / max(1, dense_total)

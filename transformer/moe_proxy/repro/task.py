@@ -1,4 +1,5 @@
-"""The verifiable task the RL steps train on: small additions with a rule-based reward.
+"""The verifiable task the RL steps train on: small additions with a rule-based reward, or
+the failing run's own prompts (`--prompts`: verl's RL data, scored by exact match).
 
 Prompts are generated deterministically from (seed, step). Text goes through the
 checkpoint's tokenizer when it ships one, else through bytes (token id = byte value), which
@@ -6,6 +7,8 @@ is what the tiny test checkpoints and the fidelity lab's byte-level model use.""
 
 from __future__ import annotations
 
+import io
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,13 @@ FORMAT_WEIGHT = 0.2
 class Prompt:
     text: str
     answer: str
+    messages: list[dict] | None = None  # a chat prompt (verl data), rendered by the codec
+    exact: bool = False  # scored by exact match against `answer` (verl data) instead of `reward`
+
+    def score(self, response: str) -> float:
+        if self.exact:
+            return float(response.strip() == self.answer.strip())
+        return reward(response, self.answer)
 
 
 class Codec:
@@ -53,6 +63,15 @@ class Codec:
             return int(self.tokenizer.pad_token_id)
         return self.eos_id if self.tokenizer is not None else 0
 
+    def render(self, prompt: Prompt) -> str:
+        """A prompt's text: a chat prompt through the tokenizer's chat template when it has one,
+        else its messages' contents, one per line."""
+        if prompt.messages is None:
+            return prompt.text
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        return prompt.text
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is not None:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -64,7 +83,9 @@ class Codec:
         return bytes(i % 256 for i in ids).decode("latin-1")
 
 
-def make_prompts(task: str, seed: int, step: int, count: int) -> list[Prompt]:
+def make_prompts(task: str, seed: int, step: int, count: int, dataset: PromptSet | None = None) -> list[Prompt]:
+    if dataset is not None:
+        return dataset.batch(step, count)
     if task not in TASKS:
         raise InvalidReproConfig(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     rng = random.Random(f"{seed}:{step}")
@@ -85,3 +106,85 @@ def reward(response: str, answer: str) -> float:
     digits = sum(c.isdigit() for c in text) / len(text)
     in_place = sum(1 for i, c in enumerate(answer) if i < len(text) and text[i] == c) / len(answer)
     return FORMAT_WEIGHT * digits + (1 - FORMAT_WEIGHT) * in_place * min(1.0, len(answer) / len(text))
+
+
+class PromptSet:
+    """Prompts from a file (verl's RL data). Each epoch walks a permutation drawn from (seed,
+    epoch), as a shuffling data loader does; step s takes the next `count` rows."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.prompts, self.seed = prompts, seed
+        self._order: dict[int, list[int]] = {}
+
+    def batch(self, step: int, count: int) -> list[Prompt]:
+        n = len(self.prompts)
+        out = []
+        for i in range(step * count, (step + 1) * count):
+            epoch, pos = divmod(i, n)
+            if epoch not in self._order:
+                order = list(range(n))
+                random.Random(f"{self.seed}:epoch{epoch}").shuffle(order)
+                self._order = {epoch: order}  # one epoch at a time is all a run needs
+            out.append(self.prompts[self._order[epoch][pos]])
+        return out
+
+
+def load_prompts(uri: str) -> list[Prompt]:
+    """verl's RL data from a local file or s3://bucket/key: parquet or JSON lines, each row with
+    a chat `prompt` (a list of {role, content}, or a plain string) and
+    `reward_model.ground_truth`."""
+    data = _read(uri)
+    if data[:4] == b"PAR1" or uri.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise InvalidReproConfig(f"--prompts {uri}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        try:
+            rows = pq.read_table(io.BytesIO(data)).to_pylist()
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types
+            raise InvalidReproConfig(f"--prompts {uri}: not a readable parquet file ({exc})") from None
+    else:
+        rows = []
+        for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise InvalidReproConfig(f"--prompts {uri}:{number}: not JSON ({exc.msg}); expected parquet or "
+                                         "JSON lines") from None
+    if not rows:
+        raise InvalidReproConfig(f"--prompts {uri}: no rows")
+    return [_prompt(row, f"{uri} row {i}") for i, row in enumerate(rows)]
+
+
+def _read(uri: str) -> bytes:
+    if uri.startswith("s3://"):
+        from moe_proxy.storage import open_store
+
+        prefix, _, name = uri.rpartition("/")
+        return open_store(prefix).read_bytes(name)
+    path = Path(uri)
+    if not path.is_file():
+        raise InvalidReproConfig(f"--prompts {uri}: no such file")
+    return path.read_bytes()
+
+
+def _prompt(row, where: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise InvalidReproConfig(f"--prompts {where}: a row must be an object, got {type(row).__name__}")
+    if "prompt" not in row or row["prompt"] is None:
+        raise InvalidReproConfig(f"--prompts {where}: missing field `prompt` (verl's chat prompt, a list of "
+                                 "{role, content})")
+    truth = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
+    if truth is None:
+        raise InvalidReproConfig(f"--prompts {where}: missing field `reward_model.ground_truth`")
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt) and prompt:
+        messages = [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in prompt]
+    else:
+        raise InvalidReproConfig(f"--prompts {where}: `prompt` must be a list of {{role, content}} messages")
+    answer = truth if isinstance(truth, str) else json.dumps(truth) if isinstance(truth, (list, dict)) else str(truth)
+    return Prompt(text="\n".join(m["content"] for m in messages), answer=answer, messages=messages, exact=True)

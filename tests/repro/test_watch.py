@@ -1,0 +1,74 @@
+"""`moe-proxy watch`: follows a growing metrics file, same detectors and verdict as repro."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+from moe_proxy.cli import main
+
+
+def verl_line(step, **data):
+    return json.dumps({"step": step, "elapsed_seconds": 1.5 * step, "data": data}) + "\n"
+
+
+def test_verl_file_with_nan_at_step_3_as_it_grows(tmp_path, capsys):
+    metrics, log, stop = tmp_path / "metrics.jsonl", tmp_path / "termination-log", tmp_path / "stop"
+
+    def framework():  # writes one step at a time, as verl's FileLogger does
+        for step in range(1, 7):
+            with metrics.open("a") as f:
+                f.write(verl_line(step, **{"actor/pg_loss": float("nan") if step >= 3 else 0.1,
+                                           "actor/grad_norm": 1.0, "critic/rewards/mean": 0.5}))
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=framework)
+    writer.start()
+    code = main(["watch", str(metrics), "--fail-on", "nan", "--termination-log", str(log), "--stop-file", str(stop),
+                 "--poll", "0.02", "--timeout", "60"])
+    writer.join()
+    assert code == 0
+    assert capsys.readouterr().out.strip() == "nan at step 3 (reproduced)"
+    report = json.loads(log.read_text())
+    assert report == {"reproduced": True, "signature": "nan", "step": 3,
+                      "metrics": {"actor/pg_loss": None, "actor/grad_norm": 1.0, "critic/rewards/mean": 0.5}}
+    assert stop.exists()
+
+
+def test_flat_file_until_the_done_marker(tmp_path, capsys):
+    metrics, log, done = tmp_path / "m.jsonl", tmp_path / "log", tmp_path / "done"
+    metrics.write_text("".join(json.dumps({"step": s, "actor/grad_norm": 1.0 + s / 10}) + "\n" for s in range(5)))
+    done.touch()
+    assert main(["watch", str(metrics), "--fail-on", "divergence", "--until-file", str(done),
+                 "--termination-log", str(log), "--poll", "0.01"]) == 0
+    assert "no failure in 5 steps (divergence not reproduced)" in capsys.readouterr().out
+    assert json.loads(log.read_text())["reproduced"] is False
+
+
+def test_not_json_lines_is_a_clear_error(tmp_path, capsys):
+    metrics, log = tmp_path / "train.log", tmp_path / "log"
+    metrics.write_text("step 1: loss 0.3\n")
+    assert main(["watch", str(metrics), "--termination-log", str(log), "--poll", "0.01", "--timeout", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"moe-proxy watch: error: {metrics}:1: not JSON (Expecting value); each line must be one JSON object"
+    assert json.loads(log.read_text())["error"] == "MalformedMetrics"
+
+
+def test_timeout_without_an_end_is_an_error_not_a_verdict(tmp_path, capsys):
+    log = tmp_path / "log"
+    assert main(["watch", str(tmp_path / "never.jsonl"), "--timeout", "0.2", "--poll", "0.05",
+                 "--termination-log", str(log)]) == 2
+    assert "the file never appeared" in capsys.readouterr().err
+    assert json.loads(log.read_text())["error"] == "WatchTimeout"
+
+
+def test_watch_never_imports_torch(tmp_path):
+    metrics, done = tmp_path / "m.jsonl", tmp_path / "done"
+    metrics.write_text(verl_line(1, **{"actor/pg_loss": 0.1}))
+    done.touch()
+    code = ("import sys; from moe_proxy.cli import main; "
+            f"rc = main(['watch', {str(metrics)!r}, '--until-file', {str(done)!r}, '--poll', '0.01']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

@@ -1,0 +1,56 @@
+"""`moe-proxy watch METRICS_FILE`: follow another framework's metrics file (verl's FileLogger)
+and write the same verdict as `repro`. Torch-free: it runs as a sidecar."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "watch", help="follow a training run's metrics file and decide whether a failure came back",
+        description="Follow METRICS_FILE as it grows (verl FileLogger lines {step, elapsed_seconds, data} or "
+        "flat {step, metric: value}), apply repro's failure detectors and write the same verdict "
+        "({reproduced, signature, step, metrics}) once the failure is seen or the run ends.")
+    p.add_argument("metrics_file", metavar="METRICS_FILE", nargs="?", default=os.environ.get("VERL_FILE_LOGGER_PATH"),
+                   help="the file to follow (default: $VERL_FILE_LOGGER_PATH)")
+    p.add_argument("--fail-on", metavar="SIGNATURE",
+                   help="the failure to look for: overflow, underflow, nan, divergence, collapse, or "
+                   "METRIC>VALUE[:STEPS]; without it the verdict names the first failure of any kind")
+    p.add_argument("--termination-log", metavar="PATH", help="write the verdict JSON here (/dev/termination-log)")
+    p.add_argument("--until-file", metavar="PATH",
+                   help="the run has ended once this file exists (the verdict is then written); SIGTERM "
+                   "also ends the watch, as Kubernetes stops a native sidecar after the main container")
+    p.add_argument("--stop-file", metavar="PATH",
+                   help="create this file when the failure is seen, so that the run can be ended")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="give up (an error, no verdict) when the run has not ended by then")
+    p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="how often to read the file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_proxy.errors import InvalidReproConfig, MoeProxyError
+    from moe_proxy.repro.detect import Signature, Thresholds
+    from moe_proxy.repro.watch import watch
+    from moe_proxy.reports import error_report, write_termination_log
+
+    try:
+        if not args.metrics_file:
+            raise InvalidReproConfig("no METRICS_FILE given and $VERL_FILE_LOGGER_PATH is not set")
+        fail_on = Signature.parse(args.fail_on) if args.fail_on else None
+        result = watch(args.metrics_file, fail_on=fail_on, thresholds=Thresholds(), until_file=args.until_file,
+                       stop_file=args.stop_file, timeout_s=args.timeout, poll_s=args.poll)
+    except MoeProxyError as exc:
+        if args.termination_log:
+            write_termination_log(args.termination_log, error_report(exc))
+        raise
+    if args.termination_log:
+        write_termination_log(args.termination_log, result.report)
+    report = result.report
+    if report["signature"]:
+        print(f"{report['signature']} at step {report['step']}" + (" (reproduced)" if fail_on else ""))
+    else:
+        print(f"no failure in {result.steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
+    return 0

@@ -1,0 +1,38 @@
+"""A reproduction's verdict from the failure detector, the same for `repro` and `watch`:
+which failure (the one asked for, or else the first of any kind), at which step, and the
+headline metrics for the operator's termination message. Torch-free."""
+
+from __future__ import annotations
+
+from moe_proxy.reports import repro_report
+from moe_proxy.repro.detect import FailureDetector, Signature
+from moe_proxy.repro.metrics_io import finite_or_none
+
+# Metrics copied into the operator's termination log (it must stay under 4 KB).
+HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",
+            "moe/load_max_share", "numerics/max_activation", "numerics/loss_scale")
+
+
+def first_failure(detector: FailureDetector, fail_on: Signature | None) -> tuple[str | None, int | None]:
+    """(signature, step): the asked-for failure if it happened, else (no target) the first one."""
+    if fail_on:
+        onset = detector.onsets.get(fail_on.name)
+        return (fail_on.name, onset.step) if onset else (None, None)
+    first = detector.first()
+    return (first[0], first[1].step) if first else (None, None)
+
+
+def stop_reason(detector: FailureDetector, fail_on: Signature | None) -> str | None:
+    """Why a run (or a watch) ends now, or None to go on."""
+    if fail_on and fail_on.name in detector.onsets:
+        return f"reproduced {fail_on.name}"
+    if "nan" in detector.onsets:
+        return "loss or weights are NaN; later steps would be meaningless"
+    return None
+
+
+def verdict_report(detector: FailureDetector, fail_on: Signature | None, last: dict[str, float]) -> dict:
+    """The termination message of a finished run (reports.repro_report)."""
+    signature, step = first_failure(detector, fail_on)
+    headline = {k: finite_or_none(last.get(k)) for k in HEADLINE if k in last}
+    return repro_report(signature is not None, signature, step, headline)

@@ -1,0 +1,143 @@
+"""Follow a training framework's metrics file as it grows and decide, as `repro` does, whether
+the failure came back: the same detector (detect.py), the same verdict (verdict.py), written
+to the same termination message. Torch-free: it runs as a sidecar beside the framework.
+
+Lines are verl's FileLogger format (`{"step": N, "elapsed_seconds": s, "data": {...}}`, the
+file $VERL_FILE_LOGGER_PATH names) or flat (`{"step": N, "metric": value}`). Each line is fed
+to the detector as it is complete; a step logged twice is merged, not counted twice.
+
+The watch ends:
+- when the asked-for failure (`fail_on`) is seen, or NaN (later steps mean nothing): the verdict
+  is written at once, and `stop_file`, if given, is created so the run can be ended;
+- when the run ends: `until_file` appears (a done marker the framework or its wrapper writes),
+  or the process is told to stop (SIGTERM: Kubernetes ends a native sidecar so once the main
+  container has exited); the rest of the file is read first;
+- after `timeout_s` without either: an error, no verdict (the run did not finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_proxy.errors import MalformedMetrics, MoeProxyError
+from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
+from moe_proxy.repro.metrics_io import parse_line
+from moe_proxy.repro.verdict import stop_reason, verdict_report
+
+log = logging.getLogger(__name__)
+
+
+class WatchTimeout(MoeProxyError):
+    """The run neither failed as asked nor ended within the watch's time limit."""
+
+
+@dataclass
+class WatchResult:
+    report: dict  # reports.repro_report
+    steps: int
+    stopped: str  # why the watch ended
+    failures: dict = field(default_factory=dict)
+
+
+class _Stop(Exception):
+    pass
+
+
+class MetricsFollower:
+    """Reads the complete lines appended to a file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.number, self.partial = path, 0, 0, b""
+
+    def lines(self, final: bool = False) -> list[tuple[str, str]]:
+        """(line, where) of each new complete line; `final` also takes an unterminated last line."""
+        if not self.path.is_file():
+            return []
+        size = self.path.stat().st_size
+        if size < self.offset:  # truncated or replaced: a new run starts over
+            raise MalformedMetrics(f"{self.path}: the file shrank from {self.offset} to {size} bytes while "
+                                   "being watched; a run's metrics file must only grow")
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        chunks = (self.partial + data).split(b"\n")
+        self.partial = chunks.pop()
+        if final and self.partial:
+            chunks.append(self.partial)
+            self.partial = b""
+        out = []
+        for chunk in chunks:
+            self.number += 1
+            out.append((chunk.decode("utf-8", errors="replace"), f"{self.path}:{self.number}"))
+        return out
+
+
+def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresholds: Thresholds | None = None,
+          until_file: str | Path | None = None, stop_file: str | Path | None = None,
+          timeout_s: float | None = None, poll_s: float = 1.0) -> WatchResult:
+    """Follow `metrics_file` until the verdict is in (see the module docstring)."""
+    path = Path(metrics_file)
+    detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
+    follower = MetricsFollower(path)
+    rows: dict[int, dict[str, float]] = {}
+    last: dict[str, float] = {}
+    started = time.monotonic()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(*_):
+        raise _Stop()
+
+    try:
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: no signal, the done marker and timeout still work
+        previous = None
+
+    def feed(final: bool = False) -> str | None:
+        nonlocal last
+        for line, where in follower.lines(final):
+            parsed = parse_line(line, where)
+            if parsed is None:
+                continue
+            step, values = parsed
+            if step in rows:  # the same step again: keep the values, do not count it twice
+                rows[step].update(values)
+                continue
+            rows[step] = values
+            last = values
+            for name in detector.update(step, values):
+                log.info("step %d: %s detected (%s)", detector.onsets[name].step, name,
+                         detector.onsets[name].detail)
+            reason = stop_reason(detector, fail_on)
+            if reason:
+                return reason
+        return None
+
+    stopped = None
+    try:
+        while stopped is None:
+            stopped = feed()
+            if stopped:
+                break
+            if until_file and Path(until_file).exists():
+                stopped = feed(final=True) or "the run ended (done marker)"
+                break
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                raise WatchTimeout(f"{path}: no end of the run within {timeout_s:g}s ({len(rows)} steps seen"
+                                   f"{'' if path.is_file() else ', and the file never appeared'}); no verdict")
+            time.sleep(poll_s)
+    except _Stop:
+        stopped = feed(final=True) or "the run ended (SIGTERM)"
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if not rows and not path.is_file():
+        raise MalformedMetrics(f"{path}: the run ended and the metrics file never appeared; no verdict")
+    if stop_file and stopped.startswith(("reproduced", "loss or weights")):
+        Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(stop_file).write_text(stopped + "\n")
+    return WatchResult(verdict_report(detector, fail_on, last), len(rows), stopped, detector.to_dict())
