@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from moe_proxy.build.pipeline import heal
+from moe_proxy.build import heal
 from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.calibrate.statistics import calibrate
 from moe_proxy.storage.materialize import load_causal_lm
