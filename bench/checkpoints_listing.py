@@ -1,7 +1,7 @@
 """How long `moe-proxy checkpoints` takes, and how many bytes it reads, on a run of many
 full-size checkpoints.
 
-    python bench/checkpoints_listing.py [--checkpoints 50] [--shards 163] [--dir DIR] [--s3]
+    python bench/checkpoints_listing.py [--checkpoints 50] [--shards 163] [--dir DIR] [--s3] [--quick]
 
 A DeepSeek-V3-shaped checkpoint (61 layers, 256 routed experts, fp8 weights with their
 block scales: ~91k tensors, ~690 GB) is written as sparse files: every shard holds its real
@@ -9,6 +9,8 @@ safetensors header and is extended to its full size without writing data, so fif
 (~34 TB apparent) fit on any disk. The listing reads config, index and headers only, so it
 cannot tell. Each listing runs twice: the default quick check and `--deep`. With --s3 the same layout, at a small scale (data must really be uploaded), is
 listed from a local SeaweedFS, to count requests' bytes as the S3 store sees them.
+--quick: 3 checkpoints of 4 shards (with --s3: every dimension / 1024), a smoke run whose
+figures mean nothing; tests/bench/test_bench_quick.py runs it.
 """
 
 from __future__ import annotations
@@ -160,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", help="where to write (default: the system's temporary directory)")
     p.add_argument("--s3", action="store_true", help="list from SeaweedFS instead of local sparse files")
     p.add_argument("--shrink", type=int, default=256, help="with --s3: divide every tensor dimension by this")
+    p.add_argument("--quick", action="store_true", help="3 checkpoints of 4 shards (--s3: shrink 1024): a smoke run")
     args = p.parse_args(argv)
+    if args.quick:
+        args.checkpoints, args.shards, args.shrink = 3, 4, 1024
     (bench_s3 if args.s3 else bench_local)(args)
     return 0
 

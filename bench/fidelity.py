@@ -20,16 +20,23 @@
    statistics, each against its shuffled-step-order control), write results.json, table.md,
    summary.md and plots under bench/out/fidelity/.
 
-    .venv/bin/python bench/fidelity.py [--steps 16] [--quick] [--seed-study] [--collapse-study]
+    .venv/bin/python bench/fidelity.py [--steps 16] [--quick] [--seed-study] [--collapse-study] [--out DIR]
 
 About 40-60 minutes on 2 busy CPU cores when the original is cached. Every build and run is
-cached under bench/out/fidelity/ by its settings, so an interrupted lab resumes.
+cached under bench/out/fidelity/ by its settings and the code's version (the lab's source and
+that of every moe_proxy module it imports), so an interrupted lab resumes and a rerun after a
+code change recomputes. --quick is a smoke run of the whole pipeline on a tiny, barely trained
+original (seconds; its figures mean nothing); tests/bench/test_bench_quick.py runs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import hashlib
+import inspect
 import json
 import logging
 import random
@@ -55,6 +62,7 @@ from moe_proxy.repro.config import Faults, ReproConfig  # noqa: E402
 from moe_proxy.repro.runner import run_repro  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "fidelity"
+PACKAGE = ROOT / "transformer"  # where moe_proxy's sources are
 MODEL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=64, num_experts_per_tok=4,
              norm_topk_prob=True, router_aux_loss_coef=0.01, output_router_logits=True, tie_word_embeddings=False,
@@ -105,6 +113,12 @@ VARIANTS = [  # (name, build_proxy options); "calibrated": built with the lab's 
 # Only in the super-expert family: frequency without pinning super experts (--no-keep-super).
 SUPER_VARIANTS = VARIANTS + [("frequency-no-super", dict(method="frequency", calibrated=True, keep_super=False))]
 CONTROL = "original-reseeded"  # the original again, same prompts, other samples: the noise floor
+# --quick: a smoke run of every stage in seconds (tiny model, 2 steps, one ratio; clean and the super scenarios).
+QUICK_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                   intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+QUICK_BATCH = dict(steps=2, batch=2, seq_len=32)
+QUICK_RL = dict(batch_size=2, group_size=2, max_new_tokens=4, mini_batches=1)
+QUICK_VARIANTS = ("frequency", "random")
 log = logging.getLogger("fidelity")
 
 
@@ -160,7 +174,7 @@ def train_text() -> tuple[np.ndarray, np.ndarray]:
 def train_original(path: Path) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    key = {"model": MODEL, "train": TRAIN}
+    key = {"model": MODEL, "train": TRAIN, "code": training_code_version()}
     stamp = path / "fidelity-train.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
         log.info("original: cached in %s", path)
@@ -220,6 +234,72 @@ def weights_stamp(path: Path) -> list:
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
+def imported_sources(entry: Path, root: Path = PACKAGE, package: str = "moe_proxy") -> list[Path]:
+    """`entry` and every module of `package` (sources under `root`) it imports, directly or
+    through another module, imports inside functions included; each package's __init__ too."""
+    seen: set[Path] = set()
+    todo = [entry.resolve()]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importing module's package
+                    here = path.relative_to(root.resolve()).with_suffix("").parts[:-1]
+                    base = ".".join([*here[:len(here) - node.level + 1], *([base] if base else [])])
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for parts in (name.split(".") for name in names if name.split(".")[0] == package):
+                for i in range(1, len(parts) + 1):  # each package on the way, then the module
+                    where = root.joinpath(*parts[:i])
+                    todo += [f.resolve() for f in (where / "__init__.py", where.with_suffix(".py")) if f.is_file()]
+    return sorted(seen)
+
+
+def code_version(entry: Path = Path(__file__), root: Path = PACKAGE, package: str = "moe_proxy") -> str:
+    """sha256 over `entry`'s source, that of every `package` module it imports (imported_sources)
+    and the torch and transformers versions."""
+    import transformers
+
+    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}\n".encode())
+    for path in imported_sources(entry, root, package):
+        digest.update(f"{path.name} {len(path.read_bytes())}\n".encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def lab_code_version() -> str:
+    """Part of every cache key but the original's: a rerun after a change to the lab or to any
+    moe_proxy module it uses recomputes what that code made."""
+    return code_version()
+
+
+def training_code_version() -> str:
+    """The original's cache key: the source of the functions that train and score it (no
+    moe_proxy code runs there), so editing the rest of the lab does not retrain it (13.5 min)."""
+    import transformers
+
+    sources = [inspect.getsource(f) for f in (corpus, task_lines, lm_batch, train_text, train_original, held_out_loss)]
+    return hashlib.sha256("\n".join([torch.__version__, transformers.__version__, *sources]).encode()).hexdigest()
+
+
+def code_checked(path: Path, make):
+    """make() after removing `path` if it was made by other code than this (its stamp is
+    `path`.code-version): for the outputs that calibrate and build_proxy reuse as they are."""
+    stamp = path.with_name(path.name + ".code-version")
+    if path.exists() and not (stamp.exists() and stamp.read_text() == lab_code_version()):
+        shutil.rmtree(path)
+    result = make()
+    stamp.write_text(lab_code_version())
+    return result
+
+
 # ---------------------------------------------------------------- 2. a planted super expert
 
 @torch.no_grad()
@@ -243,7 +323,7 @@ def plant_super_expert(original: Path, stats: Path, dst: Path, layer: int = 1) -
     hook.remove()
     reached = torch.unique(seen["idx"])
     expert = int(reached[s.max_abs[reached].argmax()])
-    key = {"source": weights_stamp(original), "layer": layer, "expert": expert}
+    key = {"source": weights_stamp(original), "layer": layer, "expert": expert, "code": lab_code_version()}
     stamp = dst / "planted.json"
     if stamp.exists() and json.loads(stamp.read_text())["key"] == key:
         return json.loads(stamp.read_text())
@@ -283,8 +363,9 @@ def build_family(original: Path, stats: Path, out: Path, variants: list, planted
             options = dict(options)
             calibrated = options.pop("calibrated", False)
             dst = out / f"{name}-{ratio:g}"
-            manifest = build_proxy(str(original), str(dst), experts=k, overwrite=True,
-                                   calibration=str(stats) if calibrated else None, **options)
+            manifest = code_checked(dst, lambda: build_proxy(
+                str(original), str(dst), experts=k, overwrite=True, calibration=str(stats) if calibrated else None,
+                **options))
             kept = {v["layer"]: v["kept"] for v in manifest["layers"].values()}
             mass = float(np.mean([float(share[layer][kept[layer]].sum()) for layer in kept]))
             keeps = planted["expert"] in kept[planted["layer"]] if planted else None
@@ -300,7 +381,8 @@ def healing_phase(model: Model, dst: Path) -> Model:
     """HEAL_PHASE LM steps on the training mix (same batches for every model), saved to dst."""
     from transformers import AutoModelForCausalLM
 
-    key = {"phase": HEAL_PHASE, "source": str(model.path), "weights": weights_stamp(model.path)}
+    key = {"phase": HEAL_PHASE, "source": str(model.path), "weights": weights_stamp(model.path),
+           "code": lab_code_version()}
     stamp = dst / "heal-phase.json"
     if not (stamp.exists() and json.loads(stamp.read_text()) == key):
         torch.manual_seed(HEAL_PHASE["seed"])
@@ -337,7 +419,8 @@ def run_scenarios(models: dict[str, Model], scenarios: dict, out: Path, steps: i
 
 
 def cached_run(model: Path, out: Path, config: ReproConfig) -> Path:
-    key = {"model": str(model), "weights": weights_stamp(model), "config": config.to_dict()}
+    key = {"model": str(model), "weights": weights_stamp(model), "config": config.to_dict(),
+           "code": lab_code_version()}
     stamp = out / "lab-key.json"
     if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(key, default=str)):
         return out
@@ -596,13 +679,16 @@ def main() -> int:
     global OUT, RATIOS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="a smoke run of the whole pipeline on a barely trained "
-                        "original: 2 scenarios, 3 variants at 12.5%, 4 steps")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of the whole pipeline in seconds: a tiny "
+                        "original trained 2 steps, 2 variants at 50%%, the clean and super-expert scenarios, "
+                        "2 RL steps, one seed")
     parser.add_argument("--seed-study", action="store_true",
                         help="only the clean scenario with 3 more seeds, before and after the healing phase "
                         "(seeds.md, seeds-healed.md): how stable the scores are")
     parser.add_argument("--collapse-study", action="store_true",
                         help="only high-lr with the balance losses off and on, seeds 0-3 (collapse.md)")
+    parser.add_argument("--out", type=Path, help="where to write (default: bench/out/fidelity, with --quick "
+                        "bench/out/fidelity-quick)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # One thread: on a shared 2-core machine, two torch threads per process thrash (measured
@@ -612,21 +698,27 @@ def main() -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     variants, super_variants = VARIANTS, SUPER_VARIANTS
     if args.quick:
-        TRAIN["steps"], HEAL_PHASE["steps"], args.steps = 30, 2, 4
-        RATIOS = (0.125,)  # a barely trained original has too few live experts for 50%
+        MODEL.update(QUICK_MODEL)
+        TRAIN.update(QUICK_BATCH)
+        HEAL_PHASE.update(QUICK_BATCH, steps=1)
+        RL.update(QUICK_RL)
+        args.steps = 2
+        RATIOS = (0.5,)  # 4 of 8 experts (top-2)
         OUT = OUT.with_name("fidelity-quick")
-        for name in list(SCENARIOS)[2:]:
+        for name in list(SCENARIOS)[1:]:
             del SCENARIOS[name]
-        keep = ("frequency", "frequency-healed", "random")
-        variants = [v for v in VARIANTS if v[0] in keep]
-        super_variants = [v for v in SUPER_VARIANTS if v[0] in keep + ("frequency-no-super",)]
+        for settings in SUPER_SCENARIOS.values():  # both: the fp16 one overflows, the fp32 one scores quality
+            settings["steps"] = args.steps
+        variants = [v for v in VARIANTS if v[0] in QUICK_VARIANTS]
+        super_variants = [v for v in SUPER_VARIANTS if v[0] in QUICK_VARIANTS + ("frequency-no-super",)]
+    OUT = args.out or OUT
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
     original = OUT / "original"
     info = train_original(original)
     log.info("original: held-out loss %.3f, trained in %ss", info["held_out_loss"], info["train_seconds"])
     stats = OUT / "calibration"
-    calibrate(str(original), str(stats), token_ids=calibration_ids())
+    code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids()))
     main_models = build_family(original, stats, OUT / "proxies", variants)
     healed_models = {name: healing_phase(m, OUT / "healed" / name) for name, m in main_models.items()}
     if args.seed_study:
@@ -641,7 +733,7 @@ def main() -> int:
     super_info = plant_super_expert(original, stats, planted)
     log.info("planted super expert: %s", {k: v for k, v in super_info.items() if k != "key"})
     super_stats = OUT / "calibration-super"
-    calibrate(str(planted), str(super_stats), token_ids=calibration_ids())
+    code_checked(super_stats, lambda: calibrate(str(planted), str(super_stats), token_ids=calibration_ids()))
     super_models = build_family(planted, super_stats, OUT / "proxies-super", super_variants, super_info)
 
     runs = {"main": run_scenarios(main_models, SCENARIOS, OUT / "runs", args.steps),

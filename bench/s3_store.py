@@ -7,7 +7,9 @@ transfers (s3transfer), on a local SeaweedFS, with each process's peak memory.
   `client.download_fileobj` to a file.
 
 Each measurement runs in a fresh process (peak RSS is per process). Prints a table and writes
-bench/out/s3_store.json. Usage: .venv/bin/python bench/s3_store.py [--gib 1] [--out bench/out]
+bench/out/s3_store.json. Usage: .venv/bin/python bench/s3_store.py [--gib 1] [--out bench/out] [--quick]
+(--quick: 80 MiB, one full 64 MiB part and a short one: a smoke run whose figures mean nothing;
+tests/bench/test_bench_quick.py runs it.)
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--quick", action="store_true", help="80 MiB instead of --gib: a smoke run")
     args = parser.parse_args()
-    size = int(args.gib * (1 << 30))
+    size = 80 << 20 if args.quick else int(args.gib * (1 << 30))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, SeaweedFS(Path(tmp) / "weed", *KEYS, buckets=["bench"]) as s3:
