@@ -11,7 +11,7 @@ import sys
 
 def test_demo_s3_flow(local_ckpt, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # as on a fresh machine
-    code = ("import sys; from pathlib import Path; from moe_proxy import demo_s3; "
+    code = ("import sys; from pathlib import Path; from moe_proxy.demo import s3 as demo_s3; "
             f"sys.exit(0 if demo_s3.run(Path({str(local_ckpt)!r}), Path({str(tmp_path / 'weed')!r}), experts=8) else 1)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -13,6 +13,8 @@ COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention
               num_key_value_heads=2, tie_word_embeddings=False)
 
 # Per architecture: the transformers config class and its tiny settings (moe-formats.md §4.1).
+# DeepSeek's multi-head latent attention has as many key/value heads as query heads (as the real
+# configs say); fewer makes transformers repeat k/v heads and fail on padded attention masks.
 TINY = {
     "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8,
@@ -21,12 +23,12 @@ TINY = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32,
                                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                                          mlp_only_layers=[0])),
-    "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+    "deepseek_v2": ("DeepseekV2Config", dict(num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                                              num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
                                              kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                                              qk_nope_head_dim=8, v_head_dim=16,
                                              topk_method="group_limited_greedy", n_group=2, topk_group=1)),
-    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                                              n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=32,
                                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
