@@ -27,3 +27,10 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo-out
+
+# The operator and transformer images, tagged as the chart's defaults, with OCI archives in
+# dist/images/ (podman; docs/images.md). PYTHON_IMAGE, TORCH_INDEX_URL, TORCH_WHEELS: see
+# docker/images.sh.
+.PHONY: images
+images:
+	docker/images.sh
