@@ -51,8 +51,7 @@ cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same client, nothing else,
     # with the build's own overlap of download and upload (4 reads of 64 MB ahead of the writer)
     from concurrent.futures import ThreadPoolExecutor
-    from moe_proxy.checkpoint.reader import part_readers
-    from moe_proxy.build.writer import read_ahead
+    from moe_proxy.checkpoint.reads import part_readers, read_ahead
     with ThreadPoolExecutor(4) as pool:
         for name in src.list():
             w, size = dst.writer(name), src.size(name)

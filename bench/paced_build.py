@@ -39,7 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_proxy.checkpoint.reader import PLAN_THREADS
 from moe_proxy.demo.seaweed import SeaweedFS
+from moe_proxy.storage.inflight import Transfer
 from paced_relay import PacedRelay
 from projection import PerPod, table
 from synthetic import BENCH, KEYS, QUICK, Dims, Facts, generate, read_object, upload
@@ -158,11 +160,13 @@ def phases(relay: PacedRelay, run: dict, router_weight: int) -> dict:
             "planning_log": [[round(1000 * (e[0] - first), 1), *e[1:]] for e in planning]}
 
 
-def measure_build(seaweed: SeaweedFS, pace: Pace, src: str, dst: str, d: Dims, work: Path) -> dict:
+def measure_build(seaweed: SeaweedFS, pace: Pace, src: str, dst: str, d: Dims, work: Path,
+                  streams: int | None = None) -> dict:
     relay = pace.relay(seaweed.endpoint_url, "build")
     try:
         meter = Meter(seaweed.process.pid, [relay])
-        r = reap(spawn(build_cmd(src, dst, relay.endpoint_url, d.keep), work / "build.log"))
+        extra = ["--streams", str(streams)] if streams else []
+        r = reap(spawn(build_cmd(src, dst, relay.endpoint_url, d.keep, *extra), work / "build.log"))
         r |= meter.read() | phases(relay, r, d.experts * d.hidden * 4)
         r |= {"down": relay.stats.bytes_down, "up": relay.stats.bytes_up, "requests": relay.stats.requests,
               "in_flight": relay.stats.busy_s / r["seconds"]}
@@ -208,21 +212,23 @@ def run(args) -> int:
         src = f"s3://bench/src-{tag}"
         upload(client, ckpt, "bench", f"src-{tag}")
         single = None
-        for i, pace in enumerate(args.paced):
+        for i, (pace, streams) in enumerate((p, n) for p in args.paced for n in args.streams):
             dst = f"s3://bench/{run_id}/paced-{i}"
-            b = measure_build(s3, pace, src, dst, d, work)
+            b = measure_build(s3, pace, src, dst, d, work, streams)
             manifest = read_object(client, "bench", f"{run_id}/paced-{i}/proxy-manifest.json")
             single = single or manifest
             proxy_bytes = json.loads(manifest)["bytes"]["after"]
             needed = proxy_bytes + facts.headers + facts.routers
-            tried = [measure_copy(s3, pace, dst, f"s3://bench/{run_id}/copy-{i}-{n}", n, work)
-                     for n in args.copy_concurrency]
-            c = min(tried, key=lambda x: x["seconds"])
-            copies.append({"pace": str(pace), "tried": [{k: t[k] for k in ("concurrency", "seconds", "cpu_s", "max_rss")}
-                                                        for t in tried]})
+            if streams == args.streams[0]:  # the best copy, once per pace
+                tried = [measure_copy(s3, pace, dst, f"s3://bench/{run_id}/copy-{i}-{n}", n, work)
+                         for n in args.copy_concurrency]
+                c = min(tried, key=lambda x: x["seconds"])
+                copies.append({"pace": str(pace), "tried": [{k: t[k] for k in ("concurrency", "seconds", "cpu_s",
+                                                                              "max_rss")} for t in tried]})
             wall_busy = busy(b, b["seconds"])
             rows.append({
                 "latency_ms": pace.latency_ms, "conn_mbps": pace.conn_mbps, "pod_mbps": pace.pod_mbps,
+                "streams_option": streams or "default", "identical": manifest == single,
                 "proxy_gb": proxy_bytes / 1e9, "build_s": b["seconds"], "build_mbps": needed / b["seconds"] / MB,
                 "build_cpu_s": b["cpu_s"], "relay_cpu_s": b["relay_cpu_s"], "store_cpu_s": b["store_cpu_s"],
                 "cpu_busy": wall_busy, "copy_s": c["seconds"], "copy_n": c["concurrency"], "copy_cpu_s": c["cpu_s"],
@@ -279,7 +285,9 @@ def run(args) -> int:
         router_reads=first["router_reads"] / facts.moe_layers,
         streams=first["stream_down_mbps"] / first["conn_mbps"],
         cpu_s_per_gb=first["stream_cpu_s"] / (first["stream_down"] / 1e9),
-        rss=first["peak_rss"], latency_s=first["latency_ms"] / 1000)
+        rss=first["peak_rss"], latency_s=first["latency_ms"] / 1000, plan_parallel=PLAN_THREADS,
+        inflight=Transfer(streams=first["streams_option"] if first["streams_option"] != "default" else None)
+        .sized(d.layer_expert_bytes).max_inflight)
     projection = table(per_pod)
     (out / "paced.json").write_text(json.dumps({
         "checkpoint": {"gb": facts.bytes / 1e9, "shards": facts.shards, "moe_layers": facts.moe_layers,
@@ -293,17 +301,19 @@ def run(args) -> int:
 def print_tables(facts: Facts, rows, copies, scale, scale_pace: Pace, per_pod: PerPod, projection: str) -> None:
     print(f"\ncheckpoint {facts.bytes / 1e9:.3g} GB, {facts.shards} shards, {facts.moe_layers} MoE layers; "
           f"{os.cpu_count()} CPUs; CPU busy = (build + relay + S3 server CPU s) / (wall x CPUs)")
-    print("\n| latency ms | MB/s per conn | MB/s per pod | build s | needed MB/s | CPU s build/relay/S3 | CPU busy "
-          "| best copy s (N) | copy CPU s | build/copy | peak RSS MB (target) | downloaded/needed "
-          "| start-up s | planning s (requests) | streams | requests in flight |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| latency ms | MB/s per conn | MB/s per pod | --streams | build s | needed MB/s | CPU s build/relay/S3 "
+          "| CPU busy | best copy s (N) | copy CPU s | build/copy | peak RSS MB (target) | downloaded/needed "
+          "| start-up s | planning s (requests) | streams | requests in flight | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['latency_ms']:g} | {r['conn_mbps']:g} | {r['pod_mbps'] or '-'} | {r['build_s']:.2f} | "
+        print(f"| {r['latency_ms']:g} | {r['conn_mbps']:g} | {r['pod_mbps'] or '-'} | {r['streams_option']} | "
+              f"{r['build_s']:.2f} | "
               f"{r['build_mbps']:.1f} | {r['build_cpu_s']:.1f}/{r['relay_cpu_s']:.1f}/{r['store_cpu_s']:.1f} | "
               f"{r['cpu_busy']:.0%} | {r['copy_s']:.2f} ({r['copy_n']}) | {r['copy_cpu_s']:.1f} | "
               f"{r['build_over_copy']:.2f} | {r['peak_rss'] / 2**20:.0f} ({r['rss_target'] / 2**20:.0f}) | "
               f"{r['down_over_needed']:.3f} | {r['startup_s']:.2f} | {r['planning_s']:.2f} "
-              f"({r['planning_requests']}) | {r['stream_down_mbps'] / r['conn_mbps']:.1f} | {r['in_flight']:.1f} |")
+              f"({r['planning_requests']}) | {r['stream_down_mbps'] / r['conn_mbps']:.1f} | {r['in_flight']:.1f} | "
+              f"{'yes' if r['identical'] else 'NO'} |")
     print("\nparallel copy of the proxy's bytes, by concurrency (seconds, CPU s):")
     for c in copies:
         print(f"  {c['pace']}: " + ", ".join(f"N={t['concurrency']}: {t['seconds']:.2f} s ({t['cpu_s']:.1f})"
@@ -341,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=float, help="checkpoint GB (default 8)")
     ap.add_argument("--workers", help="pods for scale-out (default 1,2,4)")
     ap.add_argument("--copy-concurrency", help="parallel copy concurrencies to try (default 4,8,16,32)")
+    ap.add_argument("--streams", help="build --streams settings to run per pace, 0 = the default rule (default 0)")
     ap.add_argument("--quick", action="store_true", help="tiny checkpoint and fast pacing: checks the bench runs")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -351,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     args.size = args.size or (0.012 if quick else 8)
     args.workers = [int(x) for x in (args.workers or ("1,2" if quick else "1,2,4")).split(",")]
     args.copy_concurrency = [int(x) for x in (args.copy_concurrency or ("2,8" if quick else "4,8,16,32")).split(",")]
+    args.streams = [int(x) or None for x in (args.streams or "0").split(",")]
     return run(args)
 
 

@@ -6,9 +6,10 @@ The model of one pod's build (what the measurements show the build does today):
     time = startup + planning + max(network, CPU)
 
 - startup: process start to its first request (interpreter, torch, scikit-learn);
-- planning: sequential small requests (existence, size, header of every shard, config, index),
-  each paying the first-byte latency, plus the router reads (every pod plans on its own, so
-  every pod reads every router, `router_reads` times per layer);
+- planning: small requests (existence, size, header of every shard, config, index), each
+  paying the first-byte latency, `plan_parallel` at a time (1: sequential, as before issue 17;
+  16 since), plus the router reads (every pod plans on its own, so every pod reads every
+  router, `router_reads` times per layer: 1 since issue 17);
 - network: the pod's share of the proxy down and the same up (full duplex, in parallel), at
   `streams` x the per-connection bandwidth, at most the pod's link;
 - CPU: build CPU seconds per GB moved, as measured (one core's worth: the conservative case).
@@ -66,11 +67,13 @@ class PerPod:
     cpu_s_per_gb: float  # build CPU seconds per GB downloaded while streaming
     rss: float  # peak RSS, bytes (flat in checkpoint size: the read/upload window)
     latency_s: float  # first-byte latency the planning figures were taken at
+    plan_parallel: int = 1  # planning requests in flight at once
+    inflight: float | None = None  # the measured build's in-flight byte budget (None: fixed read-ahead)
 
 
 def project(m: PerPod, model: Model, pods: int, conn_mbps: float = 100, link_gbit: float = 25,
             latency_s: float | None = None, streams: float | None = None, part: int = 64 * MiB,
-            upload_part: int = 16 * MiB) -> dict:
+            upload_part: int = 16 * MiB, budget_part: int = 8 * MiB) -> dict:
     """One row. `streams` overrides the measured concurrency (e.g. sized to fill the link); memory
     then grows by a read part and an upload part per stream above the measured ones."""
     latency = m.latency_s if latency_s is None else latency_s
@@ -81,7 +84,8 @@ def project(m: PerPod, model: Model, pods: int, conn_mbps: float = 100, link_gbi
     routers = m.router_reads * model.moe_layers * model.router_bytes  # every pod plans on its own
     down = up + routers
     plan_requests = m.small_requests_per_shard * model.shards + m.router_reads * model.moe_layers
-    fixed = m.startup_s + plan_requests * latency + routers / conn  # sequential: one connection
+    parallel = min(m.plan_parallel, model.shards)
+    fixed = m.startup_s + plan_requests * latency / parallel + routers / (conn * parallel)
     rate = min(k * conn, link)
     network = up / rate  # the share comes down and goes up at the same time
     cpu = m.cpu_s_per_gb * down / GB
@@ -90,7 +94,10 @@ def project(m: PerPod, model: Model, pods: int, conn_mbps: float = 100, link_gbi
               f"link ({link_gbit:g} Gbit/s)" if rate == link else f"connections in flight ({k:.1f} x {conn_mbps:g} MB/s)":
                   network,
               "CPU (one core)": cpu}
-    rss = m.rss + max(0.0, k - m.streams) * (part + upload_part)
+    if m.inflight is None:  # a fixed read-ahead: memory grows by a part each way per extra stream
+        rss = m.rss + max(0.0, k - m.streams) * (part + upload_part)
+    else:  # k streams each way need a budget of k parts each way (storage/inflight.py: 8 MiB parts)
+        rss = m.rss + max(0.0, 2 * k * budget_part - m.inflight)
     return {"pods": pods, "shards_per_pod": math.ceil(model.shards / pods), "down_gb": down / GB, "up_gb": up / GB,
             "fixed_s": fixed, "network_s": network, "cpu_s": cpu, "total_s": total, "streams": k,
             "limit": max(limits, key=limits.get), "rss_gb": rss / GB, "rss_target_gb": model.rss_target / GB}
@@ -106,7 +113,13 @@ def table(m: PerPod, model: Model = DEEPSEEK_V3_32, pods=(1, 8, 16), conn_mbps: 
              "| concurrency | pods | shards/pod | GB down/pod | GB up/pod | fixed s | network s | CPU s (one core) "
              "| cores to keep pace with the network | total min | per-pod RSS GB (target) | limited by |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, streams in ((f"as built ({m.streams:.1f} streams)", None), (f"sized to the link ({fill})", fill)):
+    built = (f"as built ({m.streams:.1f} streams)", None)
+    if m.inflight is not None:  # concurrency from the budget: the build's default rule for this model
+        from moe_proxy.storage.inflight import Transfer
+
+        k = Transfer().sized(model.experts * model.expert_bytes).streams
+        built = (f"default rule ({k} streams)", k)
+    for label, streams in (built, (f"sized to the link ({fill})", fill)):
         for p in pods:
             r = project(m, model, p, conn_mbps, link_gbit, latency_s, streams)
             lines.append(f"| {label} | {p} | {r['shards_per_pod']} | {r['down_gb']:.1f} | {r['up_gb']:.1f} | "

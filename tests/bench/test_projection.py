@@ -40,3 +40,14 @@ def test_sized_to_the_link_the_link_limits_and_memory_grows_per_stream():
     assert r["rss_gb"] == pytest.approx((0.9e9 + 28 * 80 * 2**20) / 1e9)
     assert r["rss_gb"] < r["rss_target_gb"]
     assert "| sized to the link (32) | 8 |" in projection.table(fast)
+
+
+def test_parallel_planning_and_memory_from_the_inflight_budget():
+    """Since issue 17: planning requests 16 at a time, and memory = the measured peak plus the
+    budget k streams each way need (k parts each way) beyond the measured build's budget."""
+    pod = projection.PerPod(**{**POD.__dict__, "plan_parallel": 16, "inflight": 200e6})
+    r = projection.project(pod, V3, pods=1, streams=32)
+    routers = 3 * 59 * V3.router_bytes
+    assert r["fixed_s"] == pytest.approx(3.0 + (4 * 129 + 3 * 59) * 0.03 / 16 + routers / (100e6 * 16))
+    assert r["rss_gb"] == pytest.approx((0.9e9 + 2 * 32 * 8 * 2**20 - 200e6) / 1e9)
+    assert "| default rule (64 streams) | 1 |" in projection.table(pod)

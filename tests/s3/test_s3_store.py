@@ -7,6 +7,7 @@ import base64
 import hashlib
 import os
 import tracemalloc
+from concurrent.futures import wait
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_stale_upload_of_a_killed_attempt_is_aborted(seaweed, prefix):
     s = store(seaweed, prefix, part_size=PART)
     killed = s.writer("shard")
     killed.write(os.urandom(PART + 10))  # one part uploaded, then the process "dies": no abort
-    killed.pool.shutdown()
+    wait(killed.parts)  # its part is up (uploads run on the store's shared pool)
     assert len(incomplete_uploads(seaweed, "proxy", prefix)) == 1
     w = s.writer("shard")  # the rerun's writer clears what the dead one left
     assert incomplete_uploads(seaweed, "proxy", prefix) == []

@@ -1,7 +1,8 @@
 """Stream a safetensors file: the header is computed up front from each tensor's dtype and
 shape, then tensor bytes are written in order as they arrive, so only a bounded window of
-parts (each about 64 MB) is ever held. The safetensors package can only serialise tensors
-that are all in memory at once, hence this small writer; the format is its documented one:
+parts (each at most a read part, 16 MiB by default) is ever held. The safetensors package can
+only serialise tensors that are all in memory at once, hence this small writer; the format is
+its documented one:
 8-byte little-endian header length, JSON header padded with spaces to 8 bytes, data.
 """
 
@@ -11,12 +12,11 @@ import hashlib
 import json
 import math
 import struct
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from moe_proxy.checkpoint.reader import ITEMSIZE
-from moe_proxy.checkpoint.reads import read_ahead
 from moe_proxy.storage import Store
 
 
@@ -49,14 +49,6 @@ def shard_size(tensors: list[OutTensor]) -> int:
     return len(header_bytes(tensors)) + sum(t.nbytes for t in tensors)
 
 
-def shard_pieces(tensors: list[OutTensor], parts: list[Callable[[], bytes]], pool: Executor | None = None,
-                 window: int = 4) -> Iterable[bytes]:
-    """The shard's bytes in order: its header, then `parts` (read in order, they give the
-    tensors' data), fetched ahead with `pool` (see read_ahead)."""
-    yield header_bytes(tensors)
-    yield from read_ahead(parts, pool, window)
-
-
 @dataclass
 class Written:
     name: str
@@ -67,16 +59,19 @@ class Written:
 def write_file(store: Store, name: str, pieces: Iterable[bytes], on_bytes: Callable[[int], None] = lambda n: None,
                expected_size: int | None = None) -> Written:
     """Write `pieces` to `store/name` atomically, hashing as we go. The hash runs on its own
-    thread (hashlib releases the GIL), overlapping with the write; one thread keeps order."""
+    thread (hashlib releases the GIL), overlapping with the write; one thread keeps order. A
+    piece's hash is done before the next piece is taken, so a read-ahead that frees a piece's
+    budget when the next is taken (reads.read_ahead) never has it still held here."""
     h, size = hashlib.sha256(), 0
     w = store.writer(name)
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
         try:
             for piece in pieces:
-                hasher.submit(h.update, piece)
+                hashed = hasher.submit(h.update, piece)
                 w.write(piece)
                 size += len(piece)
                 on_bytes(len(piece))
+                hashed.result()
             if expected_size is not None and size != expected_size:  # a bug, never a user error
                 raise AssertionError(f"{name}: produced {size} bytes, expected {expected_size}")
         except BaseException:

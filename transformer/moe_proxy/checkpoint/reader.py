@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.checkpoint.reads import read_coalesced
@@ -18,6 +19,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MANIFEST = "proxy-manifest.json"
 MAX_HEADER = 100 << 20  # safetensors itself refuses headers over 100 MB
+PLAN_THREADS = 16  # small planning requests (HEADs, headers, routers) in flight at once
 
 # Bytes per element of each safetensors dtype.
 ITEMSIZE = {
@@ -54,6 +56,8 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]  # every tensor, grouped by file and in byte order
     index_metadata: dict = field(default_factory=dict)
     file_sizes: dict[str, int] = field(default_factory=dict)
+    # Tensors read once and kept (routers, see preload): read() and read_slices() serve them.
+    preloaded: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def uri(self) -> str:
@@ -63,6 +67,8 @@ class Checkpoint:
         return [t for t in self.tensors.values() if t.file == file]
 
     def read(self, name: str) -> bytes:
+        if (data := self.preloaded.get(name)) is not None:
+            return data
         t = self.tensors[name]
         return self.store.read_range(t.file, t.start, t.nbytes)
 
@@ -72,7 +78,26 @@ class Checkpoint:
         one request."""
         t = self.tensors[name]
         ranges = slice_ranges(t, axis, keep)
+        if (data := self.preloaded.get(name)) is not None:
+            return b"".join(data[s - t.start : s - t.start + n] for s, n in ranges)
         return read_coalesced(self.store, t.file, ranges, gap)
+
+    def preload(self, names: list[str]) -> None:
+        """Read tensors `names` once and keep them (a build's routers: for the source identity,
+        the features and the output rows alike). Neighbours in a file come in one request;
+        files are read in parallel."""
+        by_file: dict[str, list[TensorInfo]] = {}
+        for t in sorted((self.tensors[n] for n in names if n not in self.preloaded), key=lambda t: (t.file, t.start)):
+            by_file.setdefault(t.file, []).append(t)
+
+        def read_file(ts: list[TensorInfo]) -> None:
+            data = memoryview(read_coalesced(self.store, ts[0].file, [(t.start, t.nbytes) for t in ts]))
+            at = 0
+            for t in ts:
+                self.preloaded[t.name] = bytes(data[at : at + t.nbytes])
+                at += t.nbytes
+
+        _in_parallel(read_file, list(by_file.values()))
 
     def other_files(self) -> list[str]:
         """Files that are neither shards nor the index (tokenizer, generation config, code)."""
@@ -129,6 +154,14 @@ def read_header(store: Store, file: str, file_size: int) -> tuple[dict[str, Tens
     return dict(sorted(tensors.items(), key=lambda kv: kv[1].start)), metadata
 
 
+def _in_parallel(fn, items: list) -> list:
+    """[fn(x) for x in items], PLAN_THREADS at a time; the first failure (in item order) raises."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(PLAN_THREADS, len(items)), thread_name_prefix="plan") as pool:
+        return list(pool.map(fn, items))
+
+
 def read_json(store: Store, name: str) -> dict:
     try:
         data = json.loads(store.read_bytes(name))
@@ -152,7 +185,7 @@ def open_checkpoint(uri: str | Store, **store_options) -> Checkpoint:
             raise CorruptCheckpoint(f"{store.uri}/{INDEX}: no weight_map")
         index_metadata = index.get("metadata") or {}
         files = list(dict.fromkeys(weight_map.values()))
-        missing = [f for f in files if not store.exists(f)]
+        missing = [f for f, there in zip(files, _in_parallel(store.exists, files)) if not there]
         if missing:
             raise CorruptCheckpoint(f"{store.uri}: shard(s) named in {INDEX} are missing: {', '.join(missing)}")
     elif store.exists(SINGLE):
@@ -160,11 +193,10 @@ def open_checkpoint(uri: str | Store, **store_options) -> Checkpoint:
     else:
         raise CorruptCheckpoint(f"{store.uri}: neither {INDEX} nor {SINGLE} found")
 
+    # Every shard's size and header, the shards in parallel: these are latency-bound requests.
+    sizes = dict(zip(files, _in_parallel(store.size, files)))
     tensors: dict[str, TensorInfo] = {}
-    sizes: dict[str, int] = {}
-    for f in files:
-        sizes[f] = store.size(f)
-        found, _ = read_header(store, f, sizes[f])
+    for found, _ in _in_parallel(lambda f: read_header(store, f, sizes[f]), files):
         tensors.update(found)
     if weight_map is not None:
         absent = [k for k, f in weight_map.items() if k not in tensors or tensors[k].file != f]

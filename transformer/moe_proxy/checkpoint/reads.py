@@ -5,22 +5,36 @@ which requests, and how fetching runs ahead of writing. Torch-free.
 - `part_readers`: ranges split into tasks of about `part` bytes, for a pool.
 - `read_tasks`: one output shard's tasks, ranges pooled across its tensors (PART bytes each).
 - `read_ahead`: the tasks' bytes in order, up to `window` fetched ahead while earlier ones are
-  written, so download and upload overlap and memory stays bounded by the window.
+  written, so download and upload overlap; with a budget (storage/inflight.py), each task
+  holds its bytes from before its request until the consumer has taken them, so memory is
+  bounded by the budget whatever the window.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from moe_proxy.storage import Store
+from moe_proxy.storage.inflight import READ_PART, Budget
 
 if TYPE_CHECKING:
     from moe_proxy.build.writer import OutTensor
 
-PART = 64 << 20  # bytes per read task
+PART = READ_PART  # bytes per read task, at most
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    """A callable that returns `nbytes` bytes (what it holds of an in-flight budget)."""
+    read: Callable[[], bytes]
+    nbytes: int
+
+    def __call__(self) -> bytes:
+        return self.read()
 
 
 def read_coalesced(store: Store, file: str, ranges: list[tuple[int, int]], gap: int = 0) -> bytes:
@@ -59,7 +73,7 @@ def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: i
         size += r[1]
     if batch:
         tasks.append(batch)
-    return [partial(read_coalesced, store, file, b) for b in tasks]
+    return [ReadTask(partial(read_coalesced, store, file, b), sum(n for _, n in b)) for b in tasks]
 
 
 def read_tasks(store: Store, file: str, tensors: list[OutTensor], part: int = PART) -> list[Callable[[], bytes]]:
@@ -72,23 +86,44 @@ def read_tasks(store: Store, file: str, tensors: list[OutTensor], part: int = PA
     for t in tensors:
         if callable(t.source):
             tasks += part_readers(store, file, ranges, part)
-            tasks.append(t.source)
+            tasks.append(ReadTask(t.source, t.nbytes))
             ranges = []
         else:
             ranges += t.source
     return tasks + part_readers(store, file, ranges, part)
 
 
-def read_ahead(parts: list[Callable[[], bytes]], pool: Executor | None = None, window: int = 4) -> Iterable[bytes]:
+def read_ahead(parts: Iterable[Callable[[], bytes]], pool: Executor | None = None, window: int = 4,
+               budget: Budget | None = None) -> Iterable[bytes]:
     """Each part's bytes, in order. With a pool, up to `window` parts are fetched ahead while
-    earlier ones are written, overlapping download and upload."""
+    earlier ones are written, overlapping download and upload. With a `budget`, a part (a
+    ReadTask: its nbytes) is sent only once its bytes are reserved, and they are freed when the
+    consumer asks for the next part; while fetched parts wait to be taken, no reservation
+    blocks (the consumer frees them), so reads and uploads sharing the budget cannot deadlock."""
     if pool is None:
         yield from (p() for p in parts)
         return
-    ahead: deque = deque()
-    for p in parts:
-        ahead.append(pool.submit(p))
-        if len(ahead) >= window:
-            yield ahead.popleft().result()
-    while ahead:
-        yield ahead.popleft().result()
+    ahead: deque = deque()  # (future, bytes reserved)
+    todo = iter(parts)
+    nxt, holding = next(todo, None), 0
+    try:
+        while nxt is not None or ahead:
+            while nxt is not None and len(ahead) < window:
+                n = getattr(nxt, "nbytes", 0) if budget is not None else 0
+                if n and not budget.acquire(n, read=True, block=not ahead):
+                    break
+                ahead.append((pool.submit(nxt), n))
+                nxt = next(todo, None)
+            future, holding = ahead.popleft()
+            data = future.result()
+            yield data
+            del data
+            if holding:
+                budget.release(holding, read=True)
+                holding = 0
+    finally:  # the consumer stopped early (an error): free what is still reserved
+        for future, n in ahead:
+            future.cancel()
+            holding += n
+        if holding:
+            budget.release(holding, read=True)

@@ -47,10 +47,16 @@ class Store(Protocol):
 
 
 def open_store(uri: str, **options) -> Store:
-    """A store for a local path or an `s3://bucket/prefix` URI."""
+    """A store for a local path or an `s3://bucket/prefix` URI. The CLI's transfer options
+    (max_inflight_mb, streams, read_part_mb) become a `transfer` (inflight.Transfer) unless
+    one is given."""
     if uri.startswith("s3://"):
+        from moe_proxy.storage.inflight import Transfer
         from moe_proxy.storage.s3 import S3Store  # boto3 only when needed
 
+        if {"max_inflight_mb", "streams", "read_part_mb"} & set(options):
+            transfer = Transfer.from_options(options)
+            options.setdefault("transfer", transfer)
         return S3Store(uri, **options)
     if "://" in uri:
         raise StorageError(f"unsupported location {uri!r}: use a local path or s3://bucket/prefix")

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from urllib.parse import urlparse
 
 import boto3
@@ -37,6 +37,7 @@ from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
 
 from moe_proxy import __version__
 from moe_proxy.errors import AccessDenied, CorruptCheckpoint, EndpointUnreachable, ObjectNotFound, StorageError
+from moe_proxy.storage.inflight import MAX_STREAMS, SHARED, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,10 @@ for _name in ("botocore", "boto3", "s3transfer", "urllib3"):
     if logging.getLogger(_name).level == logging.NOTSET:
         logging.getLogger(_name).setLevel(logging.WARNING)
 
-PART_SIZE = 16 << 20  # multipart part size: S3 wants >= 5 MiB (but the last); 10,000 parts = 160 GiB
+# Multipart part size: S3 wants >= 5 MiB (but the last). Small parts keep the tail of each file
+# short, where fewer parts are left in flight than fill the link; a very large file's parts double
+# every 2,500 (S3Writer), so 10,000 parts hold 300 GiB.
+PART_SIZE = 8 << 20
 MAX_PARTS = 10_000  # S3's limit per upload
 READ_CHUNK = 8 << 20  # response bodies are read in pieces of this size
 NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
@@ -83,8 +87,10 @@ class S3Store:
 
     Options (all optional, passed through open_store): endpoint_url, region, addressing_style
     ("path" or "virtual"), checksum ("sha256", or "md5" for older stores; default
-    $MOE_PROXY_S3_CHECKSUM), part_size and max_concurrency (upload memory is about
-    (max_concurrency + 1) x part_size per file being written), max_attempts (per request,
+    $MOE_PROXY_S3_CHECKSUM), part_size, transfer (an inflight.Transfer: upload streams and the
+    byte budget upload parts share with the build's reads; default inflight.SHARED),
+    max_concurrency (parts in flight per file, at most; default: the budget alone bounds them,
+    so upload memory is at most the budget plus one part buffering), max_attempts (per request,
     first try included), connect_timeout / read_timeout in seconds, credentials (a dict of
     AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN to use instead of boto3's chain).
     """
@@ -100,7 +106,8 @@ class S3Store:
         region: str | None = None,
         addressing_style: str | None = None,
         part_size: int = PART_SIZE,
-        max_concurrency: int = 4,
+        max_concurrency: int | None = None,
+        transfer: Transfer | None = None,
         max_attempts: int = 5,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
@@ -110,6 +117,9 @@ class S3Store:
         self.bucket, self.prefix = parse_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.part_size, self.max_concurrency, self.max_attempts = part_size, max_concurrency, max_attempts
+        self.transfer = transfer or SHARED
+        self._uploads: ThreadPoolExecutor | None = None  # all this store's writers' parts, `streams` at once
+        self._uploads_lock = threading.Lock()
         # What each PUT and part carries: SHA256 (x-amz-checksum-sha256) by default; MD5
         # (Content-MD5, checked against the ETag) for stores that predate S3's flexible checksums.
         self.checksum_algorithm = (checksum or os.environ.get("MOE_PROXY_S3_CHECKSUM") or "sha256").lower()
@@ -119,7 +129,8 @@ class S3Store:
             retries={"mode": "standard", "max_attempts": max_attempts},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
-            max_pool_connections=max(10, 2 * max_concurrency),
+            # Room for every read and upload in flight (connections open only when used).
+            max_pool_connections=max(10, 2 * (max_concurrency or 0), 2 * MAX_STREAMS + 8),
             # We send our own checksum with every PUT and part (below); this keeps botocore from
             # adding CRC trailers that some S3-compatible stores reject.
             request_checksum_calculation="when_required",
@@ -316,6 +327,12 @@ class S3Store:
         self.abort_incomplete_uploads(name)
         return S3Writer(self, name)
 
+    def upload_pool(self) -> ThreadPoolExecutor:
+        with self._uploads_lock:
+            if self._uploads is None:
+                self._uploads = ThreadPoolExecutor(self.transfer.streams, thread_name_prefix="s3-upload")
+            return self._uploads
+
     def delete(self, name: str) -> None:
         self._call("delete_object", name)
 
@@ -347,8 +364,10 @@ class S3Store:
 
 class S3Writer:
     """One object being uploaded, bytes pushed in with write(). Full parts go up as a
-    multipart upload while the caller keeps producing (at most max_concurrency parts in
-    flight, so memory stays bounded); a file smaller than one part is a single PUT. Every
+    multipart upload while the caller keeps producing, on the store's upload pool: each part
+    holds its bytes of the transfer budget from being cut until the store acknowledged it
+    (and at most max_concurrency parts per file are in flight where that is set), so memory
+    stays bounded; a file smaller than one part is a single PUT. Every
     PUT and part carries its SHA256 (or MD5), which the store checks on receipt, and commit
     checks the store's checksum of the whole object. Nothing is visible under the key before
     commit."""
@@ -360,32 +379,47 @@ class S3Writer:
         self.md5 = store.checksum_algorithm == "md5"
         self.digests: list[bytes] = []  # SHA256 (or MD5) of each part, in order
         self.parts: list[Future] = []  # -> {"PartNumber", "ETag"[, "ChecksumSHA256"]}
-        self.pool: ThreadPoolExecutor | None = None
+        self.sizes: list[int] = []  # bytes of the budget each part holds
+        self.checked = 0  # parts[:checked] are known to have gone up
+        self.budget = store.transfer.budget
 
     def write(self, data: bytes | memoryview) -> int:
         self.buffer += data
-        size = self.store.part_size
-        while len(self.buffer) >= size:
+        while len(self.buffer) >= (size := self.store.part_size << min(3, len(self.parts) // 2500)):
+            self._reserve(size)
             with memoryview(self.buffer) as view:
                 part = bytes(view[:size])  # one copy, not two
             del self.buffer[:size]
             self._send(part)
         return len(data)
 
-    def _send(self, part: bytes) -> None:
-        store = self.store
-        if self.upload_id is None:
-            algorithm = {} if self.md5 else {"ChecksumAlgorithm": "SHA256"}
-            self.upload_id = store._call("create_multipart_upload", self.name, **algorithm)["UploadId"]
-            self.pool = ThreadPoolExecutor(store.max_concurrency, thread_name_prefix="s3-upload")
-        number = len(self.parts) + 1
-        if number > MAX_PARTS:
-            raise StorageError(f"{self.name}: more than {MAX_PARTS} parts; use a larger part_size")
-        # Bounded memory: wait for the oldest part in flight before buffering another.
+    def _reserve(self, n: int) -> None:
+        """Bounded memory: wait for the oldest part in flight where this file has max_concurrency
+        of them, then for n bytes of the budget (freed as other parts are acknowledged)."""
+        limit = self.store.max_concurrency
         in_flight = [f for f in self.parts if not f.done()]
-        if len(in_flight) >= store.max_concurrency:
+        while self.checked < len(self.parts) and self.parts[self.checked].done():
+            self.parts[self.checked].result()  # a part that failed stops the write now, not at commit
+            self.checked += 1
+        if limit and len(in_flight) >= limit:
             in_flight[0].result()
-        self.parts.append(self.pool.submit(self._upload_part, number, part, self._checksum(part)))
+        self.budget.acquire(n)
+
+    def _send(self, part: bytes) -> None:
+        """Upload `part`, whose bytes are already reserved in the budget."""
+        store = self.store
+        try:
+            if self.upload_id is None:
+                algorithm = {} if self.md5 else {"ChecksumAlgorithm": "SHA256"}
+                self.upload_id = store._call("create_multipart_upload", self.name, **algorithm)["UploadId"]
+            number = len(self.parts) + 1
+            if number > MAX_PARTS:
+                raise StorageError(f"{self.name}: more than {MAX_PARTS} parts; use a larger part_size")
+            self.parts.append(store.upload_pool().submit(self._upload_part, number, part, self._checksum(part)))
+        except BaseException:
+            self.budget.release(len(part))
+            raise
+        self.sizes.append(len(part))
 
     def _checksum(self, data: bytes) -> dict:
         """The request parameter that makes the store verify `data` on receipt."""
@@ -394,8 +428,11 @@ class S3Writer:
         return {"ContentMD5": _b64(digest)} if self.md5 else {"ChecksumSHA256": _b64(digest)}
 
     def _upload_part(self, number: int, part: bytes, checksum: dict) -> dict:
-        r = self.store._call("upload_part", self.name, UploadId=self.upload_id, PartNumber=number,
-                             Body=part, **checksum)
+        try:
+            r = self.store._call("upload_part", self.name, UploadId=self.upload_id, PartNumber=number,
+                                 Body=part, **checksum)
+        finally:
+            self.budget.release(len(part))
         return {"PartNumber": number, "ETag": r["ETag"], **({} if self.md5 else checksum)}
 
     def _expected(self) -> str:
@@ -417,10 +454,10 @@ class S3Writer:
             return
         try:
             if self.buffer:
+                self._reserve(len(self.buffer))
                 self._send(bytes(self.buffer))  # the last part may be short
                 self.buffer.clear()
             parts = [f.result() for f in self.parts]
-            self.pool.shutdown()
         except BaseException:
             self.abort()  # a part failed even after retries: leave no upload behind
             raise
@@ -443,10 +480,10 @@ class S3Writer:
     def abort(self) -> None:
         """Throw the partial upload away. Never raises: it runs while another error propagates,
         and an upload it fails to abort is aborted by the next attempt's writer()."""
-        for f in self.parts:
-            f.cancel()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+        for f, n in zip(self.parts, self.sizes):
+            if f.cancel():  # never ran: its bytes are still reserved
+                self.budget.release(n)
+        wait(self.parts)
         if self.upload_id is not None:
             try:
                 self.store._call("abort_multipart_upload", self.name, UploadId=self.upload_id)
