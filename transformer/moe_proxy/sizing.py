@@ -31,7 +31,7 @@ written once over HBM bandwidth. Device-hours per step = devices * step time.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from moe_proxy.architectures import Arch, detect, expert_count, groups, top_k
@@ -167,6 +167,34 @@ def preferred_experts(n: int, arch: Arch, n_group: int, k: int) -> int | None:
     largest valid count under n if 2 x top-k does not prune; None if no valid count exceeds k."""
     valid = [e for e in range(n_group * arch.min_per_group, n, n_group) if e > k]
     return next((e for e in valid if e >= 2 * k), valid[-1] if valid else None)
+
+
+def auto_counts(config: dict, opts: SizingOptions) -> list[int]:
+    """The kept-expert counts `build --experts auto` may choose, ascending: valid for the routing
+    groups, more than top-k (the proxy's, `opts.top_k`, else the original's), fewer than all the
+    experts, and, with `opts.max_devices`, within that device budget."""
+    c = text_config(config)
+    arch = detect(c)
+    n, k = expert_count(arch, c), opts.top_k or top_k(arch, c)
+    n_group, _ = groups(arch, c)
+    counts = [e for e in range(n_group * arch.min_per_group, n, n_group) if e > k]
+    if opts.max_devices is None:
+        return counts
+    return [e for e in counts if estimate(config, replace(opts, experts=e, keep_ratio=None)).proxy.devices
+            <= opts.max_devices]
+
+
+def auto_plan(config: dict, opts: SizingOptions) -> Sizing:
+    """The plan of `--experts auto`: sized for the largest count the build may choose (see
+    auto_counts), so the devices hold whichever it picks; its notes say so."""
+    counts = auto_counts(config, opts)
+    if not counts:
+        budget = f" within the device budget of {opts.max_devices}" if opts.max_devices is not None else ""
+        raise InvalidExpertCount(f"experts auto: no valid expert count above top-k and below all the experts{budget}")
+    plan = estimate(config, replace(opts, experts=counts[-1], keep_ratio=None))
+    note = (f"experts auto: the build picks the smallest of {', '.join(map(str, counts))} experts whose fidelity "
+            f"meets the KL target; planned for the largest, {counts[-1]} ({plan.proxy.devices} devices)")
+    return replace(plan, notes=(*plan.notes, note))
 
 
 # --- memory and devices --------------------------------------------------------------------

@@ -6,6 +6,7 @@ fields checked against the architecture's constraints. Errors suggest valid valu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -35,6 +36,8 @@ class PruningOptions:
     keep_super: bool = True
     representative: str | None = None  # medoid | saliency (default saliency with calibration)
     heal: bool = False  # re-fit the kept router rows (heal.py)
+    reconstruct: bool = False  # re-fit the kept experts and router rows layer by layer (reconstruct.py)
+    max_kl: float | None = None  # --experts auto: the KL target the chosen count met (fidelity.py)
 
 
 @dataclass
@@ -50,16 +53,16 @@ class ExpertPlan:
     notes: list[str]
     calibration: dict | None = None  # the statistics' identity, for the manifest
     router_overrides: dict[str, bytes] = field(default_factory=dict)  # healed router tensors, source dtype
+    # --reconstruct: source tensor name (router, fused or per-expert of a kept expert) -> the
+    # proxy tensor's bytes, read when written (spilled to local disk, not held in memory)
+    tensor_overrides: dict[str, Callable[[], bytes]] = field(default_factory=dict)
+    reconstruction: dict | None = None  # what --reconstruct fitted, on which tokens (the manifest's)
+    fidelity: dict | None = None  # the proxy measured against the original (fidelity.py)
 
 
-def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, progress: bool = False,
-              calibration=None) -> ExpertPlan:
-    """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
-    arch, config = layout.arch, ckpt.config
-    needs = [f"--{what}" for what in calibration_needs(options.method, options.features, options.representative,
-                                                        options.heal)]
-    if needs and calibration is None:
-        raise InvalidExpertCount(f"{', '.join(needs)} need(s) --calibration STATS (from moe-proxy calibrate)")
+def proxy_counts(arch: Arch, config: dict, options: PruningOptions) -> ExpertPlan:
+    """The proxy's expert count, top-k and routing groups (an ExpertPlan without selections),
+    checked against the architecture's constraints."""
     n, k0 = expert_count(arch, config), top_k(arch, config)
     n_group, topk_group = groups(arch, config)
     if n % n_group:
@@ -76,6 +79,25 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
         if new_top_k != k0:
             notes.append(f"top-k clamped from {k0} to {new_top_k}: only {k} experts kept"
                          + (f" ({k // n_group} in each of {topk_group} selected groups)" if n_group > 1 else ""))
+    return ExpertPlan(arch, n, k, k0, new_top_k, n_group, topk_group, {}, notes)
+
+
+def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, progress: bool = False,
+              calibration=None) -> ExpertPlan:
+    """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
+    arch, config = layout.arch, ckpt.config
+    needs = [f"--{what}" for what in calibration_needs(options.method, options.features, options.representative,
+                                                        options.heal, options.reconstruct)]
+    if needs and calibration is None:
+        raise InvalidExpertCount(f"{', '.join(needs)} need(s) --calibration STATS (from moe-proxy calibrate)")
+    if options.heal and options.reconstruct:
+        raise InvalidExpertCount("--heal and --reconstruct: --reconstruct already re-fits the router rows "
+                                 "(with the kept experts); pass one of them")
+    plan = proxy_counts(arch, config, options)
+    n, k, k0, new_top_k = plan.experts_before, plan.experts_after, plan.top_k_before, plan.top_k_after
+    n_group, topk_group, notes = plan.n_group, plan.topk_group, plan.notes
+    if calibration is not None:  # sequential statistics: only for the proxy they were made for
+        calibration.check_target(plan, options)
     unknown = set(options.pins) - {b.layer for b in layout.blocks}
     if unknown:
         raise InvalidExpertCount(
@@ -105,9 +127,10 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
             feats, k, n_group=n_group, method="cluster" if options.method in SCORED_METHODS else options.method,
             clustering=options.clustering, seed=options.seed, pins=sorted(set(pins)),
         )
-    plan = ExpertPlan(arch, n, k, k0, new_top_k, n_group, topk_group, selections, notes)
+    plan.selections = selections
     if calibration is not None:
         plan.calibration = calibration.record()
+        notes += calibration.selection_notes(selections)
     if k <= new_top_k:
         notes.append(f"{k} experts kept with top-k {new_top_k}: every token uses every kept expert, so load "
                      f"imbalance and routing collapse cannot show; keep at least {2 * k0} experts if you can")
@@ -115,5 +138,9 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
         from moe_proxy.build.heal import heal_routers  # torch-heavy, only when asked
 
         plan.router_overrides = heal_routers(ckpt, layout, plan, calibration, progress)
+    if options.reconstruct:
+        from moe_proxy.build.reconstruct import reconstruct  # torch-heavy, only when asked
+
+        reconstruct(ckpt, layout, plan, calibration, progress)
     return plan
 

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules, transformers_config
+from moe_proxy.calibrate.proxy import block_io, proxy_block
 from moe_proxy.checkpoint.layout import Layout
 from moe_proxy.build.config import rewrite_config
 from moe_proxy.checkpoint.tensors import TORCH_DTYPES
@@ -39,20 +40,6 @@ HEAL_SAMPLES = 32  # calibration sequences used for healing (all of them if fewe
 HOLDOUT = 4  # one token in HOLDOUT is held out to choose the step kept
 
 
-def _proxy_block(original: torch.nn.Module, proxy_config, kept: list[int], n: int) -> torch.nn.Module:
-    """The model's own MoE block class for the proxy config, holding the kept experts' tensors."""
-    with torch.device("meta"):
-        block = type(original)(proxy_config)
-    keep = torch.tensor(kept)
-    state = {}
-    for key, value in original.state_dict().items():
-        # Every tensor with one row per routed expert (router rows, correction bias, fused experts).
-        state[key] = value.index_select(0, keep) if value.dim() and value.shape[0] == n else value
-        state[key] = state[key].float().clone()
-    block.load_state_dict(state, strict=True, assign=True)
-    return block.train(False)
-
-
 def _router_params(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The router's trainable tensors, named as the checkpoint's router leaves (`gate.weight`, ...)."""
     for attr in ("gate", "router"):
@@ -62,42 +49,58 @@ def _router_params(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     raise ValueError(f"{type(block).__name__} has no router module")
 
 
-def _fit(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """Train the block's router on x -> y; returns the held-out objective before and after."""
-    params = _router_params(block)
+def relative_error(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """||block(x) - y||^2 / ||y||^2 over all tokens."""
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    return (out - y).pow(2).sum() / y.pow(2).sum()
+
+
+def fit(block: torch.nn.Module, groups: list[tuple[list[torch.nn.Parameter], float]], train: tuple, held: tuple,
+        steps: int, patience: int | None = None) -> dict:
+    """Adam on the block's parameters in `groups` ((parameters, learning rate) pairs), full batch
+    on `train` (x, y), for at most `steps` steps (fewer when `patience` steps in a row bring no
+    improvement on `held`). The parameters end as those of the step with the lowest held-out
+    objective, or as they started if no step beats them. Returns the held-out objective before
+    and after, and the step kept (0: none)."""
+    params = [p for ps, _ in groups for p in ps]
     for p in block.parameters():
         p.requires_grad_(False)
-    for p in params.values():
+    for p in params:
         p.requires_grad_(True)
-    # Every HOLDOUT-th token is held out: it picks the step to keep (early stopping), so the
-    # router is not fitted to the calibration tokens' noise.
-    held = torch.arange(x.shape[1]) % HOLDOUT == 0
-    fit_x, fit_y, val_x, val_y = x[:, ~held], y[:, ~held], x[:, held], y[:, held]
-
-    def objective(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        out = block(inputs)
-        out = out[0] if isinstance(out, tuple) else out
-        return (out - target).pow(2).sum() / target.pow(2).sum()
 
     def held_out() -> float:
         with torch.no_grad():
-            return float(objective(val_x, val_y))
+            return float(relative_error(block, *held))
 
-    weight = next(p for name, p in params.items() if name.endswith("weight"))
-    opt = torch.optim.Adam(params.values(), lr=HEAL_LR * float(weight.detach().pow(2).mean().sqrt()))
+    opt = torch.optim.Adam([{"params": ps, "lr": lr} for ps, lr in groups])
     before = best = held_out()
-    best_state = {k: p.detach().clone() for k, p in params.items()}
-    for _ in range(HEAL_STEPS):
+    best_state, best_step, step = [p.detach().clone() for p in params], 0, 0
+    for step in range(1, steps + 1):
         opt.zero_grad()
-        objective(fit_x, fit_y).backward()
+        relative_error(block, *train).backward()
         opt.step()
         if (now := held_out()) < best:
-            best, best_state = now, {k: p.detach().clone() for k, p in params.items()}
+            best, best_step, best_state = now, step, [p.detach().clone() for p in params]
+        elif patience is not None and step - best_step >= patience:
+            break
     with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(best_state[k])
+        for p, value in zip(params, best_state):
+            p.copy_(value)
             p.requires_grad_(False)
-    return before, best
+    return {"before": before, "after": best, "steps": step, "best_step": best_step}
+
+
+def _fit(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Train the block's router on x -> y; returns the held-out objective before and after."""
+    params = _router_params(block)
+    # Every HOLDOUT-th token is held out: it picks the step to keep (early stopping), so the
+    # router is not fitted to the calibration tokens' noise.
+    held = torch.arange(x.shape[1]) % HOLDOUT == 0
+    weight = next(p for name, p in params.items() if name.endswith("weight"))
+    lr = HEAL_LR * float(weight.detach().pow(2).mean().sqrt())
+    r = fit(block, [(list(params.values()), lr)], (x[:, ~held], y[:, ~held]), (x[:, held], y[:, held]), HEAL_STEPS)
+    return r["before"], r["after"]
 
 
 def heal_routers(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> dict[str, bytes]:
@@ -114,17 +117,10 @@ def heal_routers(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: 
             if mods is None or block is None:
                 states.advance(layer, i)
                 continue
-            xs, ys = [], []
-
-            def capture(module, args, out) -> None:  # the original block's input and output
-                xs.append(args[0].detach())
-                ys.append((out[0] if isinstance(out, tuple) else out).detach())
-
-            hook = mods.block.register_forward_hook(capture)
-            states.advance(layer, i)
-            hook.remove()
+            with block_io(mods.block) as (xs, ys):  # the original block's input and output
+                states.advance(layer, i)
             sel = plan.selections[block.prefix]
-            proxy = _proxy_block(mods.block, proxy_config, sel.kept, block.n_experts)
+            proxy = proxy_block(mods.block, proxy_config, sel.kept)
             x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs]).float()[None]  # [1, tokens, H]
             y = torch.cat([t.reshape(-1, t.shape[-1]) for t in ys]).float()[None]
             before, after = _fit(proxy, x, y)

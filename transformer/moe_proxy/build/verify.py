@@ -23,6 +23,7 @@ from moe_proxy.architectures import detect, expert_count, groups, top_k
 from moe_proxy.checkpoint.reader import INDEX, MANIFEST, open_checkpoint, read_json
 from moe_proxy.errors import CorruptCheckpoint, NotMoE, UnsupportedArchitecture
 from moe_proxy.checkpoint.layout import find_layout
+from moe_proxy.build.fidelity import describe
 from moe_proxy.storage import open_store, sha256_of
 
 
@@ -32,6 +33,7 @@ class Report:
     files_checked: int = 0
     problems: list[str] = field(default_factory=list)
     forward: str = "skipped"
+    fidelity: dict | None = None  # the build's fidelity figure, as its manifest records it
 
     @property
     def ok(self) -> bool:
@@ -44,6 +46,7 @@ def verify(uri: str, *, forward: bool = True, progress: bool = False, store_opti
         raise CorruptCheckpoint(f"{store.uri}: no {MANIFEST}: not a complete proxy (interrupted build?)")
     report = Report(store.uri)
     manifest = read_json(store, MANIFEST)
+    report.fidelity = manifest.get("fidelity")
     listed = manifest.get("files", {})
     for name, rec in tqdm(sorted(listed.items()), desc="hashing", unit="file", disable=not progress):
         if not store.exists(name):
@@ -125,10 +128,11 @@ def _where(store, names: list[str]) -> str:
 def text(r: Report) -> str:
     head = "OK" if r.ok else "FAILED"
     lines = [f"{head}: {r.uri}", f"  files hashed   {r.files_checked}", f"  forward pass   {r.forward}"]
+    lines += describe(r.fidelity, width=15)
     lines += [f"  problem: {p}" for p in r.problems]
     return "\n".join(lines)
 
 
 def as_json(r: Report) -> str:
     return json.dumps({"uri": r.uri, "ok": r.ok, "files_checked": r.files_checked, "forward": r.forward,
-                       "problems": r.problems}, indent=2)
+                       "problems": r.problems, **({"fidelity": r.fidelity} if r.fidelity else {})}, indent=2)

@@ -267,3 +267,9 @@ class HiddenStates:
         """Push every batch through decoder layer `index`."""
         for b, h in enumerate(self.hidden):
             self.hidden[b] = run_layer(layer, h, self.extras[b][index])
+
+    def observe(self, layer: torch.nn.Module, index: int) -> None:
+        """Push every batch through decoder layer `index` for its hooks only: the hidden states
+        stay where they are (e.g. scored by the original layer, then advanced by the proxy's)."""
+        for b, h in enumerate(self.hidden):
+            run_layer(layer, h, self.extras[b][index])

@@ -21,6 +21,14 @@ holds the schema version, the source's identity (build.source_identity: config, 
 table, router bytes), the tokens' sha256 and origin, and per layer the dead and super
 experts under the default criteria below.
 
+Two modes (`mode` in calibration.json). One-pass (the default): every layer is scored on the
+original's hidden states. Sequential (`--sequential --experts N --method M`, sequential.py):
+each MoE layer is scored on hidden states that went through the already-pruned layers before
+it, its experts are selected right after it is scored, and the hidden states then go
+through the pruned layer; `made_for` records the proxy it was made for (expert count, top-k,
+method and the options that decide the selection) and per layer the experts kept, and a
+build for another proxy is refused (`Calibration.check_target`).
+
 Criteria (also applied by `build --calibration`):
 - dead: gate-mass share below DEAD_SHARE x the uniform share 1/E (default 1% of uniform);
 - super: max_abs at least SUPER_RATIO (10) x the layer's median max_abs and at least
@@ -45,6 +53,7 @@ from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint, read_json
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
 from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, MoeModules, moe_modules
+from moe_proxy.calibrate.proxy import swapped
 from moe_proxy.storage import Store, open_store, write_bytes
 
 log = logging.getLogger(__name__)
@@ -54,6 +63,25 @@ DEAD_SHARE = 0.01
 SUPER_RATIO = 10.0
 SUPER_GLOBAL = 0.1
 SKETCH_DIM, PROBE_TOKENS, PROBE_DIM, ROUTING_PROBE = 64, 16, 16, 64
+ONE_PASS, SEQUENTIAL = "one-pass", "sequential"
+
+
+def selection_key(plan, options) -> dict:
+    """What decides a proxy's kept experts (besides pins): sequential statistics are only valid
+    for builds with the same key. `plan`: an ExpertPlan (counts), `options`: PruningOptions."""
+    key = {"experts": plan.experts_after, "top_k": plan.top_k_after, "method": options.method,
+           "keep_super": options.keep_super}
+    if options.method == "cluster":
+        key |= {"features": options.features, "representative": options.representative or "saliency",
+                "clustering": options.clustering, "seed": options.seed}
+    return key
+
+
+def selection_flags(key: dict) -> str:
+    """The options of `moe-proxy calibrate --sequential` / `build` that give this key."""
+    flags = [f"--experts {key['experts']}", f"--method {key['method']}"]
+    flags += [f"--{name} {key[name]}" for name in ("features", "representative") if name in key]
+    return " ".join(flags + ([] if key["keep_super"] else ["--no-keep-super"]))
 
 
 class CalibrationError(MoeProxyError):
@@ -191,11 +219,40 @@ class Calibration:
     def identity(self) -> str:
         return self.summary["source"]["identity"]
 
+    @property
+    def mode(self) -> str:
+        return self.summary.get("mode", ONE_PASS)  # statistics written before modes existed are one-pass
+
     def record(self) -> dict:
         """What a proxy's manifest says about the statistics it was built from."""
-        return {"uri": self.uri, "format": self.summary["format"], "tokens": self.summary["tokens"],
-                "criteria": self.summary["criteria"],
+        return {"uri": self.uri, "format": self.summary["format"], "mode": self.mode,
+                **({"made_for": self.summary["made_for"]} if self.mode == SEQUENTIAL else {}),
+                "tokens": self.summary["tokens"], "criteria": self.summary["criteria"],
                 "super": {p: v for p, v in self.super.items() if v}}
+
+    def check_target(self, plan, options) -> None:
+        """Sequential statistics describe one proxy: refuse a build of another."""
+        if self.mode != SEQUENTIAL:
+            return
+        made, want = self.summary["made_for"], selection_key(plan, options)
+        diff = [f"{k} {made.get(k)!r} (this build: {v!r})" for k, v in want.items() if made.get(k) != v]
+        diff += [f"{k} {v!r} (this build: none)" for k, v in made.items() if k not in want]
+        if diff:
+            raise CalibrationError(
+                f"{self.uri}: these statistics are sequential, made for the proxy of {selection_flags(made)}: "
+                f"each layer was scored behind that proxy's pruned earlier layers, so they do not hold for this "
+                f"build ({'; '.join(diff)}); run moe-proxy calibrate SRC --out STATS --sequential "
+                f"{selection_flags(want)}, or calibrate without --sequential"
+            )
+
+    def selection_notes(self, selections: dict) -> list[str]:
+        """Notes where a build keeps other experts than sequential statistics were made behind (pins)."""
+        if self.mode != SEQUENTIAL:
+            return []
+        return [f"{p}: kept {sel.kept}, but the sequential statistics were made behind {info['kept']} "
+                f"(e.g. --pin): later layers were scored behind a slightly different proxy"
+                for p, sel in selections.items()
+                if (info := self.summary["layers"].get(p)) is not None and info.get("kept") != sel.kept]
 
     def check_source(self, identity: str, uri: str) -> None:
         if identity != self.identity:
@@ -237,7 +294,11 @@ def load(uri: str | Store, **store_options) -> Calibration:
                                         *(tensors[f"layers.{info['layer']}.{n}"] for n in LayerStats.NAMES))
         except KeyError as exc:
             raise CalibrationError(f"{store.uri}/{TENSORS}: missing tensor {exc}") from None
-    return Calibration(summary, layers, tensors["tokens"], store.uri, super_experts(layers))
+    # Sequential statistics judged each layer's super experts when it was selected (against the
+    # layers scored so far): the build keeps the same ones.
+    supers = ({p: info["super"] for p, info in summary["layers"].items()} if summary.get("mode") == SEQUENTIAL
+              else super_experts(layers))
+    return Calibration(summary, layers, tensors["tokens"], store.uri, supers)
 
 
 # ---------------------------------------------------------------- the pass
@@ -245,10 +306,12 @@ def load(uri: str | Store, **store_options) -> Calibration:
 
 def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, samples: int = 64,
               seq_len: int = 256, seed: int = 0, batch_size: int = 8, progress: bool = False,
-              store_options: dict | None = None, token_ids: torch.Tensor | None = None) -> dict:
+              store_options: dict | None = None, token_ids: torch.Tensor | None = None,
+              sequential=None) -> dict:
     """Compute and store the statistics; returns the summary (also `calibration.json`).
     `token_ids` ([samples, seq_len]): the caller's own tokens instead of `dataset` (library use,
-    e.g. a byte-level model without a tokenizer)."""
+    e.g. a byte-level model without a tokenizer). `sequential`: the PruningOptions of the proxy
+    to calibrate for (sequential.py); None: one pass over the original."""
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
     out_store = open_store(out, **(store_options or {})) if isinstance(out, str) else out
@@ -267,6 +330,12 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     if tokens.random:
         log.warning("calibration tokens: %s", tokens.origin)
     identity = source_identity(ckpt, layout)
+    proxy = None
+    if sequential is not None:
+        from moe_proxy.calibrate.sequential import SequentialProxy  # needs the build's selection
+
+        proxy = SequentialProxy(ckpt, layout, sequential)
+    mode = {"mode": SEQUENTIAL, "made_for": proxy.key} if proxy is not None else {"mode": ONE_PASS}
 
     if out_store.exists(SUMMARY):
         try:
@@ -274,15 +343,18 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
         except MoeProxyError:
             old = {}
         if (old.get("format") == FORMAT and old.get("source", {}).get("identity") == identity
-                and old.get("tokens", {}).get("sha256") == tokens.sha256 and out_store.exists(TENSORS)):
+                and old.get("tokens", {}).get("sha256") == tokens.sha256 and out_store.exists(TENSORS)
+                and {"mode": old.get("mode", ONE_PASS), **({"made_for": old.get("made_for")}
+                                                             if "made_for" in old else {})} == mode):
             log.info("%s already holds these statistics (same checkpoint and tokens): nothing to do", out_store.uri)
             return old | {"up_to_date": True}
 
-    layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress)
-    supers = super_experts(layers)
+    layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress, proxy)
+    supers = proxy.supers if proxy is not None else super_experts(layers)
     summary = {
         "format": FORMAT,
         "tool_version": __version__,
+        **mode,
         "source": {"uri": ckpt.uri, "identity": identity, "architecture": layout.arch.name,
                    "model_type": ckpt.config.get("model_type")},
         "tokens": {"samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
@@ -293,6 +365,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
         "layers": {
             p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": supers[p],
                 "load_imbalance": round(s.load_imbalance(), 4)}
+            | ({"kept": proxy.plan.selections[p].kept} if proxy is not None else {})
             for p, s in layers.items()
         },
         "skipped": {b.prefix: "not part of the transformers model (MTP layer): no statistics; builds select "
@@ -304,7 +377,10 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
 
 
 def run_statistics(ckpt: Checkpoint, layout: Layout, token_ids: torch.Tensor, batch_size: int = 8,
-                   progress: bool = False) -> dict[str, LayerStats]:
+                   progress: bool = False, proxy=None) -> dict[str, LayerStats]:
+    """Per MoE block prefix, its statistics. `proxy` (a sequential.SequentialProxy): score each
+    MoE layer on the proxy's hidden states, select its experts, and carry the hidden states
+    through the pruned layer."""
     model = LayerwiseModel(ckpt)
     n = expert_count(layout.arch, ckpt.config)
     states = HiddenStates(model, token_ids, batch_size)
@@ -316,11 +392,20 @@ def run_statistics(ckpt: Checkpoint, layout: Layout, token_ids: torch.Tensor, ba
             mods = moe_modules(layer)
             observer = ExpertObserver(block.prefix, i, mods, n, model.config.hidden_size) \
                 if mods is not None and block is not None else None
-            states.advance(layer, i)
+            if observer is None or proxy is None:
+                states.advance(layer, i)
+            else:  # the original layer scores the proxy's hidden states; they stay put for now
+                states.observe(layer, i)
             if observer is not None:
                 s = stats[block.prefix] = observer.finish()
+                kept = ""
+                if proxy is not None:  # select now, then carry the hidden states through the pruned layer
+                    sel = proxy.select(block, stats)
+                    with swapped(layer, proxy.block(mods.block, sel.kept, model.dtype)):
+                        states.advance(layer, i)
+                    kept = f"  kept {sel.kept}"
                 if progress:
                     bar.write(f"layer {i:>3}: dead {len(s.dead())}/{n} {s.dead()[:8]}  load imbalance "
                               f"{s.load_imbalance():.2f}  max |output| {float(s.max_abs.max()):.3g} "
-                              f"(expert {int(s.max_abs.argmax())})")
+                              f"(expert {int(s.max_abs.argmax())}){kept}")
     return stats

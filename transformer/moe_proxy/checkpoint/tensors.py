@@ -34,3 +34,20 @@ def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     bo, bi = -(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1])
     s = scale.float().repeat_interleave(bo, 0)[: w.shape[0]].repeat_interleave(bi, 1)[:, : w.shape[1]]
     return w.float() * s
+
+
+def quantize_fp8(w: torch.Tensor, scale_shape: tuple[int, ...], dtype: torch.dtype = torch.float8_e4m3fn,
+                 scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 again, with the block layout of a `_scale_inv` of `scale_shape` (the inverse of
+    dequantize_fp8): per block, scale = largest magnitude / the format's largest value, stored
+    in `scale_dtype`, and the weight divided by it. Returns (weight in `dtype`, scale)."""
+    (o, i), (so, si) = w.shape, scale_shape
+    bo, bi = -(-o // so), -(-i // si)
+    padded = torch.zeros(so * bo, si * bi, dtype=torch.float32)
+    padded[:o, :i] = w.float()
+    blocks = padded.reshape(so, bo, si, bi)
+    top = torch.finfo(dtype).max
+    scale = (blocks.abs().amax(dim=(1, 3)) / top).to(scale_dtype)
+    scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale
+    q = (blocks / scale.float()[:, None, :, None]).clamp(-top, top).reshape(so * bo, si * bi)[:o, :i]
+    return q.to(dtype).contiguous(), scale.contiguous()

@@ -8,6 +8,8 @@ import argparse
 import json
 
 from moe_proxy.commands._common import add_storage_args, store_options
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.reports import CALIBRATED_FEATURES, METHODS, REPRESENTATIVES
 
 
 def add_parser(sub) -> None:
@@ -23,6 +25,19 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    seq = p.add_argument_group("proxy-aware (sequential) statistics, for one proxy")
+    seq.add_argument("--sequential", action="store_true",
+                     help="score each MoE layer behind the proxy's already-pruned earlier layers, selecting its "
+                          "experts right after scoring it; builds must then ask for the same proxy")
+    seq.add_argument("--experts", type=int, metavar="N", help="with --sequential: routed experts the proxy keeps")
+    seq.add_argument("--method", choices=METHODS, default="saliency",
+                     help="with --sequential: the build's --method (default saliency)")
+    seq.add_argument("--features", choices=("router", "weights", *CALIBRATED_FEATURES), default="router",
+                     help="with --sequential and --method cluster: the build's --features")
+    seq.add_argument("--representative", choices=REPRESENTATIVES,
+                     help="with --sequential: the build's --representative")
+    seq.add_argument("--no-keep-super", dest="keep_super", action="store_false",
+                     help="with --sequential: the build's --no-keep-super")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_storage_args(p)
@@ -32,9 +47,19 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_proxy.calibrate.statistics import calibrate  # torch loads only when it runs
 
+    target = None
+    if args.sequential:
+        from moe_proxy.build.expert_plan import PruningOptions
+
+        if args.experts is None:
+            raise MoeProxyError("--sequential needs --experts N: the statistics are made for that proxy")
+        target = PruningOptions(experts=args.experts, method=args.method, features=args.features,
+                                representative=args.representative, keep_super=args.keep_super)
+    elif args.experts is not None:
+        raise MoeProxyError("--experts (and --method, ...) only mean something with --sequential")
     summary = calibrate(args.src, args.out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
                         seed=args.seed, batch_size=args.batch_size, progress=not args.no_progress,
-                        store_options=store_options(args))
+                        store_options=store_options(args), sequential=target)
     print(json.dumps(summary, indent=2) if args.json else text(summary))
     return 0
 
@@ -45,9 +70,12 @@ def text(s: dict) -> str:
         f"calibration of {s['source']['uri']} ({s['source']['architecture']})"
         + ("  [up to date: reused]" if s.get("up_to_date") else ""),
         f"  tokens  {t['samples']} x {t['seq_len']}: {t['origin']}",
+        f"  mode    {s.get('mode', 'one-pass')}"
+        + (f" (made for {' '.join(f'{k}={v}' for k, v in s['made_for'].items())})" if "made_for" in s else ""),
         f"  {'layer':<36} {'dead':>5} {'super experts':<16} load imbalance",
     ]
     for prefix, layer in s["layers"].items():
-        lines.append(f"  {prefix:<36} {len(layer['dead']):>5} {str(layer['super']):<16} {layer['load_imbalance']:.2f}")
+        lines.append(f"  {prefix:<36} {len(layer['dead']):>5} {str(layer['super']):<16} {layer['load_imbalance']:.2f}"
+                     + (f"  kept {layer['kept']}" if "kept" in layer else ""))
     lines += [f"  skipped {p}: {why}" for p, why in s.get("skipped", {}).items()]
     return "\n".join(lines)

@@ -8,7 +8,8 @@ import json
 from dataclasses import fields
 
 from moe_proxy.errors import CorruptCheckpoint
-from moe_proxy.sizing import ACCELERATORS, BYTES_PER_PARAM, SizingOptions, format_sizing, estimate
+from moe_proxy.commands._common import add_device_args
+from moe_proxy.sizing import SizingOptions, format_sizing, estimate
 
 
 def add_parser(subparsers) -> None:
@@ -22,14 +23,8 @@ def add_parser(subparsers) -> None:
     size.add_argument("--experts", type=int, help="routed experts per layer to keep")
     size.add_argument("--keep-ratio", type=float, help="fraction of routed experts to keep")
     p.add_argument("--top-k", type=int, help="the proxy's top-k (default: the original's)")
-    p.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="bf16")
-    p.add_argument("--accelerator", default="huawei.com/Ascend910",
-                   help=f"resource name; known: {', '.join(ACCELERATORS)}")
-    p.add_argument("--device-memory-gb", type=float, help="memory per device (default: the accelerator's)")
-    p.add_argument("--devices-per-node", type=int, default=8)
-    p.add_argument("--max-devices", type=int,
-                   help="the proxy's device budget: with --keep-ratio, kept experts are raised to 2 x top-k "
-                        "when that fits (default budget: the devices the ratio's proxy needs)")
+    add_device_args(p, "the proxy's device budget: with --keep-ratio, kept experts are raised to 2 x top-k "
+                       "when that fits (default budget: the devices the ratio's proxy needs)")
     p.add_argument("--micro-batch-tokens", type=int, default=SizingOptions.micro_batch_tokens)
     p.add_argument("--tokens-per-step", type=int, default=SizingOptions.tokens_per_step)
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")

@@ -1,0 +1,243 @@
+"""How close a proxy is to its original: the fidelity figure of a calibrated build.
+
+Both models run one decoder layer at a time (calibrate/layerwise.py), side by side, on
+held-out calibration tokens: one layer of the original and the same layer of the proxy are
+resident, each model's hidden states go through its own layer, and both layers are freed
+before the next. The proxy is the one the plan describes, read through its output tensors
+(pipeline.output_tensors: sliced routers, healed rows, kept experts) without writing it, so
+`--experts auto` can measure several counts and write only the chosen one.
+
+Recorded per decoder layer (relative squared errors, heal.py's objective, so the figures
+compare with its before/after):
+- `block_error` (MoE layers): ||proxy_block(X) - Y||^2 / ||Y||^2, with X the original MoE
+  block's input and Y its output: what pruning this block alone does;
+- `hidden_error`: the same ratio between the two models' hidden states after the layer, each
+  model fed its own previous layers: the error carried forward to here.
+At the end, through the original's final norm and LM head (the proxy's are byte-identical):
+- `kl`: mean over tokens of KL(original || proxy) of the next-token distributions, nats;
+- `loss_original`, `loss_proxy`: next-token cross-entropy of each on the same tokens, nats;
+  `loss_delta` = loss_proxy - loss_original.
+
+Tokens: the last quarter of the calibration sequences, at most FIDELITY_SAMPLES of them.
+Healing fits on the first heal.HEAL_SAMPLES sequences, so with the default 64 samples no fit
+has seen them; the selection statistics are computed on all sequences.
+
+Module-level imports are torch-free (verify and the CLI read figures from the manifest);
+the measurement imports torch when it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from moe_proxy.checkpoint.reads import read_coalesced
+from moe_proxy.errors import InvalidExpertCount
+
+log = logging.getLogger(__name__)
+FIDELITY_SAMPLES = 16  # held-out calibration sequences measured, at most
+BATCH = 8  # sequences per forward call
+HEAD_CHUNK = 512  # tokens per LM-head matmul (bounds the [tokens, vocab] logits)
+
+
+class FidelityTargetNotMet(InvalidExpertCount):
+    """`--experts auto`: no allowed expert count reaches the KL target."""
+
+
+class PlannedProxy:
+    """The proxy a plan describes, readable like a Checkpoint (config, tensors, read) from the
+    source's bytes and the plan's computed tensors: nothing is written."""
+
+    def __init__(self, ckpt, config: dict, shards: dict):
+        self.config, self.store = config, ckpt.store
+        self.tensors = {t.name: t for ts in shards.values() for t in ts}  # OutTensor: name, dtype, shape
+        self._file = {t.name: f for f, ts in shards.items() for t in ts}
+        self.uri = f"{ckpt.uri} (proxy as planned, not written)"
+
+    def read(self, name: str) -> bytes:
+        t = self.tensors[name]
+        return t.source() if callable(t.source) else read_coalesced(self.store, self._file[name], t.source)
+
+
+def held_out(token_ids):
+    """The calibration sequences the figure is measured on, and their [start, end) rows."""
+    samples = int(token_ids.shape[0])
+    n = max(1, min(FIDELITY_SAMPLES, samples // 4))
+    return token_ids[samples - n:], [samples - n, samples]
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+class _Ratio:
+    """||a - b||^2 / ||b||^2 accumulated over batches, in float64."""
+
+    def __init__(self):
+        self.num = self.den = 0.0
+
+    def add(self, a, b) -> None:
+        a, b = a.double(), b.double()
+        self.num += float((a - b).pow(2).sum())
+        self.den += float(b.pow(2).sum())
+
+    @property
+    def value(self) -> float:
+        return _round(self.num / self.den) if self.den > 0 else 0.0
+
+
+def measure(ckpt, layout, plan, calibration, shards: dict, progress: bool = False) -> dict:
+    """The fidelity figure of the proxy `plan` describes (its output tensors `shards`), on the
+    held-out calibration tokens of `calibration` (see the module docstring)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from moe_proxy.build.config import rewrite_config
+    from moe_proxy.build.heal import HEAL_SAMPLES
+    from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules
+
+    ids, rows = held_out(calibration.token_ids)
+    original = LayerwiseModel(ckpt)
+    proxy = LayerwiseModel(PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards), dtype=original.dtype)
+    ho, hp = HiddenStates(original, ids, BATCH), HiddenStates(proxy, ids, BATCH)
+    blocks = {b.layer: b for b in layout.blocks}
+    layers = []
+    for i in tqdm(range(original.n_layers), desc="measuring fidelity", unit="layer", disable=not progress):
+        with original.layer(i) as lo, proxy.layer(i) as lp:
+            mo, mp = moe_modules(lo), moe_modules(lp)
+            record: dict = {"layer": i}
+            hook, block = None, _Ratio()
+            if mo is not None and mp is not None and i in blocks:
+                def compare(module, args, out, proxy_block=mp.block) -> None:  # same input X, both blocks
+                    z = proxy_block(args[0])
+                    block.add(z[0] if isinstance(z, tuple) else z, out[0] if isinstance(out, tuple) else out)
+
+                hook = mo.block.register_forward_hook(compare)
+                record["block"] = blocks[i].prefix
+            try:
+                ho.advance(lo, i)
+            finally:
+                if hook is not None:
+                    hook.remove()
+            hp.advance(lp, i)
+        if hook is not None:
+            record["block_error"] = block.value
+        hidden = _Ratio()
+        for a, b in zip(hp.hidden, ho.hidden):
+            hidden.add(a, b)
+        record["hidden_error"] = hidden.value
+        layers.append(record)
+    kl, loss_o, loss_p = _head_figures(original, ho.hidden, hp.hidden, ids.split(BATCH), torch)
+    return {
+        "tokens": {"sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "rows": rows,
+                   "of": int(calibration.token_ids.shape[0]),
+                   "sha256": calibration.summary.get("tokens", {}).get("sha256"),
+                   "held_out_from_heal": rows[0] >= HEAL_SAMPLES},
+        "layers": layers,
+        "kl": _round(kl), "loss_original": _round(loss_o), "loss_proxy": _round(loss_p),
+        "loss_delta": _round(loss_p - loss_o),
+    }
+
+
+def _head_figures(model, original: list, proxy: list, ids: tuple, torch) -> tuple[float, float, float]:
+    """KL(original || proxy) per token and each model's next-token cross-entropy, through the
+    original's final norm and LM head (tied to the embedding when the checkpoint has no head)."""
+    norm = model.base.norm
+    model._load(norm, "model.norm.")
+    name = "lm_head.weight" if "lm_head.weight" in model.ckpt.tensors else "model.embed_tokens.weight"
+    weight = model._read(name).to(model.dtype)
+    kl = ce_o = ce_p = 0.0
+    tokens = predicted = 0
+    with torch.no_grad():
+        for ho, hp, x in zip(original, proxy, ids):
+            targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1).reshape(-1)
+            for sel in torch.arange(targets.numel()).split(HEAD_CHUNK):
+                lo = (norm(ho.reshape(-1, ho.shape[-1])[sel]) @ weight.T).double().log_softmax(-1)
+                lp = (norm(hp.reshape(-1, hp.shape[-1])[sel]) @ weight.T).double().log_softmax(-1)
+                kl += float((lo.exp() * (lo - lp)).sum())
+                t = targets[sel]
+                ce_o += float(torch.nn.functional.nll_loss(lo, t, ignore_index=-100, reduction="sum"))
+                ce_p += float(torch.nn.functional.nll_loss(lp, t, ignore_index=-100, reduction="sum"))
+                tokens += len(sel)
+                predicted += int((t != -100).sum())
+    norm.to("meta")
+    return kl / tokens, ce_o / max(predicted, 1), ce_p / max(predicted, 1)
+
+
+# --- --experts auto ------------------------------------------------------------------------------
+
+
+def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool, store_options: dict | None = None,
+                 progress: bool = False):
+    """`--experts auto --max-kl X`: `options` with the chosen count, and (its fidelity figure,
+    notes saying what was tried). Counts (sizing.auto_counts) are tried in increasing order,
+    each planned and measured without writing anything; the first whose KL(original || proxy)
+    is at most X is chosen. FidelityTargetNotMet says the best figure reached."""
+    from moe_proxy.build.pipeline import open_source
+    from moe_proxy.sizing import SizingOptions, auto_counts
+
+    if options.experts != "auto" or options.max_kl is None:
+        raise InvalidExpertCount("--experts auto and --max-kl X go together: the build picks the smallest expert count "
+                                 "whose KL(original || proxy) per token is at most X")
+    if not options.max_kl > 0:
+        raise InvalidExpertCount(f"--max-kl {options.max_kl:g}: must be above 0 (only keeping every expert gives 0)")
+    if not options.calibration:
+        raise InvalidExpertCount("--experts auto needs --calibration STATS: the fidelity figure is measured on its tokens")
+    if scale_out:
+        raise InvalidExpertCount("--experts auto runs as a single build (it measures counts before writing); choose "
+                                 "the count with it, then give the workers --experts N")
+    ckpt, layout, _, calibration = open_source(src, options, store_options)
+    budget = replace(sizing or SizingOptions(), experts=None, keep_ratio=None, top_k=options.top_k)
+    counts = [c for c in auto_counts(ckpt.config, budget) if max_experts is None or c <= max_experts]
+    count, figure, notes = choose_experts(ckpt, layout, calibration, options, counts, progress)
+    return replace(options, experts=count), (figure, notes)
+
+
+def choose_experts(ckpt, layout, calibration, options, counts: list[int],
+                   progress: bool = False) -> tuple[int, dict, list[str]]:
+    """The smallest of `counts` (ascending) whose proxy has KL <= options.max_kl, its fidelity
+    figure, and a note saying what was tried."""
+    from moe_proxy.build.expert_plan import plan_experts
+    from moe_proxy.build.pipeline import output_tensors
+    from moe_proxy.calibrate.statistics import CalibrationError
+
+    max_kl = options.max_kl
+    if not counts:
+        raise InvalidExpertCount("--experts auto: no expert count to try (valid counts above top-k and below all the "
+                                 "experts, within the device budget and --max-experts)")
+    tried: list[str] = []
+    best: tuple[float, int] | None = None
+    for count in counts:
+        try:
+            plan = plan_experts(ckpt, layout, replace(options, experts=count, keep_ratio=None), progress,
+                                calibration=calibration)
+        except (InvalidExpertCount, CalibrationError) as exc:  # e.g. fewer alive experts than the count
+            tried.append(f"{count} -> not possible ({exc})")
+            continue
+        figure = measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
+        tried.append(f"{count} -> kl {figure['kl']:.4g}")
+        log.info("--experts auto: %d experts per layer, KL %.4g (target %g)", count, figure["kl"], max_kl)
+        if best is None or figure["kl"] < best[0]:
+            best = (figure["kl"], count)
+        if figure["kl"] <= max_kl:
+            return count, figure, [f"--experts auto --max-kl {max_kl:g}: chose {count}; tried " + ", ".join(tried)]
+    reached = f"best KL {best[0]:.4g} with {best[1]} experts" if best else "no count could be measured"
+    raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {max_kl:g} ({reached}); tried "
+                               f"{', '.join(tried)}; raise --max-kl or the device budget")
+
+
+def describe(figure: dict | None, width: int = 23) -> list[str]:
+    """The figure as lines a person reads (build's summary, verify's report), labels `width` wide."""
+    if not figure:
+        return []
+    t = figure["tokens"]
+    worst = max(figure["layers"], key=lambda r: r["hidden_error"], default=None)
+    blocks = [f"{r['layer']}:{r['block_error']:.3g}" for r in figure["layers"] if "block_error" in r]
+    return [
+        f"  {'fidelity':<{width - 1}} KL(original || proxy) {figure['kl']:.4g} nats/token; loss "
+        f"{figure['loss_original']:.4f} -> {figure['loss_proxy']:.4f} ({figure['loss_delta']:+.4f}) on "
+        f"{t['sequences']} x {t['seq_len']} held-out calibration tokens",
+        f"  {'block error':<{width - 1}} {' '.join(blocks) or 'none'}"
+        + (f"; hidden-state error after the last layer {figure['layers'][-1]['hidden_error']:.3g}"
+           f" (largest {worst['hidden_error']:.3g}, layer {worst['layer']})" if worst else ""),
+    ]
