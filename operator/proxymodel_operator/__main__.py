@@ -18,7 +18,9 @@ def main() -> int:
         print(f"proxymodel-operator: {exc}", file=sys.stderr)
         return 2
     if settings.checkpoint_watch:
-        from . import checkpoint_watch  # noqa: F401 - registers the CheckpointWatch timer
+        from . import checkpoint_watch
+
+        checkpoint_watch.register(settings.checkpoint_tick)
     kopf.configure(log_format=kopf.LogFormat[settings.log_format.upper()])
     kopf.run(
         standalone=True,  # one replica (Deployment strategy Recreate); no peering objects

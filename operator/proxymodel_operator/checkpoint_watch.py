@@ -12,8 +12,9 @@ An incomplete checkpoint is looked at again on the next poll; one that is no sou
 unsupported, unreadable) gets one warning Event. Listing errors become the SourceReachable
 condition (S3AccessDenied, EndpointUnreachable, ...) and the next poll tries again.
 
-Registered only when the operator runs with MOEPROXY_CHECKPOINT_WATCH=true (the chart's
-checkpointWatch.enabled), which is also when the chart grants the RBAC it needs.
+Registered (`register`) only when the operator runs with MOEPROXY_CHECKPOINT_WATCH=true (the
+chart's checkpointWatch.enabled), which is also when the chart grants the RBAC it needs.
+Importing this module registers nothing.
 """
 
 from __future__ import annotations
@@ -32,16 +33,11 @@ from moe_proxy.storage.s3 import S3Store
 from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the settings in memo
 from .preflight import PreflightError, read_credentials, redact
 from .resources import GROUP, PROXYMODELS, VERSION, Resource
-from .settings import checkpoint_tick
 from .status import condition, now, with_condition
 from .watch_plan import LABEL_STEP, LABEL_WATCH, Child, considered, decide, proxymodel_for, watch_label
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
-# How often each watch's timer wakes to see whether its pollInterval has passed (seconds): the
-# CRD's smallest pollInterval, so polls fall on 30 s ticks and kopf logs one line per tick.
-# Read at import: kopf takes the interval when the timer is registered, below.
-TICK = checkpoint_tick()
 ACCEPTED = "Accepted"  # the spec, and the ProxyModels its template makes, are valid
 SOURCE_REACHABLE = "SourceReachable"
 SUSPENDED = "Suspended"
@@ -101,7 +97,14 @@ def _due(memo: kopf.Memo, watch: WatchSpec, generation: int, status: dict) -> bo
     return time.monotonic() - last >= watch.poll_interval
 
 
-@kopf.timer(GROUP, VERSION, CHECKPOINT_WATCHES.plural, interval=TICK, id="poll")
+def register(tick: float, registry: kopf.OperatorRegistry | None = None) -> None:
+    """Serve CheckpointWatches: a timer on each that wakes every `tick` seconds (settings'
+    checkpoint_tick: the CRD's smallest pollInterval, so polls fall on 30 s ticks and kopf logs
+    one line per tick) to see whether its pollInterval has passed. kopf takes the interval when
+    the timer is registered, so it is registered here, from the settings, not at import."""
+    kopf.timer(GROUP, VERSION, CHECKPOINT_WATCHES.plural, interval=tick, id="poll", registry=registry)(poll)
+
+
 async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
                name: str, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     generation = meta.get("generation") or 1

@@ -6,35 +6,79 @@ exists), asks `pipeline.decide` what follows, and carries out the actions (`_act
 the single source of truth (see pipeline.py), so an operator restart never redoes a finished
 step and never makes a second child. The operator's settings come from the environment once,
 at start-up, into kopf's `memo`; every handler takes them from there.
+
+A refusal (bad input, a missing Secret, an unreadable source) is a status outcome, not a
+handler failure: the Accepted condition, `status.refusal` recording what the judgment
+depended on (the operator's settings, the Secret's resourceVersion, the sha256 of the source's
+config.json), and one Warning Event. It is judged again only when one of those changes: at a
+restart (`admit`), or when the `recheck` daemon, every MOEPROXY_RECHECK_INTERVAL seconds, sees
+a change and sets the `operator.moeproxy.io/recheck` annotation (a user may set it too) that `rejudge`
+follows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import kopf
 
 from . import kube, pipeline
 from .children import REPRODUCTION, TRANSFORMER
 from .outcome import RUNNING, Outcome, count_indexes, outcome, workload_state
-from .pipeline import (ADMITTED, CHILD_CHANGED, SPEC_CHANGED, VALIDATED, WORKERS_PROGRESS, Action, Child,
-                       CreateChild, DeleteChildren, Emit, JudgeChild, Log, Observed, PatchStatus, StartPipeline,
-                       decide, spec_hash)
-from .preflight import PreflightError, preflight
+from .pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, SPEC_CHANGED, VALIDATED, WORKERS_PROGRESS, Action,
+                       AskJudgment, Child, CreateChild, DeleteChildren, Emit, JudgeChild, Log, Observed, PatchStatus,
+                       StartPipeline, decide, spec_hash)
+from .preflight import PreflightError, dependencies, preflight, settings_fingerprint
 from .resources import (GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE, PODS, PROXYMODELS,
                         VERSION, Resource)
-from .runtimes import WORKLOADS, runtime_of
+from .runtimes import CHILDREN, WORKLOADS, runtime_of
 from .settings import Settings, from_env
 from .spec import InvalidSpec, ProxyModelSpec, parse
 from .status import ACCEPTED, FAILED as PHASE_FAILED, PENDING, arrow, condition, plan_summary, with_condition
 
 PXM = (GROUP, VERSION, "proxymodels")
-RETRY_DELAY = 30  # seconds before a step that waits on the outside world is tried again
+# Set: a refused ProxyModel is judged again. (Not under moeproxy.io/: kopf keeps its own records
+# there and leaves those annotations out of what it compares between versions.)
+RECHECK_ANNOTATION = f"operator.{GROUP}/recheck"
+
+
+class _RefusalOutcome(logging.Filter):
+    """kopf reports "Handler 'pipeline' succeeded." and "Creation is processed: 1 succeeded"
+    whenever a handler returns, and a refusal is an outcome the handler returns with: for a
+    refused ProxyModel, those lines say so instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusing: dict[tuple[str, str], str] = {}  # (namespace, name) -> reason, until reported
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ref, message = getattr(record, "k8s_ref", None), record.msg
+        if not ref or not isinstance(message, str):
+            return True
+        if message == "Daemon 'recheck' succeeded.":  # it returns when the refusal is gone or on exit
+            record.msg, record.args = "Daemon 'recheck' stopped looking at the refusal's dependencies.", ()
+            return True
+        key = (ref.get("namespace"), ref.get("name"))
+        reason = self.refusing.get(key)
+        if reason is None:
+            return True
+        if message.startswith(("Handler 'pipeline", "Handler 'rejudge")) and message.endswith(" succeeded."):
+            record.msg = f"{message[:-len(' succeeded.')]} refused the ProxyModel: {reason} (see its Accepted condition)."
+            record.args = ()
+        elif " is processed: " in message:  # kopf's summary of the handlers: the last line about it
+            del self.refusing[key]
+            record.msg = f"{message.split(' is processed: ')[0]} is processed: the ProxyModel is refused ({reason})."
+            record.args = ()
+        return True
+
+
+REFUSALS = _RefusalOutcome()
 
 
 # --- operator set-up -------------------------------------------------------------------------
@@ -59,6 +103,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
         settings.watching.label_selectors[resource.group or resource.version, resource.plural] = children
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    logging.getLogger("kopf.objects").addFilter(REFUSALS)  # once: a filter is added only once
     logger.info("watching %s; default accelerator %s; preflight %s",
                 ", ".join(config.namespaces) or "all namespaces", config.accelerator,
                 "on" if config.preflight else "off")
@@ -117,6 +162,10 @@ async def _act(actions: list[Action], ctx: _Context) -> None:
         elif isinstance(action, StartPipeline):
             await kopf.execute(fns={"validate": validate, "transform": transform},
                                lifecycle=kopf.lifecycles.one_by_one)
+        elif isinstance(action, AskJudgment):
+            asked = f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='milliseconds')} {action.why}"
+            await kube.patch(PROXYMODELS, namespace, name, {"metadata": {"annotations": {RECHECK_ANNOTATION: asked}}})
+            ctx.logger.info("judging again: %s", action.why)
         elif isinstance(action, JudgeChild):
             labels = {LABEL_PROXYMODEL: name, LABEL_ROLE: action.role, LABEL_CHILD: action.name}
             await judge_child(action.resource, namespace, labels, None, ctx.logger, ctx.memo)
@@ -149,7 +198,7 @@ async def _create(action: CreateChild, ctx: _Context, status: dict) -> None:
 async def _delete_children(namespace: str, proxymodel: str, keep_generation: int | None) -> list[str]:
     """Delete the children of other generations (all of them when keep_generation is None)."""
     deleted = []
-    for resource in WORKLOADS:
+    for resource in CHILDREN:
         try:
             children = await kube.list_(resource, namespace, {LABEL_PROXYMODEL: proxymodel})
         except kube.ApiError as exc:
@@ -172,13 +221,61 @@ async def _delete_children(namespace: str, proxymodel: str, keep_generation: int
 @kopf.on.resume(*PXM, id="pipeline")
 @kopf.on.create(*PXM, id="pipeline")
 async def admit(spec: kopf.Spec, status: kopf.Status, body: kopf.Body, namespace: str, patch: kopf.Patch,
-                memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+                reason: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Run the pipeline for this spec, or after a restart make sure the child status records
     as in progress exists."""
     recorded = pipeline.recorded_child(dict(spec), dict(status))
     exists = await kube.exists(recorded[0], namespace, recorded[1]) if recorded else None
-    actions = decide(dict(body), Observed(ADMITTED, child_exists=exists), memo.settings)
+    # A refusal recorded before this operator started: judged again only if what it depended on
+    # changed. (While its own creation is handled, the refusal just made carries on to the end.)
+    depended = await _dependencies(dict(body), memo.settings) if reason == "resume" else None
+    _reports_refusal(dict(body))
+    actions = decide(dict(body), Observed(ADMITTED, child_exists=exists, dependencies=depended), memo.settings)
     await _act(actions, _Context(dict(body), memo, logger, patch))
+
+
+def _reports_refusal(body: dict) -> None:
+    """kopf's report of this handling says the ProxyModel is refused, unless it is accepted now."""
+    meta = body["metadata"]
+    refused = pipeline.refusal_of(body.get("status") or {}, meta.get("generation") or 1)
+    if refused is not None:
+        REFUSALS.refusing[(meta["namespace"], meta["name"])] = str(refused.get("reason"))
+
+
+async def _dependencies(body: dict, settings: Settings) -> dict | None:
+    """What the refusal of this ProxyModel depended on, as now (None when it is not refused)."""
+    meta = body["metadata"]
+    if pipeline.refusal_of(body.get("status") or {}, meta.get("generation") or 1) is None:
+        return None
+    return await dependencies(meta["namespace"], meta["name"], dict(body.get("spec") or {}), settings)
+
+
+def _refused(status: kopf.Status, meta: kopf.Meta, **_: Any) -> bool:
+    return pipeline.refusal_of(dict(status), meta.get("generation") or 1) is not None
+
+
+@kopf.daemon(*PXM, id="recheck", when=_refused, cancellation_timeout=10)
+async def recheck(stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+                  **_: Any) -> None:
+    """The back-off of a refused ProxyModel: every recheck interval, look at what its refusal
+    depended on; a change asks for a new judgment. kopf stops it once it is not refused."""
+    while not stopped.is_set():
+        await stopped.wait(memo.settings.recheck_interval)
+        if stopped.is_set():
+            return
+        body = await _get_parent(namespace, name)
+        if body is None:
+            return
+        observed = Observed(RECHECK, dependencies=await _dependencies(body, memo.settings))
+        await _act(decide(body, observed, memo.settings), _Context(body, memo, logger))
+
+
+@kopf.on.update(*PXM, id="rejudge", field=("metadata", "annotations", RECHECK_ANNOTATION))
+async def rejudge(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Judge a refused spec again: `recheck` saw a change (or a user asked: `kubectl annotate
+    proxymodel NAME operator.moeproxy.io/recheck=now --overwrite`)."""
+    _reports_refusal(dict(body))
+    await _act(decide(dict(body), Observed(REJUDGE), memo.settings), _Context(dict(body), memo, logger, patch))
 
 
 def _parse(spec: kopf.Spec | dict, namespace: str, name: str, settings: Settings) -> ProxyModelSpec:
@@ -191,13 +288,21 @@ def _set_condition(patch: kopf.Patch, status: dict, new: dict) -> None:
     patch.status["conditions"] = with_condition(current, new)
 
 
-def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str) -> NoReturn:
-    """Bad input: say so in status and an Event, then stop (kopf.PermanentError)."""
+def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str,
+            depended: dict, logger: logging.Logger, temporary: bool = False) -> None:
+    """Refuse the spec: say so in status (Failed; Pending while the cause may pass by itself,
+    e.g. a Secret not created yet), record what the judgment depended on, and post one Warning
+    Event (a judgment again to the same reason posts none)."""
+    meta = body["metadata"]
+    before = pipeline.refusal_of(status, generation)
     _set_condition(patch, status, condition(ACCEPTED, False, reason, message, generation))
-    patch.status["phase"] = PHASE_FAILED
+    patch.status["phase"] = PENDING if temporary else PHASE_FAILED
     patch.status["message"] = message
-    kopf.warn(body, reason=reason, message=message)
-    raise kopf.PermanentError(f"{reason}: {message}")
+    patch.status["refusal"] = pipeline.refusal(reason, generation, depended, temporary)
+    if before is None or before.get("reason") != reason:
+        kopf.warn(body, reason=reason, message=message)
+    REFUSALS.refusing[(meta["namespace"], meta["name"])] = reason
+    logger.info("refused%s: %s: %s", " until that changes" if temporary else "", reason, message)
 
 
 async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf.Body, namespace: str,
@@ -206,26 +311,26 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
     config: Settings = memo.settings
     generation = meta.get("generation") or 1
     patch.status["observedGeneration"] = generation
+    depended = {"settings": settings_fingerprint(config)}  # and, from the preflight, the Secret and source
     try:
         parsed = _parse(spec, namespace, name, config)
     except InvalidSpec as exc:
-        _refuse(body, patch, status, generation, "InvalidSpec", str(exc))
+        return _refuse(body, patch, dict(status), generation, "InvalidSpec", str(exc), depended, logger)
     if parsed.reproduction.enabled and parsed.reproduction.accelerator.devices is None and not config.preflight:
-        _refuse(body, patch, status, generation, "InvalidSpec",
-                "spec.reproduction.accelerator.devices is auto, which needs the preflight read of config.json "
-                "(disabled in this operator): set a device count")
+        return _refuse(body, patch, dict(status), generation, "InvalidSpec",
+                       "spec.reproduction.accelerator.devices is auto, which needs the preflight read of config.json "
+                       "(disabled in this operator): set a device count", depended, logger)
 
     plan = None
     if config.preflight:
         try:
-            plan = (await preflight(namespace, parsed, config)).plan
+            plan = (await preflight(namespace, parsed, config, depended)).plan
         except PreflightError as exc:
-            if not exc.retry:
-                _refuse(body, patch, status, generation, exc.reason, exc.message)
-            _set_condition(patch, status, condition(ACCEPTED, False, exc.reason, exc.message, generation))
-            patch.status["phase"] = PENDING
-            raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_DELAY)
+            return _refuse(body, patch, dict(status), generation, exc.reason, exc.message, depended, logger,
+                           temporary=exc.retry)
 
+    REFUSALS.refusing.pop((namespace, name), None)
+    patch.status["refusal"] = None
     patch.status["pipeline"] = {"specHash": spec_hash(dict(spec)), "generation": generation, "transformerJob": None,
                                 "transformerStep": None, "reproductionJob": None, "reproductionKind": None}
     patch.status.update(phase=PENDING, message=None, proxy=None, reproduction=None, workers=None,
@@ -245,9 +350,16 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
     logger.info(message)
 
 
-async def transform(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def transform(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, namespace: str, name: str,
+                    patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Step 2: replace older generations' children by this generation's first transformer Job."""
-    await _act(decide(dict(body), Observed(VALIDATED), memo.settings), _Context(dict(body), memo, logger, patch))
+    current = dict(body)
+    if (status.get("pipeline") or {}).get("specHash") != spec_hash(dict(spec)) \
+            and pipeline.refusal_of(dict(status), (body.get("metadata") or {}).get("generation") or 1) is None:
+        # kopf waits only so long (settings.persistence.consistency_timeout) for the version its
+        # patch of the validate step made; on a loaded API server it may hand over an older one.
+        current = await kube.get(PROXYMODELS, namespace, name)
+    await _act(decide(current, Observed(VALIDATED), memo.settings), _Context(current, memo, logger, patch))
 
 
 @kopf.on.update(*PXM, field="spec")

@@ -158,6 +158,12 @@ async def list_(resource: Resource, namespace: str, labels: dict[str, str]) -> l
                                     for k, v in labels.items())]
 
 
+async def patch(resource: Resource, namespace: str, name: str, body: dict) -> dict:
+    """Merge-patch the object itself (its metadata, e.g. an annotation)."""
+    return await _request("PATCH", "patch", resource, resource.path(namespace, name), json=body,
+                          headers={"Content-Type": "application/merge-patch+json"})
+
+
 async def patch_status(resource: Resource, namespace: str, name: str, status: dict,
                        resource_version: str | None = None) -> dict:
     """Merge-patch the status subresource. With `resource_version`, only if the object is still

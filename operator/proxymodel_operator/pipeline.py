@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 from .children import FINALIZE, REPRODUCTION, TRANSFORMER
 from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome
-from .reproduction import reproduction_workload
-from .resources import JOBS, Resource
+from .reproduction import headless_service, reproduction_workload
+from .resources import JOBS, SERVICES, Resource
 from .runtimes import RUNTIMES, Runtime
 from .settings import Settings
 from .spec import SIGNATURE_REASONS, ProxyModelSpec, parse
@@ -42,6 +42,8 @@ VALIDATED = "validated"  # its spec was accepted (the validate step): start the 
 SPEC_CHANGED = "spec-changed"
 CHILD_CHANGED = "child-changed"  # a child workload or one of its pods changed
 WORKERS_PROGRESS = "workers-progress"  # the workers' Indexed Job finished another index
+RECHECK = "recheck"  # a refused ProxyModel's dependencies were looked at again (the back-off)
+REJUDGE = "rejudge"  # a judgment was asked for again (the recheck annotation changed)
 
 
 # --- what a handler observed -------------------------------------------------------------------
@@ -60,9 +62,12 @@ class Child:
 
 @dataclass(frozen=True)
 class Observed:
-    event: str  # ADMITTED | VALIDATED | SPEC_CHANGED | CHILD_CHANGED | WORKERS_PROGRESS
+    event: str  # ADMITTED | VALIDATED | SPEC_CHANGED | CHILD_CHANGED | WORKERS_PROGRESS | RECHECK | REJUDGE
     child: Child | None = None  # CHILD_CHANGED, WORKERS_PROGRESS
     child_exists: bool | None = None  # ADMITTED: whether `recorded_child` exists
+    # ADMITTED and RECHECK of a refused ProxyModel: what its refusal depended on, as now
+    # (`preflight.dependencies`)
+    dependencies: dict | None = None
 
 
 # --- what to do ---------------------------------------------------------------------------------
@@ -126,11 +131,19 @@ class JudgeChild:
 
 
 @dataclass(frozen=True)
+class AskJudgment:
+    """Ask for the refused ProxyModel to be judged again (the recheck annotation, which runs the
+    pipeline's steps as kopf sub-handlers): something its refusal depended on changed."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class Log:
     message: str
 
 
-Action = PatchStatus | Emit | CreateChild | DeleteChildren | StartPipeline | JudgeChild | Log
+Action = PatchStatus | Emit | CreateChild | DeleteChildren | StartPipeline | JudgeChild | AskJudgment | Log
 
 
 # --- pure helpers over spec and status ------------------------------------------------------------
@@ -149,6 +162,25 @@ def _ran(status: dict) -> dict:
 def _generation(status: dict) -> int:
     """The generation the pipeline's children are named after."""
     return _ran(status).get("generation") or 1
+
+
+def refusal(reason: str, generation: int, dependencies: dict, temporary: bool) -> dict:
+    """`status.refusal`: the spec generation refused, why, and what the judgment depended on
+    besides the spec (`preflight.dependencies`): it is judged again only when one changes."""
+    return {"reason": reason, "generation": generation, "temporary": temporary, "dependencies": dependencies}
+
+
+def refusal_of(status: dict, generation: int) -> dict | None:
+    """The refusal that stands for this spec generation (None: not refused)."""
+    refused = status.get("refusal")
+    return refused if refused and refused.get("generation") == generation else None
+
+
+def _changed(refused: dict, now: dict | None) -> list[str]:
+    """What of a refusal's dependencies differs now."""
+    before = refused.get("dependencies") or {}
+    now = now or {}
+    return sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
 
 
 def recorded_child(spec: dict, status: dict) -> tuple[Resource, str] | None:
@@ -187,6 +219,8 @@ def as_planned(spec: ProxyModelSpec, status: dict) -> ProxyModelSpec:
     more than the ratio says (at least 2 x top-k where the device budget holds it); the build
     must make the proxy that was planned and that the reproduction was sized for."""
     planned = ((status.get("plan") or {}).get("proxy") or {}).get("expertsPerLayer")
+    if spec.pruning.auto:  # the build chooses, up to the count the devices were planned for
+        return replace(spec, pruning=replace(spec.pruning, max_experts=int(planned))) if planned else spec
     if spec.pruning.experts is not None or not planned:
         return spec
     return replace(spec, pruning=replace(spec.pruning, experts=int(planned)))
@@ -246,13 +280,19 @@ def decide(proxymodel: dict, observed: Observed, settings: Settings) -> list[Act
     pm = _ProxyModel(meta["namespace"], meta["name"], meta.get("generation") or 1, proxymodel.get("spec") or {},
                      proxymodel.get("status") or {}, settings)
     decisions = {ADMITTED: _admitted, VALIDATED: _validated, SPEC_CHANGED: _spec_changed,
-                 CHILD_CHANGED: _child_changed, WORKERS_PROGRESS: _workers_progress}
+                 CHILD_CHANGED: _child_changed, WORKERS_PROGRESS: _workers_progress, RECHECK: _recheck,
+                 REJUDGE: _rejudge}
     return decisions[observed.event](pm, observed)
 
 
 def _admitted(pm: _ProxyModel, observed: Observed) -> list[Action]:
     """Run the pipeline for this spec unless status shows it already runs (a resume after a
-    restart, or the create event seen again): then only a recorded child that is missing."""
+    restart, or the create event seen again): then only a recorded child that is missing. A
+    refused spec is judged again only if something its refusal depended on changed."""
+    refused = refusal_of(pm.status, pm.generation)
+    if refused is not None and not _changed(refused, observed.dependencies):
+        return [Log(f"refused ({refused.get('reason')}); nothing the refusal depended on changed: "
+                    "not judged again")]
     ran = _ran(pm.status)
     if ran.get("specHash") == spec_hash(pm.spec) and ran.get("transformerJob"):
         return _recorded_but_missing(pm, observed.child_exists)
@@ -271,7 +311,7 @@ def _recorded_but_missing(pm: _ProxyModel, exists: bool | None) -> list[Action]:
         job = step_job(step, pm.name, pm.namespace, _generation(pm.status), as_planned(pm.parsed(), pm.status))
         return [CreateChild(JOBS, job, Emit("Normal", STEP_TEXT[step].created, f"Job {job['metadata']['name']}"))]
     runtime, manifest = _reproduction(pm, pm.status, {})  # recorded already: the record is dropped
-    return [_create_reproduction(runtime, manifest)]
+    return _create_reproduction(runtime, manifest)
 
 
 def _validated(pm: _ProxyModel, observed: Observed) -> list[Action]:
@@ -318,12 +358,31 @@ def _spec_changed(pm: _ProxyModel, observed: Observed) -> list[Action]:
     out["phase"] = REPRODUCING if ran.get("reproductionJob") else (PROXY_READY if status.get("proxy") else TRANSFORMING)
     if status.get("proxy") and not ran.get("reproductionJob"):
         runtime, manifest = _reproduction(pm, status, out)
-        return [PatchStatus(out, first=True), _create_reproduction(runtime, manifest)]
+        return [PatchStatus(out, first=True), *_create_reproduction(runtime, manifest)]
     if not status.get("proxy") and ran.get("transformerStep") not in (None, BUILD, FINALIZE):
         # A step before the workers' finalize may have succeeded while suspended, its next Job
         # held back: judge it again now, after status is written (the judge changes conditions).
         return [PatchStatus(out, first=True), JudgeChild(JOBS, ran["transformerJob"], TRANSFORMER)]
     return [PatchStatus(out)]
+
+
+def _recheck(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """The back-off's look at a refusal's dependencies: a change asks for a new judgment."""
+    refused = refusal_of(pm.status, pm.generation)
+    changed = _changed(refused, observed.dependencies) if refused is not None else []
+    return [AskJudgment(f"{', '.join(changed)} changed since the refusal ({refused.get('reason')})")] \
+        if changed else []
+
+
+def _rejudge(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """A judgment asked for again: only a refused spec is judged again (a pipeline that runs is
+    left alone), and one accepted by this judgment goes on to its first Job."""
+    if refusal_of(pm.status, pm.generation) is not None:
+        return [Log("judging the refused spec again"), StartPipeline()]
+    ran = _ran(pm.status)
+    if ran.get("specHash") == spec_hash(pm.spec) and not ran.get("transformerJob"):
+        return [StartPipeline()]  # accepted now: the transformer step follows
+    return [Log("not refused: nothing to judge again")]
 
 
 def _workers_progress(pm: _ProxyModel, observed: Observed) -> list[Action]:
@@ -383,7 +442,7 @@ def _transformer_verdict(pm: _ProxyModel, verdict: Outcome, what: str) -> list[A
     spec = pm.parsed()
     create: list[Action] = []
     if spec.reproduction.enabled and not spec.suspend:
-        create = [_create_reproduction(*_reproduction(pm, {**status, **patch}, patch))]
+        create = _create_reproduction(*_reproduction(pm, {**status, **patch}, patch))
     elif spec.suspend:
         patch["phase"] = SUSPENDED
     return [Log(message), PatchStatus(patch), Emit("Normal", "ProxyReady", message), *create]
@@ -448,8 +507,10 @@ def _reproduction(pm: _ProxyModel, status: dict, into: dict) -> tuple[Runtime, d
     if not devices:  # validate refuses `auto` without a plan, so this is a bug
         raise RuntimeError("no device count: no plan and spec.reproduction.accelerator.devices is auto")
     proxy = status.get("proxy") or into.get("proxy") or {}
+    experts = proxy.get("expertsPerLayer") or {}
     manifest = reproduction_workload(pm.name, pm.namespace, generation, spec, proxy["uri"],
-                                     proxy.get("manifestSha256") or "", devices)
+                                     proxy.get("manifestSha256") or "", devices, experts.get("after"),
+                                     experts.get("topK"))
     child = manifest["metadata"]["name"]
     into["pipeline"] = {**_ran(status), "reproductionJob": child, "reproductionKind": r.runtime}
     into["phase"] = REPRODUCING
@@ -459,9 +520,14 @@ def _reproduction(pm: _ProxyModel, status: dict, into: dict) -> tuple[Runtime, d
     return RUNTIMES[r.runtime], manifest
 
 
-def _create_reproduction(runtime: Runtime, manifest: dict) -> CreateChild:
+def _create_reproduction(runtime: Runtime, manifest: dict) -> list[CreateChild]:
+    """The workload, after the headless Service its pods' host names need (if any): both owned
+    by the ProxyModel, both created once (one that exists counts as created)."""
     container = runtime.pod_templates(manifest["spec"])[0]["spec"]["containers"][0]
     devices = next(iter((container.get("resources") or {}).get("limits", {}).items()), ("", ""))
     created = Emit("Normal", "ReproductionCreated",
                    f"{manifest['kind']} {manifest['metadata']['name']} ({devices[1]} x {devices[0]} per pod)")
-    return CreateChild(runtime.resource, manifest, created, Failure(REPRODUCED_CONDITION, "reproduction"))
+    refused = Failure(REPRODUCED_CONDITION, "reproduction")
+    service = headless_service(runtime, manifest)
+    return ([CreateChild(SERVICES, service, refused=refused)] if service else []) + \
+        [CreateChild(runtime.resource, manifest, created, refused)]

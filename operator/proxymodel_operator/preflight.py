@@ -17,13 +17,13 @@ import threading
 from dataclasses import dataclass
 
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, MoeProxyError, ObjectNotFound, StorageError
-from moe_proxy.sizing import Sizing, SizingOptions, estimate
+from moe_proxy.sizing import Sizing, SizingOptions, auto_plan, estimate
 from moe_proxy.storage.s3 import S3Store
 
 from . import kube
 from .resources import SECRETS
 from .settings import Settings
-from .spec import ProxyModelSpec
+from .spec import InvalidSpec, ProxyModelSpec, parse
 
 CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
@@ -49,19 +49,24 @@ def redact(text: str, secrets: dict[str, str]) -> str:
     return text
 
 
-async def read_credentials(namespace: str, secret: str) -> dict[str, str]:
-    """AWS_* values of the named Secret ({} when the ProxyModel names none)."""
+async def read_credentials(namespace: str, secret: str, seen: dict | None = None) -> dict[str, str]:
+    """AWS_* values of the named Secret ({} when the ProxyModel names none). `seen["secret"]`:
+    which Secret the answer came from (its resourceVersion, or "absent")."""
     if not secret:
         return {}
     try:
         body = await kube.get(SECRETS, namespace, secret)
     except kube.ApiError as exc:
+        if seen is not None:
+            seen["secret"] = "absent" if exc.status == 404 else f"HTTP {exc.status}"
         if exc.status == 404:
             raise PreflightError("SecretNotFound", f"Secret {namespace}/{secret} (spec.source.credentialsSecret) "
                                  "does not exist; create it with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
                                  retry=True) from None
         raise PreflightError("SecretUnreadable", f"Secret {namespace}/{secret}: HTTP {exc.status} {exc.reason}",
                              retry=True) from None
+    if seen is not None:
+        seen["secret"] = (body.get("metadata") or {}).get("resourceVersion") or "unversioned"
     data = body.get("data") or {}
     values = {k: base64.b64decode(data[k]).decode() for k in CREDENTIAL_KEYS if data.get(k)}
     missing = [k for k in CREDENTIAL_KEYS[:2] if k not in values]
@@ -91,21 +96,28 @@ def s3_store(uri: str, spec: ProxyModelSpec, credentials: dict[str, str]) -> S3S
         return _stores[key]
 
 
-def read_source_config(spec: ProxyModelSpec, credentials: dict[str, str]) -> dict:
-    """config.json of the source checkpoint (blocking: run it in a thread)."""
+def read_source_config(spec: ProxyModelSpec, credentials: dict[str, str], seen: dict | None = None) -> dict:
+    """config.json of the source checkpoint (blocking: run it in a thread). `seen["source"]`:
+    which source the answer came from (the sha256 of the bytes read, or why none were)."""
     where = f"{spec.source.uri.rstrip('/')}/config.json"
+    seen = {} if seen is None else seen
     try:
         raw = s3_store(spec.source.uri, spec, credentials).read_bytes("config.json")
     except AccessDenied as exc:
+        seen["source"] = "denied"
         raise PreflightError("S3AccessDenied", f"access denied reading {where}: {exc}; check the credentials in "
                              "spec.source.credentialsSecret and the bucket policy") from None
     except ObjectNotFound as exc:
+        seen["source"] = "absent"
         raise PreflightError("S3NoSuchKey", f"{where} does not exist ({exc}): spec.source.uri must be a "
                              "Hugging Face checkpoint directory") from None
     except EndpointUnreachable as exc:
+        seen["source"] = "unreachable"
         raise PreflightError("S3Unreachable", str(exc), retry=True) from None
     except StorageError as exc:
+        seen["source"] = "unreadable"
         raise PreflightError("S3Error", str(exc), retry=True) from None
+    seen["source"] = hashlib.sha256(raw).hexdigest()[:16]
     try:
         config = json.loads(raw)
     except ValueError as exc:
@@ -125,15 +137,42 @@ def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Sizing:
         max_devices=r.accelerator.devices,  # an explicit device count is the budget for the kept experts
     )
     try:
+        if p.auto:  # `experts: auto`: sized for the largest count the build may choose
+            return auto_plan(config, options)
         return estimate(config, options)
     except MoeProxyError as exc:
         raise PreflightError(type(exc).__name__, str(exc)) from None
 
 
-async def preflight(namespace: str, spec: ProxyModelSpec, settings: Settings) -> Preflight:
-    credentials = await read_credentials(namespace, spec.source.credentials_secret)
+async def preflight(namespace: str, spec: ProxyModelSpec, settings: Settings, seen: dict | None = None) -> Preflight:
+    """Read the Secret and config.json, and plan. `seen` collects what the verdict depended on
+    (see `dependencies`), whatever the verdict."""
+    credentials = await read_credentials(namespace, spec.source.credentials_secret, seen)
     try:
-        config = await asyncio.to_thread(read_source_config, spec, credentials)
+        config = await asyncio.to_thread(read_source_config, spec, credentials, seen)
         return Preflight(config, plan_for(config, spec, settings))
     except PreflightError as exc:
         raise PreflightError(exc.reason, redact(exc.message, credentials), exc.retry) from None
+
+
+def settings_fingerprint(settings: Settings) -> str:
+    """The operator's settings, in short: a judgment made under other settings may differ."""
+    return hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+
+
+async def dependencies(namespace: str, name: str, spec: dict, settings: Settings) -> dict:
+    """What judging this spec depends on besides the spec: the operator's settings, the Secret
+    (its resourceVersion) and the source (its config.json's sha256), as `validate` records them
+    in a refusal. Read the same way as the preflight, without judging anything."""
+    seen = {"settings": settings_fingerprint(settings)}
+    try:
+        parsed = parse(spec, namespace, name, settings)
+    except InvalidSpec:
+        return seen
+    if settings.preflight:
+        try:
+            credentials = await read_credentials(namespace, parsed.source.credentials_secret, seen)
+            await asyncio.to_thread(read_source_config, parsed, credentials, seen)
+        except PreflightError:
+            pass  # what could not be read is recorded as such
+    return seen

@@ -35,6 +35,11 @@ PERMISSIONS: tuple[Permission, ...] = (
     # Child workloads, one per runtime of the table (the transformer's Jobs are batch/v1 Jobs):
     # created, followed, and deleted when a new generation replaces them.
     *(Permission(r.resource.group, r.resource.plural, WORKLOAD_VERBS, r.why) for r in RUNTIMES.values()),
+    # The headless Service that gives an Indexed reproduction Job's pods stable host names
+    # (`<job>-<index>.<job>`, the master at index 0): created with the Job (one that exists is
+    # read back), owned by the ProxyModel, deleted with the Jobs of an older spec. Never watched.
+    Permission("", "services", ("get", "list", "create", "delete"),
+               "the headless Service of a multi-node reproduction Job (pod host names for the rendezvous)"),
     # Pods of those Jobs: the termination message carries the result; waiting/terminated
     # reasons carry the real failure (OOMKilled, ImagePullBackOff, Unschedulable).
     Permission("", "pods", ("get", "list", "watch"),

@@ -1,9 +1,16 @@
-"""The reproduction workload: RL steps on the proxy, on the planned number of accelerators.
+"""The reproduction workload: one RL run on the proxy over the planned accelerators.
 
-One pod template, wrapped by the runtime spec.reproduction.runtime names (`runtimes.py`: a
-batch/v1 Job, a Volcano gang or an Ascend MindCluster AscendJob). By default the container runs
-`moe-proxy repro`; a user's own pod template (verl, MindSpeed-RL...) is used as given, with the
-proxy's location injected as environment.
+One pod per node, one pod template, wrapped by the runtime spec.reproduction.runtime names
+(`runtimes.py`: a batch/v1 Job, a Volcano gang or an Ascend MindCluster AscendJob). The pods
+find each other as the runtime's `Rendezvous` says: every container gets MASTER_ADDR,
+MASTER_PORT, NNODES, NODE_RANK and NPROC_PER_NODE (or the runtime's own variables for them).
+
+By default the container runs `moe-proxy repro --nnodes N --node-rank R --nproc-per-node D
+--master-addr A --master-port Q`: one torch.distributed run of N x D ranks; rank 0 (node 0's
+pod) writes the verdict as its termination message. A user's own pod template (verl,
+MindSpeed-RL...) keeps its containers and gets the same environment, the proxy's facts, and a
+`moe-proxy watch` native sidecar (an init container that restarts Always) that follows the
+framework's metrics file on a shared volume and writes the verdict as its termination message.
 """
 
 from __future__ import annotations
@@ -14,11 +21,15 @@ from dataclasses import dataclass
 
 from .children import (REPRODUCTION, TERMINATION_LOG, child_name, container_basics, labels, merge_env,
                        pod_spec_basics, s3_env)
-from .runtimes import RUNTIMES, Runtime
+from .resources import LABEL_CHILD, SERVICES
+from .runtimes import MASTER_PORT, RUNTIMES, WATCHER, Runtime
 from .spec import ProxyModelSpec
 
 RUN_DIR = "/run/moe-proxy"
 DEFAULT_CONTAINER = "reproduction"
+RUN_VOLUME = "moe-proxy-run"  # the emptyDir a user's framework shares with the watcher
+METRICS_FILE = f"{RUN_DIR}/metrics.jsonl"  # VERL_FILE_LOGGER_PATH unless the template sets it
+STOP_FILE = f"{RUN_DIR}/stop"  # the watcher makes it when the failure is in (failOn.stopOnReproduce)
 
 
 @dataclass(frozen=True)
@@ -33,15 +44,33 @@ def placement(devices: int, devices_per_node: int) -> Placement:
     return Placement(devices, per_pod, math.ceil(devices / per_pod))
 
 
-def repro_args(spec: ProxyModelSpec, proxy_uri: str) -> list[str]:
+def _var(name: str) -> str:
+    """A reference Kubernetes expands in command, args (and later env values): $(NAME)."""
+    return f"$({name})"
+
+
+def repro_args(spec: ProxyModelSpec, proxy_uri: str, runtime: Runtime | None = None,
+               where: Placement | None = None) -> list[str]:
+    """`moe-proxy repro` for one pod: with a placement, this node's ranks of the whole run."""
     r = spec.reproduction
     args = ["repro", proxy_uri, "--out", RUN_DIR, "--steps", str(r.max_steps), "--precision", r.precision]
     if r.fail_on:
         args += ["--fail-on", r.fail_on.cli()]
+    if where is not None:
+        args += ["--nproc-per-node", str(where.per_pod)]
+        if where.pods > 1:
+            args += ["--nnodes", str(where.pods), "--node-rank", _var(runtime.rendezvous.node_rank),
+                     "--master-addr", _var("MASTER_ADDR"), "--master-port", _var("MASTER_PORT")]
     return args + ["--termination-log", TERMINATION_LOG]
 
 
-def proxy_env(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, where: Placement) -> list[dict]:
+def ep_sizes(experts: int, devices: int) -> list[int]:
+    """Expert-parallel sizes that fit: they divide the experts per layer and the devices."""
+    return [size for size in range(1, min(experts, devices) + 1) if experts % size == 0 and devices % size == 0]
+
+
+def proxy_env(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, where: Placement,
+              experts_per_layer: int | None = None, top_k: int | None = None) -> list[dict]:
     """What any reproduction container learns about the proxy and the run it is part of."""
     r = spec.reproduction
     env = [
@@ -51,9 +80,46 @@ def proxy_env(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, where:
         {"name": "MOEPROXY_DEVICES", "value": str(where.devices)},
         {"name": "MOEPROXY_NODES", "value": str(where.pods)},
     ]
+    if experts_per_layer:
+        env += [{"name": "MOEPROXY_EXPERTS_PER_LAYER", "value": str(experts_per_layer)},
+                {"name": "MOEPROXY_EP_SIZES",
+                 "value": ",".join(map(str, ep_sizes(experts_per_layer, where.devices)))}]
+    if top_k:
+        env.append({"name": "MOEPROXY_TOP_K", "value": str(top_k)})
     if r.fail_on:
         env.append({"name": "MOEPROXY_FAIL_ON", "value": r.fail_on.cli()})
     return env
+
+
+def rendezvous_env(runtime: Runtime, name: str, where: Placement) -> list[dict]:
+    """MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC_PER_NODE as far as the operator can
+    declare them: the rest is the runtime's own (Ascend: MASTER_ADDR/PORT; Volcano and Ascend:
+    the node rank, see `node_rank_prelude`)."""
+    rv = runtime.rendezvous
+    env = [{"name": "NNODES", "value": str(where.pods)}, {"name": "NPROC_PER_NODE", "value": str(where.per_pod)}]
+    if where.pods == 1:
+        return env + [{"name": "NODE_RANK", "value": "0"}, {"name": "MASTER_ADDR", "value": "127.0.0.1"},
+                      {"name": "MASTER_PORT", "value": str(MASTER_PORT)}]
+    if rv.node_rank_field:
+        env.append({"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": rv.node_rank_field}}})
+    if rv.master:
+        env += [{"name": "MASTER_ADDR", "value": rv.master(name, where.pods)},
+                {"name": "MASTER_PORT", "value": str(MASTER_PORT)}]
+    return env
+
+
+def headless_service(runtime: Runtime, workload: dict) -> dict | None:
+    """The Service whose name is the pods' subdomain (`<job>-<i>.<job>`): DNS records for every
+    pod, ready or not, as the ranks meet before any is ready. None when the runtime makes its
+    own (Volcano's svc plugin, the Ascend operator) or the run has one pod."""
+    subdomain = runtime.pod_templates(workload["spec"])[0]["spec"].get("subdomain")
+    if not runtime.rendezvous.service or not subdomain:
+        return None
+    meta = workload["metadata"]
+    return {"apiVersion": SERVICES.api_version, "kind": SERVICES.kind,
+            "metadata": {"name": subdomain, "namespace": meta["namespace"], "labels": dict(meta["labels"])},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {LABEL_CHILD: meta["name"]}}}
 
 
 def _accelerator_resources(existing: dict, resource: str, count: int) -> dict:
@@ -63,26 +129,94 @@ def _accelerator_resources(existing: dict, resource: str, count: int) -> dict:
     return out
 
 
-def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, where: Placement,
-                 pod_labels: dict[str, str], runtime: Runtime) -> dict:
+def node_rank_prelude(runtime: Runtime, where: Placement) -> str:
+    """Shell that exports NODE_RANK from the runtime's own variable, where only that holds it."""
+    rv = runtime.rendezvous
+    if where.pods == 1 or rv.node_rank == "NODE_RANK":
+        return ""
+    return f'export NODE_RANK="${{NODE_RANK:-${rv.node_rank}}}"; '
+
+
+# Runs the framework; ends it when the watcher made the stop file (then the run ended as asked:
+# exit 0); passes SIGTERM on.
+_STOPPABLE = ('"$@" & child=$!; trap \'kill -TERM $child 2>/dev/null\' TERM; '
+              'while kill -0 $child 2>/dev/null; do '
+              f'if [ -e {STOP_FILE} ]; then kill -TERM $child; wait $child; exit 0; fi; sleep 1; done; '
+              'wait $child')
+
+
+def _wrapped(container: dict, prelude: str, stoppable: bool) -> None:
+    """Put the rendezvous prelude (and the stop watch) in front of a container's own command.
+    A container without `command` (the image's entrypoint) is left as it is."""
+    if not container.get("command") or not (prelude or stoppable):
+        return
+    script = prelude + (_STOPPABLE if stoppable else 'exec "$@"')
+    container["command"] = ["/bin/sh", "-c", script, "moe-proxy-rendezvous", *container["command"]]
+
+
+def _env_value(env: list[dict], name: str) -> str | None:
+    return next((e.get("value") for e in env if e["name"] == name), None)
+
+
+def watcher(spec: ProxyModelSpec, runtime: Runtime, where: Placement, env: list[dict], metrics: str,
+            mounts: list[dict]) -> dict:
+    """The native sidecar: `moe-proxy watch` on the framework's metrics file. It writes the
+    verdict (its termination message) as soon as it decides and stays until the pod ends (a
+    native sidecar that exits is restarted); on SIGTERM it reads the rest and writes the final
+    one. Only node 0 has metrics: on the other nodes it waits and writes nothing."""
     r = spec.reproduction
-    env = merge_env(s3_env(spec.source), proxy_env(spec, proxy_uri, manifest_sha256, where)) + runtime.pod_env(spec)
+    rank = runtime.rendezvous.init_node_rank
+    args = ["watch", metrics, "--termination-log", TERMINATION_LOG, "--hold",
+            "--node-rank", _var(rank) if rank and where.pods > 1 else "0"]
+    if r.fail_on:
+        args += ["--fail-on", r.fail_on.cli()]
+        if r.fail_on.stop_on_reproduce:
+            args += ["--stop-file", STOP_FILE]
+    container = container_basics(r.workload, WATCHER)
+    container.pop("resources", None)  # the framework's requests are the pod's; the watcher needs little
+    container.update(restartPolicy="Always", command=["moe-proxy"], args=args, env=env, volumeMounts=mounts)
+    return container
+
+
+def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, where: Placement,
+                 pod_labels: dict[str, str], runtime: Runtime, name: str = "",
+                 experts_per_layer: int | None = None, top_k: int | None = None) -> dict:
+    r = spec.reproduction
+    env = merge_env(s3_env(spec.source), proxy_env(spec, proxy_uri, manifest_sha256, where, experts_per_layer, top_k))
+    env = merge_env(env, rendezvous_env(runtime, name, where)) + runtime.pod_env(spec)
     if r.template is not None:  # the user's own RL framework
         template = copy.deepcopy(r.template)
         template.setdefault("metadata", {}).setdefault("labels", {}).update(pod_labels)
         pod = template["spec"]
         pod.setdefault("restartPolicy", "Never")
+        first = pod["containers"][0]
+        metrics = _env_value(first.get("env") or [], "VERL_FILE_LOGGER_PATH") or METRICS_FILE
+        env = merge_env(env, [{"name": "VERL_FILE_LOGGER_PATH", "value": metrics}])
+        shared = {"name": RUN_VOLUME, "mountPath": RUN_DIR}
+        prelude = node_rank_prelude(runtime, where)
+        stoppable = bool(r.fail_on and r.fail_on.stop_on_reproduce)
         for i, c in enumerate(pod["containers"]):
             c["env"] = merge_env(env, c.get("env") or [])
+            mounts = c.setdefault("volumeMounts", [])
+            if not any(m.get("mountPath") == RUN_DIR for m in mounts):
+                mounts.append(shared)
+            _wrapped(c, prelude, stoppable and i == 0)
             if i == 0:
                 c["resources"] = _accelerator_resources(c.get("resources"), r.accelerator.resource, where.per_pod)
                 if runtime.container:
                     c["name"] = runtime.container
+        # The watcher sees what the framework's first container sees (a metrics path on its own volume).
+        seen = [m for m in first["volumeMounts"] if m.get("mountPath") != RUN_DIR] + [shared]
+        pod["initContainers"] = [watcher(spec, runtime, where, env, metrics, seen), *pod.get("initContainers", [])]
+        pod.setdefault("volumes", []).append({"name": RUN_VOLUME, "emptyDir": {}})
         return template
 
     container = container_basics(r.workload, runtime.container or DEFAULT_CONTAINER)
-    container["command"] = r.workload.command or ["moe-proxy"]
-    container["args"] = r.workload.args or repro_args(spec, proxy_uri)
+    launcher = ["moe-proxy"]
+    if runtime.rendezvous.clears:  # the runtime's RANK/WORLD_SIZE are not torchrun's: our launcher sets them
+        launcher = ["env", *(arg for v in runtime.rendezvous.clears for arg in ("-u", v)), "moe-proxy"]
+    container["command"] = r.workload.command or launcher
+    container["args"] = r.workload.args or repro_args(spec, proxy_uri, runtime, where)
     container["env"] = merge_env(env, r.workload.env)
     container["resources"] = _accelerator_resources(r.workload.resources, r.accelerator.resource, where.per_pod)
     container["volumeMounts"] = [{"name": "run", "mountPath": RUN_DIR}]
@@ -94,16 +228,23 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
 
 
 def reproduction_workload(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec,
-                          proxy_uri: str, manifest_sha256: str, devices: int) -> dict:
-    """The manifest for spec.reproduction.runtime, on `devices` accelerators in total."""
+                          proxy_uri: str, manifest_sha256: str, devices: int,
+                          experts_per_layer: int | None = None, top_k: int | None = None) -> dict:
+    """The manifest for spec.reproduction.runtime, on `devices` accelerators in total (one pod
+    per node); `headless_service` gives the Service it needs, if any."""
     r = spec.reproduction
     runtime = RUNTIMES[r.runtime]
-    name = child_name(proxymodel, REPRODUCTION, generation)
     where = placement(devices, r.accelerator.devices_per_node)
+    # the pods' host names, <name><suffix><index>, are DNS labels too
+    reserve = len(runtime.rendezvous.hostname_suffix) + len(str(where.pods - 1)) if where.pods > 1 else 0
+    name = child_name(proxymodel, REPRODUCTION, generation, reserve)
     pod_labels = {**labels(proxymodel, REPRODUCTION, name, generation), **runtime.pod_labels(spec)}
     workload_labels = {**labels(proxymodel, REPRODUCTION, name, generation, spec, kueue=runtime.kueue),
                        **runtime.labels(spec)}
-    template = pod_template(spec, proxy_uri, manifest_sha256, where, pod_labels, runtime)
+    template = pod_template(spec, proxy_uri, manifest_sha256, where, pod_labels, runtime, name,
+                            experts_per_layer, top_k)
+    if runtime.rendezvous.service and where.pods > 1:
+        template["spec"]["subdomain"] = name  # the headless Service has the workload's name
     return {"apiVersion": runtime.resource.api_version, "kind": runtime.resource.kind,
             "metadata": {"name": name, "namespace": namespace, "labels": workload_labels},
             "spec": runtime.build(spec, where.pods, template)}

@@ -36,6 +36,7 @@ VOLCANO_JOBS = Resource("batch.volcano.sh", "v1alpha1", "jobs", "Job")
 ASCEND_JOBS = Resource("mindxdl.gitee.com", "v1", "ascendjobs", "AscendJob")
 PODS = Resource("", "v1", "pods", "Pod")
 SECRETS = Resource("", "v1", "secrets", "Secret")
+SERVICES = Resource("", "v1", "services", "Service")
 
 # Labels on every child workload and on its pods (through the pod templates).
 LABEL_PROXYMODEL = f"{GROUP}/proxymodel"  # the owning ProxyModel's name

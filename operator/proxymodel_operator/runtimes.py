@@ -9,6 +9,11 @@ The table is the one place: `rbac.PERMISSIONS` grants each entry's resource, the
 watch and delete each one, and tests check that the CRD's `spec.reproduction.runtime` enum
 names exactly these. A new runtime (KubeRay's RayJob, say) is one entry here, plus the enum.
 Pure data and functions: the batch/v1 Job is also the transformer's workload.
+
+Each entry also says how its pods find each other (`Rendezvous`): one pod per node, node 0
+the master, the node rank from the completion index (batch/v1 Job, with a headless Service
+the operator creates), Volcano's task index (its `env` and `svc` plugins) or the Ascend
+operator's own environment (RANK, MASTER_ADDR, MASTER_PORT).
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .resources import ASCEND_JOBS, JOBS, VOLCANO_JOBS, Resource
+from .resources import ASCEND_JOBS, JOBS, SERVICES, VOLCANO_JOBS, Resource
 
 if TYPE_CHECKING:  # the spec's types only: spec.py validates runtime names against this table
     from .spec import ProxyModelSpec
 
 ASCEND_RING_LABEL = "ring-controller.atlas"
+JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # an Indexed Job pod's annotation
+VOLCANO_TASK = "worker"  # the one task of a reproduction's Volcano Job
+WATCHER = "moe-proxy-watch"  # the init container (native sidecar) that judges a user's framework
+MASTER_PORT = 29500  # torch.distributed's usual port (the Ascend operator sets its own)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,27 @@ def _no_env(spec: ProxyModelSpec) -> list[dict]:
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """How a runtime's pods (one per node) find each other for one torch.distributed run."""
+
+    # The variable that holds the pod's node rank when its containers run: NODE_RANK where the
+    # operator declares it from a pod field (`node_rank_field`), else the runtime's own, which
+    # its controller appends to the containers' env (after ours, so `$(VAR)` in our env cannot
+    # name it; in command and args it can).
+    node_rank: str
+    # (workload name, pods) -> node 0's host name; None: the runtime injects MASTER_ADDR.
+    master: Callable[[str, int], str] | None
+    # The pods' host names: `<workload><suffix><index>` (a DNS label: at most 63 characters).
+    hostname_suffix: str
+    service: bool = False  # the operator creates the headless Service the pods' host names need
+    # Variables the runtime sets with other meanings than torchrun's: unset before our launcher.
+    clears: tuple[str, ...] = ()
+    # The node rank in an init container (the watch sidecar); None: only node 0's pod has one.
+    init_node_rank: str | None = None
+    node_rank_field: str | None = None  # the downward API path NODE_RANK is declared from
+
+
+@dataclass(frozen=True)
 class Runtime:
     name: str  # the spec.reproduction.runtime value
     resource: Resource
@@ -66,6 +96,7 @@ class Runtime:
     labels: Callable[[ProxyModelSpec], dict] = _nothing  # on the workload, for its controller
     pod_labels: Callable[[ProxyModelSpec], dict] = _nothing  # on its pods
     pod_env: Callable[[ProxyModelSpec], list[dict]] = _no_env  # for its containers
+    rendezvous: Rendezvous = Rendezvous("NODE_RANK", None, "-")
 
 
 # --- batch/v1 Job: one pod, or an Indexed Job of one pod per node --------------------------------
@@ -76,7 +107,7 @@ def _job(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
     if r.scheduler_name:
         template["spec"]["schedulerName"] = r.scheduler_name
     job: dict = {"backoffLimit": r.workload.backoff_limit, "template": template}
-    if pods > 1:
+    if pods > 1:  # pods <job>-<index>: the completion index is the node rank
         job.update(completionMode="Indexed", completions=pods, parallelism=pods)
     if r.workload.active_deadline_seconds:
         job["activeDeadlineSeconds"] = r.workload.active_deadline_seconds
@@ -94,9 +125,11 @@ def _volcano_job(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
         "schedulerName": r.scheduler_name or "volcano",
         "minAvailable": pods,  # gang: all pods start together or none does
         "maxRetry": r.workload.backoff_limit,
-        "plugins": {"env": [], "svc": []},
+        # env: VC_TASK_INDEX; svc: host name <job>-worker-<i>, subdomain <job>, its headless
+        # Service, VC_WORKER_HOSTS (published before the pods are ready: the ranks meet at start)
+        "plugins": {"env": [], "svc": ["--publish-not-ready-addresses"]},
         "policies": [{"event": "PodFailed", "action": "AbortJob"}],
-        "tasks": [{"name": "worker", "replicas": pods, "template": template}],
+        "tasks": [{"name": VOLCANO_TASK, "replicas": pods, "template": template}],
     }
     if r.volcano_queue:
         vc["queue"] = r.volcano_queue
@@ -121,8 +154,12 @@ def _ascend_env(spec: ProxyModelSpec) -> list[dict]:
 def _ascend_job(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
     r = spec.reproduction
     replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
-    if pods > 1:
-        replicas["Worker"] = {"replicas": pods - 1, "restartPolicy": "Never", "template": copy.deepcopy(template)}
+    if pods > 1:  # the Master is node rank 0: only its pod holds the metrics, and a watcher
+        worker = copy.deepcopy(template)
+        inits = [c for c in worker["spec"].pop("initContainers", []) if c["name"] != WATCHER]
+        if inits:
+            worker["spec"]["initContainers"] = inits
+        replicas["Worker"] = {"replicas": pods - 1, "restartPolicy": "Never", "template": worker}
     policy: dict = {"minAvailable": pods}
     if r.volcano_queue:
         policy["queue"] = r.volcano_queue
@@ -136,18 +173,30 @@ def _ascend_job(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
 
 RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("Job", JOBS, "transformer Job and batch/v1 reproduction Job", Conditions("Complete", "Failed"),
-            _job, lambda spec: [spec["template"]], kueue=True),
+            _job, lambda spec: [spec["template"]], kueue=True,
+            rendezvous=Rendezvous("NODE_RANK", lambda job, pods: f"{job}-0.{job}", "-", service=True,
+                                  init_node_rank="NODE_RANK",
+                                  node_rank_field=f"metadata.annotations['{JOB_COMPLETION_INDEX}']")),
     Runtime("VolcanoJob", VOLCANO_JOBS, "reproduction as a Volcano Job (gang scheduling)",
             Phase(("state", "phase"), ("Completed",), ("Failed", "Aborted", "Terminated"), ("Pending",)),
-            _volcano_job, lambda spec: [t["template"] for t in spec["tasks"]]),
+            _volcano_job, lambda spec: [t["template"] for t in spec["tasks"]],
+            # the svc plugin's first host of VC_WORKER_HOSTS
+            rendezvous=Rendezvous("VC_TASK_INDEX", lambda job, pods: f"{job}-{VOLCANO_TASK}-0.{job}",
+                                  f"-{VOLCANO_TASK}-", init_node_rank="VC_TASK_INDEX")),
     Runtime("AscendJob", ASCEND_JOBS, "reproduction as an Ascend MindCluster AscendJob",
             Conditions("Succeeded", "Failed"), _ascend_job,
             lambda spec: [r["template"] for r in spec["replicaSpecs"].values()], container="ascend",
-            labels=lambda spec: {"framework": "pytorch", **_ring(spec)}, pod_labels=_ring, pod_env=_ascend_env),
+            labels=lambda spec: {"framework": "pytorch", **_ring(spec)}, pod_labels=_ring, pod_env=_ascend_env,
+            # framework pytorch: RANK = the pod's node rank, WORLD_SIZE = all NPUs, LOCAL_RANK a list
+            rendezvous=Rendezvous("RANK", None, "-worker-",
+                                  clears=("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))),
 )}
 
 # Every workload resource the operator creates, follows and deletes (the transformer's Jobs included).
 WORKLOADS: tuple[Resource, ...] = tuple(dict.fromkeys(r.resource for r in RUNTIMES.values()))
+# What a generation's children are: the workloads and the headless Services of multi-node Jobs
+# (created and deleted with them, never followed).
+CHILDREN: tuple[Resource, ...] = (*WORKLOADS, SERVICES)
 
 
 def runtime_of(resource) -> Runtime | None:

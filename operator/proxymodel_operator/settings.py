@@ -26,6 +26,9 @@ ENV_LOG_FORMAT = "MOEPROXY_LOG_FORMAT"  # plain | full | json
 ENV_CHECKPOINT_WATCH = "MOEPROXY_CHECKPOINT_WATCH"  # "true" serves CheckpointWatches (chart: checkpointWatch.enabled)
 # Not set by the chart: how often each CheckpointWatch's timer wakes (seconds; tests shorten it).
 ENV_CHECKPOINT_TICK = "MOEPROXY_CHECKPOINT_TICK"
+# Not set by the chart: how often a refused ProxyModel's dependencies (its Secret, its source's
+# config.json) are looked at again (seconds; tests shorten it).
+ENV_RECHECK_INTERVAL = "MOEPROXY_RECHECK_INTERVAL"
 
 # What the chart sets.
 ALL_ENV = (ENV_NAMESPACES, ENV_TRANSFORMER_IMAGE, ENV_REPRO_IMAGE, ENV_ACCELERATOR,
@@ -55,6 +58,7 @@ class Settings:
     log_format: str = "json"
     checkpoint_watch: bool = False  # the chart grants its RBAC only when this is on
     checkpoint_tick: float = 30.0  # the CRD's smallest pollInterval: polls fall on 30 s ticks
+    recheck_interval: float = 120.0  # a refusal's Secret and source are looked at again this often
 
     @property
     def cluster_wide(self) -> bool:
@@ -87,12 +91,6 @@ def _float(env: dict[str, str], name: str, default: float) -> float:
     return value
 
 
-def checkpoint_tick(env: dict[str, str] | None = None) -> float:
-    """MOEPROXY_CHECKPOINT_TICK, on its own: kopf takes a timer's interval when the timer is
-    registered (at import), before any Settings exist."""
-    return _float(dict(os.environ if env is None else env), ENV_CHECKPOINT_TICK, Settings.checkpoint_tick)
-
-
 def from_env(env: dict[str, str] | None = None) -> Settings:
     """Settings from `env` (default: os.environ); a bad value raises SettingsError naming it."""
     env = dict(os.environ if env is None else env)
@@ -122,5 +120,6 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         liveness=env.get(ENV_LIVENESS, "").strip() or "http://0.0.0.0:8080/healthz",
         log_format=log_format,
         checkpoint_watch=checkpoint_watch in ("true", "1", "yes"),
-        checkpoint_tick=checkpoint_tick(env),
+        checkpoint_tick=_float(env, ENV_CHECKPOINT_TICK, Settings.checkpoint_tick),
+        recheck_interval=_float(env, ENV_RECHECK_INTERVAL, Settings.recheck_interval),
     )

@@ -57,6 +57,12 @@ class Pruning:
     representative: str | None = None  # medoid | saliency (usage-aware, needs spec.calibration)
     keep_super: bool = True
     heal: bool = False
+    max_kl: float | None = None  # `experts: auto` (experts is None): the smallest count with KL <= this
+    max_experts: int | None = None  # `experts: auto`: the largest count the plan sized devices for
+
+    @property
+    def auto(self) -> bool:
+        return self.max_kl is not None
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class FailOn:
     operator: str = ">"
     value: float | None = None
     steps: int = 1
+    stop_on_reproduce: bool = False  # a user's framework is ended once the watcher's verdict is in
 
     def cli(self) -> str:
         """The `moe-proxy repro --fail-on` form: a built-in name or METRIC>VALUE[:STEPS]."""
@@ -176,8 +183,9 @@ def _fail_on(raw: dict | None) -> FailOn | None:
     signature = raw.get("signature")
     if signature not in SIGNATURES:
         raise InvalidSpec(f"spec.reproduction.failOn.signature {signature!r}: expected one of {', '.join(SIGNATURES)}")
+    stop = bool(raw.get("stopOnReproduce", False))
     if signature != "threshold":
-        return FailOn(signature)
+        return FailOn(signature, stop_on_reproduce=stop)
     metric, value = raw.get("metric"), raw.get("value")
     if not metric:
         raise InvalidSpec("spec.reproduction.failOn: a threshold needs `metric` (e.g. actor/grad_norm)")
@@ -185,7 +193,7 @@ def _fail_on(raw: dict | None) -> FailOn | None:
         number = float(value)
     except (TypeError, ValueError):
         raise InvalidSpec(f"spec.reproduction.failOn.value {value!r}: a threshold needs a number") from None
-    return FailOn("threshold", metric, raw.get("operator", ">"), number, int(raw.get("steps", 1)))
+    return FailOn("threshold", metric, raw.get("operator", ">"), number, int(raw.get("steps", 1)), stop)
 
 
 def _accelerator(raw: dict, settings: Settings) -> AcceleratorRequest:
@@ -234,16 +242,19 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
             raise InvalidSpec(f"spec.pruning.pin {pin!r}: expected LAYER:EXPERT, e.g. 3:17")
     ratio = p.get("keepRatio")
     pruning = Pruning(
-        experts=p.get("experts"), keep_ratio=float(ratio) if ratio is not None else None,
+        experts=_experts(p), keep_ratio=float(ratio) if ratio is not None else None,
         method=p.get("method", "cluster"), features=p.get("features", "router"),
         clustering=p.get("clustering", "kmeans"), top_k=p.get("topK"),
         pins=tuple(str(x) for x in p.get("pin") or []), seed=p.get("seed", 0),
         representative=p.get("representative"), keep_super=bool(p.get("keepSuper", True)),
-        heal=bool(p.get("heal", False)),
+        heal=bool(p.get("heal", False)), max_kl=_max_kl(p),
     )
     calibration = _calibration(spec.get("calibration"), pruning)
     transformer = spec.get("transformer") or {}
     workers = _workers(transformer)
+    if pruning.auto and workers > 1:
+        raise InvalidSpec("spec.pruning.experts \"auto\" measures expert counts before anything is written, in one "
+                          "build: set spec.transformer.parallelism to 1, or give a number of experts")
 
     r = spec.get("reproduction") or {}
     runtime = r.get("runtime", "Job")
@@ -271,6 +282,32 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     )
 
 
+def _experts(p: dict) -> int | None:
+    """spec.pruning.experts: a whole number, or "auto" (None here, with max_kl set)."""
+    experts = p.get("experts")
+    if experts == "auto":
+        return None
+    if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
+        raise InvalidSpec(f"spec.pruning.experts {experts!r}: a whole number of at least 1, or \"auto\" with maxKL")
+    return experts
+
+
+def _max_kl(p: dict) -> float | None:
+    auto, value = p.get("experts") == "auto", p.get("maxKL")
+    if auto != (value is not None):
+        raise InvalidSpec("spec.pruning.experts \"auto\" and spec.pruning.maxKL go together: the build picks the "
+                          "smallest expert count whose KL(original || proxy) per token is at most maxKL")
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InvalidSpec(f"spec.pruning.maxKL {value!r}: a number above 0") from None
+    if not number > 0:
+        raise InvalidSpec(f"spec.pruning.maxKL {value!r}: a number above 0 (only keeping every expert gives 0)")
+    return number
+
+
 def _workers(transformer: dict) -> int:
     workers = transformer.get("parallelism", 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
@@ -283,7 +320,8 @@ def _workers(transformer: dict) -> int:
 
 
 def _calibration(raw: dict | None, pruning: Pruning) -> Calibration | None:
-    needs = calibration_needs(pruning.method, pruning.features, pruning.representative, pruning.heal)
+    needs = calibration_needs(pruning.method, pruning.features, pruning.representative, pruning.heal,
+                              auto=pruning.auto)
     if raw is None:
         if needs:
             raise InvalidSpec(f"spec.pruning {', '.join(needs)}: needs spec.calibration (usage statistics)")

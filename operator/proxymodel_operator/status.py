@@ -74,6 +74,9 @@ def proxy_summary(report: dict) -> dict:
         "params": {"totalBefore": params.get("total_before"), "totalAfter": params.get("total_after"),
                    "activeBefore": params.get("active_before"), "activeAfter": params.get("active_after")},
         "bytes": {"before": size.get("before"), "after": size.get("after")},
+        # a calibrated build's fidelity figure (`kubectl get pxm -o wide` shows it)
+        **({"fidelity": {"kl": fidelity.get("kl"), "lossDelta": fidelity.get("loss_delta")}}
+           if isinstance(fidelity := report.get("fidelity"), dict) else {}),
     }
 
 

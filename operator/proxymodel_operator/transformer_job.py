@@ -79,7 +79,11 @@ def build_args(spec: ProxyModelSpec, scale_out: list[str] | None = None) -> list
     worker or finalize flags of a step of a build with several workers."""
     p = spec.pruning
     args = ["build", spec.source.uri, spec.destination]
-    args += ["--experts", str(p.experts)] if p.experts is not None else ["--keep-ratio", f"{p.keep_ratio:g}"]
+    if p.auto:  # the smallest count meeting maxKL, at most the count the devices were planned for
+        args += ["--experts", "auto", "--max-kl", f"{p.max_kl:g}"]
+        args += ["--max-experts", str(p.max_experts)] if p.max_experts is not None else []
+    else:
+        args += ["--experts", str(p.experts)] if p.experts is not None else ["--keep-ratio", f"{p.keep_ratio:g}"]
     args += ["--method", p.method, "--features", p.features, "--clustering", p.clustering, "--seed", str(p.seed)]
     if p.top_k is not None:
         args += ["--top-k", str(p.top_k)]

@@ -172,15 +172,18 @@ def test_kopf_can_serve_every_registered_handler(chart, values):
     """kopf's own calls bypass the operator's API client: each resource a handler is
     registered for must be listable and watchable, and the ones kopf keeps state on
     (progress annotations, finalizer) patchable."""
-    kopf = require("kopf", "kopf")
-    import proxymodel_operator.checkpoint_watch  # noqa: F401 - registered when checkpointWatch.enabled
+    require("kopf", "kopf")
     import proxymodel_operator.handlers  # noqa: F401 - registers the handlers
+    from proxymodel_operator import checkpoint_watch
+
+    from ..operator.harness import registry_copy
 
     def granted_by(values):
         objects = render_objects(chart, values)
         return set().union(*(grants(r["rules"]) for r in objects if r["kind"] in ("Role", "ClusterRole")))
 
-    registry = kopf.get_default_registry()
+    registry = registry_copy()  # the default registry's handlers, and the watch's timer
+    checkpoint_watch.register(30.0, registry)  # as with checkpointWatch.enabled
     default, watching = granted_by(values), granted_by({**values, "checkpointWatch": {"enabled": True}})
     stateful = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
     stateless = [*registry._watching.get_all_handlers(), *registry._indexing.get_all_handlers()]

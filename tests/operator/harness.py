@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 import kmock
@@ -48,6 +50,14 @@ class Api:
 
     async def patch(self, resource: Resource, namespace: str, name: str, body: dict) -> dict:
         return await self._call("PATCH", resource.path(namespace, name), body, merge=True)
+
+    async def patch_status(self, resource: Resource, namespace: str, name: str, status: dict,
+                           resource_version: str | None = None) -> dict:
+        """What another controller writing this object's status would send."""
+        body: dict = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self._call("PATCH", resource.path(namespace, name, "status"), body, merge=True)
 
     async def patch_spec(self, resource: Resource, namespace: str, name: str, spec: dict) -> dict:
         return await self.patch(resource, namespace, name, {"spec": spec})
@@ -133,15 +143,18 @@ def _first_template(workload: dict) -> dict:
     return spec["replicaSpecs"]["Master"]["template"]
 
 
-async def eventually(check: Callable[[], object], timeout: float = 20.0, what: str = "") -> object:
-    """Poll until `check()` is truthy (returns it) or fail after `timeout` seconds."""
+async def eventually(check: Callable[[], object], timeout: float = 20.0,
+                     what: str | Callable[[], str] = "") -> object:
+    """Poll until `check()` is truthy (returns it) or fail after `timeout` seconds. `what` may
+    be a function: it then describes the state at the moment of failure (e.g. progress)."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or check}")
+            described = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout}s waiting for {described or check}")
         await asyncio.sleep(0.05)
 
 
@@ -171,26 +184,82 @@ TRANSFORMER_REPORT = {
 }
 
 
+def registry_copy() -> kopf.OperatorRegistry:
+    """A registry of its own holding what the default one holds (the handlers that importing
+    proxymodel_operator.handlers registers): a test adds to it without touching other tests."""
+    default, fresh = kopf.get_default_registry(), kopf.OperatorRegistry()
+    for part in ("_activities", "_indexing", "_watching", "_spawning", "_changing", "_webhooks"):
+        for handler in getattr(default, part).get_all_handlers():
+            getattr(fresh, part).append(handler)
+    return fresh
+
+
+@dataclass(frozen=True)
+class Record:
+    """One log record of the operator's: about an object (kopf's object logger) or not."""
+
+    index: int
+    logger: str
+    level: int
+    message: str
+    namespace: str | None
+    name: str | None
+    exception: bool  # logged with a traceback (logger.exception)
+
+
+class _Recorder(logging.Handler):
+    def __init__(self, records: list[Record]) -> None:
+        super().__init__(logging.DEBUG)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.name.startswith(("kopf", "proxymodel_operator", "asyncio")):
+            return
+        ref = getattr(record, "k8s_ref", None) or {}
+        self.records.append(Record(len(self.records), record.name, record.levelno, record.getMessage(),
+                                   ref.get("namespace"), ref.get("name"), bool(record.exc_info)))
+
+
+# What kopf logs when a handler raised something other than kopf's Temporary/PermanentError (it
+# then retries it, or for event handlers, drops it), and what asyncio logs for a task that died.
+HANDLER_ERRORS = ("failed with an exception", "Task exception was never retrieved", "Unhandled error")
+
+
 class Operator:
     """The operator's handlers run by kopf in a thread with its own event loop, as `kopf run`
-    would. (In the test's loop kopf would cancel the test's own tasks when it stops.)"""
+    would. (In the test's loop kopf would cancel the test's own tasks when it stops.) Every
+    record it logs is kept (`records`): tests wait on what the operator reported about an
+    object, and a handler exception fails the test (`check_handler_errors`)."""
 
-    def __init__(self, namespaces: list[str] | None = None) -> None:
+    def __init__(self, namespaces: list[str] | None = None, registry: kopf.OperatorRegistry | None = None) -> None:
         self.namespaces = namespaces or []  # none: cluster-wide
+        self.registry = registry
         self.thread: threading.Thread | None = None
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
+        self.records: list[Record] = []
+        self.expected_errors: list[str] = []
+        self.stopping: list[int] = []  # record counts when each stop began
+        self.starting: list[int] = []  # ... and each start
+        self._recorder = _Recorder(self.records)
 
     def _run(self, ready: threading.Event) -> None:
         try:
             asyncio.run(kopf.operator(clusterwide=not self.namespaces, namespaces=self.namespaces, standalone=True,
-                                      stop_flag=self.stop_flag, ready_flag=ready))
+                                      stop_flag=self.stop_flag, ready_flag=ready, registry=self.registry))
         except BaseException as exc:  # noqa: BLE001 - reported by stop()
             self.error = exc
 
     async def start(self) -> None:
         ready = threading.Event()
         self.stop_flag = threading.Event()
+        self.starting.append(len(self.records))
+        for name in ("kopf", "proxymodel_operator"):  # INFO at least: handlers report outcomes there
+            logger = logging.getLogger(name)
+            if logger.getEffectiveLevel() > logging.INFO:
+                logger.setLevel(logging.INFO)
+        for name in ("kopf", "proxymodel_operator", "asyncio"):
+            logging.getLogger(name).addHandler(self._recorder)
         self.thread = threading.Thread(target=self._run, args=(ready,), name="operator", daemon=True)
         self.thread.start()
         assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
@@ -198,8 +267,50 @@ class Operator:
 
     async def stop(self) -> None:
         if self.thread is not None:
+            self.stopping.append(len(self.records))  # what handlers log after this is shutdown's
             self.stop_flag.set()
             await asyncio.to_thread(self.thread.join, 20)
             assert not self.thread.is_alive(), "the operator did not stop"
             self.thread = None
+        for name in ("kopf", "proxymodel_operator", "asyncio"):
+            logging.getLogger(name).removeHandler(self._recorder)
         assert self.error is None, f"the operator failed: {self.error!r}"
+
+    def mark(self) -> int:
+        """A point in the operator's log: `logged(..., since=mark)` looks only after it."""
+        return len(self.records)
+
+    def found(self, text: str, name: str | None = None, since: int = 0) -> list[Record]:
+        return [r for r in self.records[since:] if text in r.message and (name is None or r.name == name)]
+
+    async def logged(self, text: str, name: str | None = None, since: int = 0, timeout: float = 20.0) -> Record:
+        """Wait until the operator logs `text` (about the object `name`) after `since`."""
+        found = await eventually(lambda: self.found(text, name, since), timeout,
+                                 what=f"the operator to log {text!r} about {name or 'anything'}")
+        return found[0]
+
+    async def handled(self, handler: str, name: str, since: int = 0, timeout: float = 20.0) -> Record:
+        """Wait until kopf reports that `handler` finished with object `name` after `since`
+        (succeeded, failed, or, for the pipeline, refused the ProxyModel)."""
+        def done() -> list[Record]:
+            return [r for r in self.records[since:] if r.name == name and r.message.startswith(f"Handler '{handler}' ")
+                    and not r.message.startswith(f"Handler '{handler}' is ")]
+        found = await eventually(done, timeout, what=f"kopf to finish handler {handler!r} for {name}")
+        return found[0]
+
+    def expect_handler_errors(self, text: str) -> None:
+        """This test causes handler errors whose message holds `text`: they do not fail it."""
+        self.expected_errors.append(text)
+
+    def handler_errors(self) -> list[Record]:
+        """Handler exceptions while the operator ran (those of its shutdown, e.g. a timer whose
+        client the cleanup closed, are not the test's doing)."""
+        running = [range(start, stop) for start, stop in zip(self.starting, [*self.stopping, len(self.records)])]
+        return [r for r in self.records if any(r.index in span for span in running) and r.level >= logging.ERROR
+                and (any(e in r.message for e in HANDLER_ERRORS) or r.exception and r.logger != "asyncio")
+                and not any(e in r.message for e in self.expected_errors)]
+
+    def check_handler_errors(self) -> None:
+        errors = self.handler_errors()
+        assert not errors, "handlers raised exceptions (kopf caught them): " + "; ".join(
+            f"{r.name or r.logger}: {r.message}" for r in errors[:5])

@@ -14,11 +14,12 @@ import pytest
 
 from proxymodel_operator.children import REPRODUCTION, TRANSFORMER
 from proxymodel_operator.outcome import FAILED, RUNNING, SUCCEEDED, Outcome
-from proxymodel_operator.pipeline import (ADMITTED, CHILD_CHANGED, SPEC_CHANGED, VALIDATED, WORKERS_PROGRESS, Child,
-                                          CreateChild, DeleteChildren, Emit, Failure, JudgeChild, Log, Observed,
-                                          PatchStatus, StartPipeline, child_resource, decide, failed, recorded_child,
+from proxymodel_operator.pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, SPEC_CHANGED, VALIDATED,
+                                          WORKERS_PROGRESS, AskJudgment, Child, CreateChild, DeleteChildren, Emit,
+                                          Failure, JudgeChild, Log, Observed, PatchStatus, StartPipeline,
+                                          child_resource, decide, failed, recorded_child, refusal, refusal_of,
                                           spec_hash, wants_verdict)
-from proxymodel_operator.resources import ASCEND_JOBS, JOBS, VOLCANO_JOBS
+from proxymodel_operator.resources import ASCEND_JOBS, JOBS, SERVICES, VOLCANO_JOBS
 from proxymodel_operator.settings import Settings
 
 from .harness import TRANSFORMER_REPORT, proxymodel
@@ -186,9 +187,13 @@ def test_several_workers_start_with_calibration_or_the_workers(calibrated, first
 def test_transformer_success_makes_the_proxy_ready_and_starts_the_reproduction():
     body = transforming()
     actions = decide(body, child("q3-transform-g1", succeeded()), SETTINGS)
-    patch, event, create = only(actions, PatchStatus) + only(actions, Emit) + only(actions, CreateChild)
+    patch, event, service, create = only(actions, PatchStatus) + only(actions, Emit) + only(actions, CreateChild)
     assert not patch.first and event == Emit("Normal", "ProxyReady", event.message)
-    assert actions.index(patch) < actions.index(create)  # recorded before it is created
+    assert actions.index(patch) < actions.index(service) < actions.index(create)  # recorded before it is created
+    # two pods: the headless Service that names them (<job>-<index>.<job>) comes first
+    assert service.resource == SERVICES and service.manifest["metadata"]["name"] == "q3-repro-g1"
+    assert service.manifest["spec"]["clusterIP"] == "None" and service.refused == create.refused
+    assert create.manifest["spec"]["template"]["spec"]["subdomain"] == "q3-repro-g1"
     after = walk(body, actions)
     assert after["status"]["phase"] == "Reproducing" and after["status"]["experts"] == "128->16"
     assert after["status"]["proxy"]["uri"] == TRANSFORMER_REPORT["proxy_uri"]
@@ -400,8 +405,8 @@ def test_resume_with_the_proxy_built_starts_the_reproduction():
     body = walk(body, decide(body, child("q3-transform-g1", succeeded()), SETTINGS))
     assert body["status"]["phase"] == "Suspended" and not body["status"]["pipeline"]["reproductionJob"]
     resumed = {**body, "spec": {**body["spec"], "suspend": False}}
-    patch, create = decide(resumed, Observed(SPEC_CHANGED), SETTINGS)
-    assert patch.first and patch.status["phase"] == "Reproducing"
+    patch, service, create = decide(resumed, Observed(SPEC_CHANGED), SETTINGS)
+    assert service.resource == SERVICES and patch.first and patch.status["phase"] == "Reproducing"
     assert patch.status["pipeline"]["reproductionJob"] == create.manifest["metadata"]["name"] == "q3-repro-g1"
     assert condition(walk(resumed, [patch]), "Suspended")["reason"] == "Resumed"
 
@@ -433,7 +438,8 @@ def test_deciding_again_on_what_was_written_creates_nothing_twice():
               child("q3-repro-g1", succeeded(REPRODUCED_REPORT), REPRODUCTION)]
     for observed in events:
         actions = decide(body, observed, SETTINGS)
-        seen_creates += [a.manifest["metadata"]["name"] for a in only(actions, CreateChild)]
+        seen_creates += [a.manifest["metadata"]["name"] for a in only(actions, CreateChild)
+                         if a.resource != SERVICES]  # a multi-node Job's Service has its name
         body = walk(body, actions)
         if observed.event == CHILD_CHANGED:
             assert decide(body, observed, SETTINGS) == []
@@ -450,3 +456,45 @@ def test_decide_reads_nothing_but_its_arguments():
     assert [type(a) for a in first] == [type(a) for a in again]
     assert only(first, CreateChild) == only(again, CreateChild)
     assert body == before  # the ProxyModel as read is not changed
+
+
+# --- refusals: judged again only when what they depended on changed ---------------------------------
+
+DEPENDED = {"settings": "s1", "secret": "41", "source": "abc"}
+
+
+def refused(generation: int = 1, **depended: str) -> dict:
+    """A ProxyModel whose spec (generation) was refused, the judgment depending on `DEPENDED`."""
+    body = pxm(generation=generation)
+    body["status"] = {"phase": "Failed", "refusal": refusal("NotMoE", 1, {**DEPENDED, **depended}, False)}
+    return body
+
+
+def test_a_refusal_is_not_judged_again_while_nothing_it_depended_on_changed():
+    (log,) = decide(refused(), Observed(ADMITTED, dependencies=dict(DEPENDED)), SETTINGS)
+    assert isinstance(log, Log) and "not judged again" in log.message
+    assert decide(refused(), Observed(RECHECK, dependencies=dict(DEPENDED)), SETTINGS) == []
+
+
+@pytest.mark.parametrize("changed", ["secret", "source", "settings"])
+def test_a_changed_dependency_judges_a_refusal_again(changed):
+    now = {**DEPENDED, changed: "new"}
+    assert decide(refused(), Observed(ADMITTED, dependencies=now), SETTINGS) == [StartPipeline()]
+    (ask,) = decide(refused(), Observed(RECHECK, dependencies=now), SETTINGS)
+    assert isinstance(ask, AskJudgment) and ask.why.startswith(f"{changed} changed")
+    assert decide(refused(), Observed(REJUDGE), SETTINGS)[-1] == StartPipeline()
+
+
+def test_a_refusal_of_an_older_spec_does_not_hold_back_a_new_one():
+    body = refused(generation=2)
+    assert refusal_of(body["status"], 2) is None
+    assert decide(body, Observed(ADMITTED, dependencies=None), SETTINGS) == [StartPipeline()]
+    assert decide(body, Observed(RECHECK, dependencies=dict(DEPENDED)), SETTINGS) == []
+
+
+def test_asking_again_leaves_a_running_pipeline_alone():
+    body = walk(accepted(pxm()), decide(accepted(pxm()), Observed(VALIDATED), SETTINGS))
+    (log,) = decide(body, Observed(REJUDGE), SETTINGS)
+    assert isinstance(log, Log) and "not refused" in log.message
+    # Accepted by the judgment asked for, before its first Job: the transformer step follows.
+    assert decide(accepted(pxm()), Observed(REJUDGE), SETTINGS) == [StartPipeline()]

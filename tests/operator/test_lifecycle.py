@@ -3,7 +3,7 @@ emulated API (kopf for real) and SeaweedFS."""
 
 from __future__ import annotations
 
-import asyncio
+import base64
 import json
 import logging
 
@@ -11,9 +11,9 @@ import kmock
 import pytest
 
 from proxymodel_operator import rbac
-from proxymodel_operator.resources import JOBS, PODS, PROXYMODELS, VOLCANO_JOBS
+from proxymodel_operator.resources import JOBS, PODS, PROXYMODELS, SECRETS, VOLCANO_JOBS
 
-from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel
+from .harness import ACCESS_KEY, QWEN3, SECRET_KEY, eventually, proxymodel
 
 NS = "team-b"
 
@@ -111,17 +111,100 @@ async def test_bad_input_is_refused_before_any_job(cluster, operator, caplog, ch
     accepted = cluster.condition(NS, "bad", "Accepted")
     assert accepted["reason"] == reason and detail in accepted["message"], accepted
     assert cluster.status(NS, "bad")["phase"] == "Failed"
-    await asyncio.sleep(0.5)
+    # The pipeline's handler is done with it (its last step would have made the Job): none.
+    done = await operator.handled("pipeline", "bad")
+    assert done.message.startswith("Handler 'pipeline' refused the ProxyModel: " + reason), done.message
     assert cluster.names(JOBS, NS) == []
-    events = [e for e in cluster.objects_of("events", NS) if e.get("reason") == reason]
-    assert events and events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
+    await eventually(lambda: _warnings(cluster, "bad", reason), what="the Warning Event")  # posted from a queue
+    assert len(_warnings(cluster, "bad", reason)) == 1
     assert "wrong-secret-value" not in caplog.text + json.dumps(_everything(cluster))
+    # Logs never call a refused ProxyModel a success.
+    assert not [r.message for r in operator.records if r.name == "bad" and "succeeded" in r.message]
+
+
+def _warnings(cluster, name: str, reason: str) -> list[dict]:
+    return [e for e in cluster.objects_of("events", NS) if e.get("reason") == reason
+            and e["involvedObject"]["name"] == name and e["type"] == "Warning"]
+
+
+def _operator_calls(cluster, resource: str, verb: str) -> int:
+    return sum(1 for c in list(cluster.emulator.calls) if (c.resource, c.verb, c.by_test) == (resource, verb, False))
 
 
 async def test_missing_secret_waits_and_recovers(cluster, operator):
     await cluster.create(PROXYMODELS, NS, proxymodel("w1"))
     await eventually(lambda: cluster.condition(NS, "w1", "Accepted").get("reason") == "SecretNotFound")
     assert cluster.status(NS, "w1")["phase"] == "Pending" and cluster.names(JOBS, NS) == []
+    assert "does not exist" in cluster.status(NS, "w1")["message"]
+    # It waits: the Secret is looked for again (the back-off), quietly.
+    reads = _operator_calls(cluster, "secrets", "get")
+    await eventually(lambda: _operator_calls(cluster, "secrets", "get") >= reads + 3, what="three more looks")
+    await eventually(lambda: _warnings(cluster, "w1", "SecretNotFound"), what="the Warning Event")
+    assert cluster.names(JOBS, NS) == [] and len(_warnings(cluster, "w1", "SecretNotFound")) == 1
+    # ... and recovers once the Secret exists, without a spec edit.
+    await _secret(cluster)
+    await eventually(lambda: cluster.get(JOBS, NS, "w1-transform-g1"), what="the Job once the Secret exists")
+    await eventually(lambda: cluster.status(NS, "w1").get("phase") == "Transforming")
+    assert cluster.condition(NS, "w1", "Accepted")["status"] == "True" and "refusal" not in cluster.status(NS, "w1")
+    assert len(_warnings(cluster, "w1", "SecretNotFound")) == 1
+    assert cluster.get(PROXYMODELS, NS, "w1")["metadata"]["generation"] == 1  # no spec edit
+
+
+async def test_secret_without_the_keys_is_one_warning_and_a_condition(cluster, operator):
+    await cluster.secret(NS, "s3-creds", token="not-an-aws-key")
+    await cluster.create(PROXYMODELS, NS, proxymodel("k1"))
+    await eventually(lambda: cluster.condition(NS, "k1", "Accepted").get("reason") == "SecretIncomplete")
+    accepted = cluster.condition(NS, "k1", "Accepted")
+    assert accepted["status"] == "False" and "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in accepted["message"]
+    assert cluster.status(NS, "k1")["phase"] == "Pending"
+    reads = _operator_calls(cluster, "secrets", "get")
+    await eventually(lambda: _operator_calls(cluster, "secrets", "get") >= reads + 3, what="three more looks")
+    await eventually(lambda: _warnings(cluster, "k1", "SecretIncomplete"), what="the Warning Event")
+    (warning,) = _warnings(cluster, "k1", "SecretIncomplete")
+    assert "lacks AWS_ACCESS_KEY_ID" in warning["message"]
+    assert not operator.found("failed temporarily", "k1")  # no error repeated in the log
+    # The keys added: judged again, accepted, built.
+    await cluster.patch(SECRETS, NS, "s3-creds", {"data": {k: base64.b64encode(v.encode()).decode() for k, v in (
+        ("AWS_ACCESS_KEY_ID", ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", SECRET_KEY))}})
+    await eventually(lambda: cluster.get(JOBS, NS, "k1-transform-g1"), what="the Job once the keys exist")
+    assert len(_warnings(cluster, "k1", "SecretIncomplete")) == 1
+
+
+async def test_a_refusal_is_not_judged_again_on_restart(cluster, operator):
+    """Three operator starts: one judgment, one Warning Event; a restart only compares what the
+    refusal depended on (settings, Secret, the source's config.json)."""
+    await _secret(cluster)
+    await cluster.create(PROXYMODELS, NS, proxymodel("o1", source={"uri": "s3://ckpt/llama"}))
+    await eventually(lambda: cluster.condition(NS, "o1", "Accepted").get("reason") == "NotMoE")
+    refusal = cluster.status(NS, "o1")["refusal"]
+    assert (refusal["reason"], refusal["generation"], refusal["temporary"]) == ("NotMoE", 1, False)
+    assert set(refusal["dependencies"]) == {"settings", "secret", "source"}
+    for _ in range(2):
+        await operator.stop()
+        mark = operator.mark()
+        await operator.start()
+        await operator.logged("not judged again", "o1", since=mark)
+        await operator.handled("pipeline", "o1", since=mark)
+    await eventually(lambda: _warnings(cluster, "o1", "NotMoE"), what="the Warning Event")
+    assert len(_warnings(cluster, "o1", "NotMoE")) == 1
+    assert len(operator.found("refused: NotMoE", "o1")) == 1  # judged once, in the first operator
+    assert cluster.status(NS, "o1")["refusal"] == refusal and cluster.names(JOBS, NS) == []
+    assert not [r.message for r in operator.records if r.name == "o1" and "succeeded" in r.message]
+
+
+async def test_a_refusal_recovers_when_its_source_appears(cluster, operator, s3):
+    """The checkpoint was not uploaded yet: once its config.json is there, it is judged again."""
+    await _secret(cluster)
+    uri = "s3://ckpt/later/global_step_5"
+    await cluster.create(PROXYMODELS, NS, proxymodel("l1", source={"uri": uri}))
+    await eventually(lambda: cluster.condition(NS, "l1", "Accepted").get("reason") == "S3NoSuchKey")
+    assert cluster.status(NS, "l1")["phase"] == "Failed"
+    assert cluster.status(NS, "l1")["refusal"]["dependencies"]["source"] == "absent"
+    s3.client().put_object(Bucket="ckpt", Key="later/global_step_5/config.json", Body=json.dumps(QWEN3).encode())
+    await eventually(lambda: cluster.get(JOBS, NS, "l1-transform-g1"), what="the Job once config.json exists")
+    await eventually(lambda: cluster.condition(NS, "l1", "Accepted").get("status") == "True")
+    assert len(_warnings(cluster, "l1", "S3NoSuchKey")) == 1
+    assert cluster.get(PROXYMODELS, NS, "l1")["metadata"]["generation"] == 1
 
 
 async def test_restart_mid_pipeline_makes_no_duplicate(cluster, operator):
@@ -136,8 +219,9 @@ async def test_restart_mid_pipeline_makes_no_duplicate(cluster, operator):
     await operator.start()
     await eventually(lambda: cluster.get(JOBS, NS, "r1-repro-g1"), what="reproduction after restart")
     await operator.stop()
+    mark = operator.mark()
     await operator.start()  # and once more, with everything in place
-    await asyncio.sleep(1.5)
+    await operator.handled("pipeline", "r1", since=mark)  # the restarted operator resumed it
     assert cluster.names(JOBS, NS) == ["r1-repro-g1", "r1-transform-g1"]
     assert _job_posts(cluster) - posts_before == 1  # only the reproduction Job was created
     assert cluster.status(NS, "r1")["phase"] == "Reproducing"
@@ -183,7 +267,7 @@ async def test_suspend_creates_nothing_new(cluster, operator):
     await _secret(cluster)
     await cluster.create(PROXYMODELS, NS, proxymodel("s1", suspend=True))
     await eventually(lambda: cluster.status(NS, "s1").get("phase") == "Suspended")
-    await asyncio.sleep(0.5)
+    await operator.handled("pipeline", "s1")
     assert cluster.names(JOBS, NS) == []
 
     await cluster.patch_spec(PROXYMODELS, NS, "s1", {"suspend": False})
@@ -193,9 +277,12 @@ async def test_suspend_creates_nothing_new(cluster, operator):
     # Suspended while transforming: the proxy is recorded, but no reproduction starts ...
     await cluster.patch_spec(PROXYMODELS, NS, "s1", {"suspend": True})
     await eventually(lambda: cluster.status(NS, "s1").get("phase") == "Suspended")
+    mark = operator.mark()
     await cluster.transformer_succeeds(NS, job)
     await eventually(lambda: cluster.status(NS, "s1").get("proxy"), what="proxy recorded while suspended")
-    await asyncio.sleep(0.5)
+    # Both the Job's and its pod's handlers are done with what they saw.
+    await operator.handled("child_changed", "s1-transform-g2", since=mark)
+    await operator.handled("pod_changed", "s1-transform-g2-0", since=mark)
     assert cluster.names(JOBS, NS) == ["s1-transform-g2"] and cluster.status(NS, "s1")["phase"] == "Suspended"
     # ... until it is resumed, with the same children (suspend alone is no new spec).
     await cluster.patch_spec(PROXYMODELS, NS, "s1", {"suspend": False})
@@ -221,16 +308,28 @@ async def test_deletion_cleans_the_proxy_only_when_asked(cluster, operator, s3):
     assert client.list_objects_v2(Bucket="ckpt", Prefix=dest).get("KeyCount") == 0
 
 
-async def test_every_api_call_is_in_rbac_permissions(cluster, operator):
-    """The chart's ClusterRole is rbac.PERMISSIONS: nothing the operator does may fall outside it."""
+async def test_every_api_call_is_in_rbac_permissions(cluster, operator, monkeypatch):
+    """The chart's ClusterRole is rbac.PERMISSIONS: nothing the operator does may fall outside it,
+    neither the calls it sent nor those its own client refused before sending (kube.NotListed)."""
+    refused, allowed = [], rbac.allowed
+
+    def recording(*call):
+        if not allowed(*call):
+            refused.append(call)
+            return False
+        return True
+
+    monkeypatch.setattr(rbac, "allowed", recording)  # kube.py asks rbac.allowed before each call
     await _secret(cluster)
     await cluster.create(PROXYMODELS, NS, proxymodel("p1", reproduction={"runtime": "AscendJob"}))
     job = await eventually(lambda: cluster.get(JOBS, NS, "p1-transform-g1"))
     await cluster.transformer_succeeds(NS, job)
     await eventually(lambda: cluster.status(NS, "p1").get("phase") == "Reproducing")
+    mark = operator.mark()
     await cluster.patch_spec(PROXYMODELS, NS, "p1", {"pruning": {"experts": 32}})
     await eventually(lambda: cluster.get(JOBS, NS, "p1-transform-g2"))
-    await asyncio.sleep(0.5)
+    await operator.handled("spec_changed/spec", "p1", since=mark)  # done replacing the children
+    assert not refused, f"calls the operator's client refused: {refused}"
     seen = {(c.group, c.resource, c.verb) for c in cluster.emulator.calls if not c.by_test}
     missing = [s for s in seen if not rbac.allowed(*s)]
     assert not missing, f"calls outside rbac.PERMISSIONS: {missing}"

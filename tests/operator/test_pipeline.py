@@ -6,7 +6,6 @@ pods with termination messages), and checks what the operator made of it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
@@ -84,6 +83,8 @@ async def test_apply_to_reproduced(cluster, operator, caplog):
     assert rc["args"][:2] == ["repro", TRANSFORMER_REPORT["proxy_uri"]]
     assert rc["args"][rc["args"].index("--fail-on") + 1] == "overflow"
     assert _env(rc)["MOEPROXY_PROXY_URI"]["value"] == TRANSFORMER_REPORT["proxy_uri"]
+    # The transformer's manifest_sha256 (that of proxy-manifest.json) reaches the reproduction as is.
+    assert _env(rc)["MOEPROXY_PROXY_MANIFEST_SHA256"]["value"] == TRANSFORMER_REPORT["manifest_sha256"]
 
     # The reproduction sees the overflow at step 17.
     report = {"reproduced": True, "signature": "overflow", "step": 17,
@@ -109,9 +110,12 @@ async def test_apply_to_reproduced(cluster, operator, caplog):
 
 async def test_reproduction_disabled_stops_at_proxy_ready(cluster, operator):
     await _apply(cluster, reproduction={"enabled": False})
+    mark = operator.mark()
     await _transformer_done(cluster)
     await eventually(lambda: cluster.status(NS, "q3").get("phase") == "ProxyReady")
-    await asyncio.sleep(0.5)
+    # Both handlers that judge the finished transformer (its Job's and its pod's) are done.
+    await operator.handled("child_changed", "q3-transform-g1", since=mark)
+    await operator.handled("pod_changed", "q3-transform-g1-0", since=mark)
     assert cluster.names(JOBS, NS) == ["q3-transform-g1"]
 
 

@@ -19,9 +19,11 @@ async def test_200_proxymodels_all_reach_their_first_job(cluster, operator):
     await asyncio.gather(*(cluster.create(PROXYMODELS, NS, proxymodel(f"pm-{i:03d}")) for i in range(COUNT)))
     expected = [f"pm-{i:03d}-transform-g1" for i in range(COUNT)]
     await eventually(lambda: cluster.names(JOBS, NS) == expected, timeout=150,
-                     what=f"{COUNT} transformer Jobs ({len(cluster.names(JOBS, NS))} so far)")
-    await eventually(lambda: all(cluster.status(NS, f"pm-{i:03d}").get("phase") == "Transforming"
-                                 for i in range(COUNT)), timeout=60, what="every ProxyModel Transforming")
+                     what=lambda: f"{COUNT} transformer Jobs ({len(cluster.names(JOBS, NS))} so far)")
+    transforming = lambda: sum(cluster.status(NS, f"pm-{i:03d}").get("phase") == "Transforming"  # noqa: E731
+                               for i in range(COUNT))
+    await eventually(lambda: transforming() == COUNT, timeout=60,
+                     what=lambda: f"every ProxyModel Transforming ({transforming()} so far)")
     elapsed = time.monotonic() - started
     posts = sum(1 for c in cluster.emulator.calls if (c.group, c.resource, c.verb, c.by_test) == ("batch", "jobs", "create", False))
     assert posts == COUNT  # no Job was posted twice

@@ -6,7 +6,6 @@ against the emulated API, playing the Job controller (Job status, pods)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import re
@@ -180,6 +179,15 @@ async def _workers_report(cluster, job: dict, done: list[int], workers: int, com
     await cluster.patch(JOBS, NS, job["metadata"]["name"], {"status": status})
 
 
+async def _judged(operator, job: dict, indexes: list[int], since: int) -> None:
+    """The operator's handlers are done with what they saw of `job` and its pods since `since`:
+    whatever they were to create, they have (the absence checks that follow are meaningful)."""
+    name = job["metadata"]["name"]
+    await operator.handled("child_changed", name, since=since)
+    for index in indexes:
+        await operator.handled("pod_changed", f"{name}-{index}", since=since)
+
+
 def _reasons(cluster, name: str) -> list[str]:
     return [e["reason"] for e in cluster.objects_of("events", NS) if e["involvedObject"]["name"] == name]
 
@@ -199,9 +207,10 @@ async def test_workers_then_finalize_then_reproduction(cluster, operator):
     assert cluster.condition(NS, "sx", "ProxyReady")["reason"] == "WorkersRunning"
 
     # Two of three indexes done: progress, and no finalize Job yet.
+    mark = operator.mark()
     await _workers_report(cluster, job, [0, 2], 3)
     await eventually(lambda: cluster.status(NS, "sx").get("workers") == "2/3", what="2/3 workers")
-    await asyncio.sleep(0.5)
+    await _judged(operator, job, [0, 2], mark)
     assert cluster.names(JOBS, NS) == ["sx-transform-g1"] and cluster.status(NS, "sx")["phase"] == "Transforming"
 
     # All three: the finalize Job, owned like the others.
@@ -224,7 +233,9 @@ async def test_workers_then_finalize_then_reproduction(cluster, operator):
     status = cluster.status(NS, "sx")
     assert status["phase"] == "Reproducing" and status["proxy"]["uri"] == TRANSFORMER_REPORT["proxy_uri"]
     assert cluster.condition(NS, "sx", "ProxyReady")["reason"] == "ProxyBuilt"
-    assert _reasons(cluster, "sx") == ["WorkersCreated", "FinalizeCreated", "ProxyReady", "ReproductionCreated"]
+    expected = ["WorkersCreated", "FinalizeCreated", "ProxyReady", "ReproductionCreated"]
+    await eventually(lambda: _reasons(cluster, "sx") == expected, what=lambda: f"Events {expected}, not "
+                     f"{_reasons(cluster, 'sx')}")  # kopf posts Events from a queue
 
     # A new spec replaces every child of the old one, the finalize Job included.
     await cluster.patch_spec(PROXYMODELS, NS, "sx", {"transformer": {"parallelism": 2}})
@@ -238,6 +249,7 @@ async def test_workers_then_finalize_then_reproduction(cluster, operator):
 async def test_a_failed_worker_fails_the_build_naming_the_step(cluster, operator):
     await _apply(cluster, "wf", transformer={"parallelism": 2})
     job = await eventually(lambda: cluster.get(JOBS, NS, "wf-transform-g1"))
+    mark = operator.mark()
     await _workers_report(cluster, job, [0], 2)
     await cluster.finish_pod(NS, job, "transformer", 137, reason="OOMKilled", index=1)
     failed = {"type": "Failed", "status": "True", "reason": "MaxFailedIndexesExceeded"}
@@ -248,9 +260,10 @@ async def test_a_failed_worker_fails_the_build_naming_the_step(cluster, operator
     assert status["message"].startswith("transformer workers failed: OOMKilled"), status["message"]
     ready = cluster.condition(NS, "wf", "ProxyReady")
     assert (ready["status"], ready["reason"]) == ("False", "OOMKilled") and "worker index(es) 1" in ready["message"]
-    warning = [e for e in cluster.objects_of("events", NS) if e["reason"] == "OOMKilled"]
-    assert warning and warning[0]["type"] == "Warning" and "transformer workers failed" in warning[0]["message"]
-    await asyncio.sleep(0.5)
+    warning = await eventually(lambda: [e for e in cluster.objects_of("events", NS) if e["reason"] == "OOMKilled"],
+                               what="the OOMKilled Event")  # kopf posts Events from a queue
+    assert warning[0]["type"] == "Warning" and "transformer workers failed" in warning[0]["message"]
+    await _judged(operator, job, [0, 1], mark)
     assert cluster.names(JOBS, NS) == ["wf-transform-g1"]  # no finalize, no reproduction
 
 
@@ -260,12 +273,13 @@ async def test_a_failed_finalize_fails_the_build_naming_the_step(cluster, operat
     await _workers_report(cluster, job, [0, 1], 2, complete=True)
     final = await eventually(lambda: cluster.get(JOBS, NS, "ff-finalize-g1"))
     missing = "worker 1's shard model-00002.safetensors is missing; rerun worker 1"
+    mark = operator.mark()
     await cluster.finish_pod(NS, final, "finalize", 2, json.dumps({"error": "CorruptCheckpoint", "message": missing}))
     await cluster.job_condition(NS, "ff-finalize-g1", "Failed", "PodFailurePolicy")
     await eventually(lambda: cluster.status(NS, "ff").get("phase") == "Failed", what="Failed")
     assert cluster.status(NS, "ff")["message"].startswith("finalize failed: CorruptCheckpoint: worker 1's shard")
     assert cluster.condition(NS, "ff", "ProxyReady")["reason"] == "CorruptCheckpoint"
-    await asyncio.sleep(0.5)
+    await _judged(operator, final, [0], mark)
     assert cluster.names(JOBS, NS) == ["ff-finalize-g1", "ff-transform-g1"]  # no reproduction
 
 
@@ -286,11 +300,12 @@ async def test_calibration_job_before_the_workers(cluster, operator):
 async def test_a_failed_calibration_fails_before_any_worker(cluster, operator):
     await _apply(cluster, "cf", transformer={"parallelism": 2}, calibration={}, pruning={"experts": 16, "heal": True})
     calibrate = await eventually(lambda: cluster.get(JOBS, NS, "cf-calibrate-g1"))
+    mark = operator.mark()
     await cluster.finish_pod(NS, calibrate, "calibrate", 137, reason="OOMKilled")
     await cluster.job_condition(NS, "cf-calibrate-g1", "Failed", "BackoffLimitExceeded")
     await eventually(lambda: cluster.status(NS, "cf").get("phase") == "Failed", what="Failed")
     assert cluster.status(NS, "cf")["message"].startswith("calibration failed: OOMKilled")
-    await asyncio.sleep(0.5)
+    await _judged(operator, calibrate, [0], mark)
     assert cluster.names(JOBS, NS) == ["cf-calibrate-g1"]
 
 
@@ -300,9 +315,10 @@ async def test_workers_done_while_suspended_finalize_on_resume(cluster, operator
     await eventually(lambda: cluster.status(NS, "sp").get("phase") == "Transforming")
     await cluster.patch_spec(PROXYMODELS, NS, "sp", {"suspend": True})
     await eventually(lambda: cluster.status(NS, "sp").get("phase") == "Suspended")
+    mark = operator.mark()
     await _workers_report(cluster, job, [0, 1], 2, complete=True)
     await eventually(lambda: cluster.status(NS, "sp").get("workers") == "2/2", what="2/2 while suspended")
-    await asyncio.sleep(0.5)
+    await _judged(operator, job, [0, 1], mark)
     assert cluster.names(JOBS, NS) == ["sp-transform-g1"]  # no new child while suspended
     await cluster.patch_spec(PROXYMODELS, NS, "sp", {"suspend": False})
     await eventually(lambda: cluster.get(JOBS, NS, "sp-finalize-g1"), what="finalize after resuming")

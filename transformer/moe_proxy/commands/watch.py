@@ -27,7 +27,26 @@ def add_parser(subparsers) -> None:
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="give up (an error, no verdict) when the run has not ended by then")
     p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="how often to read the file")
+    p.add_argument("--hold", action="store_true",
+                   help="once the verdict is written, stay until SIGTERM (or --until-file): a Kubernetes native "
+                   "sidecar that exits is restarted")
+    p.add_argument("--node-rank", type=int, default=0, metavar="R",
+                   help="this pod's node rank in a multi-node run; only node 0 has the metrics, so on any other "
+                   "node the watch waits for SIGTERM (or --until-file) and writes no verdict")
     p.set_defaults(func=run)
+
+
+def _wait_for_end(until_file: str | None, poll: float) -> None:
+    """Until SIGTERM or the done marker."""
+    import signal
+    import threading
+    from pathlib import Path
+
+    ended = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: ended.set())
+    while not ended.wait(poll):
+        if until_file and Path(until_file).exists():
+            return
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.repro.watch import watch
     from moe_proxy.reports import error_report, write_termination_log
 
+    if args.node_rank != 0:
+        print(f"node {args.node_rank}: node 0's watcher decides; waiting for the run to end")
+        _wait_for_end(args.until_file, args.poll)
+        return 0
     try:
         if not args.metrics_file:
             raise InvalidReproConfig("no METRICS_FILE given and $VERL_FILE_LOGGER_PATH is not set")
@@ -53,4 +76,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{report['signature']} at step {report['step']}" + (" (reproduced)" if fail_on else ""))
     else:
         print(f"no failure in {result.steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
+    if args.hold and not result.run_ended:
+        _wait_for_end(args.until_file, args.poll)
     return 0

@@ -41,6 +41,7 @@ class WatchResult:
     steps: int
     stopped: str  # why the watch ended
     failures: dict = field(default_factory=dict)
+    run_ended: bool = False  # the run ended (done marker or SIGTERM), not only the watch
 
 
 class _Stop(Exception):
@@ -117,21 +118,21 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
                 return reason
         return None
 
-    stopped = None
+    stopped, ended = None, False
     try:
         while stopped is None:
             stopped = feed()
             if stopped:
                 break
             if until_file and Path(until_file).exists():
-                stopped = feed(final=True) or "the run ended (done marker)"
+                stopped, ended = feed(final=True) or "the run ended (done marker)", True
                 break
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 raise WatchTimeout(f"{path}: no end of the run within {timeout_s:g}s ({len(rows)} steps seen"
                                    f"{'' if path.is_file() else ', and the file never appeared'}); no verdict")
             time.sleep(poll_s)
     except _Stop:
-        stopped = feed(final=True) or "the run ended (SIGTERM)"
+        stopped, ended = feed(final=True) or "the run ended (SIGTERM)", True
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -140,4 +141,4 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
     if stop_file and stopped.startswith(("reproduced", "loss or weights")):
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
         Path(stop_file).write_text(stopped + "\n")
-    return WatchResult(verdict_report(detector, fail_on, last), len(rows), stopped, detector.to_dict())
+    return WatchResult(verdict_report(detector, fail_on, last), len(rows), stopped, detector.to_dict(), ended)
