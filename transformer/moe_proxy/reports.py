@@ -8,7 +8,6 @@ encoded to fit: long free text is cut, then optional detail (metrics) is dropped
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -31,25 +30,30 @@ CLUSTERINGS = ("kmeans", "agglomerative")
 REPRESENTATIVES = ("medoid", "saliency")
 
 
-def calibration_needs(method: str, features: str, representative: str | None, heal: bool) -> list[str]:
+def calibration_needs(method: str, features: str, representative: str | None, heal: bool,
+                      reconstruct: bool = False, auto: bool = False) -> list[str]:
     """The options in this combination that need calibration statistics, as `name value` words."""
     return [what for what, used in (
         (f"method {method}", method in SCORED_METHODS),
         (f"features {features}", features in CALIBRATED_FEATURES),
         ("representative saliency", representative == "saliency"),
-        ("heal", heal)) if used]
+        ("heal", heal), ("reconstruct", reconstruct),
+        ("experts auto", auto)) if used]  # auto: the fidelity figure is measured on the calibration tokens
 
 
-def build_report(manifest: dict, proxy_uri: str) -> dict:
-    """A finished build: where the proxy is and what it is."""
+def build_report(manifest: dict, proxy_uri: str, manifest_sha256: str | None = None) -> dict:
+    """A finished build: where the proxy is and what it is. `manifest_sha256`: the sha256 of
+    the proxy-manifest.json file as published (its bytes, not a re-encoding of `manifest`)."""
     experts = manifest["experts"]
     return {
         "proxy_uri": proxy_uri,
-        "manifest_sha256": hashlib.sha256(json.dumps(manifest.get("files"), sort_keys=True).encode()).hexdigest(),
+        "manifest_sha256": manifest_sha256,
         "architecture": manifest["source"]["architecture"],
         "experts_per_layer": {"before": experts["before"], "after": experts["after"], "top_k": experts["top_k_after"]},
         "params": manifest["params"],
         "bytes": manifest["bytes"],
+        # the proxy measured against the original (a calibrated build): KL per token, loss difference
+        **({"fidelity": {"kl": f["kl"], "loss_delta": f["loss_delta"]}} if (f := manifest.get("fidelity")) else {}),
     }
 
 

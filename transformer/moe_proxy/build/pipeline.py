@@ -4,7 +4,9 @@
 2. ExpertPlan (pruning_plan.py): per MoE block, the experts to keep.
 3. Write, shard by shard in the source's sharding: backbone tensors byte for byte, router rows
    and expert tensors of kept experts only, in their source dtype. Dropped experts' bytes are
-   never read. Reads run ahead in a small thread pool while earlier bytes are written (reads.py).
+   never read. Reads run ahead across the worker's shards while earlier bytes are written
+   (reads.py), as many requests in flight as the store needs and never more bytes than one
+   budget shared with the uploads (storage/inflight.py).
 4. Finalize: config.json, the index, tokenizer/other files, and `proxy-manifest.json` last:
    its presence marks the proxy complete.
 
@@ -23,6 +25,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
+from itertools import chain, islice
 from typing import Callable
 
 from tqdm.auto import tqdm
@@ -33,15 +36,15 @@ from moe_proxy.checkpoint.reader import INDEX, MANIFEST, Checkpoint, TensorInfo,
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
 from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
 from moe_proxy.build.config import rewrite_config
-from moe_proxy.checkpoint.reads import read_tasks
+from moe_proxy.checkpoint.reads import read_ahead, read_tasks
 from moe_proxy.checkpoint.params import stored_params
 from moe_proxy.build.expert_plan import PruningOptions, ExpertPlan, plan_experts
-from moe_proxy.build.writer import OutTensor, Written, shard_pieces, shard_size, write_file
+from moe_proxy.build.writer import OutTensor, Written, header_bytes, shard_size, write_file
 from moe_proxy.storage import Store, open_store, sha256_of, write_bytes
+from moe_proxy.storage.inflight import Transfer
 
 log = logging.getLogger(__name__)
 JOURNAL = ".moe-proxy-journal"
-READ_THREADS = 4
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Prepared:
     build_id: str
     plan: ExpertPlan
     shards: dict[str, list[OutTensor]]  # output shard -> its tensors, in source order
+    calibration: object = None  # the loaded statistics (calibrate.statistics.Calibration), for the fidelity figure
+    transfer: Transfer | None = None  # requests in flight and the byte budget of the write (storage/inflight.py)
 
 
 def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, list[OutTensor]]:
@@ -74,6 +79,8 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, li
     def router_rows(t: TensorInfo, axis: int, kept: list[int]) -> Callable[[], bytes]:
         if (healed := plan.router_overrides.get(t.name)) is not None:  # --heal: re-fitted rows
             return lambda: healed
+        if (fitted := plan.tensor_overrides.get(t.name)) is not None:  # --reconstruct
+            return fitted
         # Routers are small and fully read for planning anyway: one request, not one per kept row.
         return partial(ckpt.read_slices, t.name, axis, kept, gap=t.nbytes)
 
@@ -88,10 +95,12 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, li
                 axis, kept = routers[t.name]
                 out.append(OutTensor(t.name, t.dtype, sliced(t, axis, kept), router_rows(t, axis, kept)))
             elif t.name in fused:
-                out.append(OutTensor(t.name, t.dtype, sliced(t, 0, fused[t.name]), slice_ranges(t, 0, fused[t.name])))
+                out.append(OutTensor(t.name, t.dtype, sliced(t, 0, fused[t.name]),
+                                     plan.tensor_overrides.get(t.name) or slice_ranges(t, 0, fused[t.name])))
             elif t.name in renames:
-                if renames[t.name] is not None:
-                    out.append(OutTensor(renames[t.name], t.dtype, t.shape, [(t.start, t.nbytes)]))
+                if renames[t.name] is not None:  # (--reconstruct: a kept expert's fitted tensor)
+                    out.append(OutTensor(renames[t.name], t.dtype, t.shape,
+                                         plan.tensor_overrides.get(t.name) or [(t.start, t.nbytes)]))
             else:
                 out.append(OutTensor(t.name, t.dtype, t.shape, [(t.start, t.nbytes)]))
         if out:
@@ -136,12 +145,13 @@ def _check_destination(dst: Store, src: Store, build_id: str, overwrite: bool) -
     return None
 
 
-def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
-            store_options: dict | None) -> Prepared | dict:
-    """Open, check the destination, plan. Returns the existing manifest if dst is up to date."""
+def open_source(src: str | Store, options: PruningOptions, store_options: dict | None):
+    """The source checkpoint, its layout and identity, and its calibration statistics (checked
+    to be of this very checkpoint) when the options name them."""
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
-    dst_store = open_store(dst, **(store_options or {})) if isinstance(dst, str) else dst
+    # Routers are read once, here: the identity, the features and the output rows use these bytes.
+    ckpt.preload([t.name for b in layout.blocks for t, _ in b.router.values()])
     identity = source_identity(ckpt, layout)
     calibration = None
     if options.calibration:  # usage statistics: must be of this very checkpoint
@@ -149,8 +159,22 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
 
         calibration = load_calibration(options.calibration, **(store_options or {}))
         calibration.check_source(identity, ckpt.uri)
+    return ckpt, layout, identity, calibration
+
+
+def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
+            store_options: dict | None) -> Prepared | dict:
+    """Open, check the destination, plan. Returns the existing manifest if dst is up to date."""
+    # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
+    store_options = dict(store_options or {})
+    transfer = store_options.setdefault("transfer", Transfer.from_options(store_options))
+    ckpt, layout, identity, calibration = open_source(src, options, store_options)
+    transfer.sized(max(b.expert_bytes for b in layout.blocks))
+    dst_store = open_store(dst, **(store_options or {})) if isinstance(dst, str) else dst
     build_id = hashlib.sha256(json.dumps([identity, asdict(options), __version__]
-                                         + ([calibration.summary["tokens"]["sha256"]] if calibration else []),
+                                         + ([calibration.summary["tokens"]["sha256"]] if calibration else [])
+                                         + ([calibration.summary["made_for"]] if calibration
+                                            and calibration.mode != "one-pass" else []),
                                          sort_keys=True).encode()).hexdigest()
     existing = _check_destination(dst_store, ckpt.store, build_id, overwrite)
     if existing is not None:
@@ -161,7 +185,8 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
         log.warning(note)
     # Unpublish: from here until finalize writes the manifest, dst is visibly incomplete.
     dst_store.delete(MANIFEST)
-    return Prepared(ckpt, layout, dst_store, options, identity, build_id, plan, output_tensors(ckpt, layout, plan))
+    return Prepared(ckpt, layout, dst_store, options, identity, build_id, plan, output_tensors(ckpt, layout, plan),
+                    calibration, transfer)
 
 
 def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) -> dict[str, Written]:
@@ -173,20 +198,36 @@ def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) 
     journal = _read_journal(p.dst, name, p.build_id)
     total = sum(shard_size(p.shards[f]) for f in mine)
     written: dict[str, Written] = {}
+    transfer = p.transfer or Transfer().sized(max(b.expert_bytes for b in p.layout.blocks))
     with tqdm(total=total, desc=f"writing proxy ({worker + 1}/{workers})" if workers > 1 else "writing proxy",
-              unit="B", unit_scale=True, disable=not progress) as bar, ThreadPoolExecutor(READ_THREADS) as pool:
+              unit="B", unit_scale=True, disable=not progress) as bar:
+        todo = []
         for f in mine:
             done = journal.get(f)
             if done and _matches(p.dst, f, done):
                 log.info("%s: already complete from an interrupted run (checksum matches), kept", f)
                 written[f] = Written(f, done["size"], done["sha256"])
                 bar.update(done["size"])
-                continue
-            tensors = p.shards[f]
-            pieces = shard_pieces(tensors, read_tasks(p.ckpt.store, f, tensors), pool)
-            written[f] = write_file(p.dst, f, pieces, bar.update, shard_size(tensors))
-            journal[f] = {"size": written[f].size, "sha256": written[f].sha256, "checksum": p.dst.checksum(f)}
-            write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": journal}).encode())
+            else:
+                todo.append(f)
+
+        # One read-ahead over the whole share: the next shard's reads stay in flight while this
+        # one's last parts, commit and journal go up, so downloading never drains between shards.
+        # Uploads stay in shard order (a shard is committed and journaled before the next one's
+        # first part), so a killed worker leaves at most one unfinished upload and its journal
+        # names every shard that is complete.
+        tasks = {f: read_tasks(p.ckpt.store, f, p.shards[f], transfer.read_part) for f in todo}
+        with ThreadPoolExecutor(transfer.streams, thread_name_prefix="read") as pool:
+            data = read_ahead((t for f in todo for t in tasks[f]), pool, transfer.streams, transfer.budget)
+            try:
+                for f in todo:
+                    tensors = p.shards[f]
+                    pieces = chain([header_bytes(tensors)], islice(data, len(tasks[f])))
+                    written[f] = write_file(p.dst, f, pieces, bar.update, shard_size(tensors))
+                    journal[f] = {"size": written[f].size, "sha256": written[f].sha256, "checksum": p.dst.checksum(f)}
+                    write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": journal}).encode())
+            finally:
+                data.close()  # frees what is read ahead if writing stopped
     if not mine:  # an idle worker still leaves its journal, so finalize knows it ran
         write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": {}}).encode())
     return written
@@ -232,6 +273,10 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
             written[f] = Written(f, rec["size"], rec["sha256"])
 
     ckpt, plan = p.ckpt, p.plan
+    if p.calibration is not None and plan.fidelity is None:  # the figure, before anything is published
+        from moe_proxy.build.fidelity import measure
+
+        plan.fidelity = measure(ckpt, p.layout, plan, p.calibration, p.shards)
     written["config.json"] = write_file(p.dst, "config.json", [_json(rewrite_config(ckpt.config, plan))])
     if ckpt.store.exists(INDEX):
         weight_map = {t.name: f for f, ts in p.shards.items() for t in ts}
@@ -248,8 +293,8 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
 
     if n := p.dst.discard_incomplete():  # all workers are done: nothing is being written
         log.info("%s: discarded %d unfinished write(s) of interrupted attempts", p.dst.uri, n)
-    manifest = make_manifest(p, written)
-    write_bytes(p.dst, MANIFEST, _json(manifest))
+    manifest = Published(make_manifest(p, written))
+    manifest.sha256 = write_file(p.dst, MANIFEST, [_json(manifest)]).sha256  # of exactly the bytes published
     for name in _journals(p.dst):
         p.dst.delete(name)
     return manifest
@@ -276,21 +321,44 @@ def build_proxy(
     keep_super: bool = True,
     representative: str | None = None,
     heal: bool = False,
+    max_kl: float | None = None,
+    max_experts: int | None = None,
+    sizing=None,
+    reconstruct: bool = False,
 ) -> dict:
     """Build the proxy of checkpoint `src` into `dst` and return its manifest (a dict).
     Rerunning an identical build is a no-op that returns the existing manifest.
-    With `worker`, write only that worker's shards and return {"worker", "workers", "files"}."""
+    With `worker`, write only that worker's shards and return {"worker", "workers", "files"}.
+    `experts="auto"` with `max_kl`: the smallest count whose fidelity figure meets it, within
+    `max_experts` and the device budget of `sizing` (a sizing.SizingOptions), see fidelity.py."""
     options = PruningOptions(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}),
                       calibration, keep_super, representative, heal)
+    options.reconstruct = reconstruct
+    options.max_kl = max_kl
+    chosen = None
+    if experts == "auto" or max_kl is not None:  # counts measured without writing; the chosen one is built
+        from moe_proxy.build.fidelity import resolve_auto
+
+        options, chosen = resolve_auto(src, options, max_experts, sizing, worker is not None or finalize_only,
+                                       store_options, progress)
     p = prepare(src, dst, options, overwrite, progress, store_options)
     if isinstance(p, dict):
         return p
+    if chosen is not None:
+        p.plan.fidelity = chosen[0]
+        p.plan.notes.extend(chosen[1])
     if finalize_only:
         return finalize(p, workers, overwrite)
     if worker is not None:
         files = write_share(p, worker, workers, progress)
         return {"worker": worker, "workers": workers, "files": {f: asdict(w) for f, w in files.items()}}
     return finalize(p, 1, overwrite, fresh=write_share(p, 0, 1, progress))
+
+
+class Published(dict):
+    """A manifest as published: the dict, and `sha256`, that of the proxy-manifest.json bytes."""
+
+    sha256: str = ""
 
 
 def _json(obj) -> bytes:
@@ -310,7 +378,9 @@ def make_manifest(p: Prepared, written: dict[str, Written]) -> dict:
                     "top_k_before": plan.top_k_before, "top_k_after": plan.top_k_after,
                     "n_group": plan.n_group, "topk_group": plan.topk_group},
         "notes": plan.notes,
+        **({"fidelity": plan.fidelity} if plan.fidelity else {}),
         **({"calibration": plan.calibration} if plan.calibration else {}),
+        **({"reconstruct": plan.reconstruction} if plan.reconstruction else {}),
         "layers": {
             b.prefix: {"layer": b.layer, "kept": plan.selections[b.prefix].kept,
                        "cluster_sizes": plan.selections[b.prefix].cluster_sizes} | plan.selections[b.prefix].record

@@ -7,7 +7,7 @@ import json
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.reports import CALIBRATED_FEATURES, CLUSTERINGS, METHODS, REPRESENTATIVES
-from moe_proxy.commands._common import add_storage_args, store_options
+from moe_proxy.commands._common import add_device_args, add_storage_args, device_options, store_options
 
 
 def parse_pins(values: list[str]) -> dict[int, list[int]]:
@@ -22,13 +22,25 @@ def parse_pins(values: list[str]) -> dict[int, list[int]]:
     return pins
 
 
+def experts_arg(value: str) -> int | str:
+    """`--experts N` or `--experts auto` (with --max-kl)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {value!r}") from None
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("build", help="build a proxy checkpoint (fewer routed experts per MoE layer)",
                        description=__doc__)
     p.add_argument("src", help="source checkpoint directory or s3://bucket/prefix")
     p.add_argument("dst", help="destination directory or s3://bucket/prefix")
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--experts", type=int, metavar="N", help="routed experts to keep per MoE layer")
+    size.add_argument("--experts", type=experts_arg, metavar="N|auto",
+                      help="routed experts to keep per MoE layer; auto (with --max-kl and --calibration): the "
+                           "smallest count whose fidelity figure meets the target")
     size.add_argument("--keep-ratio", type=float, metavar="R", help="fraction of routed experts to keep, e.g. 0.125")
     p.add_argument("--method", choices=METHODS, default="cluster",
                    help="cluster (default: one representative per cluster); frequency / saliency (top-N by gate "
@@ -50,6 +62,15 @@ def add_parser(sub) -> None:
                        help="each cluster's kept expert: saliency (default with --calibration) or medoid")
     usage.add_argument("--heal", action="store_true",
                        help="re-fit the kept router rows so each proxy MoE block matches the original's output")
+    usage.add_argument("--reconstruct", action="store_true",
+                       help="re-fit the kept experts and router rows layer by layer (inputs through the proxy, a "
+                            "held-out split stops it; a layer keeps its plain tensors unless fitting helps)")
+    auto = p.add_argument_group("--experts auto (fidelity-driven count; measured on the calibration tokens)")
+    auto.add_argument("--max-kl", type=float, metavar="X",
+                      help="largest KL(original || proxy) per token accepted (nats, held-out calibration tokens)")
+    auto.add_argument("--max-experts", type=int, metavar="N", help="largest count to try")
+    add_device_args(auto, "the proxy's device budget: only counts whose proxy fits are tried (the planner's "
+                          "memory model, as in moe-proxy plan)")
     p.add_argument("--overwrite", action="store_true", help="replace a different proxy at DST")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -67,6 +88,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_proxy.build.pipeline import build_proxy  # torch and scikit-learn load only when a build runs
     from moe_proxy.reports import build_report, error_report, worker_report, write_termination_log
+    from moe_proxy.sizing import SizingOptions
 
     if args.worker is not None and args.finalize:
         raise MoeProxyError("--worker and --finalize are separate steps: run the workers, then finalize once")
@@ -82,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
             pins=parse_pins(args.pin), overwrite=args.overwrite, progress=not args.no_progress,
             store_options=store_options(args), worker=args.worker, workers=args.workers,
             finalize_only=args.finalize, calibration=args.calibration, keep_super=args.keep_super,
-            representative=args.representative, heal=args.heal,
+            representative=args.representative, heal=args.heal, max_kl=args.max_kl, max_experts=args.max_experts,
+            reconstruct=args.reconstruct,
+            sizing=SizingOptions(**device_options(args)),
         )
     except MoeProxyError as exc:
         report(error_report(exc))
@@ -93,12 +117,22 @@ def run(args: argparse.Namespace) -> int:
               f"worker {args.worker} of {args.workers}: wrote {len(manifest['files'])} shard(s); "
               f"run --finalize once all workers are done")
         return 0
-    report(build_report(manifest, args.dst))
+    report(build_report(manifest, args.dst, _manifest_sha256(manifest, args)))
     print(json.dumps(manifest, indent=2) if args.json else summary(manifest))
     return 0
 
 
+def _manifest_sha256(manifest: dict, args: argparse.Namespace) -> str:
+    """sha256 of proxy-manifest.json as published: the build hands over that of the bytes it
+    wrote; a rerun that found this very proxy there already (a no-op) hashes the stored file."""
+    from moe_proxy.checkpoint.reader import MANIFEST
+    from moe_proxy.storage import open_store, sha256_of
+
+    return getattr(manifest, "sha256", "") or sha256_of(open_store(args.dst, **store_options(args)), MANIFEST)
+
+
 def summary(m: dict) -> str:
+    from moe_proxy.build.fidelity import describe
     from moe_proxy.checkpoint.describe import human
 
     e, p, b = m["experts"], m["params"], m["bytes"]
@@ -117,5 +151,9 @@ def summary(m: dict) -> str:
         usage = (f"  gate mass kept {layer['gate_mass_kept']:.1%}  super {layer['super']}  dead {len(layer['dead'])}"
                  if "gate_mass_kept" in layer else "")  # calibrated builds
         lines.append(f"    {prefix:<36} {layer['kept']}  cluster sizes [{sizes}]{usage}")
+        if (r := layer.get("reconstruct")) is not None:  # --reconstruct
+            lines.append(f"    {'':<36} reconstructed: held-out error {r['error_before']['held_out']:.4g} -> "
+                         f"{r['error_after']['held_out']:.4g}" + ("" if r["fitted"] else " (plain kept)"))
+    lines += describe(m.get("fidelity"))
     lines += [f"  note: {n}" for n in m.get("notes", [])]
     return "\n".join(lines)
