@@ -21,7 +21,7 @@ def test_quick_paced_build_bench_prints_its_tables(tmp_path):
                          capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     text = out.stdout
-    for heading in ("| latency ms | MB/s per conn | MB/s per pod | build s |", "parallel copy of the proxy's bytes",
+    for heading in ("| latency ms | MB/s per conn | MB/s per pod | --streams | build s |", "parallel copy of the proxy's bytes",
                     "scale-out, each pod behind its own relay", "| pods | seconds | speedup |",
                     "per-pod figures", "DeepSeek-V3, 32 of 256 experts kept", "| sized to the link (32) | 16 |"):
         assert heading in text, heading
