@@ -62,9 +62,11 @@ def test_the_proxy_verifies_on_the_host(built_proxy, seaweed):
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
 
 
-def test_transformer_image_reproduces_on_the_proxy(built_proxy, images, seaweed, tmp_path):
-    """`moe-proxy repro` in the image for two steps on CPU, reading the proxy from S3; the run's
-    metrics land in a mounted folder (a reproduction Job's volume)."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_transformer_image_reproduces_on_the_proxy(built_proxy, images, seaweed, tmp_path, ranks):
+    """`moe-proxy repro` in the image for two steps on CPU, reading the proxy from S3, on one
+    process and as one distributed run of two ranks (gloo); the run's metrics land in a mounted
+    folder (a reproduction Job's volume), written by rank 0 alone."""
     result, _, proxy = built_proxy
     assert result.returncode == 0, "the build failed (see the test above)"
     out = tmp_path / "run"
@@ -74,7 +76,8 @@ def test_transformer_image_reproduces_on_the_proxy(built_proxy, images, seaweed,
            "AWS_SECRET_ACCESS_KEY": aws_env(seaweed)["AWS_SECRET_ACCESS_KEY"],
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": seaweed.endpoint_url, **THREADS}
     container = {"image": images["transformer"], "command": ["moe-proxy"],
-                 "args": ["repro", proxy, "--out", "/run-out", "--steps", "2", "--device", "cpu"],
+                 "args": ["repro", proxy, "--out", "/run-out", "--steps", "2", "--device", "cpu",
+                          *(["--nproc-per-node", str(ranks)] if ranks > 1 else [])],
                  "env": [{"name": k, "value": v} for k, v in env.items()]}
     args = container_args(container, USER, {}, read_only=True, writable=["/tmp"], binds=[f"{out}:/run-out:rw"])
     run = podman("run", "--rm", *args, timeout=900, check=False)
