@@ -11,13 +11,13 @@ import signal
 import socket
 import sys
 import time
-import uuid
 
 import pytest
 
 from proxymodel_operator.resources import PROXYMODELS
 from proxymodel_operator.runtimes import WORKLOADS
 
+from ..apiserver import stamp_created
 from ..promised import require
 from .conftest import ROOT, grants, kubeconfig_for, one, render_objects
 
@@ -50,10 +50,7 @@ class RecordingEmulator(kmock.KubernetesEmulator):
             plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
             self.calls.append((VERBS[request.action.name], request.resource.group or "", plural, request.namespace))
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-                meta = request.data.setdefault("metadata", {})
-                meta.setdefault("uid", str(uuid.uuid4()))
-                meta.setdefault("generation", 1)
-                meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                stamp_created(request.data)
         return await super()._handle(request)
 
 

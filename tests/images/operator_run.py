@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import kmock
 import aiohttp
 
+from ..apiserver import stamp_created
 from .conftest import ROOT, container_args, crd_resources, podman, secret
 
 NAMESPACE = "team-a"
@@ -27,10 +28,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request):
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("generation", 1)
-            meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            stamp_created(request.data)
         return await super()._handle(request)
 
 
