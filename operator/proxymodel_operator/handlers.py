@@ -13,7 +13,8 @@ depended on (the operator's settings, the Secret's resourceVersion, the sha256 o
 config.json), and one Warning Event. It is judged again only when one of those changes: at a
 restart (`admit`), or when the `recheck` daemon, every MOEPROXY_RECHECK_INTERVAL seconds, sees
 a change and sets the `operator.moeproxy.io/recheck` annotation (a user may set it too) that `rejudge`
-follows.
+follows. A child the API server refuses in a way that may pass (the headless Service of a
+multi-node reproduction) holds back what needs it; the `recreate` daemon tries it again as often.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import kopf
 from . import kube, pipeline
 from .children import REPRODUCTION, TRANSFORMER
 from .outcome import RUNNING, Outcome, count_indexes, outcome, workload_state
-from .pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, SPEC_CHANGED, VALIDATED, WORKERS_PROGRESS, Action,
-                       AskJudgment, Child, CreateChild, DeleteChildren, Emit, JudgeChild, Log, Observed, PatchStatus,
-                       StartPipeline, decide, spec_hash)
+from .pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, RETRY, SPEC_CHANGED, VALIDATED, WORKERS_PROGRESS,
+                       Action, AskJudgment, Child, CreateChild, DeleteChildren, Emit, JudgeChild, Log, Observed,
+                       PatchStatus, StartPipeline, decide, spec_hash)
 from .preflight import PreflightError, dependencies, preflight, settings_fingerprint
 from .resources import (GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE, PODS, PROXYMODELS,
                         VERSION, Resource)
@@ -150,7 +151,8 @@ async def _act(actions: list[Action], ctx: _Context) -> None:
                 version = meta.get("resourceVersion") if ctx.versioned else None
                 await kube.patch_status(PROXYMODELS, namespace, name, action.status, version)
         elif isinstance(action, CreateChild):
-            await _create(action, ctx, status)
+            if not await _create(action, ctx, status):
+                return  # refused: what follows needs it (the workload, its Service)
         elif isinstance(action, DeleteChildren):
             deleted = await _delete_children(namespace, name, action.keep_generation)
             ctx.logger.info("deleted %s", ", ".join(sorted(deleted)) or "no child")
@@ -175,8 +177,9 @@ async def _act(actions: list[Action], ctx: _Context) -> None:
             raise TypeError(f"unknown action {action!r}")
 
 
-async def _create(action: CreateChild, ctx: _Context, status: dict) -> None:
-    """Create a child recorded in status; a refusal the decision foresaw fails the ProxyModel."""
+async def _create(action: CreateChild, ctx: _Context, status: dict) -> bool:
+    """Create a child recorded in status (True: it is there). A refusal the decision foresaw fails
+    the ProxyModel, or for one that may pass, makes the step wait for the back-off (`recreate`)."""
     manifest, meta = action.manifest, ctx.body["metadata"]
     kopf.adopt(manifest, owner=ctx.body)
     what = f"{manifest['kind']} {manifest['metadata']['name']}"
@@ -186,13 +189,15 @@ async def _create(action: CreateChild, ctx: _Context, status: dict) -> None:
         if action.refused is None:
             raise
         # Status changed since the ProxyModel was read (the child was just recorded): unversioned.
-        refused = pipeline.failed(status, action.refused.kind, "CreateFailed", f"creating {what}: {exc}",
-                                  action.refused.what)
+        refused = pipeline.create_refused(status, action.refused, what, str(exc))
+        ctx.logger.warning("the API server refused %s: %s%s", what, exc,
+                           "; tried again later" if action.refused.retry else "")
         await _act(refused, _Context(ctx.body, ctx.memo, ctx.logger))
-        return
+        return False
     ctx.logger.info("%s %s", what, "created" if created else "already exists")
     if created and action.created is not None:
         kopf.event(ctx.body, type=action.created.type, reason=action.created.reason, message=action.created.message)
+    return True
 
 
 async def _delete_children(namespace: str, proxymodel: str, keep_generation: int | None) -> list[str]:
@@ -268,6 +273,34 @@ async def recheck(stopped: kopf.DaemonStopped, namespace: str, name: str, memo: 
             return
         observed = Observed(RECHECK, dependencies=await _dependencies(body, memo.settings))
         await _act(decide(body, observed, memo.settings), _Context(body, memo, logger))
+
+
+def _waits_on_refusal(status: kopf.Status, **_: Any) -> bool:
+    return pipeline.waits_on_refusal(dict(status))
+
+
+@kopf.daemon(*PXM, id="recreate", when=_waits_on_refusal, cancellation_backoff=5, cancellation_timeout=10)
+async def recreate(stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo,
+                   logger: logging.Logger, **_: Any) -> None:
+    """The back-off of a child the API server refused that may pass (the headless Service of a
+    multi-node reproduction: RBAC, a quota, an admission policy): every recheck interval, the
+    recorded child is created again, with what it needs first. kopf stops it once the step no
+    longer waits."""
+    async def retry() -> None:
+        body = await _get_parent(namespace, name)
+        if body is None:
+            return
+        recorded = pipeline.recorded_child(dict(body.get("spec") or {}), dict(body.get("status") or {}))
+        exists = await kube.exists(recorded[0], namespace, recorded[1]) if recorded else None
+        await _act(decide(body, Observed(RETRY, child_exists=exists), memo.settings),
+                   _Context(body, memo, logger, versioned=True))
+
+    while not stopped.is_set():
+        await stopped.wait(memo.settings.recheck_interval)
+        if not stopped.is_set():
+            # The status it writes once the Service is there stops this daemon (asked to, then
+            # cancelled): shielded, as the workload is created after that write.
+            await asyncio.shield(_one_at_a_time(memo, namespace, name, retry))
 
 
 @kopf.on.update(*PXM, id="rejudge", field=("metadata", "annotations", RECHECK_ANNOTATION))

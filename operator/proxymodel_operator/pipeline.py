@@ -44,6 +44,11 @@ CHILD_CHANGED = "child-changed"  # a child workload or one of its pods changed
 WORKERS_PROGRESS = "workers-progress"  # the workers' Indexed Job finished another index
 RECHECK = "recheck"  # a refused ProxyModel's dependencies were looked at again (the back-off)
 REJUDGE = "rejudge"  # a judgment was asked for again (the recheck annotation changed)
+RETRY = "retry"  # the back-off of a child the API server refused looked again (`waits_on_refusal`)
+
+# The reason of a step's condition while the API server refuses a child it needs first (the
+# headless Service of a multi-node reproduction): nothing after it is created; tried again.
+CREATE_REFUSED = "CreateRefused"
 
 
 # --- what a handler observed -------------------------------------------------------------------
@@ -62,9 +67,9 @@ class Child:
 
 @dataclass(frozen=True)
 class Observed:
-    event: str  # ADMITTED | VALIDATED | SPEC_CHANGED | CHILD_CHANGED | WORKERS_PROGRESS | RECHECK | REJUDGE
+    event: str  # ADMITTED | VALIDATED | SPEC_CHANGED | CHILD_CHANGED | WORKERS_PROGRESS | RECHECK | REJUDGE | RETRY
     child: Child | None = None  # CHILD_CHANGED, WORKERS_PROGRESS
-    child_exists: bool | None = None  # ADMITTED: whether `recorded_child` exists
+    child_exists: bool | None = None  # ADMITTED, RETRY: whether `recorded_child` exists
     # ADMITTED and RECHECK of a refused ProxyModel: what its refusal depended on, as now
     # (`preflight.dependencies`)
     dependencies: dict | None = None
@@ -96,11 +101,15 @@ class Failure:
 
     kind: str  # the condition type
     what: str  # the step, as messages name it
+    # A refusal that may pass (RBAC, a quota, an admission policy): the step waits and the child
+    # is created again on the back-off, instead of failing the ProxyModel.
+    retry: bool = False
 
 
 @dataclass(frozen=True)
 class CreateChild:
-    """Create a child owned by the ProxyModel; one that exists already counts as created."""
+    """Create a child owned by the ProxyModel; one that exists already counts as created. When
+    the API server refuses it, the actions after it are not taken (`create_refused` says what is)."""
 
     resource: Resource
     manifest: dict
@@ -242,6 +251,28 @@ def failed(status: dict, kind: str, reason: str, message: str, what: str) -> lis
             Emit("Warning", reason, f"{what} failed: {message}"[:MAX_EVENT])]
 
 
+def create_refused(status: dict, refused: Failure, what: str, error: str) -> list[Action]:
+    """The API server refused the child `what` (its answer: `error`). Permanent: the ProxyModel
+    fails at that step. Retried: the step's condition (Unknown, CREATE_REFUSED) and the message
+    say what waits and why, one Warning Event for the refusal (none for each try after it),
+    and the `recreate` back-off tries again (`RETRY`)."""
+    message = f"creating {what}: {error}"
+    if not refused.retry:
+        return failed(status, refused.kind, "CreateFailed", message, refused.what)
+    conditions = status.get("conditions") or []
+    waiting = waits_on_refusal(status)
+    text = f"{refused.what} waits: {message}"[:MAX_EVENT]
+    new = condition(refused.kind, None, CREATE_REFUSED, f"{text}; tried again", _generation(status))
+    actions: list[Action] = [PatchStatus({"message": text, "conditions": with_condition(conditions, new)})]
+    return actions if waiting else [*actions, Emit("Warning", CREATE_REFUSED, text)]
+
+
+def waits_on_refusal(status: dict) -> bool:
+    """Whether a step waits for a child the API server refused (the back-off tries again)."""
+    return status.get("phase") not in (*TERMINAL, SUSPENDED) and any(
+        c.get("reason") == CREATE_REFUSED for c in status.get("conditions") or [])
+
+
 def step_status(status: dict, step: str, job_name: str, spec: ProxyModelSpec, generation: int) -> dict:
     """The status that records `job_name` as the transformer step in progress (written before
     the Job is created)."""
@@ -281,7 +312,7 @@ def decide(proxymodel: dict, observed: Observed, settings: Settings) -> list[Act
                      proxymodel.get("status") or {}, settings)
     decisions = {ADMITTED: _admitted, VALIDATED: _validated, SPEC_CHANGED: _spec_changed,
                  CHILD_CHANGED: _child_changed, WORKERS_PROGRESS: _workers_progress, RECHECK: _recheck,
-                 REJUDGE: _rejudge}
+                 REJUDGE: _rejudge, RETRY: _retry}
     return decisions[observed.event](pm, observed)
 
 
@@ -310,8 +341,18 @@ def _recorded_but_missing(pm: _ProxyModel, exists: bool | None) -> list[Action]:
         step = _ran(pm.status).get("transformerStep") or BUILD  # absent in the status of older operators
         job = step_job(step, pm.name, pm.namespace, _generation(pm.status), as_planned(pm.parsed(), pm.status))
         return [CreateChild(JOBS, job, Emit("Normal", STEP_TEXT[step].created, f"Job {job['metadata']['name']}"))]
-    runtime, manifest = _reproduction(pm, pm.status, {})  # recorded already: the record is dropped
-    return _create_reproduction(runtime, manifest)
+    into: dict = {}
+    runtime, manifest = _reproduction(pm, pm.status, into)  # recorded already: only its condition is kept
+    # After a refusal, once the Service is there: the condition says the run goes on again.
+    resumed = PatchStatus({"message": None, "conditions": into["conditions"]}) if waits_on_refusal(pm.status) else None
+    return _create_reproduction(runtime, manifest, resumed)
+
+
+def _retry(pm: _ProxyModel, observed: Observed) -> list[Action]:
+    """The back-off of a refused child: the recorded child (and what it needs first) created again."""
+    if not waits_on_refusal(pm.status) or _ran(pm.status).get("specHash") != spec_hash(pm.spec):
+        return []  # created meanwhile, or a new spec whose pipeline replaces it
+    return _recorded_but_missing(pm, observed.child_exists)
 
 
 def _validated(pm: _ProxyModel, observed: Observed) -> list[Action]:
@@ -520,14 +561,16 @@ def _reproduction(pm: _ProxyModel, status: dict, into: dict) -> tuple[Runtime, d
     return RUNTIMES[r.runtime], manifest
 
 
-def _create_reproduction(runtime: Runtime, manifest: dict) -> list[CreateChild]:
+def _create_reproduction(runtime: Runtime, manifest: dict, resumed: PatchStatus | None = None) -> list[Action]:
     """The workload, after the headless Service its pods' host names need (if any): both owned
-    by the ProxyModel, both created once (one that exists counts as created)."""
+    by the ProxyModel, both created once (one that exists counts as created). A refused Service
+    holds the workload back (pods that cannot resolve each other would only time out) and is
+    tried again; `resumed` is written once it is there."""
     container = runtime.pod_templates(manifest["spec"])[0]["spec"]["containers"][0]
     devices = next(iter((container.get("resources") or {}).get("limits", {}).items()), ("", ""))
     created = Emit("Normal", "ReproductionCreated",
                    f"{manifest['kind']} {manifest['metadata']['name']} ({devices[1]} x {devices[0]} per pod)")
     refused = Failure(REPRODUCED_CONDITION, "reproduction")
     service = headless_service(runtime, manifest)
-    return ([CreateChild(SERVICES, service, refused=refused)] if service else []) + \
-        [CreateChild(runtime.resource, manifest, created, refused)]
+    first: list[Action] = [CreateChild(SERVICES, service, refused=replace(refused, retry=True))] if service else []
+    return first + ([resumed] if resumed else []) + [CreateChild(runtime.resource, manifest, created, refused)]

@@ -1,9 +1,11 @@
 """A kubelet for tests: run the pods of a workload the operator made as local processes.
 
-What a node would do with each pod of an Indexed Job / Volcano Job / AscendJob, as far as the
-reproduction's wiring depends on it: the container's env resolved as the pod spec says (values,
-`$(VAR)` references to earlier variables, secretKeyRef from the emulator's Secrets, downward-API
-fields and annotations such as the completion index), `$(VAR)` expanded in command and args,
+What a node would do with each pod of an Indexed Job / Volcano Job / AscendJob (as its controller
+made it from the workload: `controllers.py`), as far as the reproduction's wiring depends on it:
+the container's env resolved as the pod spec says (values, `$(VAR)` references to earlier
+variables, secretKeyRef and configMapKeyRef from the emulator's Secrets and ConfigMaps,
+downward-API fields and annotations such as the completion index), configMap volumes as files,
+`$(VAR)` expanded in command and args,
 native sidecars (init containers with `restartPolicy: Always`) started first and sent SIGTERM once
 the main containers have exited, and each container's termination message read from its
 terminationMessagePath. Where a node differs, it is said: every pod's volumes are directories of
@@ -24,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxymodel_operator.resources import SECRETS
+from proxymodel_operator.resources import PODS, SECRETS, Resource
+
+CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")
 
 _REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _FIELD = re.compile(r"metadata\.(annotations|labels)\['([^']+)'\]")
@@ -44,13 +48,13 @@ def free_port() -> int:
 
 @dataclass
 class Pod:
-    """One pod as the runtime's controller would create it from its template."""
+    """One pod as the runtime's controller creates it: `template` is its pod template with what
+    the controller adds to it (env, volumes, host name) already in `template["spec"]`."""
 
     name: str
     template: dict
     annotations: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
-    extra_env: dict[str, str] = field(default_factory=dict)  # what the runtime's controller appends
     hostname: str = ""
     subdomain: str = ""
 
@@ -82,22 +86,25 @@ class Kubelet:
         assert match, f"downward API field {path!r} is not emulated"
         return (pod.annotations if match.group(1) == "annotations" else pod.labels).get(match.group(2), "")
 
-    def _secret(self, name: str, key: str, optional: bool) -> str | None:
-        secret = self.api.get(SECRETS, self.namespace, name) or {}
-        data = secret.get("data") or {}
-        if key not in data:
-            assert optional, f"secret {name} has no key {key}"
+    def _key(self, resource: Resource, ref: dict) -> str | None:
+        """A Secret's (base64) or ConfigMap's value; None for an optional key that is absent."""
+        obj = self.api.get(resource, self.namespace, ref["name"]) or {}
+        data = obj.get("data") or {}
+        if ref["key"] not in data:
+            assert ref.get("optional", False), f"{resource.kind} {ref['name']} has no key {ref['key']}"
             return None
-        return base64.b64decode(data[key]).decode()
+        value = data[ref["key"]]
+        return base64.b64decode(value).decode() if resource == SECRETS else value
 
     def resolve_env(self, pod: Pod, container: dict) -> dict[str, str]:
         env: dict[str, str] = {}
-        for var in [*(container.get("env") or []), *({"name": k, "value": v} for k, v in pod.extra_env.items())]:
+        for var in container.get("env") or []:
             if "valueFrom" in var:
                 source = var["valueFrom"]
-                if "secretKeyRef" in source:
-                    ref = source["secretKeyRef"]
-                    value = self._secret(ref["name"], ref["key"], ref.get("optional", False))
+                if "secretKeyRef" in source or "configMapKeyRef" in source:
+                    resource, ref = ((SECRETS, source["secretKeyRef"]) if "secretKeyRef" in source
+                                     else (CONFIGMAPS, source["configMapKeyRef"]))
+                    value = self._key(resource, ref)
                     if value is None:
                         continue
                 elif "fieldRef" in source:
@@ -124,8 +131,16 @@ class Kubelet:
 
     def start(self, pod: Pod, container: dict) -> subprocess.Popen:
         (self.root / pod.name).mkdir(parents=True, exist_ok=True)
+        volumes = {v["name"]: v for v in pod.template["spec"].get("volumes") or []}
         for mount in container.get("volumeMounts") or []:
-            (self.root / pod.name / mount["name"]).mkdir(parents=True, exist_ok=True)
+            directory = self.root / pod.name / mount["name"]
+            directory.mkdir(parents=True, exist_ok=True)
+            source = volumes.get(mount["name"], {}).get("configMap")
+            if source:  # a file per key, as the kubelet projects a ConfigMap
+                data = (self.api.get(CONFIGMAPS, self.namespace, source["name"]) or {}).get("data") or {}
+                assert data or source.get("optional"), f"ConfigMap {source['name']} is missing"
+                for key, value in data.items():
+                    (directory / key).write_text(value)
         env = {k: self._local(pod, container, v) for k, v in self.resolve_env(pod, container).items()}
         if "MASTER_PORT" in env:
             env["MASTER_PORT"] = self.master_port
@@ -175,18 +190,17 @@ class Kubelet:
                         process.wait()
         return results
 
-    async def report(self, pod: Pod, ran: dict[str, Ran], template: dict) -> None:
+    async def report(self, pod: Pod, ran: dict[str, Ran]) -> None:
         """Write the pod, with its containers' terminated states, into the emulator (the kubelet's status)."""
         def state(r: Ran) -> dict:
             return {"name": r.name, "state": {"terminated": {
                 "exitCode": r.exit_code, "reason": "Completed" if r.exit_code == 0 else "Error", "message": r.message}}}
 
-        inits = [c["name"] for c in template["spec"].get("initContainers") or []]
+        spec = pod.template["spec"]
+        inits = [c["name"] for c in spec.get("initContainers") or []]
         status = {"phase": "Succeeded" if all(r.exit_code == 0 for r in ran.values()) else "Failed",
                   "initContainerStatuses": [state(ran[n]) for n in inits],
-                  "containerStatuses": [state(ran[c["name"]]) for c in template["spec"]["containers"]]}
-        from proxymodel_operator.resources import PODS
-
+                  "containerStatuses": [state(ran[c["name"]]) for c in spec["containers"]]}
         await self.api.create(PODS, self.namespace, {
             "metadata": {"name": pod.name, "labels": pod.labels, "annotations": pod.annotations},
-            "spec": template["spec"], "status": status})
+            "spec": spec, "status": status})

@@ -14,11 +14,11 @@ import pytest
 
 from proxymodel_operator.children import REPRODUCTION, TRANSFORMER
 from proxymodel_operator.outcome import FAILED, RUNNING, SUCCEEDED, Outcome
-from proxymodel_operator.pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, SPEC_CHANGED, VALIDATED,
+from proxymodel_operator.pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, RETRY, SPEC_CHANGED, VALIDATED,
                                           WORKERS_PROGRESS, AskJudgment, Child, CreateChild, DeleteChildren, Emit,
                                           Failure, JudgeChild, Log, Observed, PatchStatus, StartPipeline,
-                                          child_resource, decide, failed, recorded_child, refusal, refusal_of,
-                                          spec_hash, wants_verdict)
+                                          child_resource, create_refused, decide, failed, recorded_child, refusal,
+                                          refusal_of, spec_hash, waits_on_refusal, wants_verdict)
 from proxymodel_operator.resources import ASCEND_JOBS, JOBS, SERVICES, VOLCANO_JOBS
 from proxymodel_operator.settings import Settings
 
@@ -192,7 +192,8 @@ def test_transformer_success_makes_the_proxy_ready_and_starts_the_reproduction()
     assert actions.index(patch) < actions.index(service) < actions.index(create)  # recorded before it is created
     # two pods: the headless Service that names them (<job>-<index>.<job>) comes first
     assert service.resource == SERVICES and service.manifest["metadata"]["name"] == "q3-repro-g1"
-    assert service.manifest["spec"]["clusterIP"] == "None" and service.refused == create.refused
+    assert service.manifest["spec"]["clusterIP"] == "None"
+    assert service.refused == Failure("FailureReproduced", "reproduction", retry=True)  # waits; the Job fails
     assert create.manifest["spec"]["template"]["spec"]["subdomain"] == "q3-repro-g1"
     after = walk(body, actions)
     assert after["status"]["phase"] == "Reproducing" and after["status"]["experts"] == "128->16"
@@ -203,6 +204,32 @@ def test_transformer_success_makes_the_proxy_ready_and_starts_the_reproduction()
     assert create.resource == JOBS and create.manifest["spec"]["completions"] == 2  # 16 devices, 8 per node
     assert create.created.message == "Job q3-repro-g1 (8 x huawei.com/Ascend910 per pod)"
     assert create.refused == Failure("FailureReproduced", "reproduction")
+
+
+def test_a_refused_service_holds_the_job_back_until_the_back_off_creates_both():
+    body = transforming()
+    actions = decide(body, child("q3-transform-g1", succeeded()), SETTINGS)
+    service = only(actions, CreateChild)[0]
+    before = walk(body, actions[:actions.index(service)])  # the handler stops at the refused create
+    refused = create_refused(before["status"], service.refused, "Service q3-repro-g1", "HTTP 403 Forbidden: quota")
+    waiting = walk(before, refused)
+    assert waits_on_refusal(waiting["status"]) and waiting["status"]["phase"] == "Reproducing"
+    cond = condition(waiting, "FailureReproduced")
+    assert (cond["status"], cond["reason"]) == ("Unknown", "CreateRefused") and "403" in cond["message"]
+    assert [e.type for e in only(refused, Emit)] == ["Warning"]
+    again = create_refused(waiting["status"], service.refused, "Service q3-repro-g1", "HTTP 403 Forbidden: quota")
+    assert only(again, Emit) == []  # one Event for the refusal, none per try
+
+    retry = decide(waiting, Observed(RETRY, child_exists=False), SETTINGS)
+    svc, resumed, job = retry
+    assert (svc.resource, job.resource, job.manifest["metadata"]["name"]) == (SERVICES, JOBS, "q3-repro-g1")
+    after = walk(waiting, retry)
+    assert not waits_on_refusal(after["status"]) and "message" not in after["status"]
+    assert condition(after, "FailureReproduced")["reason"] == "ReproductionRunning"
+    assert decide(after, Observed(RETRY, child_exists=True), SETTINGS) == []
+    # a refused workload (not its Service) fails the ProxyModel, as before
+    assert walk(before, create_refused(before["status"], job.refused, "Job q3-repro-g1", "HTTP 403"))[
+        "status"]["phase"] == "Failed"
 
 
 @pytest.mark.parametrize("runtime, resource, container", [

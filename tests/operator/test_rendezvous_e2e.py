@@ -1,16 +1,20 @@
 """The reproduction the operator creates, run: its pods find each other and the verdict comes back.
 
 From a ProxyModel (through kopf and the API emulator, as the other operator tests), the
-reproduction workload the operator made is taken and its pods' containers are run as local
-processes by a test kubelet (`kubelet.py`): env resolved as the pod spec says (the Secret's
-credentials, the completion index), the pods' host names on 127.0.0.1. The pods' statuses
-with their termination messages go back into the emulator as the kubelet would write them,
-and the verdict has to reach the ProxyModel's status.
+reproduction workload the operator made is taken; its runtime's controller makes its pods, with
+what that controller injects (`controllers.py`: the Job controller's completion index, Volcano's
+env and svc plugins, the Ascend operator's PyTorch environment and Master Service), and a test
+kubelet runs their containers as local processes (`kubelet.py`): env resolved as the pod spec
+says (the Secret's credentials, the controllers' ConfigMaps and downward-API fields), the pods'
+host names on 127.0.0.1. The pods' statuses with their termination messages go back into the
+emulator as the kubelet would write them, the controller finishes the workload, and the verdict
+has to reach the ProxyModel's status.
 
-- `moe-proxy repro` on 2 pods x 2 ranks (CPU, gloo): one run, whose metrics are those of a
-  1-process run of the same proxy;
-- a user's template whose "framework" writes verl FileLogger lines with a NaN at step 3: the
-  `moe-proxy watch` sidecar says `nan` at step 3.
+- `moe-proxy repro` on 2 pods x 2 ranks (CPU, gloo), for each runtime: one run, whose metrics
+  are those of a 1-process run of the same proxy;
+- a user's template whose "framework" writes verl FileLogger lines with a NaN at step 3, for
+  each runtime: its containers get their node rank, and the `moe-proxy watch` sidecar says
+  `nan` at step 3.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import textwrap
 
 import pytest
 
-from proxymodel_operator.reproduction import METRICS_FILE, RUN_DIR
+from proxymodel_operator.reproduction import METRICS_FILE, RUN_DIR, RUN_VOLUME
 from proxymodel_operator.resources import JOBS, PROXYMODELS, SERVICES
-from proxymodel_operator.runtimes import JOB_COMPLETION_INDEX, WATCHER
+from proxymodel_operator.runtimes import RUNTIMES, WATCHER
 
+from .controllers import ASCEND_MASTER_IP, CONTROLLERS, Started
 from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel
-from .kubelet import Kubelet, Pod
+from .kubelet import Kubelet, Ran
 
 pytestmark = pytest.mark.slow
 NS = "team-e2e"
@@ -52,33 +57,29 @@ def _report(proxy) -> str:
                        "experts_per_layer": {"before": 8, "after": 4, "top_k": 2}, "params": {}, "bytes": {}})
 
 
-async def _reproduction_of(cluster, name: str, proxy) -> dict:
-    """Create the ProxyModel `name`, let its transformer report `proxy`: its reproduction Job."""
+async def _reproduction_of(cluster, name: str, proxy, runtime: str = "Job") -> dict:
+    """Create the ProxyModel `name`, let its transformer report `proxy`: its reproduction workload."""
     await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     transformer = await eventually(lambda: cluster.get(JOBS, NS, f"{name}-transform-g1"), 30, "transformer Job")
     await cluster.finish_pod(NS, transformer, "transformer", 0, _report(proxy))
     await cluster.job_condition(NS, transformer["metadata"]["name"], "Complete")
-    return await eventually(lambda: cluster.get(JOBS, NS, f"{name}-repro-g1"), 30, "reproduction Job")
+    resource = RUNTIMES[runtime].resource
+    return await eventually(lambda: cluster.get(resource, NS, f"{name}-repro-g1"), 30, f"reproduction {runtime}")
 
 
-def _pods(job: dict) -> list[Pod]:
-    """The pods the Job controller makes of an Indexed Job: `<job>-<i>`, index annotated."""
-    name, spec = job["metadata"]["name"], job["spec"]
-    template = spec["template"]
-    return [Pod(f"{name}-{i}", template, annotations={JOB_COMPLETION_INDEX: str(i)},
-                labels={**template["metadata"]["labels"], "job-name": name},
-                hostname=f"{name}-{i}", subdomain=template["spec"].get("subdomain", ""))
-            for i in range(spec.get("completions") or 1)]
-
-
-async def _run_and_report(cluster, kubelet: Kubelet, job: dict) -> dict:
-    pods = _pods(job)
-    ran = kubelet.run(pods)
-    for pod in pods:
-        await kubelet.report(pod, ran[pod.name], job["spec"]["template"])
+async def _run_and_report(cluster, root, runtime: str, workload: dict) -> tuple[Started, dict[str, dict[str, Ran]],
+                                                                             Kubelet]:
+    """The runtime's controller makes the pods, the kubelet runs them and reports them, the
+    controller finishes the workload: (its pods, pod -> container -> how it ran, the kubelet)."""
+    controller = CONTROLLERS[runtime]
+    started = await controller.start(cluster, NS, workload)
+    kubelet = Kubelet(cluster, NS, root, hosts=started.hosts)
+    ran = kubelet.run(started.pods)
+    for pod in started.pods:
+        await kubelet.report(pod, ran[pod.name])
     ok = all(r.exit_code == 0 for containers in ran.values() for r in containers.values())
-    await cluster.job_condition(NS, job["metadata"]["name"], "Complete" if ok else "Failed")
-    return ran
+    await controller.finish(cluster, NS, workload, ok)
+    return started, ran, kubelet
 
 
 def _metrics(path) -> dict[int, dict]:
@@ -86,39 +87,64 @@ def _metrics(path) -> dict[int, dict]:
     return {row["step"]: row["data"] for row in rows}
 
 
-async def test_two_pods_of_two_ranks_are_one_run_with_the_one_process_metrics(cluster, operator, tiny_proxy,
-                                                                              tmp_path):
+@pytest.fixture(scope="module")
+def one_process(tiny_proxy, tmp_path_factory) -> dict[int, dict]:
+    """The metrics of a 1-process run of the same proxy: what every 2 x 2 run has to give."""
     from moe_proxy.cli import main
 
-    await cluster.create(PROXYMODELS, NS, proxymodel("d1", reproduction={
-        "runtime": "Job", "maxSteps": STEPS, "precision": "fp32", "failOn": {"signature": "nan"},
-        "accelerator": {"devices": 4, "devicesPerNode": 2}}))
-    job = await _reproduction_of(cluster, "d1", tiny_proxy)
-    assert (job["spec"]["completionMode"], job["spec"]["completions"], job["spec"]["parallelism"]) == ("Indexed", 2, 2)
-    service = cluster.get(SERVICES, NS, "d1-repro-g1")  # the pods' subdomain, owned by the ProxyModel
-    assert service["spec"]["clusterIP"] == "None" and job["spec"]["template"]["spec"]["subdomain"] == "d1-repro-g1"
-    assert [o["kind"] for o in service["metadata"]["ownerReferences"]] == ["ProxyModel"]
-    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--nnodes") + 1] == "2" and args[args.index("--nproc-per-node") + 1] == "2"
-
-    kubelet = Kubelet(cluster, NS, tmp_path / "node", hosts=["d1-repro-g1-0.d1-repro-g1"])
-    ran = await _run_and_report(cluster, kubelet, job)
-    for pod, containers in ran.items():
-        assert containers["reproduction"].exit_code == 0, containers["reproduction"].output[-3000:]
-    assert json.loads(ran["d1-repro-g1-0"]["reproduction"].message)["reproduced"] is False  # rank 0's verdict
-    assert ran["d1-repro-g1-1"]["reproduction"].message == ""  # node 1 writes none
-    env = kubelet.resolve_env(_pods(job)[1], job["spec"]["template"]["spec"]["containers"][0])
-    assert (env["NODE_RANK"], env["AWS_SECRET_ACCESS_KEY"]) == ("1", SECRET_KEY)  # index and Secret resolved
-
-    await eventually(lambda: cluster.status(NS, "d1").get("phase") == "NotReproduced", 30, "the verdict in status")
-    assert cluster.status(NS, "d1")["reproduction"]["reproduced"] is False
-    summary = json.loads((tmp_path / "node" / "d1-repro-g1-0" / "run" / "summary.json").read_text())
-    assert summary["ranks"] == 4 and summary["steps_completed"] == STEPS
-
-    one = tmp_path / "one"
+    one = tmp_path_factory.mktemp("one")
     assert main(["repro", str(tiny_proxy), "--out", str(one), "--steps", str(STEPS), "--precision", "fp32",
                  "--fail-on", "nan"]) == 0
-    four, single = _metrics(tmp_path / "node" / "d1-repro-g1-0" / "run" / "metrics.jsonl"), _metrics(one / "metrics.jsonl")
+    return _metrics(one / "metrics.jsonl")
+
+
+def _runtime_wiring(runtime: str, workload: dict, started: Started, env: dict[str, str], cluster, root) -> None:
+    """What ties each runtime's pods together, as the controller and the operator made it (env of node 1)."""
+    job = workload["metadata"]["name"]
+    if runtime == "Job":  # the headless Service: the pods' subdomain, owned by the ProxyModel
+        service = cluster.get(SERVICES, NS, job)
+        assert service["spec"]["clusterIP"] == "None" and workload["spec"]["template"]["spec"]["subdomain"] == job
+        assert [o["kind"] for o in service["metadata"]["ownerReferences"]] == ["ProxyModel"]
+        assert (env["NODE_RANK"], env["MASTER_ADDR"]) == ("1", f"{job}-0.{job}")
+    elif runtime == "VolcanoJob":  # the operator's master is the svc plugin's first host
+        hosts = (root / started.pods[1].name / f"{job}-svc" / "worker.host").read_text().splitlines()
+        assert env["MASTER_ADDR"] == hosts[0] == env["VC_WORKER_HOSTS"].split(",")[0] == f"{job}-worker-0.{job}"
+        assert (env["VC_TASK_INDEX"], env["VK_TASK_INDEX"], env["VC_WORKER_NUM"]) == ("1", "1", "2")
+    else:  # the Ascend operator's values, not torchrun's: the launcher clears them
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "4", "2", "0,1")
+        assert env["MASTER_ADDR"] == ASCEND_MASTER_IP and started.pods[1].name == f"{job}-worker-0"
+
+
+@pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob"])
+async def test_two_pods_of_two_ranks_are_one_run_with_the_one_process_metrics(cluster, operator, tiny_proxy,
+                                                                              one_process, tmp_path, runtime):
+    name = {"Job": "d1", "VolcanoJob": "dv", "AscendJob": "da"}[runtime]
+    await cluster.create(PROXYMODELS, NS, proxymodel(name, reproduction={
+        "runtime": runtime, "maxSteps": STEPS, "precision": "fp32", "failOn": {"signature": "nan"},
+        "accelerator": {"devices": 4, "devicesPerNode": 2}}))
+    workload = await _reproduction_of(cluster, name, tiny_proxy, runtime)
+    args = RUNTIMES[runtime].pod_templates(workload["spec"])[0]["spec"]["containers"][0]["args"]
+    assert args[args.index("--nnodes") + 1] == "2" and args[args.index("--nproc-per-node") + 1] == "2"
+
+    root = tmp_path / "node"
+    started, ran, kubelet = await _run_and_report(cluster, root, runtime, workload)
+    assert len(started.pods) == 2
+    runs = [ran[pod.name][started.container] for pod in started.pods]
+    for run in runs:
+        assert run.exit_code == 0, run.output[-3000:]
+    assert json.loads(runs[0].message)["reproduced"] is False and runs[1].message == ""  # rank 0's verdict only
+    node1 = started.pods[1]
+    env = kubelet.resolve_env(node1, next(c for c in node1.template["spec"]["containers"]
+                                          if c["name"] == started.container))
+    assert env["AWS_SECRET_ACCESS_KEY"] == SECRET_KEY  # the Secret resolved
+    _runtime_wiring(runtime, workload, started, env, cluster, root)
+
+    await eventually(lambda: cluster.status(NS, name).get("phase") == "NotReproduced", 30, "the verdict in status")
+    assert cluster.status(NS, name)["reproduction"]["reproduced"] is False
+    summary = json.loads((root / started.pods[0].name / "run" / "summary.json").read_text())
+    assert summary["ranks"] == 4 and summary["steps_completed"] == STEPS
+
+    four, single = _metrics(root / started.pods[0].name / "run" / "metrics.jsonl"), one_process
     assert sorted(four) == sorted(single) == list(range(STEPS))
     for step in single:
         assert four[step].keys() == single[step].keys()
@@ -130,6 +156,8 @@ async def test_two_pods_of_two_ranks_are_one_run_with_the_one_process_metrics(cl
 
 FRAMEWORK = textwrap.dedent("""\
     import json, math, os, sys, time
+    with open(os.path.join(os.path.dirname(os.environ["VERL_FILE_LOGGER_PATH"]), "node-rank"), "w") as f:
+        f.write(os.environ["NODE_RANK"])
     if os.environ["NODE_RANK"] != "0":  # only the driver (node 0) logs, as verl's FileLogger does
         sys.exit(0)
     assert os.environ["NNODES"] == "2" and os.environ["MASTER_ADDR"] and os.environ["MOEPROXY_EP_SIZES"] == "1,2"
@@ -143,28 +171,34 @@ FRAMEWORK = textwrap.dedent("""\
 """)
 
 
-async def test_a_frameworks_nan_at_step_3_is_the_sidecars_verdict(cluster, operator, tmp_path):
+@pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob"])
+async def test_a_frameworks_nan_at_step_3_is_the_sidecars_verdict(cluster, operator, tmp_path, runtime):
+    """The template's containers learn their node rank from each runtime's own variable (the
+    prelude), and node 0's watcher gives the verdict (on an AscendJob only the Master has one)."""
+    name = {"Job": "d2", "VolcanoJob": "dw", "AscendJob": "db"}[runtime]
     script = tmp_path / "framework.py"
     script.write_text(FRAMEWORK)
     template = {"spec": {"containers": [{"name": "verl", "image": "verl:test", "command": ["python", str(script)]}]}}
-    await cluster.create(PROXYMODELS, NS, proxymodel("d2", reproduction={
-        "runtime": "Job", "maxSteps": 5, "template": template, "failOn": {"signature": "nan"},
+    await cluster.create(PROXYMODELS, NS, proxymodel(name, reproduction={
+        "runtime": runtime, "maxSteps": 5, "template": template, "failOn": {"signature": "nan"},
         "accelerator": {"devices": 2, "devicesPerNode": 1}}))
-    job = await _reproduction_of(cluster, "d2", tmp_path / "proxy")
-    pod = job["spec"]["template"]["spec"]
+    workload = await _reproduction_of(cluster, name, tmp_path / "proxy", runtime)
+    pod = RUNTIMES[runtime].pod_templates(workload["spec"])[0]["spec"]
     [sidecar] = pod["initContainers"]
     assert (sidecar["name"], sidecar["restartPolicy"]) == (WATCHER, "Always")
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["VERL_FILE_LOGGER_PATH"] == METRICS_FILE and env["MOEPROXY_EXPERTS_PER_LAYER"] == "4"
     assert {m["mountPath"] for m in sidecar["volumeMounts"]} == {RUN_DIR}
 
-    kubelet = Kubelet(cluster, NS, tmp_path / "node", hosts=["d2-repro-g1-0.d2-repro-g1"])
-    ran = await _run_and_report(cluster, kubelet, job)
-    verdict = json.loads(ran["d2-repro-g1-0"][WATCHER].message)
+    started, ran, _ = await _run_and_report(cluster, tmp_path / "node", runtime, workload)
+    node0, node1 = (ran[p.name] for p in started.pods)
+    assert [(tmp_path / "node" / p.name / RUN_VOLUME / "node-rank").read_text() for p in started.pods] == ["0", "1"]
+    verdict = json.loads(node0[WATCHER].message)
     assert (verdict["reproduced"], verdict["signature"], verdict["step"]) == (True, "nan", 3)
-    assert ran["d2-repro-g1-1"][WATCHER].message == ""  # node 1 has no metrics, and no verdict
-    assert all(r.exit_code == 0 for containers in ran.values() for r in containers.values())
+    assert node1[WATCHER].message == "" if runtime != "AscendJob" else WATCHER not in node1  # no metrics there
+    assert all(r.exit_code == 0 for containers in ran.values() for r in containers.values()), \
+        [r.output[-2000:] for containers in ran.values() for r in containers.values() if r.exit_code]
 
-    await eventually(lambda: cluster.status(NS, "d2").get("phase") == "Reproduced", 30, "the verdict in status")
-    result = cluster.status(NS, "d2")["reproduction"]
+    await eventually(lambda: cluster.status(NS, name).get("phase") == "Reproduced", 30, "the verdict in status")
+    result = cluster.status(NS, name)["reproduction"]
     assert (result["signature"], result["step"]) == ("nan", 3)

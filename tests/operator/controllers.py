@@ -1,0 +1,184 @@
+"""The runtimes' controllers, as far as a reproduction's rendezvous depends on them.
+
+For each runtime the operator can create a reproduction as, what its controller does with the
+workload: the pods it creates from the templates (names, labels, host names, and the env and
+volumes it adds to the containers), the objects it creates beside them, and the status it gives
+the workload once the pods have ended. The pods are then run by `kubelet.Kubelet`. Kept small:
+only what the pods' rendezvous and the operator's verdict read; each injected value cites the
+controller code or documentation it comes from.
+
+- batch/v1 Indexed Job (Kubernetes' Job controller);
+- Volcano Job with its `env` and `svc` plugins (volcano-sh/volcano, pkg/controllers/job/plugins);
+- Ascend MindCluster AscendJob, framework pytorch (Ascend/mind-cluster, component/ascend-operator).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from proxymodel_operator.resources import ASCEND_JOBS, SERVICES, VOLCANO_JOBS
+from proxymodel_operator.runtimes import JOB_COMPLETION_INDEX
+
+from .kubelet import CONFIGMAPS, Pod
+
+ASCEND_MASTER_IP = "10.96.0.20"  # the clusterIP the API server would give the Master's Service
+
+
+@dataclass
+class Started:
+    """What a controller made of a workload: its pods, node rank 0's first."""
+
+    pods: list[Pod]
+    hosts: list[str]  # the names and addresses the pods reach each other by (127.0.0.1 here)
+    container: str  # the reproduction's container
+
+
+@dataclass(frozen=True)
+class Controller:
+    start: Callable[[object, str, dict], Awaitable[Started]]  # (api, namespace, workload)
+    finish: Callable[[object, str, dict, bool], Awaitable[None]]  # (api, namespace, workload, all pods ok)
+
+
+def _append_env(container: dict, env: list[dict]) -> None:
+    """The controllers append to the template's env: ours comes first, so `$(VAR)` in our env
+    cannot name theirs (command and args can)."""
+    container["env"] = [*(container.get("env") or []), *env]
+
+
+# --- batch/v1 Indexed Job ------------------------------------------------------------------------
+
+
+async def _start_job(api, namespace: str, job: dict) -> Started:
+    """Kubernetes' Job controller, completionMode Indexed (kubernetes.io/docs/concepts/workloads/
+    controllers/job/#completion-mode): a pod per index, annotated and labelled with it
+    (`batch.kubernetes.io/job-completion-index`), `job-name` label, and with a subdomain, the
+    hostname `<job>-<index>`. (Its pods' names carry a random suffix: the hostname is what counts.)"""
+    name, spec = job["metadata"]["name"], job["spec"]
+    template = spec["template"]
+    subdomain = template["spec"].get("subdomain", "")
+    pods = [Pod(f"{name}-{i}", template, annotations={JOB_COMPLETION_INDEX: str(i)},
+                labels={**template["metadata"]["labels"], "job-name": name, JOB_COMPLETION_INDEX: str(i)},
+                hostname=f"{name}-{i}", subdomain=subdomain)
+            for i in range(spec.get("completions") or 1)]
+    hosts = [f"{p.hostname}.{subdomain}" for p in pods] if subdomain else []
+    return Started(pods, hosts, template["spec"]["containers"][0]["name"])
+
+
+async def _finish_job(api, namespace: str, job: dict, ok: bool) -> None:
+    await api.job_condition(namespace, job["metadata"]["name"], "Complete" if ok else "Failed",
+                            "" if ok else "BackoffLimitExceeded")
+
+
+# --- Volcano Job, plugins env and svc -------------------------------------------------------------
+
+
+async def _start_volcano(api, namespace: str, job: dict) -> Started:
+    """Volcano's job controller and its plugins, for each task and replica index i:
+
+    - pod name `<job>-<task>-<i>` (helpers.MakePodName), labels `volcano.sh/job-name` and
+      `volcano.sh/job-namespace`, annotation `volcano.sh/task-spec` (job_controller_util.createJobPod);
+    - env plugin: VK_TASK_INDEX and VC_TASK_INDEX, both i, appended to every container and init
+      container (plugins/env/env.go OnPodCreate; i from the pod name, helpers.GetPodIndexUnderTask);
+    - svc plugin (plugins/svc/svc.go): ConfigMap `<job>-svc` with, per task, `<task>.host` (the
+      hosts one per line), VC_<TASK>_HOSTS (comma-separated) and VC_<TASK>_NUM (GenerateHosts: host
+      `<job>-<task>-<i>.<job>`); every container and init container gets VC_<TASK>_HOSTS and
+      VC_<TASK>_NUM from it by configMapKeyRef and the ConfigMap mounted at /etc/volcano
+      (mountConfigmap); hostname = pod name, subdomain = job name; the headless Service `<job>`
+      (createServiceIfNotExist; here its host names point at 127.0.0.1)."""
+    name = job["metadata"]["name"]
+    config = f"{name}-svc"
+    hosts_of = {t["name"]: [f"{name}-{t['name']}-{i}.{name}" for i in range(t["replicas"])]
+                for t in job["spec"]["tasks"]}
+    data: dict[str, str] = {}
+    for task, hosts in hosts_of.items():
+        key = task.replace("-", "_")
+        data.update({f"{key}.host": "\n".join(hosts), f"VC_{key.upper()}_HOSTS": ",".join(hosts),
+                     f"VC_{key.upper()}_NUM": str(len(hosts))})
+    await api.create(CONFIGMAPS, namespace, {"metadata": {"name": config}, "data": data})
+    from_config = [{"name": key, "valueFrom": {"configMapKeyRef": {"name": config, "key": key}}}
+                   for key in data if key.startswith("VC_")]
+    pods = []
+    for task in job["spec"]["tasks"]:
+        for i in range(task["replicas"]):
+            pod = copy.deepcopy(task["template"])
+            spec = pod["spec"]
+            index = [{"name": "VK_TASK_INDEX", "value": str(i)}, {"name": "VC_TASK_INDEX", "value": str(i)}]
+            for container in [*spec["containers"], *(spec.get("initContainers") or [])]:
+                _append_env(container, index + from_config)
+                container.setdefault("volumeMounts", []).append({"name": config, "mountPath": "/etc/volcano"})
+            spec.setdefault("volumes", []).append({"name": config, "configMap": {"name": config}})
+            pod_name = f"{name}-{task['name']}-{i}"
+            spec.setdefault("hostname", pod_name)
+            spec.setdefault("subdomain", name)
+            pods.append(Pod(pod_name, pod, annotations={"volcano.sh/task-spec": task["name"]},
+                            labels={**pod["metadata"]["labels"], "volcano.sh/job-name": name,
+                                    "volcano.sh/job-namespace": namespace},
+                            hostname=spec["hostname"], subdomain=spec["subdomain"]))
+    first = job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["name"]
+    return Started(pods, [h for hosts in hosts_of.values() for h in hosts], first)
+
+
+async def _finish_volcano(api, namespace: str, job: dict, ok: bool) -> None:
+    # policies: PodFailed -> AbortJob (the operator's), so a failed pod aborts the job
+    phase = "Completed" if ok else "Aborted"
+    await api.patch(VOLCANO_JOBS, namespace, job["metadata"]["name"], {"status": {"state": {"phase": phase}}})
+
+
+# --- Ascend MindCluster AscendJob, framework pytorch ------------------------------------------------
+
+
+async def _start_ascend(api, namespace: str, job: dict) -> Started:
+    """The ascend-operator (component/ascend-operator/pkg/controllers/v1):
+
+    - the Master's Service `<job>-master-0` (service.go genService), whose clusterIP and port named
+      `ascendjob-port` (2222 by default, when the container declares none) are every pod's
+      MASTER_ADDR and MASTER_PORT (getMngSvcIpAndPort);
+    - pods `<job>-<replica type>-<index>` (pod.go createPodSpec, GenGeneralName);
+    - with chips on the Master too (annotation nonWorkerPodMountChipStatus=true, set by
+      syncReplicas), the pod rank is the Master's 0 and a Worker's index + 1 (createPodSpec), and
+      the NPU replicas are all pods (utils.go getTotalNpuReplicas);
+    - appended to the `ascend` container only (env.go setPytorchEnv): LOCAL_WORLD_SIZE = its
+      chips, WORLD_SIZE = chips x NPU replicas, LOCAL_RANK = "0,1,..." (utils.go localRankStr),
+      MASTER_ADDR, MASTER_PORT, RANK = the pod rank."""
+    name, replicas = job["metadata"]["name"], job["spec"]["replicaSpecs"]
+    ascend = next(c for c in replicas["Master"]["template"]["spec"]["containers"] if c["name"] == "ascend")
+    port = next((p["containerPort"] for p in ascend.get("ports") or [] if p.get("name") == "ascendjob-port"), 2222)
+    await api.create(SERVICES, namespace, {
+        "metadata": {"name": f"{name}-master-0"},
+        "spec": {"clusterIP": ASCEND_MASTER_IP, "ports": [{"name": "ascendjob-port", "port": port}]}})
+    chips = int(next(iter(ascend["resources"]["limits"].values())))
+    npu_replicas = sum(r["replicas"] for r in replicas.values())
+    pods = []
+    for rtype, rank_offset in (("Master", 0), ("Worker", 1)):
+        for i in range(replicas.get(rtype, {}).get("replicas", 0)):
+            pod = copy.deepcopy(replicas[rtype]["template"])
+            for container in pod["spec"]["containers"]:
+                if container["name"] == "ascend":
+                    _append_env(container, [
+                        {"name": "LOCAL_WORLD_SIZE", "value": str(chips)},
+                        {"name": "WORLD_SIZE", "value": str(chips * npu_replicas)},
+                        {"name": "LOCAL_RANK", "value": ",".join(map(str, range(chips)))},
+                        {"name": "MASTER_ADDR", "value": ASCEND_MASTER_IP},
+                        {"name": "MASTER_PORT", "value": str(port)},
+                        {"name": "RANK", "value": str(i + rank_offset)}])
+            pod_name = f"{name}-{rtype.lower()}-{i}"
+            pods.append(Pod(pod_name, pod, labels={**pod["metadata"]["labels"],
+                                                   "training.kubeflow.org/replica-type": rtype.lower(),
+                                                   "training.kubeflow.org/replica-index": str(i)},
+                            hostname=pod_name))
+    return Started(pods, [ASCEND_MASTER_IP], "ascend")
+
+
+async def _finish_ascend(api, namespace: str, job: dict, ok: bool) -> None:
+    cond = {"type": "Succeeded" if ok else "Failed", "status": "True", "reason": "" if ok else "JobFailed",
+            "message": ""}
+    await api.patch(ASCEND_JOBS, namespace, job["metadata"]["name"], {"status": {"conditions": [cond]}})
+
+
+CONTROLLERS: dict[str, Controller] = {
+    "Job": Controller(_start_job, _finish_job),
+    "VolcanoJob": Controller(_start_volcano, _finish_volcano),
+    "AscendJob": Controller(_start_ascend, _finish_ascend),
+}
