@@ -5,13 +5,14 @@ Makes two Qwen3-MoE checkpoints (bf16, random weights) that differ only in depth
 measures in a fresh process each:
 - peak RSS of `calibrate` (layer by layer);
 - the same with one of its two memory bounds undone (layerwise.py): oneDNN/ideep kernel
-  caches at their default 1024 entries, or no heap trim after each layer;
+  caches at their default 1024 entries, or no heap trim after each layer; and with both
+  undone (calibrate as it was before them);
 - peak RSS of loading the whole model with transformers and running the same tokens (what a
   whole-model calibration pass needs), for contrast;
 - the baseline: a process that only imports torch and transformers.
 
 Prints a table and writes bench/out/calibrate_memory.json.
-Usage: .venv/bin/python bench/calibrate_memory.py [--depths 4,16] [--out bench/out] [--quick]
+Usage: .venv/bin/python bench/calibrate_memory.py [--depths 4,16] [--out bench/out] [--only calibrate,both] [--quick]
 (--quick: a tiny model at one depth, a few tokens, every measurement once: a smoke run whose
 figures mean nothing; tests/bench/test_bench_quick.py runs it.)
 """
@@ -39,17 +40,21 @@ CALIBRATE = ("from moe_proxy.calibrate.statistics import calibrate\n"
              "calibrate({src!r}, {out!r}, samples={samples}, seq_len={seq_len})\n")
 UNBOUNDED_CACHES = "import os\nos.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] = os.environ['LRU_CACHE_CAPACITY'] = '1024'\n"
 NO_TRIM = "import moe_proxy.calibrate.layerwise\nmoe_proxy.calibrate.layerwise.release_freed_memory = lambda: None\n"
-SNIPPETS = {
+SNIPPETS = {  # what is measured, as printed, and its code (SHORT: the names --only takes)
     "imports only": "import torch, transformers\n",
     "calibrate (layer by layer)": CALIBRATE,
     "calibrate, kernel caches 1024": UNBOUNDED_CACHES + CALIBRATE,
     "calibrate, no heap trim": NO_TRIM + CALIBRATE,
+    "calibrate, both undone": UNBOUNDED_CACHES + NO_TRIM + CALIBRATE,  # the code before the two bounds
     "whole model in memory":
         "import torch, transformers\n"
         "m = transformers.AutoModelForCausalLM.from_pretrained({src!r}, dtype=torch.bfloat16).eval()\n"
         "ids = torch.randint(0, {vocab}, ({samples}, {seq_len}))\n"
         "with torch.no_grad():\n    [m(b) for b in ids.split(8)]\n",
 }
+
+
+SHORT = dict(zip(("imports", "calibrate", "caches", "notrim", "both", "whole"), SNIPPETS))
 
 
 def measure(code: str) -> tuple[int, float]:
@@ -64,7 +69,13 @@ def main() -> None:
     ap.add_argument("--depths", default="4,16")
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--quick", action="store_true", help="tiny model, one depth (2), few tokens: a smoke run")
+    ap.add_argument("--only", metavar="NAMES", help=f"measure only these, comma-separated: {', '.join(SHORT)} "
+                    "(each in a fresh process either way; on a loaded machine a deep calibrate takes long)")
     args = ap.parse_args()
+    unknown = set(args.only.split(",")) - set(SHORT) if args.only else set()
+    if unknown:
+        ap.error(f"--only {','.join(sorted(unknown))}: expected some of {', '.join(SHORT)}")
+    snippets = {SHORT[k]: SNIPPETS[SHORT[k]] for k in args.only.split(",")} if args.only else SNIPPETS
     quick = (QUICK_CONFIG, QUICK_SAMPLES, QUICK_SEQ_LEN)
     config, samples, seq_len = quick if args.quick else (CONFIG, SAMPLES, SEQ_LEN)
     depths = "2" if args.quick else args.depths
@@ -78,7 +89,7 @@ def main() -> None:
             src = Path(tmp) / f"d{depth}"
             make_tiny("qwen3_moe", src, dtype=torch.bfloat16, num_hidden_layers=depth, mlp_only_layers=[], **config)
             size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-            for i, (what, code) in enumerate(SNIPPETS.items()):
+            for i, (what, code) in enumerate(snippets.items()):
                 # Statistics in a new directory each time: calibrate does nothing where they exist.
                 peak, wall = measure(code.format(src=str(src), out=str(Path(tmp) / f"stats-{depth}-{i}"),
                                                  samples=samples, seq_len=seq_len, vocab=config["vocab_size"]))

@@ -57,6 +57,8 @@ class Pruning:
     representative: str | None = None  # medoid | saliency (usage-aware, needs spec.calibration)
     keep_super: bool = True
     heal: bool = False
+    sequential: bool = False  # calibrate behind this proxy's pruned earlier layers (--sequential)
+    reconstruct: bool = False  # re-fit the kept experts and router rows layer by layer (--reconstruct)
     max_kl: float | None = None  # `experts: auto` (experts is None): the smallest count with KL <= this
     max_experts: int | None = None  # `experts: auto`: the largest count the plan sized devices for
 
@@ -247,9 +249,11 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
         clustering=p.get("clustering", "kmeans"), top_k=p.get("topK"),
         pins=tuple(str(x) for x in p.get("pin") or []), seed=p.get("seed", 0),
         representative=p.get("representative"), keep_super=bool(p.get("keepSuper", True)),
-        heal=bool(p.get("heal", False)), max_kl=_max_kl(p),
+        heal=bool(p.get("heal", False)), sequential=bool(p.get("sequential", False)),
+        reconstruct=bool(p.get("reconstruct", False)), max_kl=_max_kl(p),
     )
     calibration = _calibration(spec.get("calibration"), pruning)
+    _check_sequential(pruning, settings)
     transformer = spec.get("transformer") or {}
     workers = _workers(transformer)
     if pruning.auto and workers > 1:
@@ -308,6 +312,27 @@ def _max_kl(p: dict) -> float | None:
     return number
 
 
+def _check_sequential(p: Pruning, settings: Settings) -> None:
+    """Sequential statistics hold for one proxy only (the build refuses others): the calibrate
+    Job must be able to name the proxy the build makes, with the flags `moe-proxy calibrate
+    --sequential` has (--experts, --method, --features, --representative, --no-keep-super)."""
+    if not p.sequential:
+        return
+    if p.auto:
+        raise InvalidSpec("spec.pruning.sequential makes statistics for one expert count, and experts \"auto\" tries "
+                          "several: give a number of experts, or drop sequential")
+    if p.experts is None and not settings.preflight:
+        raise InvalidSpec("spec.pruning.sequential with keepRatio needs the planned expert count, which needs the "
+                          "preflight read of config.json (disabled in this operator): give spec.pruning.experts")
+    if p.top_k is not None:
+        raise InvalidSpec("spec.pruning.sequential: `moe-proxy calibrate --sequential` makes statistics for the "
+                          "source's top-k only: remove spec.pruning.topK, or drop sequential")
+    if p.method == "cluster" and (p.clustering, p.seed) != ("kmeans", 0):
+        raise InvalidSpec("spec.pruning.sequential with method cluster: `moe-proxy calibrate --sequential` clusters "
+                          "with kmeans and seed 0 only: set clustering kmeans and seed 0, or use method saliency "
+                          "or frequency")
+
+
 def _workers(transformer: dict) -> int:
     workers = transformer.get("parallelism", 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
@@ -321,7 +346,7 @@ def _workers(transformer: dict) -> int:
 
 def _calibration(raw: dict | None, pruning: Pruning) -> Calibration | None:
     needs = calibration_needs(pruning.method, pruning.features, pruning.representative, pruning.heal,
-                              auto=pruning.auto)
+                              reconstruct=pruning.reconstruct, auto=pruning.auto) + ["sequential"] * pruning.sequential
     if raw is None:
         if needs:
             raise InvalidSpec(f"spec.pruning {', '.join(needs)}: needs spec.calibration (usage statistics)")

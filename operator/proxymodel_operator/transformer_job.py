@@ -26,7 +26,7 @@ from moe_proxy.reports import EXIT_BAD_INPUT
 
 from .children import (CALIBRATE, FINALIZE, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
                        merge_env, pod_spec_basics, s3_env)
-from .spec import ProxyModelSpec
+from .spec import ProxyModelSpec, Pruning
 
 BUILD, WORKERS = "build", "workers"  # the single build; the Indexed Job of the scale-out build
 # Kubernetes sets JOB_COMPLETION_INDEX in an Indexed Job's pods, but `$(VAR)` in args expands
@@ -90,8 +90,8 @@ def build_args(spec: ProxyModelSpec, scale_out: list[str] | None = None) -> list
     if p.pins:
         args += ["--pin", ",".join(p.pins)]
     if spec.calibration is not None:
-        args += ["--calibration", spec.calibration_uri] + ["--heal"] * p.heal + ["--no-keep-super"] * (not p.keep_super)
-        args += ["--representative", p.representative] if p.representative else []
+        args += ["--calibration", spec.calibration_uri] + ["--heal"] * p.heal + ["--reconstruct"] * p.reconstruct
+        args += _selection_args(p)
     if spec.source.endpoint:
         args += ["--endpoint-url", spec.source.endpoint]
     return args + list(scale_out or []) + ["--termination-log", TERMINATION_LOG]
@@ -104,7 +104,19 @@ def calibrate_args(spec: ProxyModelSpec) -> list[str]:
     args = ["calibrate", spec.source.uri, "--out", spec.calibration_uri, "--samples", str(c.samples),
             "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--no-progress"]
     args += ["--dataset", c.dataset] if c.dataset else []
+    p = spec.pruning
+    if p.sequential:  # statistics for the proxy the build makes: the planned count (as_planned)
+        if p.experts is None:
+            raise ValueError("spec.pruning.sequential: no expert count planned yet to calibrate for")
+        args += ["--sequential", "--experts", str(p.experts), "--method", p.method, "--features", p.features]
+        args += _selection_args(p)
     return args + (["--endpoint-url", spec.source.endpoint] if spec.source.endpoint else [])
+
+
+def _selection_args(p: Pruning) -> list[str]:
+    """The usage-aware selection flags `build` and `calibrate --sequential` share."""
+    representative = ["--representative", p.representative] if p.representative else []
+    return ["--no-keep-super"] * (not p.keep_super) + representative
 
 
 def step_job(step: str, proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:

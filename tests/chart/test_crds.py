@@ -10,6 +10,7 @@ import shutil
 import pytest
 import yaml
 
+from ..checkpoints.crd_schema import errors
 from .conftest import CHART, CRDS, by_kind, helm, load_chart, render_objects
 
 CHART_LABELS = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
@@ -115,3 +116,19 @@ def test_multi_document_crd_files_and_broken_ones(tmp_path):
     with load_chart(copy) as chart:
         with pytest.raises(helm.HelmRenderError, match="files/crds/broken.yaml"):
             render_objects(chart)
+
+
+def test_rendered_proxymodel_crd_takes_the_build_options(chart):
+    """The CRD the chart installs knows the build options the operator passes on (issue #16):
+    booleans, off unless set, each accepted and a non-boolean rejected by its schema."""
+    (crd,) = [c for c in by_kind(render_objects(chart), "CustomResourceDefinition")
+              if c["metadata"]["name"] == "proxymodels.moeproxy.io"]
+    pruning = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["pruning"]
+    obj = {"apiVersion": "moeproxy.io/v1alpha1", "kind": "ProxyModel", "metadata": {"name": "x", "namespace": "n"},
+           "spec": {"source": {"uri": "s3://ckpt/m"}, "calibration": {"samples": 8}}}
+    for field in ("sequential", "reconstruct", "heal"):
+        assert pruning["properties"][field]["type"] == "boolean" and pruning["properties"][field]["default"] is False
+        obj["spec"]["pruning"] = {"experts": 8, field: True}
+        assert errors(crd, obj) == [], field
+        obj["spec"]["pruning"] = {"experts": 8, field: "true"}
+        assert any(field in e for e in errors(crd, obj)), field

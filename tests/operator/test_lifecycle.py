@@ -136,6 +136,9 @@ async def test_missing_secret_waits_and_recovers(cluster, operator):
     await eventually(lambda: cluster.condition(NS, "w1", "Accepted").get("reason") == "SecretNotFound")
     assert cluster.status(NS, "w1")["phase"] == "Pending" and cluster.names(JOBS, NS) == []
     assert "does not exist" in cluster.status(NS, "w1")["message"]
+    # A temporary refusal is a refusal in the log too: kopf's report of the handler says so.
+    done = await operator.handled("pipeline", "w1")
+    assert done.message.startswith("Handler 'pipeline' refused the ProxyModel: SecretNotFound"), done.message
     # It waits: the Secret is looked for again (the back-off), quietly.
     reads = _operator_calls(cluster, "secrets", "get")
     await eventually(lambda: _operator_calls(cluster, "secrets", "get") >= reads + 3, what="three more looks")
@@ -163,6 +166,7 @@ async def test_secret_without_the_keys_is_one_warning_and_a_condition(cluster, o
     (warning,) = _warnings(cluster, "k1", "SecretIncomplete")
     assert "lacks AWS_ACCESS_KEY_ID" in warning["message"]
     assert not operator.found("failed temporarily", "k1")  # no error repeated in the log
+    assert not [r.message for r in operator.records if r.name == "k1" and "succeeded" in r.message]
     # The keys added: judged again, accepted, built.
     await cluster.patch(SECRETS, NS, "s3-creds", {"data": {k: base64.b64encode(v.encode()).decode() for k, v in (
         ("AWS_ACCESS_KEY_ID", ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", SECRET_KEY))}})
@@ -179,6 +183,10 @@ async def test_a_refusal_is_not_judged_again_on_restart(cluster, operator):
     refusal = cluster.status(NS, "o1")["refusal"]
     assert (refusal["reason"], refusal["generation"], refusal["temporary"]) == ("NotMoE", 1, False)
     assert set(refusal["dependencies"]) == {"settings", "secret", "source"}
+    # The refusal is in status after the pipeline's first step; the creation is handled once its
+    # last step returns. Stopped before that, a restart finishes the creation (reason create,
+    # not resume: nothing to compare), so wait for the first operator to be done with it.
+    await operator.handled("pipeline", "o1")
     for _ in range(2):
         await operator.stop()
         mark = operator.mark()
