@@ -10,6 +10,7 @@ actor/pg_loss, actor/kl_loss near 0) show it most, about 1e-8 absolute. Times ar
 import json
 import math
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def test_a_rank_that_hangs_ends_the_run_at_the_collective_timeout(tiny_qwen3, tm
     assert _processes_mentioning(str(tmp_path / "run")) == []
 
 
-def test_more_ranks_than_devices_is_refused(monkeypatch):
+def test_more_ranks_than_devices_is_refused(tiny_qwen3, tmp_path, monkeypatch, capsys):
     import torch
 
     from moe_proxy.repro.distributed import check_local_ranks
@@ -115,6 +116,36 @@ def test_more_ranks_than_devices_is_refused(monkeypatch):
         check_local_ranks("cuda", 4)
     check_local_ranks("cuda", 2)
     check_local_ranks("cpu", 64)  # ranks share the CPU
+    # From the command line: refused before anything starts.
+    assert launch(tiny_qwen3, tmp_path / "run", 3, "--device", "cuda") == 2
+    assert "--nproc-per-node 3: this node has 2 cuda device(s); one rank per device, so at most 2" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_master_is_one_clear_error_and_starts_no_rank(tiny_qwen3, tmp_path, capsys):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "termination-log"
+    code = launch(tiny_qwen3, tmp_path / "run", 2, "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                  "--master-port", str(port), "--dist-timeout", "3", "--termination-log", str(log))
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"moe-proxy repro: error: node 1: no rendezvous with the master at 127.0.0.1:{port} "
+                          "within 3s, no rank was started"), err
+    assert json.loads(log.read_text())["error"] == "RankFailed"
+    assert not (tmp_path / "run" / "summary.json").exists()  # no rank ran, nothing claims a run
+    assert _processes_mentioning(str(tmp_path / "run")) == []
+
+
+def test_a_bad_prompts_file_is_refused_before_any_rank_starts(tiny_qwen3, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}]}) + "\n")
+    assert launch(tiny_qwen3, tmp_path / "run", 2, "--prompts", str(bad)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "bad.jsonl row 0: missing field `reward_model.ground_truth`" in err and "\n" not in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_launch_options_are_one_clear_line(tiny_qwen3, tmp_path, capsys):

@@ -145,7 +145,7 @@ def _head_figures(model, original: list, proxy: list, ids: tuple, torch) -> tupl
     norm = model.base.norm
     model._load(norm, "model.norm.")
     name = "lm_head.weight" if "lm_head.weight" in model.ckpt.tensors else "model.embed_tokens.weight"
-    weight = model._read(name).to(model.dtype)
+    weight = model.tensors.read(name).to(model.dtype)
     kl = ce_o = ce_p = 0.0
     tokens = predicted = 0
     with torch.no_grad():

@@ -36,10 +36,10 @@ from typing import Iterator
 
 import torch
 
-from moe_proxy.architectures import TRANSFORMERS_MODEL_TYPE, detect
+from moe_proxy.architectures import TRANSFORMERS_MODEL_TYPE
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import CorruptCheckpoint, MoeProxyError
-from moe_proxy.checkpoint.tensors import FLOAT_DTYPES, dequantize_fp8, to_tensor
+from moe_proxy.checkpoint.module_tensors import ModuleTensors
 
 COMPUTE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 KERNEL_CACHE_CAPACITY = "32"  # primitives per cache: every fixed-shape matmul of a layer still hits
@@ -124,7 +124,7 @@ class LayerwiseModel:
 
         bound_kernel_caches()
         self.ckpt = ckpt
-        self.arch = detect(ckpt.config)
+        self.tensors = ModuleTensors(ckpt)  # hub layout -> module layout
         self.config = transformers_config(ckpt.config)
         self.dtype = dtype or self._checkpoint_dtype()
         with torch.device("meta"):
@@ -175,74 +175,9 @@ class LayerwiseModel:
 
     def _load(self, module: torch.nn.Module, prefix: str) -> None:
         wanted = module.state_dict()
-        loaded = {key: self._tensor(prefix + key, meta) for key, meta in wanted.items()}
+        loaded = {key: self.tensors.tensor(prefix + key, meta) for key, meta in wanted.items()}
         module.load_state_dict(loaded, strict=True, assign=True)
         module.eval()
-
-    def _tensor(self, name: str, meta: torch.Tensor) -> torch.Tensor:
-        """The checkpoint's tensor for module parameter `name`, in the module's layout and dtype."""
-        for candidate in self._hub_names(name):
-            if candidate in self.ckpt.tensors:
-                x = self._read(candidate)
-                break
-        else:
-            if name + "_blocks" in self.ckpt.tensors:
-                raise MoeProxyError(
-                    f"{name}: MXFP4 experts (_blocks/_scales) cannot be run layer by layer yet; calibrate a "
-                    f"floating-point or block-FP8 copy of this checkpoint"
-                )
-            x = self._stacked_experts(name, meta)
-        if x.shape != meta.shape and x.dim() == 3 and x.transpose(1, 2).shape == meta.shape:
-            x = x.transpose(1, 2)  # Qwen3-VL style hub layout, transposed relative to the module
-        if x.shape != meta.shape:
-            raise CorruptCheckpoint(
-                f"{self.ckpt.uri}: tensor for {name} has shape {list(x.shape)}, the model expects {list(meta.shape)}"
-            )
-        return x.to(meta.dtype).contiguous()
-
-    def _hub_names(self, name: str) -> list[str]:
-        """Where the checkpoint may keep module parameter `name`: as named, or under the
-        architecture's hub name of the MoE block."""
-        return list(dict.fromkeys((name, name.replace(".mlp.", f".{self.arch.hub_moe}."))))
-
-    def _read(self, name: str) -> torch.Tensor:
-        t = self.ckpt.tensors[name]
-        if t.dtype not in FLOAT_DTYPES:
-            raise MoeProxyError(
-                f"{name}: dtype {t.dtype} (e.g. MXFP4 blocks) cannot be run layer by layer yet; "
-                f"calibrate a floating-point or block-FP8 checkpoint"
-            )
-        x = to_tensor(self.ckpt.read(name), t)
-        scale = self.ckpt.tensors.get(name + "_scale_inv")
-        if t.dtype.startswith("F8") and scale is not None:
-            x = dequantize_fp8(x, to_tensor(self.ckpt.read(scale.name), scale))
-        return x
-
-    def _stacked_experts(self, name: str, meta: torch.Tensor) -> torch.Tensor:
-        """transformers' fused `experts.gate_up_proj` [N, 2I, H] / `experts.down_proj` [N, H, I]
-        from the hub's per-expert tensors (the `Arch`'s hub_gate_up / hub_down: gate/up/down_proj,
-        or Mixtral's w1/w3/w2), filled expert by expert into the module's dtype: the layer is
-        held once, plus one expert."""
-        head, _, leaf = name.rpartition(".")
-        names = {"gate_up_proj": self.arch.hub_gate_up, "down_proj": self.arch.hub_down}.get(leaf)
-        for block in self._hub_names(head) if names else []:
-            first = f"{block}.0.{names[0]}.weight"
-            if first not in self.ckpt.tensors:
-                continue
-            n = sum(1 for e in range(meta.shape[0]) if f"{block}.{e}.{names[0]}.weight" in self.ckpt.tensors)
-            if n != meta.shape[0]:
-                raise CorruptCheckpoint(f"{self.ckpt.uri}: {block} has {n} experts, the model expects {meta.shape[0]}")
-            out = torch.empty(meta.shape, dtype=meta.dtype)
-            for e in range(n):
-                part = torch.cat([self._read(f"{block}.{e}.{p}.weight") for p in names], dim=0)
-                if part.shape != out.shape[1:] and part.T.shape == out.shape[1:]:
-                    part = part.T  # a module stored transposed relative to the hub
-                if part.shape != out.shape[1:]:
-                    raise CorruptCheckpoint(f"{self.ckpt.uri}: {block}.{e} {'/'.join(names)} give "
-                                            f"{list(part.shape)}, the model expects {list(out.shape[1:])}")
-                out[e] = part
-            return out
-        raise CorruptCheckpoint(f"{self.ckpt.uri}: no tensor for the model's parameter {name}")
 
 
 def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, extra: tuple[tuple, dict]) -> torch.Tensor:

@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
 
         nproc = args.nproc_per_node or 1
         check_local_ranks(pick_device(args.device).type, nproc)
+        if args.prompts:  # bad data is refused here, before any rank starts
+            from moe_proxy.repro.task import load_prompts
+
+            load_prompts(args.prompts)
         try:
             launch(args.checkpoint, args.out, config, nproc_per_node=nproc, nnodes=args.nnodes,
                    node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,

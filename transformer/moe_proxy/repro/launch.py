@@ -11,6 +11,7 @@ bad input)."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 from dataclasses import asdict
@@ -35,7 +36,9 @@ def launch(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, nproc_p
            rank_fault: RankFault | None = None) -> None:
     """Run this node's share of a (nnodes x nproc_per_node)-rank reproduction; returns when all
     its ranks have finished, raises when any failed."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args, run
 
     if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -51,8 +54,9 @@ def launch(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, nproc_p
         "checkpoint": checkpoint, "out_dir": str(out), "config": config.to_dict(), "fail_on": fail_on,
         "device": device, "termination_log": termination_log, "prompts": prompts, "timeout_s": timeout_s,
         "rank_fault": asdict(rank_fault) if rank_fault else None}))
+    # The rendezvous waits as long as a collective may (--dist-timeout), not torch's own 600 s.
     argv = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes), "--max-restarts", "0",
-            "--monitor-interval", "0.5"]
+            "--monitor-interval", "0.5", "--rdzv-conf", f"timeout={max(1, math.ceil(timeout_s))}"]
     if nnodes == 1 and not master_addr:
         argv.append("--standalone")  # a free local port
     else:
@@ -62,6 +66,11 @@ def launch(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, nproc_p
         run(parse_args(argv))
     except ChildFailedError as exc:
         raise _failure(exc) from None
+    except (RendezvousError, DistError) as exc:  # before any rank started: the master was not there
+        detail = (str(exc).splitlines() or [""])[0][:200]
+        raise RankFailed(f"node {node_rank}: no rendezvous with the master at {master_addr or 'localhost'}:"
+                         f"{master_port if master_addr else '(standalone)'} within {timeout_s:g}s, no rank was "
+                         f"started ({type(exc).__name__}: {detail})") from None
     finally:
         spec.unlink(missing_ok=True)
 

@@ -5,13 +5,14 @@ task's rule-based reward, normalise the rewards within each group (GRPO advantag
 `mini_batches` clipped policy-gradient updates with a k3 KL term to a frozen copy of the
 starting model (verl's use_kl_loss) and optional router load-balancing / z losses.
 
-Distributed (one rank of a torchrun job, see distributed.py): every rank loads the models and
-shards them (FSDP2); the rollout rows of the global batch are split across ranks and the
-sampled answers gathered back, so every rank holds the whole batch (token ids: small) and the
-rewards, GRPO advantages and data metrics are those of the one-process run. Each mini-batch is
-split across ranks in turn; losses are normalised by the global token count and every metric
-is reduced to its global value, so the failure detector sees the same numbers on every rank
-(and in a one-process run), and all ranks stop at the same step. Rank 0 alone writes files.
+Distributed (one rank of a torchrun job, see distributed.py): every rank builds the models
+empty, shards them (FSDP2) and reads only its own rows of the weights (sharded_load.py); the
+rollout rows of the global batch are split across ranks and the sampled answers gathered back,
+so every rank holds the whole batch (token ids: small) and the rewards, GRPO advantages and
+data metrics are those of the one-process run. Each mini-batch is split across ranks in turn;
+losses are normalised by the global token count and every metric is reduced to its global
+value, so the failure detector sees the same numbers on every rank (and in a one-process run),
+and all ranks stop at the same step. Rank 0 alone writes files.
 Sampling draws each row's noise from a generator of its own (seed, step, row), so a row's
 answer does not depend on which rows share its rank.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint
 from moe_proxy.reports import error_report, write_termination_log
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
@@ -39,6 +41,7 @@ from moe_proxy.repro.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, Ra
 from moe_proxy.repro.faults import FaultInjector
 from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
 from moe_proxy.repro.routers import RouterTap
+from moe_proxy.repro.sharded_load import load_shards, meta_model
 from moe_proxy.repro.source import local_checkpoint
 from moe_proxy.repro.task import Codec, PromptSet, load_prompts, make_prompts
 from moe_proxy.repro.verdict import first_failure, stop_reason as stop_reason_of, verdict_report
@@ -83,8 +86,8 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
                 (out / stale).unlink(missing_ok=True)
         dataset = PromptSet(load_prompts(prompts), config.seed if config.prompt_seed is None else config.prompt_seed) \
             if prompts else None
-        with local_checkpoint(checkpoint) as path:
-            loop = _Loop(path, config, comm, dataset)
+        with local_checkpoint(checkpoint, weights=not comm.distributed) as path:
+            loop = _Loop(path, config, comm, dataset, open_checkpoint(checkpoint) if comm.distributed else None)
             for step in range(config.steps):
                 if rank_fault:
                     rank_fault.maybe_fire(comm.rank, step)
@@ -247,7 +250,8 @@ class _RowSampler:
 class _Loop:
     """Models, optimiser and per-step state of one run."""
 
-    def __init__(self, path: Path, config: ReproConfig, comm: Comm, dataset: PromptSet | None = None):
+    def __init__(self, path: Path, config: ReproConfig, comm: Comm, dataset: PromptSet | None = None,
+                 weights: Checkpoint | None = None):
         from moe_proxy.storage.materialize import load_causal_lm
 
         self.config, self.comm, self.device, self.dataset = config, comm, comm.device, dataset
@@ -256,9 +260,16 @@ class _Loop:
         np.random.seed(config.seed)
         torch.manual_seed(config.seed)
 
-        def load() -> torch.nn.Module:  # one full copy at a time, sharded (FSDP2) before the next loads
-            model = load_causal_lm(path, dtype=torch.float32)
-            return model.to(self.device) if not comm.distributed else model
+        def load() -> torch.nn.Module:
+            # A rank of a distributed run: an empty (meta) model, filled once sharded (sharded()).
+            if comm.distributed:
+                return meta_model(path)
+            return load_causal_lm(path, dtype=torch.float32).to(self.device)
+
+        def sharded(model: torch.nn.Module) -> torch.nn.Module:
+            """FSDP2 shards, filled with this rank's rows of `weights` only: no rank holds the model."""
+            shard(model, comm)
+            return load_shards(model, weights, self.device) if comm.distributed else model
 
         self.policy = load()
         self.fp32_experts = getattr(self.policy.config, "_experts_implementation", None)
@@ -267,8 +278,8 @@ class _Loop:
         self.tap = RouterTap(self.policy, top_k)
         self.faults = FaultInjector(self.policy, self.tap.routers, config.faults, config.seed)
         self.activations = ActivationWatch(self.policy)
-        shard(self.policy, comm)  # hooks stay; parameters become this rank's shards (DTensors)
-        self.reference = shard(load().eval().requires_grad_(False), comm)
+        sharded(self.policy)  # hooks stay; parameters become this rank's shards (DTensors)
+        self.reference = sharded(load().eval().requires_grad_(False))
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in self.policy.named_parameters()}
         # Router weights are not dense in the underflow sense: with a renormalised top-k, the row

@@ -1,5 +1,6 @@
-"""Where the checkpoint of a run comes from. transformers loads from local files only, so a
-remote (s3://) checkpoint is first copied to a temporary directory, then loaded from there."""
+"""Where the checkpoint of a run comes from. transformers loads from local files only, so for a
+one-process run a remote (s3://) checkpoint is first copied to a temporary directory, then
+loaded from there; the ranks of a distributed run copy only its small files."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from moe_proxy.storage import open_store
 
 
 @contextlib.contextmanager
-def local_checkpoint(uri: str) -> Iterator[Path]:
-    """Yield a local directory holding the checkpoint at `uri` (a path or s3://bucket/prefix)."""
+def local_checkpoint(uri: str, weights: bool = True) -> Iterator[Path]:
+    """Yield a local directory holding the checkpoint at `uri` (a path or s3://bucket/prefix).
+    `weights=False`: a remote checkpoint's safetensors are not copied (a rank of a distributed
+    run reads only its rows of them, by range: sharded_load.py), only config and tokenizer."""
     store = open_store(uri)
     if not store.exists("config.json"):
         raise CorruptCheckpoint(f"{uri}: no config.json there; expected a Hugging Face checkpoint directory")
-    with local_copy(store) as path:
+    with local_copy(store, skip_suffix=None if weights else ".safetensors") as path:
         yield Path(path)

@@ -12,13 +12,14 @@ from moe_proxy.storage import LocalStore, Store
 
 
 @contextmanager
-def local_copy(store: Store) -> Iterator[str]:
+def local_copy(store: Store, skip_suffix: str | None = None) -> Iterator[str]:
+    """A local directory with the store's files (those ending in `skip_suffix` left out of a copy)."""
     if isinstance(store, LocalStore):
         yield str(store.root)
         return
     with tempfile.TemporaryDirectory(prefix="moe-proxy-") as tmp:
         for name in store.list():
-            if name.startswith("."):
+            if name.startswith(".") or (skip_suffix and name.endswith(skip_suffix)):
                 continue
             path = Path(tmp) / name
             path.parent.mkdir(parents=True, exist_ok=True)
