@@ -153,6 +153,7 @@ def phases(relay: PacedRelay, run: dict, router_weight: int) -> dict:
     cpu_stream = run["cpu_s"] - cpu_at(run["cpu_samples"], stream_from)
     return {"startup_s": first - spawned, "planning_s": stream_from - first, "stream_s": stream_s,
             "startup_cpu_s": cpu_at(run["cpu_samples"], first), "stream_cpu_s": cpu_stream,
+            "planning_cpu_s": cpu_at(run["cpu_samples"], stream_from) - cpu_at(run["cpu_samples"], first),
             "planning_requests": len(planning),
             "router_reads": sum(1 for e in planning if e[3] >= 0.9 * router_weight),
             "stream_down": streaming_down, "stream_down_mbps": streaming_down / stream_s / MB,
@@ -237,7 +238,7 @@ def run(args) -> int:
                 "needed": needed, "down_over_needed": b["down"] / needed, "requests": b["requests"],
                 **{k: b[k] for k in ("startup_s", "planning_s", "stream_s", "planning_requests", "router_reads",
                                      "stream_down", "stream_down_mbps", "in_flight", "startup_cpu_s",
-                                     "stream_cpu_s", "planning_log")},
+                                     "stream_cpu_s", "planning_cpu_s", "planning_log")},
             })
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "planning_log"}), flush=True)
 
@@ -247,6 +248,7 @@ def run(args) -> int:
             relays = [args.scale.relay(s3.endpoint_url, f"pod{i}") for i in range(w)]
             try:
                 meter = Meter(s3.process.pid, relays)
+                relay_cpu0 = [r.cpu_seconds() for r in relays]
                 t0 = time.monotonic()
                 jobs = [spawn(build_cmd(src, f"s3://bench/{dst_key}", relays[i].endpoint_url, d.keep,
                                         "--workers", str(w), "--worker", str(i)), work / f"worker-{w}-{i}.log")
@@ -256,6 +258,7 @@ def run(args) -> int:
                                            "--workers", str(w), "--finalize"), work / f"finalize-{w}.log"))
                 seconds = time.monotonic() - t0
                 cpu = meter.read()
+                relay_cpu = [r.cpu_seconds() - c for r, c in zip(relays, relay_cpu0)]
                 router_weight = d.experts * d.hidden * 4
                 pods = [phases(r, x, router_weight) for r, x in zip(relays, workers)]
                 scale.append({
@@ -263,6 +266,12 @@ def run(args) -> int:
                     "finalize_s": fin["seconds"], "finalize": phases(relays[0], fin, router_weight),
                     "phases": pods,
                     "down_mb": [round(r.stats.bytes_down / MB, 1) for r in relays],
+                    # How full each pod's link was while its worker ran (down: the larger way),
+                    # and how busy each relay's own thread was: a relay near 100% would be the limit.
+                    "link_busy": [r.stats.bytes_down / (args.scale.pod_mbps * MB * x["seconds"])
+                                  if args.scale.pod_mbps else None for r, x in zip(relays, workers)],
+                    "relay_busy": [c / x["seconds"] for c, x in zip(relay_cpu, workers)],
+                    "worker_cpu_s": [round(x["cpu_s"], 1) for x in workers], "finalize_cpu_s": fin["cpu_s"],
                     "up_mb": [round(r.stats.bytes_up / MB, 1) for r in relays],
                     "build_cpu_s": sum(x["cpu_s"] for x in workers) + fin["cpu_s"], **cpu,
                     "peak_rss": max(x["max_rss"] for x in workers),
@@ -287,7 +296,9 @@ def run(args) -> int:
         cpu_s_per_gb=first["stream_cpu_s"] / (first["stream_down"] / 1e9),
         rss=first["peak_rss"], latency_s=first["latency_ms"] / 1000, plan_parallel=PLAN_THREADS,
         inflight=Transfer(streams=first["streams_option"] if first["streams_option"] != "default" else None)
-        .sized(d.layer_expert_bytes).max_inflight)
+        .sized(d.layer_expert_bytes).max_inflight,
+        plan_cpu_s_per_layer=first["planning_cpu_s"] / facts.moe_layers,
+        finalize_s=max((s["finalize_s"] for s in scale if s["pods"] > 1), default=0.0))
     projection = table(per_pod)
     (out / "paced.json").write_text(json.dumps({
         "checkpoint": {"gb": facts.bytes / 1e9, "shards": facts.shards, "moe_layers": facts.moe_layers,
@@ -319,23 +330,29 @@ def print_tables(facts: Facts, rows, copies, scale, scale_pace: Pace, per_pod: P
         print(f"  {c['pace']}: " + ", ".join(f"N={t['concurrency']}: {t['seconds']:.2f} s ({t['cpu_s']:.1f})"
                                             for t in c["tried"]))
     print(f"\nscale-out, each pod behind its own relay ({scale_pace}); workers at once, then finalize:")
-    print("| pods | seconds | speedup | speedup / pods | worker s | pod 0 start-up/planning/streaming s "
-          "| finalize s (start-up/planning) | MB down per pod | MB up per pod | CPU s (all) | CPU busy "
-          "| identical to single build |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| pods | seconds | speedup | speedup / pods | worker s | worker CPU s | pod 0 start-up/planning/streaming s "
+          "| finalize s (start-up/planning; CPU s) | MB down per pod (max/mean) | MB up per pod | link busy per pod "
+          "| relay busy per pod | CPU s (all) | CPU busy | identical to single build |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in scale:
         p0, f = s["phases"][0], s["finalize"]
         print(f"| {s['pods']} | {s['seconds']:.2f} | {s['speedup']:.2f} | {s['speedup'] / s['pods']:.2f} | "
-              f"{'/'.join(f'{x:g}' for x in s['workers_s'])} | "
+              f"{'/'.join(f'{x:g}' for x in s['workers_s'])} | {'/'.join(f'{x:g}' for x in s['worker_cpu_s'])} | "
               f"{p0['startup_s']:.1f}/{p0['planning_s']:.1f}/{p0['stream_s']:.1f} | "
-              f"{s['finalize_s']:.2f} ({f['startup_s']:.1f}/{f['planning_s']:.1f}) | "
-              f"{'/'.join(f'{x:g}' for x in s['down_mb'])} | {'/'.join(f'{x:g}' for x in s['up_mb'])} | "
+              f"{s['finalize_s']:.2f} ({f['startup_s']:.1f}/{f['planning_s']:.1f}; {s['finalize_cpu_s']:.1f}) | "
+              f"{'/'.join(f'{x:g}' for x in s['down_mb'])} "
+              f"({max(s['down_mb']) / (sum(s['down_mb']) / len(s['down_mb'])):.2f}) | "
+              f"{'/'.join(f'{x:g}' for x in s['up_mb'])} | "
+              f"{'/'.join(f'{x:.0%}' for x in s['link_busy']) if s['link_busy'][0] is not None else '-'} | "
+              f"{'/'.join(f'{x:.0%}' for x in s['relay_busy'])} | "
               f"{s['build_cpu_s'] + s['relay_cpu_s'] + s['store_cpu_s']:.1f} | {s['cpu_busy']:.0%} | "
               f"{'yes' if s['identical'] else 'NO'} |")
     print(f"\nper-pod figures (first paced row): start-up {per_pod.startup_s:.2f} s "
           f"({rows[0]['startup_cpu_s']:.1f} CPU s); "
           f"{per_pod.small_requests_per_shard:.1f} planning requests per shard + {per_pod.router_reads:.1f} router "
-          f"reads per MoE layer; {per_pod.streams:.1f} streams; {per_pod.cpu_s_per_gb:.1f} CPU s per GB downloaded "
+          f"reads per MoE layer; planning {rows[0]['planning_cpu_s']:.1f} CPU s "
+          f"({per_pod.plan_cpu_s_per_layer:.2f} per MoE layer); finalize {per_pod.finalize_s:.1f} s; "
+          f"{per_pod.streams:.1f} streams; {per_pod.cpu_s_per_gb:.1f} CPU s per GB downloaded "
           f"while streaming; "
           f"peak RSS {per_pod.rss / 2**20:.0f} MB")
     print("\nprojection (arithmetic on the per-pod figures, bench/projection.py):")
@@ -347,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paced", type=Pace.parse, action="append", metavar="LAT_MS,MBPS[,POD_MBPS]",
                     help="a paced setting: first-byte latency, per-connection and per-pod bandwidth (repeatable)")
     ap.add_argument("--scale", type=Pace.parse, metavar="LAT_MS,MBPS[,POD_MBPS]",
-                    help="setting for scale-out (default 20,10,20: the pod link limits a 4-stream build)")
+                    help="setting for scale-out (default 20,10,5: a pod link of 5 MB/s, a quarter of what the "
+                         "build's streams could fill, so the link and not the 2-core machine's CPU limits W = 4 pods)")
     ap.add_argument("--size", type=float, help="checkpoint GB (default 8)")
     ap.add_argument("--workers", help="pods for scale-out (default 1,2,4)")
     ap.add_argument("--copy-concurrency", help="parallel copy concurrencies to try (default 4,8,16,32)")
@@ -358,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     args.paced = args.paced or [Pace(5, 4, 16)] if quick else args.paced or [Pace(20, 10, 80), Pace(50, 10, 80),
                                                                              Pace(20, 25, 100)]
-    args.scale = args.scale or (Pace(5, 2, 4) if quick else Pace(20, 10, 20))
+    args.scale = args.scale or (Pace(5, 2, 4) if quick else Pace(20, 10, 5))
     args.size = args.size or (0.012 if quick else 8)
     args.workers = [int(x) for x in (args.workers or ("1,2" if quick else "1,2,4")).split(",")]
     args.copy_concurrency = [int(x) for x in (args.copy_concurrency or ("2,8" if quick else "4,8,16,32")).split(",")]

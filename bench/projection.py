@@ -5,11 +5,15 @@ The model of one pod's build (what the measurements show the build does today):
 
     time = startup + planning + max(network, CPU)
 
-- startup: process start to its first request (interpreter, torch, scikit-learn);
+- startup: process start to its first request (interpreter; torch and scikit-learn too before
+  they were loaded while the headers come down);
 - planning: small requests (existence, size, header of every shard, config, index), each
   paying the first-byte latency, `plan_parallel` at a time (1: sequential, as before issue 17;
   16 since), plus the router reads (every pod plans on its own, so every pod reads every
-  router, `router_reads` times per layer: 1 since issue 17);
+  router, `router_reads` times per layer: 1 since issue 17); or, where longer, the planning's
+  CPU (loading torch and scikit-learn, clustering) at the measured CPU seconds per MoE layer;
+- finalize (pods > 1 only): the measured finalize job (it takes the workers' plan: start-up
+  without torch, headers, config, index, manifest) plus its requests at this latency;
 - network: the pod's share of the proxy down and the same up (full duplex, in parallel), at
   `streams` x the per-connection bandwidth, at most the pod's link;
 - CPU: build CPU seconds per GB moved, as measured (one core's worth: the conservative case).
@@ -69,6 +73,8 @@ class PerPod:
     latency_s: float  # first-byte latency the planning figures were taken at
     plan_parallel: int = 1  # planning requests in flight at once
     inflight: float | None = None  # the measured build's in-flight byte budget (None: fixed read-ahead)
+    plan_cpu_s_per_layer: float = 0.0  # planning CPU seconds (imports, clustering) per MoE layer
+    finalize_s: float = 0.0  # a scale-out's finalize job, measured (0: not measured, left out)
 
 
 def project(m: PerPod, model: Model, pods: int, conn_mbps: float = 100, link_gbit: float = 25,
@@ -85,12 +91,15 @@ def project(m: PerPod, model: Model, pods: int, conn_mbps: float = 100, link_gbi
     down = up + routers
     plan_requests = m.small_requests_per_shard * model.shards + m.router_reads * model.moe_layers
     parallel = min(m.plan_parallel, model.shards)
-    fixed = m.startup_s + plan_requests * latency / parallel + routers / (conn * parallel)
+    requests = plan_requests * latency / parallel + routers / (conn * parallel)
+    fixed = m.startup_s + max(requests, m.plan_cpu_s_per_layer * model.moe_layers)
+    if pods > 1 and m.finalize_s:  # then the finalize job, once: its own start-up, and the headers again
+        fixed += m.finalize_s + m.small_requests_per_shard * model.shards * latency / parallel
     rate = min(k * conn, link)
     network = up / rate  # the share comes down and goes up at the same time
     cpu = m.cpu_s_per_gb * down / GB
     total = fixed + max(network, cpu)
-    limits = {"per-pod fixed cost (start-up, sequential planning)": fixed,
+    limits = {"per-pod fixed cost (start-up, planning, finalize)": fixed,
               f"link ({link_gbit:g} Gbit/s)" if rate == link else f"connections in flight ({k:.1f} x {conn_mbps:g} MB/s)":
                   network,
               "CPU (one core)": cpu}

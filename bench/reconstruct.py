@@ -1,4 +1,4 @@
-"""Sequential calibration and --reconstruct against the plain selection, at 12.5%.
+"""Sequential calibration, --reconstruct and --merge against the plain selection.
 
 A small byte-level Qwen3-MoE (4 layers, hidden 64, 32 experts, top-4) is trained briefly on the
 Python standard library (bench/fidelity.py's corpus and training mix), calibrated one-pass and
@@ -8,6 +8,13 @@ sequentially (saliency, 4 experts) on the lab's calibration bytes, and pruned to
 KL(original || proxy) per token on the same bytes.
 
     .venv/bin/python bench/reconstruct.py [--steps 300] [--samples 16]
+
+--merge: instead, at each of --ratios (default 12.5%, 25%, 50%: 4, 8 and 16 of 32 experts), with
+one-pass statistics: saliency plain, saliency + --merge, saliency + --reconstruct, and saliency +
+--merge --reconstruct (--fit-steps caps the fit per layer); with --cluster also the default
+calibrated selection (cluster on router rows, most salient representative), plain and + --merge:
+
+    nice -n 10 .venv/bin/python bench/reconstruct.py --merge --steps 120 --samples 8 --fit-steps 100
 
 Outputs in bench/out/reconstruct/ (the trained original is cached by its settings).
 """
@@ -84,17 +91,65 @@ def evaluate(original: Path, proxy: Path) -> dict:
             "kl": round(float((p.exp() * (p - q)).sum(-1).mean()), 4)}
 
 
+MERGE_VARIANTS = {  # name -> build options (one-pass statistics)
+    "saliency (plain)": dict(method="saliency"),
+    "saliency + merge": dict(method="saliency", merge=True),
+    "saliency + reconstruct": dict(method="saliency", reconstruct=True),
+    "saliency + merge + reconstruct": dict(method="saliency", merge=True, reconstruct=True),
+}
+CLUSTER_VARIANTS = {  # --cluster: the default calibrated selection too
+    "cluster (plain)": dict(method="cluster"),
+    "cluster + merge": dict(method="cluster", merge=True),
+}
+
+
+def merge_table(original: Path, ratios: list[float], variants: dict) -> dict:
+    """Every variant's proxy at each ratio: held-out loss and KL, printed as a table."""
+    rows = {}
+    for ratio in ratios:
+        kept = round(MODEL["num_experts"] * ratio)
+        for name, options in variants.items():
+            started = time.time()
+            dst = OUT / "merge" / f"{kept}-{name.replace(' ', '').replace('(', '-').replace(')', '').replace('+', '-')}"
+            build_proxy(str(original), str(dst), experts=kept, calibration=str(OUT / "stats-one-pass"),
+                        overwrite=True, **options)
+            row = evaluate(original, dst) | {"build_seconds": round(time.time() - started, 1)}
+            rows[f"{kept}/{MODEL['num_experts']} {name}"] = row
+            print(json.dumps({f"{kept} of {MODEL['num_experts']}": name} | row), flush=True)
+    print(f"\n| proxy | kept | held-out loss | KL | build s |\n|---|---|---|---|---|")
+    for key, row in rows.items():
+        kept, name = key.split(" ", 1)
+        print(f"| {name} | {kept} | {row['held_out_loss']:.3f} | {row['kl']:.4f} | {row['build_seconds']:.0f} |")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300, help="training steps of the original")
     ap.add_argument("--samples", type=int, default=16, help="calibration sequences --reconstruct uses")
+    ap.add_argument("--merge", action="store_true", help="the --merge table at --ratios instead")
+    ap.add_argument("--ratios", default="0.125,0.25,0.5", help="with --merge: fractions of the experts kept")
+    ap.add_argument("--cluster", action="store_true", help="with --merge: the cluster selection, plain and merged, too")
+    ap.add_argument("--only", help="with --merge: these variants only, comma-separated names")
+    ap.add_argument("--fit-steps", type=int, default=rec.RECON_STEPS,
+                    help="--reconstruct's fit steps per layer, at most")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rec.RECON_SAMPLES = args.samples
+    rec.RECON_SAMPLES, rec.RECON_STEPS = args.samples, args.fit_steps
     original = OUT / "original"
     train(original, args.steps)
     ids = calibration_ids()
     calibrate(str(original), str(OUT / "stats-one-pass"), token_ids=ids)
+    if args.merge:
+        variants = MERGE_VARIANTS | (CLUSTER_VARIANTS if args.cluster else {})
+        if args.only:
+            unknown = set(args.only.split(",")) - set(variants)
+            if unknown:
+                raise SystemExit(f"--only: unknown variant(s) {sorted(unknown)}; choose from {sorted(variants)}")
+            variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
+        rows = merge_table(original, [float(r) for r in args.ratios.split(",")], variants)
+        (OUT / "merge-results.json").write_text(json.dumps(rows, indent=2))
+        return 0
     calibrate(str(original), str(OUT / "stats-sequential"), token_ids=ids,
               sequential=PruningOptions(experts=KEPT, method="saliency"))
     rows = {}

@@ -51,3 +51,15 @@ def test_parallel_planning_and_memory_from_the_inflight_budget():
     assert r["fixed_s"] == pytest.approx(3.0 + (4 * 129 + 3 * 59) * 0.03 / 16 + routers / (100e6 * 16))
     assert r["rss_gb"] == pytest.approx((0.9e9 + 2 * 32 * 8 * 2**20 - 200e6) / 1e9)
     assert "| default rule (64 streams) | 1 |" in projection.table(pod)
+
+
+def test_planning_cpu_and_the_finalize_job_count_in_the_fixed_cost():
+    """Planning takes the longer of its requests and its CPU (torch and scikit-learn load while
+    the headers come down; clustering) per MoE layer; a scale-out adds its finalize job once."""
+    pod = projection.PerPod(**{**POD.__dict__, "plan_parallel": 16, "plan_cpu_s_per_layer": 0.5, "finalize_s": 4.0})
+    one, many = projection.project(pod, V3, pods=1), projection.project(pod, V3, pods=8)
+    assert one["fixed_s"] == pytest.approx(3.0 + 0.5 * 59)  # CPU, not the 1.4 s of requests, is the longer
+    assert many["fixed_s"] == pytest.approx(3.0 + 0.5 * 59 + 4.0 + 4 * 129 * 0.03 / 16)
+    light = projection.PerPod(**{**pod.__dict__, "plan_cpu_s_per_layer": 0.0})
+    assert projection.project(light, V3, pods=1)["fixed_s"] == pytest.approx(
+        3.0 + (4 * 129 + 3 * 59) * 0.03 / 16 + 3 * 59 * V3.router_bytes / (100e6 * 16))

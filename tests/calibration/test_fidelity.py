@@ -116,6 +116,7 @@ def test_auto_picks_the_smallest_count_meeting_the_target(source):
     assert manifest["method"]["max_kl"] == target and manifest["fidelity"]["kl"] <= target
     (note,) = [n for n in manifest["notes"] if n.startswith("--experts auto")]
     assert f"chose {expected}; tried" in note
+    print(note)  # docs/calibration.md quotes it (pytest -s)
     assert [int(t.split(" ->")[0]) for t in note.split("tried ")[1].split(", ")] == \
         [c for c in counts if c <= expected]
 
@@ -128,6 +129,8 @@ def test_auto_refuses_an_unreachable_target_with_the_best_figure_and_writes_noth
     assert rc == 2
     err = capsys.readouterr().err
     assert "no expert count reaches KL <= 1e-12" in err and "best KL" in err and "tried 3 -> kl" in err
+    with capsys.disabled():
+        print(err.strip())  # docs/calibration.md quotes it (pytest -s)
     assert not dst.exists() or not any(dst.iterdir())
     with pytest.raises(FidelityTargetNotMet):
         build(source, "unreachable", "auto", max_kl=1e-12, max_experts=3)

@@ -9,6 +9,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.demo.tiny import make_tiny
 
@@ -24,6 +25,35 @@ def quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantise(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(s.shape[0], BLOCK, s.shape[1], BLOCK) * s[:, None, :, None]).reshape(q.shape)
+
+
+def make_fp8_deepseek(src) -> None:
+    """A tiny DeepSeek-V3 (16 experts in 2 routing groups) with block-FP8 experts, as released."""
+    make_tiny("deepseek_v3", src, seed=1, n_routed_experts=16, n_group=2, topk_group=2)
+    sd = load_file(src / "model.safetensors")
+    for k in [k for k in sd if ".experts." in k and k.endswith("proj.weight")]:
+        sd[k], sd[k + "_scale_inv"] = quantise(sd[k])
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    (src / "config.json").write_text(json.dumps(config))
+
+
+def fp8_builds(tmp_path, samples: int, seq_len: int, **option) -> tuple[dict, dict, dict]:
+    """make_fp8_deepseek, calibrated, built plain and with `option` (4 experts by saliency):
+    (the option's manifest, plain tensors, option's tensors), checked to share names, shapes, dtypes."""
+    from .test_heal import tensors
+
+    src = tmp_path / "fp8"
+    make_fp8_deepseek(src)
+    cal.calibrate(str(src), str(tmp_path / "stats"), samples=samples, seq_len=seq_len)
+    common = dict(experts=4, method="saliency", calibration=str(tmp_path / "stats"))
+    build_proxy(str(src), str(tmp_path / "plain"), **common)
+    m = build_proxy(str(src), str(tmp_path / "built"), **common, **option)
+    a, b = tensors(tmp_path / "plain"), tensors(tmp_path / "built")
+    assert a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].dtype == b[n].dtype for n in a)
+    return m, a, b
 
 
 def test_fp8_statistics_equal_those_of_the_dequantised_float_checkpoint(tmp_path):

@@ -17,10 +17,10 @@ def test_imports_without_torch(module):
     assert r.returncode == 0, f"{module} needs a blocked package:\n{r.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("module", ["moe_proxy.build.features", "moe_proxy.build.selection"])
+@pytest.mark.parametrize("module", ["moe_proxy.build.features", "moe_proxy.build.merge", "sklearn.cluster"])
 def test_the_blocker_blocks(module):
-    """A module that does need torch (features) or scikit-learn (selection) fails to import,
-    so a pass above means something."""
+    """A module that does need torch (features), scipy (merge) or scikit-learn fails to import,
+    so a pass above means something. (selection loads scikit-learn only when it clusters.)"""
     r = run_blocked("import importlib, sys; importlib.import_module(sys.argv[1])", module)
     assert r.returncode != 0 and "is blocked" in r.stderr
 

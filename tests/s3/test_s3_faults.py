@@ -59,13 +59,17 @@ def test_killed_build_resumes_without_reuploading(seaweed, s3_ckpt, local_proxy,
     first = (local_proxy / shards[0]).stat().st_size
     with FaultProxy(server_port(seaweed)) as net:
         # Freeze the network once the first shard and one part of the second have gone up,
-        # then kill the build like an evicted pod (SIGKILL: no cleanup runs).
+        # then kill the build like an evicted pod (SIGKILL: no cleanup runs). Uploads overlap
+        # by one shard, so the second's first part may go up before the first is committed:
+        # wait for the first shard's journal entry (written after its commit) too.
         net.stall_after_up = first + PART + (256 << 10)
         options = {"endpoint_url": net.endpoint_url, "part_size": PART}
         code = f"from moe_proxy.build.pipeline import build_proxy; build_proxy({s3_ckpt!r}, {dst!r}, experts={KEEP}, store_options={options!r})"
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
-        while not (net.bytes_up >= first + PART and incomplete_uploads(seaweed, "proxy", prefix)):
+        client = seaweed.client()
+        while not (net.bytes_up >= first + PART and incomplete_uploads(seaweed, "proxy", prefix)
+                   and client.list_objects_v2(Bucket="proxy", Prefix=f"{prefix}/{journal_name(0, 1)}").get("KeyCount")):
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "the build never got to its second shard"
             time.sleep(0.1)

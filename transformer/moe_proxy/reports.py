@@ -31,13 +31,13 @@ REPRESENTATIVES = ("medoid", "saliency")
 
 
 def calibration_needs(method: str, features: str, representative: str | None, heal: bool,
-                      reconstruct: bool = False, auto: bool = False) -> list[str]:
+                      reconstruct: bool = False, auto: bool = False, merge: bool = False) -> list[str]:
     """The options in this combination that need calibration statistics, as `name value` words."""
     return [what for what, used in (
         (f"method {method}", method in SCORED_METHODS),
         (f"features {features}", features in CALIBRATED_FEATURES),
         ("representative saliency", representative == "saliency"),
-        ("heal", heal), ("reconstruct", reconstruct),
+        ("heal", heal), ("reconstruct", reconstruct), ("merge", merge),  # merge: members weighted by gate mass
         ("experts auto", auto)) if used]  # auto: the fidelity figure is measured on the calibration tokens
 
 

@@ -12,13 +12,11 @@ from tqdm.auto import tqdm
 
 from moe_proxy.architectures import Arch, expert_count, groups, top_k
 from moe_proxy.checkpoint.reader import Checkpoint
-from moe_proxy.errors import InvalidExpertCount
-from moe_proxy.build.features import expert_features
+from moe_proxy.errors import CorruptCheckpoint, InvalidExpertCount
 from moe_proxy.checkpoint.layout import Layout
 from moe_proxy.sizing import target_experts  # one rule for the CLI, the library and the operator
 from moe_proxy.reports import CALIBRATED_FEATURES, SCORED_METHODS, calibration_needs
-from moe_proxy.build.selection import Selection, select
-from moe_proxy.build.usage import usage_select
+from moe_proxy.build.selection import Selection
 
 
 @dataclass
@@ -38,6 +36,7 @@ class PruningOptions:
     heal: bool = False  # re-fit the kept router rows (heal.py)
     reconstruct: bool = False  # re-fit the kept experts and router rows layer by layer (reconstruct.py)
     max_kl: float | None = None  # --experts auto: the KL target the chosen count met (fidelity.py)
+    merge: bool = False  # kept experts = gate-mass-weighted merges of their clusters (merge.py)
 
 
 @dataclass
@@ -58,6 +57,7 @@ class ExpertPlan:
     tensor_overrides: dict[str, Callable[[], bytes]] = field(default_factory=dict)
     reconstruction: dict | None = None  # what --reconstruct fitted, on which tokens (the manifest's)
     fidelity: dict | None = None  # the proxy measured against the original (fidelity.py)
+    merge: dict | None = None  # how --merge made the kept experts (the manifest's)
 
 
 def proxy_counts(arch: Arch, config: dict, options: PruningOptions) -> ExpertPlan:
@@ -85,9 +85,18 @@ def proxy_counts(arch: Arch, config: dict, options: PruningOptions) -> ExpertPla
 def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, progress: bool = False,
               calibration=None) -> ExpertPlan:
     """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
+    # torch (features) and scikit-learn (selection) load only when experts are selected.
+    from moe_proxy.build.features import expert_features
+    from moe_proxy.build.selection import select
+    from moe_proxy.build.usage import usage_select
+
     arch, config = layout.arch, ckpt.config
+    if options.merge:
+        from moe_proxy.build.merge import check_options  # torch-heavy, only when asked
+
+        check_options(options)
     needs = [f"--{what}" for what in calibration_needs(options.method, options.features, options.representative,
-                                                        options.heal, options.reconstruct)]
+                                                        options.heal, options.reconstruct, merge=options.merge)]
     if needs and calibration is None:
         raise InvalidExpertCount(f"{', '.join(needs)} need(s) --calibration STATS (from moe-proxy calibrate)")
     if options.heal and options.reconstruct:
@@ -138,9 +147,53 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
         from moe_proxy.build.heal import heal_routers  # torch-heavy, only when asked
 
         plan.router_overrides = heal_routers(ckpt, layout, plan, calibration, progress)
-    if options.reconstruct:
+    if options.merge and calibration.mode != "one-pass":
+        notes.append("--merge with sequential statistics: each layer was scored behind the plain (unmerged) proxy's "
+                     "earlier layers")
+    if options.reconstruct:  # with --merge, it merges each layer first (merge.py)
         from moe_proxy.build.reconstruct import reconstruct  # torch-heavy, only when asked
 
-        reconstruct(ckpt, layout, plan, calibration, progress)
+        reconstruct(ckpt, layout, plan, calibration, progress, merge=options.merge)
+    elif options.merge:
+        from moe_proxy.build.merge import merge
+
+        merge(ckpt, layout, plan, calibration, progress)
     return plan
 
+
+
+PLAN_FIELDS = ("experts_before", "experts_after", "top_k_before", "top_k_after", "n_group", "topk_group", "notes",
+               "calibration", "reconstruction", "merge")
+
+
+def plan_record(plan: ExpertPlan) -> dict:
+    """What a scale-out's workers write into their journals: everything finalize needs of the
+    plan (config, index, manifest), as JSON. Fitted tensors (--heal, --reconstruct) are not in it."""
+    return {**{f: getattr(plan, f) for f in PLAN_FIELDS},
+            "selections": {prefix: {"kept": s.kept, "cluster_sizes": s.cluster_sizes, "assignment": s.assignment,
+                                    "record": s.record} for prefix, s in plan.selections.items()}}
+
+
+def plan_from_record(record: dict, layout: Layout) -> ExpertPlan:
+    """The plan a record describes, checked against this checkpoint's layout: one selection per
+    MoE block, each keeping `experts_after` distinct experts of the block's, the same number
+    per routing group, the cluster sizes covering every expert."""
+    try:
+        plan = ExpertPlan(layout.arch, **{f: record[f] for f in PLAN_FIELDS[:7]},
+                          selections={p: Selection(**s) for p, s in record["selections"].items()},
+                          calibration=record["calibration"], reconstruction=record["reconstruction"],
+                          merge=record["merge"])
+    except (KeyError, TypeError) as exc:
+        raise CorruptCheckpoint(f"the workers' plan is incomplete ({exc!r}); rerun the workers") from None
+    blocks = {b.prefix: b for b in layout.blocks}
+    if set(plan.selections) != set(blocks):
+        raise CorruptCheckpoint(f"the workers' plan selects experts in {sorted(set(plan.selections) ^ set(blocks))[:3]}"
+                                f", which this checkpoint's MoE blocks do not match; rerun the workers")
+    n, k, per = plan.experts_before, plan.experts_after, plan.experts_before // max(plan.n_group, 1)
+    for prefix, s in plan.selections.items():
+        groups = [sum(1 for e in s.kept if e // per == g) for g in range(plan.n_group)]
+        if (blocks[prefix].n_experts != n or s.kept != sorted(set(s.kept)) or len(s.kept) != k
+                or not all(0 <= e < n for e in s.kept) or len(set(groups)) != 1 or sum(s.cluster_sizes) != n):
+            raise CorruptCheckpoint(f"the workers' plan for {prefix} (kept {s.kept}) is not a valid choice of {k} "
+                                    f"of its {blocks[prefix].n_experts} experts; rerun the workers")
+    return plan

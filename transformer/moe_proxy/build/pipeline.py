@@ -11,8 +11,9 @@
    its presence marks the proxy complete.
 
 Scale-out: `worker=i, workers=W` writes only worker i's share of the shards (a deterministic
-partition balanced by bytes) and a journal of what it wrote; `finalize=True` (run once after
-all workers) checks every worker's shards against the journals and does step 4. A single
+partition balanced by bytes) and a journal of its plan and of what it wrote; `finalize=True`
+(run once after all workers) takes the plan from the journals (refusing workers that selected
+differently), checks every worker's shards against them and does step 4. A single
 build is worker 0 of 1 followed by finalize, so W workers give byte-identical output.
 An interrupted worker reruns and keeps the files its journal shows complete (sha256 checked).
 """
@@ -22,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from itertools import chain, islice
@@ -38,9 +40,9 @@ from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
 from moe_proxy.build.config import rewrite_config
 from moe_proxy.checkpoint.reads import read_ahead, read_tasks
 from moe_proxy.checkpoint.params import stored_params
-from moe_proxy.build.expert_plan import PruningOptions, ExpertPlan, plan_experts
+from moe_proxy.build.expert_plan import PruningOptions, ExpertPlan, plan_experts, plan_from_record, plan_record
 from moe_proxy.build.writer import OutTensor, Written, header_bytes, shard_size, write_file
-from moe_proxy.storage import Store, open_store, sha256_of, write_bytes
+from moe_proxy.storage import Store, Writer, open_store, sha256_of, write_bytes
 from moe_proxy.storage.inflight import Transfer
 
 log = logging.getLogger(__name__)
@@ -109,18 +111,89 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, li
 
 
 def assign_shards(shards: dict[str, list[OutTensor]], workers: int) -> list[list[str]]:
-    """Deterministic partition of output shards over workers, largest first to the least loaded."""
+    """Deterministic partition of output shards over workers, balanced by bytes: largest first to
+    the least loaded, then single moves and swaps off the most loaded worker while they lower it.
+    (Largest-first alone can leave two workers a whole shard above the rest, e.g. the two shards
+    that hold the embeddings among many equal layer shards: 1.15 x the mean at 4 workers for the
+    8 GB benchmark checkpoint, 1.03 after the moves.)"""
+    size = {f: shard_size(ts) for f, ts in shards.items()}
     loads, share = [0] * workers, [[] for _ in range(workers)]
-    for f in sorted(shards, key=lambda f: (-shard_size(shards[f]), f)):
+    for f in sorted(shards, key=lambda f: (-size[f], f)):
         i = loads.index(min(loads))
         share[i].append(f)
-        loads[i] += shard_size(shards[f])
-    order = list(shards)
-    return [sorted(s, key=order.index) for s in share]
+        loads[i] += size[f]
+    while (move := _best_move(share, loads, size)) is not None:
+        top, i, a, b = move  # shard a from the most loaded worker to worker i (and b back, if any)
+        share[top].remove(a)
+        share[i].append(a)
+        if b is not None:
+            share[i].remove(b)
+            share[top].append(b)
+        d = size[a] - (size[b] if b is not None else 0)
+        loads[top] -= d
+        loads[i] += d
+    order = {f: n for n, f in enumerate(shards)}
+    return [sorted(s, key=order.get) for s in share]
+
+
+def _best_move(share: list[list[str]], loads: list[int], size: dict[str, int]):
+    """A move (or swap) of one shard off the most loaded worker that leaves both workers below
+    its load; None when there is none. Each one lowers the sum of squared loads, so it ends."""
+    top = loads.index(max(loads))
+    for i in sorted(range(len(loads)), key=lambda i: (loads[i], i)):
+        gap = loads[top] - loads[i]
+        best = max(((a, b) for a in sorted(share[top]) for b in [None, *sorted(share[i])]
+                    if 0 < size[a] - (size[b] if b is not None else 0) < gap),
+                   key=lambda ab: min(size[ab[0]] - (size[ab[1]] if ab[1] is not None else 0),
+                                      gap - size[ab[0]] + (size[ab[1]] if ab[1] is not None else 0)), default=None)
+        if best is not None:
+            return top, i, *best
+    return None
 
 
 def journal_name(worker: int, workers: int) -> str:
     return f"{JOURNAL}-{worker}-of-{workers}.json"
+
+
+def _as_json(obj):
+    return json.loads(json.dumps(obj))
+
+
+def workers_plan(dst: Store, build_id: str, workers: int) -> dict:
+    """The plan record every worker of this build wrote into its journal: refused unless all W
+    journals are there, are of this very build and hold one and the same plan (workers that
+    selected differently, e.g. other library versions in their images, wrote shards that do
+    not form one proxy)."""
+    records = []
+    for worker in range(workers):
+        name = journal_name(worker, workers)
+        if not dst.exists(name):
+            raise CorruptCheckpoint(f"worker {worker} of {workers} has not finished: no {name} in {dst.uri}")
+        try:
+            j = json.loads(dst.read_bytes(name))
+        except ValueError:
+            raise CorruptCheckpoint(f"worker {worker}'s journal {name} is not JSON; rerun worker {worker}") from None
+        if j.get("build_id") != build_id:
+            raise CorruptCheckpoint(f"worker {worker}'s journal {name} is of another build (source, options or "
+                                    f"moe-proxy version differ); rerun worker {worker} with this build's options")
+        if "plan" not in j:
+            raise CorruptCheckpoint(f"worker {worker}'s journal {name} holds no plan (an older moe-proxy wrote it); "
+                                    f"rerun worker {worker}")
+        records.append(j["plan"])
+    for worker, record in enumerate(records[1:], 1):
+        if record != records[0]:
+            raise CorruptCheckpoint(f"worker {worker} selected other experts than worker 0 "
+                                    f"({_plan_difference(records[0], record)}): their shards do not form one "
+                                    f"proxy; rerun every worker with the same moe-proxy")
+    return records[0]
+
+
+def _plan_difference(a: dict, b: dict) -> str:
+    for prefix in sorted(set(a.get("selections", {})) | set(b.get("selections", {}))):
+        sa, sb = a.get("selections", {}).get(prefix), b.get("selections", {}).get(prefix)
+        if sa != sb:
+            return f"{prefix}: kept {(sa or {}).get('kept')} vs {(sb or {}).get('kept')}"
+    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
 def _journals(dst: Store) -> list[str]:
@@ -162,12 +235,25 @@ def open_source(src: str | Store, options: PruningOptions, store_options: dict |
     return ckpt, layout, identity, calibration
 
 
+def _import_planning() -> None:
+    import moe_proxy.build.features  # noqa: F401  (torch)
+    import moe_proxy.build.selection  # noqa: F401
+
+    import sklearn.cluster  # noqa: F401
+
+
 def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
-            store_options: dict | None) -> Prepared | dict:
-    """Open, check the destination, plan. Returns the existing manifest if dst is up to date."""
+            store_options: dict | None, finalize_workers: int | None = None) -> Prepared | dict:
+    """Open, check the destination, plan. Returns the existing manifest if dst is up to date.
+    `finalize_workers`: finalizing W workers' build, whose journals hold the plan: it is taken
+    from them (checked against this checkpoint), not worked out again; with fitted tensors
+    (--heal, --reconstruct), which the journals do not hold, it is re-planned and must match."""
     # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
     store_options = dict(store_options or {})
     transfer = store_options.setdefault("transfer", Transfer.from_options(store_options))
+    if not finalize_workers or options.heal or options.reconstruct:  # it will select experts:
+        # load torch and scikit-learn (seconds of CPU) while the headers and routers come down.
+        threading.Thread(target=_import_planning, name="import", daemon=True).start()
     ckpt, layout, identity, calibration = open_source(src, options, store_options)
     transfer.sized(max(b.expert_bytes for b in layout.blocks))
     dst_store = open_store(dst, **(store_options or {})) if isinstance(dst, str) else dst
@@ -180,7 +266,14 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     if existing is not None:
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
         return existing | {"up_to_date": True}
-    plan = plan_experts(ckpt, layout, options, progress, calibration=calibration)
+    journaled = workers_plan(dst_store, build_id, finalize_workers) if finalize_workers else None
+    if journaled is not None and not (options.heal or options.reconstruct):
+        plan = plan_from_record(journaled, layout)
+    else:
+        plan = plan_experts(ckpt, layout, options, progress, calibration=calibration)
+        if journaled is not None and (mine := _as_json(plan_record(plan))) != journaled:
+            raise CorruptCheckpoint(f"the workers selected other experts than finalize does "
+                                    f"({_plan_difference(journaled, mine)}); rerun every worker with the same moe-proxy")
     for note in plan.notes:
         log.warning(note)
     # Unpublish: from here until finalize writes the manifest, dst is visibly incomplete.
@@ -195,7 +288,8 @@ def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) 
         raise MoeProxyError(f"--worker must be in 0..{workers - 1} for --workers {workers}, got {worker}")
     mine = assign_shards(p.shards, workers)[worker]
     name = journal_name(worker, workers)
-    journal = _read_journal(p.dst, name, p.build_id)
+    record = _as_json(plan_record(p.plan))  # finalize takes the plan from here
+    journal = _read_journal(p.dst, name, p.build_id, record)
     total = sum(shard_size(p.shards[f]) for f in mine)
     written: dict[str, Written] = {}
     transfer = p.transfer or Transfer().sized(max(b.expert_bytes for b in p.layout.blocks))
@@ -213,23 +307,42 @@ def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) 
 
         # One read-ahead over the whole share: the next shard's reads stay in flight while this
         # one's last parts, commit and journal go up, so downloading never drains between shards.
-        # Uploads stay in shard order (a shard is committed and journaled before the next one's
-        # first part), so a killed worker leaves at most one unfinished upload and its journal
-        # names every shard that is complete.
+        # Uploads overlap by one shard: shard i's last parts, commit and journal entry go up on
+        # the commit thread while shard i+1's first parts do. Commits stay in shard order and
+        # shard i+1 is committed only after shard i is journaled, so a killed worker leaves at
+        # most two unfinished uploads (invisible: a multipart upload or a temporary file until
+        # its commit) and its journal names only shards that are complete.
         tasks = {f: read_tasks(p.ckpt.store, f, p.shards[f], transfer.read_part) for f in todo}
-        with ThreadPoolExecutor(transfer.streams, thread_name_prefix="read") as pool:
+        pending: list[Future] = []
+
+        def commit_behind(w: Writer, done: Written) -> None:
+            if pending:  # the shard before: committed and journaled before this one is
+                try:
+                    pending.pop().result()
+                except BaseException:
+                    w.abort()
+                    raise
+            pending.append(committer.submit(commit_and_journal, w, done))
+
+        def commit_and_journal(w: Writer, done: Written) -> None:
+            w.commit()
+            journal[done.name] = {"size": done.size, "sha256": done.sha256, "checksum": p.dst.checksum(done.name)}
+            write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "plan": record, "files": journal}).encode())
+
+        with (ThreadPoolExecutor(transfer.streams, thread_name_prefix="read") as pool,
+              ThreadPoolExecutor(1, thread_name_prefix="commit") as committer):
             data = read_ahead((t for f in todo for t in tasks[f]), pool, transfer.streams, transfer.budget)
             try:
                 for f in todo:
                     tensors = p.shards[f]
                     pieces = chain([header_bytes(tensors)], islice(data, len(tasks[f])))
-                    written[f] = write_file(p.dst, f, pieces, bar.update, shard_size(tensors))
-                    journal[f] = {"size": written[f].size, "sha256": written[f].sha256, "checksum": p.dst.checksum(f)}
-                    write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": journal}).encode())
+                    written[f] = write_file(p.dst, f, pieces, bar.update, shard_size(tensors), commit_behind)
+                if pending:
+                    pending.pop().result()
             finally:
                 data.close()  # frees what is read ahead if writing stopped
     if not mine:  # an idle worker still leaves its journal, so finalize knows it ran
-        write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "files": {}}).encode())
+        write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "plan": record, "files": {}}).encode())
     return written
 
 
@@ -243,15 +356,16 @@ def _matches(dst: Store, name: str, rec: dict) -> bool:
     return sha256_of(dst, name) == rec["sha256"]
 
 
-def _read_journal(dst: Store, name: str, build_id: str) -> dict:
-    """Files already written by an interrupted attempt of this same build."""
+def _read_journal(dst: Store, name: str, build_id: str, plan: dict | None = None) -> dict:
+    """Files already written by an interrupted attempt of this same build (and, given, plan)."""
     if not dst.exists(name):
         return {}
     try:
         j = json.loads(dst.read_bytes(name))
     except ValueError:
         return {}
-    return j.get("files", {}) if j.get("build_id") == build_id else {}
+    same = j.get("build_id") == build_id and (plan is None or j.get("plan") == plan)
+    return j.get("files", {}) if same else {}
 
 
 def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str, Written] | None = None) -> dict:
@@ -267,6 +381,9 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
             rec = journal.get(f)
             if rec is None or not p.dst.exists(f):
                 raise CorruptCheckpoint(f"worker {worker}'s shard {f} is missing from {p.dst.uri}; rerun worker {worker}")
+            if rec["size"] != shard_size(p.shards[f]):
+                raise CorruptCheckpoint(f"worker {worker}'s shard {f} has {rec['size']} bytes where the plan gives "
+                                        f"{shard_size(p.shards[f])}; rerun worker {worker}")
             if not _matches(p.dst, f, rec):
                 raise CorruptCheckpoint(f"worker {worker}'s shard {f} is corrupt (size or sha256 differs from "
                                         f"its journal); rerun worker {worker}")
@@ -325,28 +442,32 @@ def build_proxy(
     max_experts: int | None = None,
     sizing=None,
     reconstruct: bool = False,
+    merge: bool = False,
 ) -> dict:
     """Build the proxy of checkpoint `src` into `dst` and return its manifest (a dict).
     Rerunning an identical build is a no-op that returns the existing manifest.
     With `worker`, write only that worker's shards and return {"worker", "workers", "files"}.
     `experts="auto"` with `max_kl`: the smallest count whose fidelity figure meets it, within
-    `max_experts` and the device budget of `sizing` (a sizing.SizingOptions), see fidelity.py."""
+    `max_experts` and the device budget of `sizing` (a sizing.SizingOptions), see fidelity.py.
+    `merge`: each kept expert is the gate-mass-weighted merge of its cluster (merge.py; needs
+    `calibration`; with `reconstruct`, merged first, then fitted)."""
     options = PruningOptions(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}),
                       calibration, keep_super, representative, heal)
     options.reconstruct = reconstruct
     options.max_kl = max_kl
+    options.merge = merge
     chosen = None
     if experts == "auto" or max_kl is not None:  # counts measured without writing; the chosen one is built
         from moe_proxy.build.fidelity import resolve_auto
 
         options, chosen = resolve_auto(src, options, max_experts, sizing, worker is not None or finalize_only,
                                        store_options, progress)
-    p = prepare(src, dst, options, overwrite, progress, store_options)
+    p = prepare(src, dst, options, overwrite, progress, store_options, workers if finalize_only else None)
     if isinstance(p, dict):
         return p
     if chosen is not None:
         p.plan.fidelity = chosen[0]
-        p.plan.notes.extend(chosen[1])
+        p.plan.notes.extend(n for n in chosen[1] if n not in p.plan.notes)  # (a workers' plan has them)
     if finalize_only:
         return finalize(p, workers, overwrite)
     if worker is not None:
@@ -381,6 +502,7 @@ def make_manifest(p: Prepared, written: dict[str, Written]) -> dict:
         **({"fidelity": plan.fidelity} if plan.fidelity else {}),
         **({"calibration": plan.calibration} if plan.calibration else {}),
         **({"reconstruct": plan.reconstruction} if plan.reconstruction else {}),
+        **({"merge": plan.merge} if plan.merge else {}),
         "layers": {
             b.prefix: {"layer": b.layer, "kept": plan.selections[b.prefix].kept,
                        "cluster_sizes": plan.selections[b.prefix].cluster_sizes} | plan.selections[b.prefix].record

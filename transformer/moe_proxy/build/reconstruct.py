@@ -61,7 +61,7 @@ class CannotReconstruct(MoeProxyError):
     """A checkpoint whose experts cannot be written back in their own format."""
 
 
-def _storage(t: TensorInfo, scale: TensorInfo | None):
+def _storage(t: TensorInfo, scale: TensorInfo | None, option: str = "--reconstruct"):
     """(value -> {name: stored tensor}, value as it reads back) for one checkpoint tensor."""
     if scale is not None and t.dtype.startswith("F8"):
         def store(v: torch.Tensor):
@@ -70,7 +70,7 @@ def _storage(t: TensorInfo, scale: TensorInfo | None):
         return store
     if t.dtype not in ("F32", "F16", "BF16", "F64"):
         raise CannotReconstruct(
-            f"{t.name}: dtype {t.dtype} without a block scale cannot be re-quantised; build without --reconstruct")
+            f"{t.name}: dtype {t.dtype} without a block scale cannot be re-quantised; build without {option}")
 
     def store(v: torch.Tensor):
         stored = v.to(TORCH_DTYPES[t.dtype]).contiguous()
@@ -85,10 +85,11 @@ def _rms(p: torch.Tensor) -> float:
 class Targets:
     """The proxy block's parameters --reconstruct fits, and how each is written back into the
     checkpoint's own tensors (router rows; fused or per-expert expert tensors, split and
-    transposed as layerwise.py joined them, FP8 re-quantised)."""
+    transposed as layerwise.py joined them, FP8 re-quantised). `option`: the build option that
+    writes them (--reconstruct, --merge), named when a checkpoint cannot be written back."""
 
-    def __init__(self, proxy: torch.nn.Module, block: MoeBlock, arch, kept: list[int]):
-        self.block, self.arch, self.kept = block, arch, kept
+    def __init__(self, proxy: torch.nn.Module, block: MoeBlock, arch, kept: list[int], option: str = "--reconstruct"):
+        self.block, self.arch, self.kept, self.option = block, arch, kept, option
         self.router = {}
         for leaf, p in _router_params(proxy).items():
             info = block.router.get(leaf)
@@ -107,10 +108,10 @@ class Targets:
     def fitted(self) -> list[str]:
         return sorted(self.router) + sorted(self.experts)
 
-    def store(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def store(self, experts_only: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The fitted values as stored: ({checkpoint tensor: stored tensor}, {parameter: value read back})."""
         out, back = {}, {}
-        for leaf, p in self.router.items():
+        for leaf, p in ({} if experts_only else self.router).items():
             t = self.block.router[leaf][0]
             written, back[leaf] = _storage(t, None)(p.detach())
             out |= written
@@ -126,8 +127,8 @@ class Targets:
             t = b.fused[leaf]
             if leaf + "_scale_inv" in b.fused or t.dtype.startswith("F8"):
                 raise CannotReconstruct(f"{t.name}: fused FP8 experts cannot be re-quantised yet; build without "
-                                        f"--reconstruct")
-            store = _storage(t, None)
+                                        f"{self.option}")
+            store = _storage(t, None, self.option)
             shape = (len(self.kept),) + tuple(t.shape[1:])
 
             def fused(v: torch.Tensor):
@@ -138,11 +139,11 @@ class Targets:
         hub = {"gate_up_proj": self.arch.hub_gate_up, "down_proj": self.arch.hub_down}.get(leaf)
         if hub is None or not b.per_expert:
             raise CannotReconstruct(f"{b.prefix}: the experts' parameter {leaf} has no checkpoint tensor "
-                                    f"--reconstruct knows how to write; build without --reconstruct")
+                                    f"{self.option} knows how to write; build without {self.option}")
         parts = [[b.per_expert[e].get(f"{h}.weight") for h in hub] for e in self.kept]
         if any(t is None for ts in parts for t in ts):
-            raise CannotReconstruct(f"{b.prefix}: per-expert tensors {hub} not found; build without --reconstruct")
-        stores = [[_storage(t, b.per_expert[e].get(f"{h}.weight_scale_inv")) for t, h in zip(ts, hub)]
+            raise CannotReconstruct(f"{b.prefix}: per-expert tensors {hub} not found; build without {self.option}")
+        stores = [[_storage(t, b.per_expert[e].get(f"{h}.weight_scale_inv"), self.option) for t, h in zip(ts, hub)]
                   for e, ts in zip(self.kept, parts)]
 
         def per_expert(v: torch.Tensor):
@@ -180,9 +181,12 @@ def _read(spill: Spill, path: Path) -> bytes:
     return path.read_bytes()
 
 
-def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> None:
+def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False,
+                merge: bool = False) -> None:
     """Fit every calibrated MoE layer; fills plan.tensor_overrides, plan.reconstruction and
-    each layer's `reconstruct` record in its selection."""
+    each layer's `reconstruct` record in its selection. `merge`: each layer's kept experts are
+    first merged (merge.py); the merged experts, as stored, are where the fit starts and what
+    the layer keeps when fitting does not help."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
     model = LayerwiseModel(ckpt)
     ids = calibration.token_ids[:RECON_SAMPLES]
@@ -190,7 +194,7 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
         raise MoeProxyError("--reconstruct needs at least 2 calibration sequences (one is held out)")
     held = torch.arange(len(ids)) % HOLDOUT == 0
     states = HiddenStates(model, ids, BATCH)
-    spill, fitted_names, counts = Spill(), set(), {"fitted": 0, "plain": 0}
+    spill, fitted_names, counts, merged_blocks = Spill(), set(), {"fitted": 0, "plain": 0}, []
     bar = tqdm(range(model.n_layers), desc="reconstructing", unit="layer", disable=not progress)
     for i in bar:
         block = next((b for b in layout.blocks if b.layer == i), None)
@@ -209,6 +213,14 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
             val = (x[held].reshape(1, -1, h), y[held].reshape(1, -1, h))
             proxy = proxy_block(mods.block, proxy_config, sel.kept)
             targets = Targets(proxy, block, layout.arch, sel.kept)
+            merged = None
+            if merge and block.prefix in calibration.layers:
+                from moe_proxy.build.merge import merge_into
+
+                record, stored_m, back_m = merge_into(mods.block, proxy, sel,
+                                                      calibration.layers[block.prefix].gate_mass, targets)
+                sel.record["merge"], merged = record, (stored_m, back_m)
+                merged_blocks.append(block.prefix)
             with torch.no_grad():
                 fit_before = float(relative_error(proxy, *train))
             r = fit(proxy, targets.groups(), train, val, RECON_STEPS, RECON_PATIENCE)
@@ -228,6 +240,13 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
                 for name, value in stored.items():
                     plan.tensor_overrides[name] = spill.put(value)
                 fitted_names.update(targets.fitted())
+            elif merged is not None:  # the merged experts, as stored, are this layer's plain proxy
+                run_params = dict(run.named_parameters())
+                with torch.no_grad():
+                    for name, value in merged[1].items():
+                        run_params[name].copy_(value)
+                for name, value in merged[0].items():
+                    plan.tensor_overrides[name] = spill.put(value)
             counts["fitted" if use else "plain"] += 1
             sel.record["reconstruct"] = {
                 "fitted": use,
@@ -235,7 +254,8 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
                 "error_after": ({"held_out": round(after, 6), "fit": round(fit_after, 6)} if use else
                                 {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)}),
                 "steps": r["steps"], "best_step": r["best_step"],
-                **({} if use else {"why": PLAIN_KEPT}),
+                **({} if use else {"why": PLAIN_KEPT.replace("plain selection", "merged experts") if merged
+                                   else PLAIN_KEPT}),
             }
             with swapped(layer, run):  # on to the next layer through this layer as it will be written
                 states.advance(layer, i)
@@ -261,3 +281,7 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
                 "held-out error below the plain selection's",
         "layers": counts,
     }
+    if merge:
+        from moe_proxy.build.merge import describe
+
+        plan.merge = describe(plan, merged_blocks)

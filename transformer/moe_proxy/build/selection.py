@@ -19,7 +19,6 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
-from sklearn.cluster import AgglomerativeClustering, KMeans
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.reports import CLUSTERINGS, METHODS, SCORED_METHODS
@@ -95,17 +94,24 @@ def _cluster(x: np.ndarray, k: int, clustering: str, seed: int, pins: list[int],
     n = len(x)
     if k >= n:
         return list(range(n))
+    # scikit-learn loads here, not on import: a scale-out's finalize takes the workers' plan and
+    # never clusters, so it starts without it (seconds of start-up).
+    from sklearn.cluster import AgglomerativeClustering, KMeans
+    from threadpoolctl import threadpool_limits
+
     distinct = len(np.unique(x, axis=0))
     if distinct <= k:
         # Fewer distinct experts than clusters (e.g. identical after sparse upcycling): one per
         # distinct vector, then fill up in index order; clustering would only warn and misbehave.
         _, labels = np.unique(x, axis=0, return_inverse=True)
-    elif clustering == "kmeans":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            labels = KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(x)
     else:
-        labels = AgglomerativeClustering(n_clusters=k, linkage="ward").fit_predict(x)
+        # One thread for scikit-learn's OpenMP and BLAS pools, set here because torch's
+        # operations between two blocks set OpenMP's back: the problem is tiny, and spinning
+        # pool threads cost about 4x the CPU where cores are busy (bench/plan_cpu.py; same choice).
+        with threadpool_limits(limits=1), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            labels = (KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(x) if clustering == "kmeans"
+                      else AgglomerativeClustering(n_clusters=k, linkage="ward").fit_predict(x))
     labels = np.asarray(labels).ravel()
     clusters = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     centres = [x[m].mean(axis=0) for m in clusters]

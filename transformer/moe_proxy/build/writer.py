@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from moe_proxy.checkpoint.reader import ITEMSIZE
-from moe_proxy.storage import Store
+from moe_proxy.storage import Store, Writer
 
 
 @dataclass
@@ -57,11 +57,13 @@ class Written:
 
 
 def write_file(store: Store, name: str, pieces: Iterable[bytes], on_bytes: Callable[[int], None] = lambda n: None,
-               expected_size: int | None = None) -> Written:
+               expected_size: int | None = None,
+               commit: Callable[[Writer, Written], None] | None = None) -> Written:
     """Write `pieces` to `store/name` atomically, hashing as we go. The hash runs on its own
     thread (hashlib releases the GIL), overlapping with the write; one thread keeps order. A
     piece's hash is done before the next piece is taken, so a read-ahead that frees a piece's
-    budget when the next is taken (reads.read_ahead) never has it still held here."""
+    budget when the next is taken (reads.read_ahead) never has it still held here.
+    `commit(writer, written)`: commits it instead (e.g. behind the next file); by default now."""
     h, size = hashlib.sha256(), 0
     w = store.writer(name)
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
@@ -77,5 +79,6 @@ def write_file(store: Store, name: str, pieces: Iterable[bytes], on_bytes: Calla
         except BaseException:
             w.abort()
             raise
-    w.commit()  # the pool has drained (with-exit), so the digest is complete
-    return Written(name, size, h.hexdigest())
+    written = Written(name, size, h.hexdigest())  # the pool has drained (with-exit): the digest is complete
+    w.commit() if commit is None else commit(w, written)
+    return written

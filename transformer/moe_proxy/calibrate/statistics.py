@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -388,6 +389,7 @@ def run_statistics(ckpt: Checkpoint, layout: Layout, token_ids: torch.Tensor, ba
     bar = tqdm(range(model.n_layers), desc="calibrating", unit="layer", disable=not progress)
     for i in bar:
         block = next((b for b in layout.blocks if b.layer == i), None)
+        start = time.monotonic()
         with model.layer(i) as layer:
             mods = moe_modules(layer)
             observer = ExpertObserver(block.prefix, i, mods, n, model.config.hidden_size) \
@@ -407,5 +409,5 @@ def run_statistics(ckpt: Checkpoint, layout: Layout, token_ids: torch.Tensor, ba
                 if progress:
                     bar.write(f"layer {i:>3}: dead {len(s.dead())}/{n} {s.dead()[:8]}  load imbalance "
                               f"{s.load_imbalance():.2f}  max |output| {float(s.max_abs.max()):.3g} "
-                              f"(expert {int(s.max_abs.argmax())}){kept}")
+                              f"(expert {int(s.max_abs.argmax())}){kept}  ({time.monotonic() - start:.1f} s)")
     return stats

@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
     usage.add_argument("--reconstruct", action="store_true",
                        help="re-fit the kept experts and router rows layer by layer (inputs through the proxy, a "
                             "held-out split stops it; a layer keeps its plain tensors unless fitting helps)")
+    usage.add_argument("--merge", action="store_true",
+                       help="each kept expert becomes the gate-mass-weighted average of its cluster's members, "
+                            "their hidden units aligned to it first (with --reconstruct: merged, then fitted)")
     auto = p.add_argument_group("--experts auto (fidelity-driven count; measured on the calibration tokens)")
     auto.add_argument("--max-kl", type=float, metavar="X",
                       help="largest KL(original || proxy) per token accepted (nats, held-out calibration tokens)")
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             store_options=store_options(args), worker=args.worker, workers=args.workers,
             finalize_only=args.finalize, calibration=args.calibration, keep_super=args.keep_super,
             representative=args.representative, heal=args.heal, max_kl=args.max_kl, max_experts=args.max_experts,
-            reconstruct=args.reconstruct,
+            reconstruct=args.reconstruct, merge=args.merge,
             sizing=SizingOptions(**device_options(args)),
         )
     except MoeProxyError as exc:

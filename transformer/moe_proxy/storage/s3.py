@@ -377,7 +377,7 @@ class S3Writer:
         self.buffer = bytearray()
         self.upload_id: str | None = None
         self.md5 = store.checksum_algorithm == "md5"
-        self.digests: list[bytes] = []  # SHA256 (or MD5) of each part, in order
+        self.digests: dict[int, bytes] = {}  # part number -> its SHA256 (or MD5)
         self.parts: list[Future] = []  # -> {"PartNumber", "ETag"[, "ChecksumSHA256"]}
         self.sizes: list[int] = []  # bytes of the budget each part holds
         self.checked = 0  # parts[:checked] are known to have gone up
@@ -415,20 +415,23 @@ class S3Writer:
             number = len(self.parts) + 1
             if number > MAX_PARTS:
                 raise StorageError(f"{self.name}: more than {MAX_PARTS} parts; use a larger part_size")
-            self.parts.append(store.upload_pool().submit(self._upload_part, number, part, self._checksum(part)))
+            self.parts.append(store.upload_pool().submit(self._upload_part, number, part))
         except BaseException:
             self.budget.release(len(part))
             raise
         self.sizes.append(len(part))
 
-    def _checksum(self, data: bytes) -> dict:
-        """The request parameter that makes the store verify `data` on receipt."""
+    def _checksum(self, number: int, data: bytes) -> dict:
+        """The request parameter that makes the store verify `data` (part `number`) on receipt."""
         digest = (hashlib.md5 if self.md5 else hashlib.sha256)(data).digest()
-        self.digests.append(digest)
+        self.digests[number] = digest
         return {"ContentMD5": _b64(digest)} if self.md5 else {"ChecksumSHA256": _b64(digest)}
 
-    def _upload_part(self, number: int, part: bytes, checksum: dict) -> dict:
+    def _upload_part(self, number: int, part: bytes) -> dict:
         try:
+            # Hashed here, on the upload thread (hashlib releases the GIL), not on the writer's:
+            # the one thread that cuts every part would otherwise hash every byte a second time.
+            checksum = self._checksum(number, part)
             r = self.store._call("upload_part", self.name, UploadId=self.upload_id, PartNumber=number,
                                  Body=part, **checksum)
         finally:
@@ -438,16 +441,17 @@ class S3Writer:
     def _expected(self) -> str:
         """What the store must report for the whole object: for n parts, the SHA256 of the parts'
         SHA256s "-n", or the ETag, MD5 of the parts' MD5s "-n"; for one PUT, the MD5 ETag."""
-        n = len(self.digests)
+        digests = [self.digests[k] for k in sorted(self.digests)]
+        n = len(digests)
         if not self.md5:
-            return f"{_b64(hashlib.sha256(b''.join(self.digests)).digest())}-{n}"
-        return f'"{self.digests[0].hex()}"' if self.upload_id is None else f'"{hashlib.md5(b"".join(self.digests)).hexdigest()}-{n}"'
+            return f"{_b64(hashlib.sha256(b''.join(digests)).digest())}-{n}"
+        return f'"{digests[0].hex()}"' if self.upload_id is None else f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{n}"'
 
     def commit(self) -> None:
         store = self.store
         if self.upload_id is None:
             data = bytes(self.buffer)
-            r = store._call("put_object", self.name, Body=data, **self._checksum(data))
+            r = store._call("put_object", self.name, Body=data, **self._checksum(1, data))
             if self.md5 and r.get("ETag") not in (None, self._expected()):
                 raise StorageError(f"s3://{store.bucket}/{store._key(self.name)}: the store's ETag {r['ETag']} "
                                    f"differs from the MD5 of the data sent ({self._expected()})")
