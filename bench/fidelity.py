@@ -1,32 +1,37 @@
-"""The fidelity lab: do RL steps on a proxy behave like RL steps on the original?
+"""The fidelity lab: do RL steps on a proxy behave like RL steps on the original, and which
+build makes the proxy that does?
 
-1. Train a small Qwen3-MoE "original" (byte-level, 64 experts, top-4) on the Python standard
-   library's own sources mixed with the task's format ("12+7=19" lines), long enough that its
-   experts specialise. Cached in bench/out/fidelity/original (delete it to retrain).
-2. `calibrate` it (moe_proxy.calibrate.statistics, the code behind `moe-proxy calibrate`) on the lab's
-   calibration tokens, then build proxies at 50% and 12.5% of the experts with
-   `build_proxy` (the code behind `moe-proxy build`): data-free clustering on router rows and
-   on expert weights, the usage-aware variants through `--calibration` (routing-profile
-   clusters, frequency, saliency, output clusters with saliency representatives, the last
-   three with and without `--heal`), and the `random` and `first-n` baselines.
-3. Run the same RL steps (`moe-proxy repro` settings, same seed) on every model: without a
-   fault, with each injected fault, and at a high learning rate with the router balance
-   losses off and on (load collapse). Once more after one identical short LM healing phase
-   applied to every model, the original included.
-4. A second family: the original with one super expert amplified past fp16's range (a planted
-   massive activation), its own calibration and the same proxies, run in fp16 with dynamic
-   loss scaling. Which proxies keep the expert, and so the overflow?
-5. Compare every proxy run with the original's run of the same scenario (`moe-proxy compare`
-   statistics, each against its shuffled-step-order control), write results.json, table.md,
+1. Train two small byte-level originals on the Python standard library's own sources mixed
+   with the task's format ("12+7=19" lines): a Qwen3-MoE (softmax router, 64 experts, top-4)
+   and a DeepSeek-V3 (sigmoid router with e_score_correction_bias kept balanced by DeepSeek's
+   rule, 4 routing groups of which 2 are chosen, a shared expert, layer 0 dense). Cached in
+   bench/out/fidelity/<model>/original.
+2. `calibrate` each (moe_proxy.calibrate.statistics, the code behind `moe-proxy calibrate`) on
+   the lab's calibration tokens, one pass and, per build, `--sequential`; build proxies with
+   `build_proxy --calibration` (the code behind `moe-proxy build`) at 50%, 25% and 12.5% of the
+   experts: the default build, with sequential statistics, with `--reconstruct`, both, other
+   selection rules, and merged (`--merge`) where the build can. Every build records its
+   fidelity figure (KL(original || proxy) on held-out calibration tokens) in its manifest.
+3. REAP itself (llm-compressor's REAPPruningModifier, bench/reap_baseline.py in its own venv
+   bench/out/reap-venv; skipped with a message where that is absent) on the same originals and
+   tokens: its held-out loss beside ours.
+4. Run the same RL steps (`moe-proxy repro` settings, same seed) on every model: the clean
+   scenario with 4 seeds, each injected fault, a high learning rate with the router balance
+   losses off and on; with --super-study also the planted super expert family in fp16.
+5. Compare every proxy run with the original's run of the same scenario and seed (`moe-proxy
+   compare` statistics, each against its shuffled-step-order control); rank-correlate the
+   fidelity figure with the clean Pearson (does KL predict RL tracking?), derive the
+   recommended maxKL, name the winners and check the targets; write results.json, table.md,
    summary.md and plots under bench/out/fidelity/.
 
-    .venv/bin/python bench/fidelity.py [--steps 16] [--quick] [--seed-study] [--collapse-study] [--out DIR]
+    .venv/bin/python bench/fidelity.py [--models qwen3 deepseek-v3] [--variants ...] [--scenarios ...]
+                                       [--steps 16] [--super-study] [--quick] [--out DIR]
 
-About 40-60 minutes on 2 busy CPU cores when the original is cached. Every build and run is
-cached under bench/out/fidelity/ by its settings and the code's version (the lab's source and
-that of every moe_proxy module it imports), so an interrupted lab resumes and a rerun after a
-code change recomputes. --quick is a smoke run of the whole pipeline on a tiny, barely trained
-original (seconds; its figures mean nothing); tests/bench/test_bench_quick.py runs it.
+Every calibration, build and run is cached under bench/out/fidelity/ by its settings and the
+code's version (the lab's source and that of every moe_proxy module it imports), so an
+interrupted lab resumes and a rerun after a code change recomputes. --quick is a smoke run of
+the whole pipeline on tiny, barely trained originals (its figures mean nothing);
+tests/bench/test_bench_quick.py runs it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import random
 import shutil
 import sys
@@ -52,8 +58,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "transformer"))
 
+from moe_proxy.build.expert_plan import PruningOptions  # noqa: E402
 from moe_proxy.build.pipeline import build_proxy  # noqa: E402
 from moe_proxy.calibrate.statistics import calibrate  # noqa: E402
+from moe_proxy.errors import InvalidExpertCount  # noqa: E402
 from moe_proxy.calibrate.statistics import load as load_calibration  # noqa: E402
 from moe_proxy.repro.compare import KEY_METRICS, compare_runs, load_run  # noqa: E402
 from moe_proxy.sizing import SizingOptions, estimate  # noqa: E402
@@ -63,11 +71,20 @@ from moe_proxy.repro.runner import run_repro  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "fidelity"
 PACKAGE = ROOT / "transformer"  # where moe_proxy's sources are
-MODEL = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+MODEL = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=64, num_experts_per_tok=4,
              norm_topk_prob=True, router_aux_loss_coef=0.01, output_router_logits=True, tie_word_embeddings=False,
              max_position_embeddings=512)
-TRAIN = dict(steps=1000, batch=16, seq_len=128, lr=3e-3, seed=0, task_share=0.3)
+# The second original: DeepSeek-V3's router (sigmoid scores, e_score_correction_bias kept balanced
+# by DeepSeek's aux-loss-free rule, 4 routing groups of which 2 are chosen, a shared expert) and
+# multi-head latent attention; layer 0 dense. Same width, experts and top-k as MODEL.
+DS_MODEL = dict(model_type="deepseek_v3", vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                v_head_dim=32, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=64,
+                num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False, max_position_embeddings=512)
+BIAS_UPDATE = 1e-3  # DeepSeek-V3's bias update speed (gamma): bias += gamma * sign(mean load - load), per step
+TRAIN = dict(steps=400, batch=16, seq_len=128, lr=3e-3, seed=0, task_share=0.3)
 # The healing phase every model gets before the "after healing" runs: a few LM steps on the
 # original's training mix, same batches, seed and settings for all.
 HEAL_PHASE = dict(steps=30, batch=16, seq_len=128, lr=5e-4, seed=7, task_share=0.3)
@@ -76,7 +93,7 @@ REAL = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab
             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
             intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 RL = dict(lr=2e-5, batch_size=8, group_size=4, max_new_tokens=6, kl_coef=0.01, mini_batches=2)
-RATIOS = (0.5, 0.125)
+RATIOS = (0.5, 0.25, 0.125)
 FAULT_STEP = 6
 FP16_MAX = 65504.0
 PERMUTATIONS = 200  # shuffled-step controls per comparison
@@ -92,34 +109,48 @@ SCENARIOS = {  # on the trained original and its proxies; RL's router aux and z 
     # ... and on (Switch aux loss as in pre-training, ST-MoE z-loss): is a collapse theirs?
     "high-lr-balanced": dict(lr=1e-3, router_aux_coef=0.01, router_z_coef=1e-3),
 }
-HEALED_SCENARIOS = {"clean": {}}
-SUPER_SCENARIOS = {  # on the planted original and its proxies
+SEEDS = [0, 1, 2, 3]  # the clean scenario's prompt/sampling seeds: each proxy's "mean of 4 seeds"
+SUPER_SCENARIOS = {  # on the planted original and its proxies (--super-study)
     "fp16-super": dict(precision="fp16", steps=8),  # fp16 done right (dynamic loss scaling)
     "fp32-super": dict(steps=8),  # the same model in fp32: no overflow, but the activation shows
 }
-VARIANTS = [  # (name, build_proxy options); "calibrated": built with the lab's `calibrate` statistics
-    ("cluster-router", dict(method="cluster", features="router")),
-    ("cluster-weights", dict(method="cluster", features="weights")),
-    ("routing", dict(method="cluster", features="routing", calibrated=True)),
-    ("frequency", dict(method="frequency", calibrated=True)),
-    ("frequency-healed", dict(method="frequency", calibrated=True, heal=True)),
-    ("saliency", dict(method="saliency", calibrated=True)),
-    ("saliency-healed", dict(method="saliency", calibrated=True, heal=True)),
-    ("output-saliency", dict(method="cluster", features="output", calibrated=True)),
-    ("output-saliency-healed", dict(method="cluster", features="output", calibrated=True, heal=True)),
-    ("random", dict(method="random")),
-    ("first-n", dict(method="first-n")),
+ORIGINALS = {"qwen3": MODEL, "deepseek-v3": DS_MODEL}  # the lab's two trained originals
+RATIOS_OF = {"qwen3": RATIOS, "deepseek-v3": (0.5, 0.125)}  # the keep ratios built from each
+# (name, build_proxy options), every one with the lab's calibration statistics (`--calibration`):
+# "stats": "sequential" builds from `calibrate --sequential` statistics made for that build (same
+# count and selection), else from the one-pass statistics. The data-free clusterings, random,
+# first-n, routing/output clusters and --heal were settled by earlier runs of this lab (docs/fidelity.md).
+VARIANTS = [
+    ("default", dict()),  # `build --calibration STATS`: the build's defaults
+    ("default-seq", dict(stats="sequential")),
+    ("default-recon", dict(reconstruct=True)),
+    ("default-seq-recon", dict(stats="sequential", reconstruct=True)),
+    # without pinning super experts: where the default refuses (more super experts than kept)
+    ("default-nosuper", dict(keep_super=False)),
+    ("default-seq-recon-nosuper", dict(stats="sequential", reconstruct=True, keep_super=False)),
+    ("frequency-seq-recon", dict(method="frequency", stats="sequential", reconstruct=True)),
+    ("saliency-seq-recon", dict(method="saliency", stats="sequential", reconstruct=True)),
 ]
-# Only in the super-expert family: frequency without pinning super experts (--no-keep-super).
-SUPER_VARIANTS = VARIANTS + [("frequency-no-super", dict(method="frequency", calibrated=True, keep_super=False))]
+# With build/merge.py (`build --merge`): cluster members merged into their representative.
+MERGE_VARIANTS = [("default-merge", dict(merge=True)),
+                  ("default-seq-merge-recon", dict(stats="sequential", merge=True, reconstruct=True))]
+# Only in the super-expert family: the default without pinning super experts (--no-keep-super).
+SUPER_VARIANTS = [("default-no-super", dict(keep_super=False))]
 CONTROL = "original-reseeded"  # the original again, same prompts, other samples: the noise floor
-# --quick: a smoke run of every stage in seconds (tiny model, 2 steps, one ratio; clean and the super scenarios).
+LOSS_MARGIN = 0.203  # the 12.5% target: 1.70 on the 1.497 original of the issue, as a margin over the original
+TRACKING = 0.6  # a proxy "tracks" when its 4-seed mean clean Pearson reaches this (the recommended maxKL's rule)
+REAP_VENV = ROOT / "bench" / "out" / "reap-venv"  # llm-compressor's own environment (bench/reap_baseline.py)
+# --quick: a smoke run of every stage in seconds (tiny models, 2 steps, one ratio, 2 seeds; clean and router-scale).
 QUICK_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                    intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+QUICK_DS_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
+                      kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, intermediate_size=64,
+                      moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
 QUICK_BATCH = dict(steps=2, batch=2, seq_len=32)
 QUICK_RL = dict(batch_size=2, group_size=2, max_new_tokens=4, mini_batches=1)
-QUICK_VARIANTS = ("frequency", "random")
+QUICK_VARIANTS = ("default", "default-seq-recon", "default-merge")
 log = logging.getLogger("fidelity")
+REFUSED: dict[str, str] = {}  # proxy directory -> why its build refused
 
 
 @dataclasses.dataclass
@@ -128,6 +159,8 @@ class Model:
     ratio: float  # share of the experts kept (1.0: the original)
     gate_mass: float  # share of the original's gate mass on calibration tokens the kept experts carried
     keeps_super: bool | None = None  # the planted super expert is kept (super family only)
+    kl: float | None = None  # the manifest's fidelity figure: KL(original || proxy) per token, nats
+    loss_delta: float | None = None  # the same figure's loss difference (proxy - original), nats
 
 
 # ---------------------------------------------------------------- 1. the original
@@ -171,10 +204,24 @@ def train_text() -> tuple[np.ndarray, np.ndarray]:
     return text[:-200_000], text[-200_000:]
 
 
-def train_original(path: Path) -> dict:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def balance_biases(model: torch.nn.Module) -> list:
+    """DeepSeek-V3's aux-loss-free balancing for every router with an `e_score_correction_bias`:
+    after each forward, each expert's bias moves by BIAS_UPDATE towards the mean load. Returns
+    the hook handles (none for routers without a correction bias, e.g. Qwen3-MoE)."""
+    def hook(router, _args, out):
+        if router.training:
+            with torch.no_grad():
+                load = torch.bincount(out[2].reshape(-1), minlength=router.e_score_correction_bias.numel()).float()
+                router.e_score_correction_bias += BIAS_UPDATE * torch.sign(load.mean() - load)
+    return [m.register_forward_hook(hook) for m in model.modules() if hasattr(m, "e_score_correction_bias")]
 
-    key = {"model": MODEL, "train": TRAIN, "code": training_code_version()}
+
+def train_original(path: Path, model_config: dict | None = None) -> dict:
+    """Train an original of `model_config` (default MODEL) on the training mix, cached in `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_config = MODEL if model_config is None else model_config
+    key = {"model": model_config, "train": TRAIN, "code": training_code_version()}
     stamp = path / "fidelity-train.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
         log.info("original: cached in %s", path)
@@ -182,7 +229,8 @@ def train_original(path: Path) -> dict:
     torch.manual_seed(TRAIN["seed"])
     rng = random.Random(TRAIN["seed"])
     text, held_out = train_text()
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model_config))
+    balance_biases(model)
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN["lr"], weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, TRAIN["lr"], total_steps=TRAIN["steps"], pct_start=0.05)
     started, losses = time.time(), []
@@ -220,12 +268,14 @@ def held_out_loss(path: Path, held_out: np.ndarray | None = None, n: int = 32, s
 
 
 def calibration_ids() -> torch.Tensor:
-    """The lab's calibration tokens: 32 stdlib windows and 8 task sequences of 128 bytes."""
+    """The lab's calibration tokens: 52 stdlib windows and 12 task sequences of 128 bytes, in a
+    fixed shuffled order. 64 rows: the build's fidelity figure is measured on the last 16, which
+    --reconstruct (the first 32) and --heal never fit on."""
     rng = np.random.default_rng(1)
     text = train_text()[0]
-    rows = [text[s:s + 128] for _ in range(4) for s in rng.integers(0, len(text) - 129, 8)]
-    rows += [np.frombuffer(task_lines(random.Random(i), 128), dtype=np.uint8) for i in range(8)]
-    return torch.tensor(np.stack(rows), dtype=torch.long)
+    rows = [text[s:s + 128] for s in rng.integers(0, len(text) - 129, 52)]
+    rows += [np.frombuffer(task_lines(random.Random(i), 128), dtype=np.uint8) for i in range(12)]
+    return torch.tensor(np.stack(rows)[rng.permutation(len(rows))], dtype=torch.long)
 
 
 def weights_stamp(path: Path) -> list:
@@ -285,7 +335,8 @@ def training_code_version() -> str:
     moe_proxy code runs there), so editing the rest of the lab does not retrain it (13.5 min)."""
     import transformers
 
-    sources = [inspect.getsource(f) for f in (corpus, task_lines, lm_batch, train_text, train_original, held_out_loss)]
+    sources = [inspect.getsource(f) for f in (corpus, task_lines, lm_batch, train_text, train_original,
+                                                    balance_biases, held_out_loss)]
     return hashlib.sha256("\n".join([torch.__version__, transformers.__version__, *sources]).encode()).hexdigest()
 
 
@@ -351,57 +402,53 @@ def plant_super_expert(original: Path, stats: Path, dst: Path, layer: int = 1) -
 
 # ---------------------------------------------------------------- 3. proxies
 
-def build_family(original: Path, stats: Path, out: Path, variants: list, planted: dict | None = None
-                 ) -> dict[str, Model]:
-    """Every variant at every keep ratio, built from `original`."""
+def expert_total(model_config: dict) -> int:
+    return int(model_config.get("num_experts") or model_config["n_routed_experts"])
+
+
+def sequential_stats(original: Path, out: Path, k: int, options: dict) -> Path:
+    """`calibrate --sequential` statistics made for the build of `options` with k experts."""
+    made_for = PruningOptions(experts=k, **{n: v for n, v in options.items() if n in ("method", "features",
+                                                                                         "keep_super")})
+    stats = out / f"{made_for.method}-{made_for.features}-{'super' if made_for.keep_super else 'nosuper'}-{k}"
+    code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids(), sequential=made_for))
+    return stats
+
+
+def build_family(original: Path, stats: Path, out: Path, variants: list, n_experts: int, ratios: tuple,
+                 planted: dict | None = None) -> dict[str, Model]:
+    """Every variant at every keep ratio, built from `original` with `build_proxy --calibration`."""
     cal = load_calibration(str(stats))
     share = {s.layer: s.share for s in cal.layers.values()}
     models = {"original": Model(original, 1.0, 1.0, True if planted else None)}
-    for ratio in RATIOS:
-        k = int(MODEL["num_experts"] * ratio)
+    for ratio in ratios:
+        k = int(n_experts * ratio)
         for name, options in variants:
             options = dict(options)
-            calibrated = options.pop("calibrated", False)
+            sequential = options.pop("stats", None) == "sequential"
+            try:
+                used = sequential_stats(original, out.parent / "calibration-seq", k, options) if sequential else stats
+            except InvalidExpertCount as e:
+                REFUSED[str(out / f"{name}-{ratio:g}")] = str(e)
+                log.warning("refused %s-%g: %s", name, ratio, e)
+                continue
             dst = out / f"{name}-{ratio:g}"
-            manifest = code_checked(dst, lambda: build_proxy(
-                str(original), str(dst), experts=k, overwrite=True, calibration=str(stats) if calibrated else None,
-                **options))
+            started = time.time()
+            try:
+                manifest = code_checked(dst, lambda: build_proxy(str(original), str(dst), experts=k, overwrite=True,
+                                                                 calibration=str(used), **options))
+            except InvalidExpertCount as e:  # e.g. more super experts than kept: the build refuses
+                REFUSED[str(dst)] = str(e)
+                log.warning("refused %s: %s", dst.name, e)
+                continue
             kept = {v["layer"]: v["kept"] for v in manifest["layers"].values()}
             mass = float(np.mean([float(share[layer][kept[layer]].sum()) for layer in kept]))
             keeps = planted["expert"] in kept[planted["layer"]] if planted else None
-            models[dst.name] = Model(dst, ratio, mass, keeps)
-            log.info("built %-28s gate mass kept %.2f%s", dst.name, mass,
-                     "" if keeps is None else f", super expert {'kept' if keeps else 'dropped'}")
+            fid = manifest.get("fidelity") or {}
+            models[dst.name] = Model(dst, ratio, mass, keeps, fid.get("kl"), fid.get("loss_delta"))
+            log.info("built %-28s gate mass kept %.2f, KL %s (%.0fs)%s", dst.name, mass, fid.get("kl"),
+                     time.time() - started, "" if keeps is None else f", super expert {'kept' if keeps else 'dropped'}")
     return models
-
-
-# ---------------------------------------------------------------- 4. the healing phase
-
-def healing_phase(model: Model, dst: Path) -> Model:
-    """HEAL_PHASE LM steps on the training mix (same batches for every model), saved to dst."""
-    from transformers import AutoModelForCausalLM
-
-    key = {"phase": HEAL_PHASE, "source": str(model.path), "weights": weights_stamp(model.path),
-           "code": lab_code_version()}
-    stamp = dst / "heal-phase.json"
-    if not (stamp.exists() and json.loads(stamp.read_text()) == key):
-        torch.manual_seed(HEAL_PHASE["seed"])
-        rng = random.Random(HEAL_PHASE["seed"])
-        text = train_text()[0]
-        net = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).train()
-        net.config.output_router_logits = True  # the original's training objective, aux loss included
-        opt = torch.optim.AdamW(net.parameters(), lr=HEAL_PHASE["lr"], weight_decay=0.0)
-        for _ in range(HEAL_PHASE["steps"]):
-            ids = lm_batch(rng, text, HEAL_PHASE["batch"], HEAL_PHASE["seq_len"], HEAL_PHASE["task_share"])
-            loss = net(input_ids=ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-        net.config.output_router_logits = False
-        net.save_pretrained(dst)
-        stamp.write_text(json.dumps(key))
-    return dataclasses.replace(model, path=dst)
 
 
 # ---------------------------------------------------------------- 5. runs and comparison
@@ -424,12 +471,37 @@ def cached_run(model: Path, out: Path, config: ReproConfig) -> Path:
     stamp = out / "lab-key.json"
     if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(key, default=str)):
         return out
-    started = time.time()
-    result = run_repro(str(model), out, config)
-    stamp.write_text(json.dumps(key, default=str))
+    lock = out.with_name(out.name + ".lock")  # several lab processes may share the work
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        if not pid_alive(int(lock.read_text() or 0)):  # left by a process that died
+            lock.unlink(missing_ok=True)
+        while lock.exists():
+            time.sleep(2)
+        return cached_run(model, out, config)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    try:
+        started = time.time()
+        result = run_repro(str(model), out, config)
+        stamp.write_text(json.dumps(key, default=str))
+    finally:
+        lock.unlink(missing_ok=True)
     log.info("%-48s %5.1fs failures %s", str(out.relative_to(OUT)), time.time() - started,
              {k: v["step"] for k, v in result.failures.items()} or "none")
     return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 def load_shift(rows: dict[int, dict[str, float]]) -> float | None:
@@ -474,6 +546,10 @@ def planned_devices(ratio: float) -> dict:
 
 def fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None or not np.isfinite(value) else f"{value:.{digits}f}"
+
+
+def fmt_kl(value: float | None) -> str:
+    return "n/a" if value is None or not np.isfinite(value) else f"{value:.3g}"
 
 
 def failures_text(onsets: dict[str, int]) -> str:
@@ -525,75 +601,86 @@ def alarm_cell(row: dict | None) -> str:
     return "quiet" if not row["proxy_failures"] else "false alarm: " + failures_text(row["proxy_failures"])
 
 
-def summary_tables(rows: list[dict], quality: dict[str, dict], seeds: dict[str, dict[str, list]]) -> str:
-    """The per-proxy tables of docs/fidelity.md: tracking, faults, model quality."""
+def summary_tables(family: str, rows: list[dict], quality: dict[str, dict], seeds: dict[str, list],
+                   reap: dict[float, dict]) -> str:
+    """The tables of one lab model in docs/fidelity.md: tracking and quality, then faults."""
     at = {(r["family"], r["scenario"], r["proxy"]): r for r in rows}
-    tracked = [n for n in quality["main"] if n != "original"] + [CONTROL]
-    super_only = [n for n in quality["super"] if n not in tracked and n != "original"]
-    return "\n".join(tracking_table(at, tracked, quality, seeds) + [""] + fault_table(rows, at, tracked + super_only)
-                     + [""] + quality_table(quality)) + "\n"
+    names = [n for n in quality if n != "original"] + [CONTROL]
+    return "\n".join([f"### {family}", ""] + tracking_table(at, family, names, quality, seeds, reap) + [""]
+                     + fault_table(rows, at, names, family)) + "\n"
 
 
-def tracking_table(at: dict, names: list[str], quality: dict[str, dict], seeds: dict[str, dict[str, list]]
-                   ) -> list[str]:
-    """Clean-scenario correlation, its shuffled control and the seed mean, before and after the
-    healing phase. `seeds`: family -> proxy -> median Pearson with seeds 1-3 (--seed-study)."""
-    lines = ["| proxy | held-out loss | gate mass kept | clean: median Pearson | clean: shuffled mean (p) | "
-             "clean, mean of 4 seeds | after healing phase: median Pearson | after healing: shuffled mean (p) | "
-             "after healing, mean of 4 seeds | held-out loss after healing |",
+def seed_means(rows: list[dict], family: str, seeds: dict[str, list]) -> dict[str, list]:
+    """proxy -> its clean median Pearson with every seed (seed 0 first)."""
+    return {r["proxy"]: [r["median_pearson"], *seeds.get(r["proxy"], [])]
+            for r in rows if r["family"] == family and r["scenario"] == "clean"}
+
+
+def mean_of(values: list) -> float | None:
+    finite = [v for v in values if v is not None and np.isfinite(v)]
+    return float(np.mean(finite)) if finite else None
+
+
+def tracking_table(at: dict, family: str, names: list[str], quality: dict[str, dict], seeds: dict[str, list],
+                   reap: dict[float, dict]) -> list[str]:
+    """Per proxy: held-out loss, the build's fidelity figure, and the clean scenario's correlation
+    with its shuffled control and its seed mean; REAP's held-out loss at each ratio."""
+    lines = ["| proxy | held-out loss | KL (fidelity) | loss delta (fidelity) | gate mass kept | task reward at "
+             "step 0 | clean: median Pearson | clean: shuffled mean (p) | seeds 1-3 | clean, mean of 4 seeds |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-
-    def cells(family: str, name: str) -> str:
-        r = at.get((family, "clean", name))
-        if r is None:
-            return "n/a | n/a | n/a"
-        sh = r["shuffled"] or {}
-        values = [v for v in [r["median_pearson"], *seeds.get(family, {}).get(name, [])] if v is not None]
-        mean = fmt(float(np.mean(values))) if len(values) > 1 else "n/a"
-        return f"{fmt(r['median_pearson'])} | {fmt(sh.get('mean'))} ({fmt(sh.get('p_value'), 3)}) | {mean}"
-
     for name in names:
-        q = quality["main"].get(name, quality["main"]["original"])  # the control is the original
-        qh = quality["healed"].get(name, quality["healed"]["original"])
-        lines.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt(q['gate_mass'])} | {cells('main', name)} | "
-                     f"{cells('healed', name)} | {fmt(qh['held_out_loss'], 3)} |")
+        q = quality.get(name, quality["original"])  # the control is the original
+        r = at.get((family, "clean", name))
+        sh = (r or {}).get("shuffled") or {}
+        later = seeds.get(name, [])
+        lines.append(f"| {name} | {fmt(q['held_out_loss'], 3)} | {fmt_kl(q['kl'])} | {fmt(q['loss_delta'], 3)} | "
+                     f"{fmt(q['gate_mass'])} | {fmt(q['reward_step0'], 3)} | {fmt(r and r['median_pearson'])} | "
+                     f"{fmt(sh.get('mean'))} ({fmt(sh.get('p_value'), 3)}) | {' / '.join(fmt(v) for v in later)} | "
+                     f"{fmt(mean_of([r and r['median_pearson'], *later])) if r else 'n/a'} |")
+    for where, why in REFUSED.items():
+        if Path(where).parent.parent.name == family:
+            lines.append(f"| {Path(where).name} | refused by the build: {why} |" + " |" * 8)
+    for ratio, result in reap.items():
+        lines.append(f"| REAP (llm-compressor)-{ratio:g} | {fmt(result.get('held_out_loss'), 3)} | "
+                     + " | ".join(["n/a"] * 8) + " |")
     return lines
 
 
-def fault_table(rows: list[dict], at: dict, names: list[str]) -> list[str]:
+def fault_table(rows: list[dict], at: dict, names: list[str], family: str) -> list[str]:
     """Per proxy: the original's failures reproduced or not, false alarms, load shifts, and the
-    planted super expert kept or not; first the original's own onsets."""
+    planted super expert kept or not (--super-study); first the original's own onsets."""
     lines = ["| proxy | lr-spike | faulty-op | fp16-no-scaling | router-scale | "
              "high-lr, balance losses off: divergence / collapse / load shift | same, losses on: collapse / "
              "load shift | fp16 super expert: keeps it / overflow |",
              "|---|---|---|---|---|---|---|---|"]
     reference = {(r["family"], r["scenario"]): r for r in rows}
+    planted = f"{family}-super"
 
-    def onset(family: str, scenario: str, signature: str) -> str:
-        r = reference.get((family, scenario))
+    def onset(fam: str, scenario: str, signature: str) -> str:
+        r = reference.get((fam, scenario))
         step = r["original_failures"].get(signature) if r else None
         return "n/a" if r is None else "none" if step is None else f"{signature} ({step})"
 
     def original_shift(scenario: str) -> str:
-        r = reference.get(("main", scenario))
+        r = reference.get((family, scenario))
         return fmt(r["original_load_shift"]) if r else "n/a"
 
-    router = reference.get(("main", "router-scale"))
-    lines.append(f"| original (reference) | {onset('main', 'lr-spike', 'divergence')} | "
-                 f"{onset('main', 'faulty-op', 'divergence')} | {onset('main', 'fp16-no-scaling', 'underflow')} | "
+    router = reference.get((family, "router-scale"))
+    lines.append(f"| original (reference) | {onset(family, 'lr-spike', 'divergence')} | "
+                 f"{onset(family, 'faulty-op', 'divergence')} | {onset(family, 'fp16-no-scaling', 'underflow')} | "
                  f"{failures_text(router['original_failures']) if router else 'n/a'} | "
-                 f"{onset('main', 'high-lr', 'divergence')} / {onset('main', 'high-lr', 'collapse')} / "
-                 f"{original_shift('high-lr')} | {onset('main', 'high-lr-balanced', 'collapse')} / "
-                 f"{original_shift('high-lr-balanced')} | yes / {onset('super', 'fp16-super', 'overflow')} |")
+                 f"{onset(family, 'high-lr', 'divergence')} / {onset(family, 'high-lr', 'collapse')} / "
+                 f"{original_shift('high-lr')} | {onset(family, 'high-lr-balanced', 'collapse')} / "
+                 f"{original_shift('high-lr-balanced')} | yes / {onset(planted, 'fp16-super', 'overflow')} |")
     for name in names:
-        off, on = at.get(("main", "high-lr", name)), at.get(("main", "high-lr-balanced", name))
-        sup = at.get(("super", "fp16-super", name))
+        off, on = at.get((family, "high-lr", name)), at.get((family, "high-lr-balanced", name))
+        sup = at.get((planted, "fp16-super", name))
         keeps = "n/a" if sup is None or sup["keeps_super"] is None else ("yes" if sup["keeps_super"] else "no")
         lines.append(
-            f"| {name} | {fault_cell(at.get(('main', 'lr-spike', name)), 'divergence')} | "
-            f"{fault_cell(at.get(('main', 'faulty-op', name)), 'divergence')} | "
-            f"{fault_cell(at.get(('main', 'fp16-no-scaling', name)), 'underflow')} | "
-            f"{alarm_cell(at.get(('main', 'router-scale', name)))} | "
+            f"| {name} | {fault_cell(at.get((family, 'lr-spike', name)), 'divergence')} | "
+            f"{fault_cell(at.get((family, 'faulty-op', name)), 'divergence')} | "
+            f"{fault_cell(at.get((family, 'fp16-no-scaling', name)), 'underflow')} | "
+            f"{alarm_cell(at.get((family, 'router-scale', name)))} | "
             f"{fault_cell(off, 'divergence')} / {fault_cell(off, 'collapse')} / "
             f"{fmt(off['load_shift']) if off else 'n/a'} | "
             f"{fault_cell(on, 'collapse')} / {fmt(on['load_shift']) if on else 'n/a'} | "
@@ -601,92 +688,213 @@ def fault_table(rows: list[dict], at: dict, names: list[str]) -> list[str]:
     return lines
 
 
-def quality_table(quality: dict[str, dict]) -> list[str]:
-    lines = ["| family | model | held-out loss | task reward at step 0 | gate mass kept |", "|---|---|---|---|---|"]
-    for family, by_name in quality.items():
-        for name, q in by_name.items():
-            lines.append(f"| {family} | {name} | {fmt(q['held_out_loss'], 3)} | "
-                         f"{fmt(q.get('reward_step0'), 3)} | {fmt(q['gate_mass'])} |")
-    return lines
+def kl_prediction(proxies: list[dict]) -> tuple[list[str], dict]:
+    """How well the build's fidelity figure (KL) orders proxies as RL tracking does: Spearman's
+    rank correlation between KL and the clean median Pearson over every (proxy, seed), per lab
+    model and over both, and between KL and the 4-seed means; and the recommended maxKL: the
+    largest KL below which every proxy tracks (4-seed mean >= TRACKING). `proxies`: dicts with
+    family, proxy, kl, pearsons (one per seed), mean."""
+    from scipy.stats import spearmanr
+
+    scored = [p for p in proxies if p["kl"] is not None and p["mean"] is not None]
+    lines = ["| proxies | points | Spearman rho: KL vs clean median Pearson (each seed) | p | "
+             "rho: KL vs 4-seed mean |", "|---|---|---|---|---|"]
+    result: dict = {}
+    for label in sorted({p["family"] for p in scored}) + ["all"]:
+        group = [p for p in scored if label in ("all", p["family"])]
+        points = [(p["kl"], v) for p in group for v in p["pearsons"] if v is not None and np.isfinite(v)]
+        if len(group) < 3:
+            continue
+        rho, pval = spearmanr([k for k, _ in points], [v for _, v in points])
+        rho_mean = spearmanr([p["kl"] for p in group], [p["mean"] for p in group])[0]
+        result[label] = {"rho": float(rho), "p": float(pval), "rho_means": float(rho_mean), "points": len(points)}
+        lines.append(f"| {label} | {len(points)} | {fmt(rho)} | {fmt(pval, 4)} | {fmt(rho_mean)} |")
+    max_kl, first_fail = None, None
+    for p in sorted(scored, key=lambda p: p["kl"]):
+        if p["mean"] < TRACKING:
+            first_fail = p
+            break
+        max_kl = p["kl"]
+    result["max_kl"] = max_kl
+    lines += ["", f"Recommended maxKL (largest KL with every proxy at or below it tracking, 4-seed mean >= "
+                  f"{TRACKING}): {fmt_kl(max_kl)}"
+              + (f"; the first proxy that does not track: {first_fail['family']} {first_fail['proxy']} "
+                 f"(KL {fmt_kl(first_fail['kl'])}, mean {fmt(first_fail['mean'])})" if first_fail else "")]
+    return lines, result
 
 
-def plots(runs: dict[str, dict[str, Path]], prefix: str = "") -> None:
+def plots(runs: dict[str, dict[str, Path]], ratios: tuple[float, ...], prefix: str = "") -> None:
     metrics = ["critic/rewards/mean", "actor/grad_norm", "actor/kl_loss", "actor/entropy",
                "moe/router_entropy/mean", "moe/load_max_share/mean", "numerics/max_activation"]
     for scenario, by_model in runs.items():
-        for ratio in RATIOS:
+        for ratio in ratios:
             names = ["original", CONTROL] + [n for n in by_model if n.endswith(f"-{ratio:g}")]
             loaded = [load_run(by_model[n], n) for n in names]
             plot_curves(loaded, metrics, OUT, name=f"{prefix}{scenario}-{ratio:g}.png")
 
 
-def seed_study(models: dict[str, Model], steps: int, name: str, seeds: tuple[int, ...] = (1, 2, 3)) -> str:
-    """The clean scenario again with other prompts and sampling seeds: how stable is each
-    proxy's median Pearson? (The control uses seed + 1 with the same prompts.)"""
-    scores: dict[str, list[float | None]] = {}
-    for seed in seeds:
-        runs = run_scenarios(models, {"clean": {}}, OUT / name / str(seed), steps, seed=seed)["clean"]
+def seed_scores(models: dict[str, Model], steps: int, out: Path) -> dict[str, list]:
+    """The clean scenario with the other SEEDS (prompts and sampling): each proxy's median Pearson
+    against the original with the same seed (the control: the original with seed + 1)."""
+    scores: dict[str, list] = {}
+    for seed in SEEDS[1:]:
+        runs = run_scenarios(models, {"clean": {}}, out / str(seed), steps, seed=seed)["clean"]
         loaded = [load_run(runs["original"], "original")] + [
             load_run(path, n) for n, path in runs.items() if n != "original"]
         for c in compare_runs(loaded, list(KEY_METRICS))[1:]:
             scores.setdefault(c.run, []).append(c.median_pearson)
-    lines = ["| proxy | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
-             "|---|" + "---|" * (len(seeds) + 1)]
-    for proxy, values in scores.items():
-        finite = [v for v in values if v is not None]
-        lines.append(f"| {proxy} | " + " | ".join(fmt(v) for v in values) + f" | {fmt(np.mean(finite))} |")
-    text = "\n".join(lines) + "\n"
-    (OUT / f"{name}.md").write_text(text)
-    (OUT / f"{name}.json").write_text(json.dumps(scores, indent=2))
-    return text
-
-
-def collapse_study(models: dict[str, Model], steps: int, seeds: tuple[int, ...] = (0, 1, 2, 3)) -> str:
-    """high-lr with the balance losses off and on, with seeds 0-3 (seed 0: the main run's, reused
-    from its cache): how often does each model's routing collapse, and how far does its load drift?"""
-    stats: dict[str, dict[str, list]] = {}
-    for seed in seeds:
-        for scenario in ("high-lr", "high-lr-balanced"):
-            out = OUT / "runs" if seed == 0 else OUT / "collapse" / str(seed)
-            runs = run_scenarios(models, {scenario: SCENARIOS[scenario]}, out, steps, seed=seed)[scenario]
-            for name, path in runs.items():
-                run = load_run(path, name)
-                entry = stats.setdefault(name, {})
-                entry.setdefault(f"{scenario}/collapse", []).append(run.onsets.get("collapse"))
-                entry.setdefault(f"{scenario}/load_shift", []).append(load_shift(run.rows))
-    (OUT / "collapse.json").write_text(json.dumps(stats, indent=2))
-    lines = ["| model | losses off: collapsed (seeds) | losses off: mean load shift | losses on: collapsed (seeds) | "
-             "losses on: mean load shift |", "|---|---|---|---|---|"]
-    for name, entry in stats.items():
-        cells = []
-        for scenario in ("high-lr", "high-lr-balanced"):
-            onsets = entry[f"{scenario}/collapse"]
-            shifts = [v for v in entry[f"{scenario}/load_shift"] if v is not None]
-            cells += [f"{sum(o is not None for o in onsets)}/{len(onsets)}", fmt(float(np.mean(shifts)))]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    (OUT / "collapse.md").write_text(text)
-    return text
+    return scores
 
 
 def quality_of(models: dict[str, Model], clean_runs: dict[str, Path]) -> dict[str, dict]:
-    return {name: {"held_out_loss": held_out_loss(m.path), "gate_mass": m.gate_mass,
-                   "reward_step0": load_run(clean_runs[name]).rows[0]["critic/rewards/mean"]}
+    return {name: {"held_out_loss": held_out_loss(m.path), "gate_mass": m.gate_mass, "kl": m.kl,
+                   "loss_delta": m.loss_delta, "reward_step0": load_run(clean_runs[name]).rows[0]["critic/rewards/mean"]}
             for name, m in models.items()}
+
+
+# ---------------------------------------------------------------- 7. REAP (llm-compressor), in its own venv
+
+def reap_baseline(original: Path, out: Path, k: int) -> dict:
+    """REAP (llm-compressor's REAPPruningModifier, sequential pipeline) on `original` with the
+    lab's calibration tokens down to k experts, run by bench/reap_baseline.py in REAP_VENV (its
+    own environment), then its held-out loss, scored here in a fresh process. {"skipped": why}
+    where that venv is absent or REAP fails."""
+    import subprocess
+
+    python = REAP_VENV / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"no {REAP_VENV.relative_to(ROOT)}: REAP column skipped (see bench/reap_baseline.py "
+                           "for how to make it)"}
+    script = Path(__file__).with_name("reap_baseline.py")
+    ids = calibration_ids()
+    key = {"source": weights_stamp(original), "experts": k, "script": hashlib.sha256(script.read_bytes()).hexdigest(),
+           "tokens": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
+    stamp = out.with_name(out.name + ".json")
+    if stamp.exists() and json.loads(stamp.read_text())["key"] == key:
+        return json.loads(stamp.read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    np.save(out / "calibration-ids.npy", ids.numpy())
+    started = time.time()
+    done = subprocess.run([str(python), str(script), str(original), str(out), "--experts", str(k),
+                           "--tokens", str(out / "calibration-ids.npy")], capture_output=True, text=True)
+    if done.returncode:
+        log.warning("REAP failed on %s (k=%d): %s", original, k, done.stderr[-2000:])
+        return {"skipped": f"REAP failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"}
+    from transformers import AutoModelForCausalLM
+
+    _, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    if loading["missing_keys"] or loading["mismatched_keys"]:  # would be random weights, not REAP's
+        return {"skipped": f"REAP's checkpoint does not load completely: {loading}"}
+    result = {"key": key, "held_out_loss": held_out_loss(out), "seconds": round(time.time() - started, 1)}
+    stamp.write_text(json.dumps(result, indent=2))
+    log.info("REAP %s k=%d: held-out loss %.3f (%.0fs)", original.parent.name, k, result["held_out_loss"],
+             result["seconds"])
+    return result
+
+
+# ---------------------------------------------------------------- 8. the lab
+
+def lab_model(family: str, config: dict, variants: list, scenarios: dict, steps: int, ratios: tuple,
+              super_study: bool) -> dict:
+    """Train (or reuse) one original, build its proxies, run and compare them; REAP beside them."""
+    root = OUT / family
+    original = root / "original"
+    info = train_original(original, config)
+    log.info("%s original: held-out loss %.3f, trained in %ss", family, info["held_out_loss"], info["train_seconds"])
+    stats = root / "calibration"
+    code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids()))
+    n = expert_total(config)
+    models = build_family(original, stats, root / "proxies", variants, n, ratios)
+    reap = {ratio: reap_baseline(original, root / "reap" / f"reap-{ratio:g}", int(n * ratio)) for ratio in ratios}
+    for ratio, r in reap.items():
+        if "skipped" in r:
+            log.warning("%s REAP at %g: %s", family, ratio, r["skipped"])
+    runs = run_scenarios(models, scenarios, root / "runs", steps)
+    rows = compare_scenarios(runs, models, family)
+    seeds = seed_scores(models, steps, root / "seeds")
+    quality = quality_of(models, runs["clean"])
+    plots(runs, ratios, prefix=f"{family}-")
+    if super_study:
+        planted = root / "original-super"
+        super_info = plant_super_expert(original, stats, planted)
+        super_stats = root / "calibration-super"
+        code_checked(super_stats, lambda: calibrate(str(planted), str(super_stats), token_ids=calibration_ids()))
+        supers = build_family(planted, super_stats, root / "proxies-super", variants + SUPER_VARIANTS, n, ratios,
+                              super_info)
+        super_runs = run_scenarios(supers, SUPER_SCENARIOS, root / "runs-super", steps)
+        rows += compare_scenarios(super_runs, supers, f"{family}-super")
+        plots(super_runs, ratios, prefix=f"{family}-")
+    return {"train": {k: v for k, v in info.items() if k != "key"}, "rows": rows, "seeds": seeds,
+            "quality": quality, "reap": reap, "models": models}
+
+
+def targets(results: dict, prediction: dict) -> list[str]:
+    """The issue's targets, per lab model, for the default build (`build --calibration`)."""
+    lines = ["| lab model | target | figure | met |", "|---|---|---|---|"]
+    for family, res in results.items():
+        q, seeds = res["quality"], seed_means(res["rows"], family, res["seeds"])
+        at = {(r["scenario"], r["proxy"]): r for r in res["rows"] if r["family"] == family}
+        low, high = min(RATIOS_OF[family]), max(RATIOS_OF[family])
+        deep, half = f"default-{low:g}", f"default-{high:g}"
+        reap = res["reap"].get(low, {}).get("held_out_loss")
+        loss = q.get(deep, {}).get("held_out_loss")
+        mean_deep, mean_half = mean_of(seeds.get(deep, [])), mean_of(seeds.get(half, []))
+        router = at.get(("router-scale", deep))
+        limit = q["original"]["held_out_loss"] + LOSS_MARGIN
+        rows = [(f"{low:g}: held-out loss <= {limit:.3f} (the original's + {LOSS_MARGIN})", fmt(loss, 3),
+                 None if loss is None else loss <= limit),
+                (f"{low:g}: held-out loss below REAP's", f"{fmt(loss, 3)} vs {fmt(reap, 3)}",
+                 None if reap is None or loss is None else loss < reap),
+                (f"{low:g}: 4-seed mean clean Pearson >= {TRACKING}", fmt(mean_deep),
+                 None if mean_deep is None else mean_deep >= TRACKING),
+                (f"{low:g}: no false alarm under router-scale", alarm_cell(router),
+                 None if router is None else not (router["proxy_failures"] and not router["original_failures"])),
+                (f"{high:g}: 4-seed mean clean Pearson >= 0.95", fmt(mean_half),
+                 None if mean_half is None else mean_half >= 0.95)]
+        lines += [f"| {family} | {t} | {v} | {'n/a' if ok is None else 'yes' if ok else 'no'} |" for t, v, ok in rows]
+    rho = prediction.get("all", {}).get("rho")
+    lines.append(f"| all | Spearman(KL, Pearson) <= -0.7 | {fmt(rho)} | {'n/a' if rho is None else 'yes' if rho <= -0.7 else 'no'} |")
+    return lines
+
+
+def winners(results: dict) -> list[str]:
+    """Per lab model and ratio: the variant with the lowest held-out loss, lowest KL and highest
+    4-seed mean clean Pearson."""
+    lines = ["| lab model | keep ratio | lowest held-out loss | lowest KL | highest mean of 4 seeds |",
+             "|---|---|---|---|---|"]
+    for family, res in results.items():
+        seeds = seed_means(res["rows"], family, res["seeds"])
+        for ratio in RATIOS_OF[family]:
+            names = [n for n, m in res["models"].items() if n != "original" and m.ratio == ratio]
+
+            def best(score, show=lambda v: fmt(v, 3)):
+                scored = [(score(n), n) for n in names if score(n) is not None]
+                return f"{min(scored)[1]} ({show(min(scored)[0])})" if scored else "n/a"
+
+            top = [(mean_of(seeds.get(n, [])), n) for n in names if mean_of(seeds.get(n, [])) is not None]
+            lines.append(f"| {family} | {ratio:g} | {best(lambda n: res['quality'][n]['held_out_loss'])} | "
+                         f"{best(lambda n: res['quality'][n]['kl'], fmt_kl)} | "
+                         f"{(max(top)[1] + f' ({fmt(max(top)[0])})') if top else 'n/a'} |")
+    return lines
 
 
 def main() -> int:
     global OUT, RATIOS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="a smoke run of the whole pipeline in seconds: a tiny "
-                        "original trained 2 steps, 2 variants at 50%%, the clean and super-expert scenarios, "
-                        "2 RL steps, one seed")
-    parser.add_argument("--seed-study", action="store_true",
-                        help="only the clean scenario with 3 more seeds, before and after the healing phase "
-                        "(seeds.md, seeds-healed.md): how stable the scores are")
-    parser.add_argument("--collapse-study", action="store_true",
-                        help="only high-lr with the balance losses off and on, seeds 0-3 (collapse.md)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of the whole pipeline in seconds: tiny "
+                        "originals trained 2 steps, 3 variants at 50%%, the clean (2 seeds) and router-scale "
+                        "scenarios, 2 RL steps")
+    parser.add_argument("--models", nargs="+", choices=list(ORIGINALS), default=list(ORIGINALS))
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS),
+                        help="the scenarios to run (clean always runs)")
+    parser.add_argument("--ratios", nargs="+", type=float, help="keep ratios, for every model (default: "
+                        f"{RATIOS_OF})")
+    parser.add_argument("--variants", nargs="+", help="only these variants (default: all of VARIANTS, and "
+                        "MERGE_VARIANTS where build_proxy can merge)")
+    parser.add_argument("--super-study", action="store_true",
+                        help="also the planted super expert family in fp16 and fp32 (qwen3)")
     parser.add_argument("--out", type=Path, help="where to write (default: bench/out/fidelity, with --quick "
                         "bench/out/fidelity-quick)")
     args = parser.parse_args()
@@ -696,69 +904,64 @@ def main() -> int:
     torch.set_num_threads(1)
     for noisy in ("moe_proxy", "transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    variants, super_variants = VARIANTS, SUPER_VARIANTS
+    variants = VARIANTS
+    if (PACKAGE / "moe_proxy" / "build" / "merge.py").exists() and "merge" in inspect.signature(build_proxy).parameters:
+        variants = VARIANTS + MERGE_VARIANTS
+    else:
+        log.warning("build_proxy has no merge option (build/merge.py): merged variants skipped")
+    if args.variants:
+        unknown = set(args.variants) - {name for name, _ in variants}
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; known: {[name for name, _ in variants]}")
+        variants = [v for v in variants if v[0] in args.variants]
+    scenarios = {name: SCENARIOS[name] for name in SCENARIOS if name == "clean" or name in args.scenarios}
     if args.quick:
         MODEL.update(QUICK_MODEL)
+        DS_MODEL.update(QUICK_DS_MODEL)
         TRAIN.update(QUICK_BATCH)
-        HEAL_PHASE.update(QUICK_BATCH, steps=1)
         RL.update(QUICK_RL)
         args.steps = 2
         RATIOS = (0.5,)  # 4 of 8 experts (top-2)
+        RATIOS_OF.update({name: RATIOS for name in RATIOS_OF})
+        SEEDS[:] = SEEDS[:2]
         OUT = OUT.with_name("fidelity-quick")
-        for name in list(SCENARIOS)[1:]:
-            del SCENARIOS[name]
-        for settings in SUPER_SCENARIOS.values():  # both: the fp16 one overflows, the fp32 one scores quality
+        scenarios = {name: SCENARIOS[name] for name in ("clean", "router-scale")}
+        for settings in SUPER_SCENARIOS.values():
             settings["steps"] = args.steps
-        variants = [v for v in VARIANTS if v[0] in QUICK_VARIANTS]
-        super_variants = [v for v in SUPER_VARIANTS if v[0] in QUICK_VARIANTS + ("frequency-no-super",)]
+        variants = [v for v in variants if v[0] in QUICK_VARIANTS]
+    if args.ratios:
+        RATIOS_OF.update({name: tuple(args.ratios) for name in RATIOS_OF})
     OUT = args.out or OUT
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    original = OUT / "original"
-    info = train_original(original)
-    log.info("original: held-out loss %.3f, trained in %ss", info["held_out_loss"], info["train_seconds"])
-    stats = OUT / "calibration"
-    code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids()))
-    main_models = build_family(original, stats, OUT / "proxies", variants)
-    healed_models = {name: healing_phase(m, OUT / "healed" / name) for name, m in main_models.items()}
-    if args.seed_study:
-        print(seed_study(main_models, args.steps, "seeds"))
-        print(seed_study(healed_models, args.steps, "seeds-healed"))
-        return 0
-    if args.collapse_study:
-        print(collapse_study(main_models, args.steps))
-        return 0
-
-    planted = OUT / "original-super"
-    super_info = plant_super_expert(original, stats, planted)
-    log.info("planted super expert: %s", {k: v for k, v in super_info.items() if k != "key"})
-    super_stats = OUT / "calibration-super"
-    code_checked(super_stats, lambda: calibrate(str(planted), str(super_stats), token_ids=calibration_ids()))
-    super_models = build_family(planted, super_stats, OUT / "proxies-super", super_variants, super_info)
-
-    runs = {"main": run_scenarios(main_models, SCENARIOS, OUT / "runs", args.steps),
-            "healed": run_scenarios(healed_models, HEALED_SCENARIOS, OUT / "runs-healed", args.steps),
-            "super": run_scenarios(super_models, SUPER_SCENARIOS, OUT / "runs-super", args.steps)}
-    families = {"main": main_models, "healed": healed_models, "super": super_models}
-    rows = [row for family, by_scenario in runs.items()
-            for row in compare_scenarios(by_scenario, families[family], family)]
-    quality = {"main": quality_of(main_models, runs["main"]["clean"]),
-               "healed": quality_of(healed_models, runs["healed"]["clean"]),
-               "super": quality_of(super_models, runs["super"]["fp32-super"])}
-    plots(runs["main"])
-    plots(runs["healed"], prefix="healed-")
-    plots(runs["super"])
-    seeds = {family: json.loads((OUT / f"{name}.json").read_text())
-             for family, name in (("main", "seeds"), ("healed", "seeds-healed")) if (OUT / f"{name}.json").exists()}
-    summary = summary_tables(rows, quality, seeds)
+    results = {family: lab_model(family, ORIGINALS[family], variants, scenarios, args.steps, RATIOS_OF[family],
+                                 args.super_study and family == "qwen3")
+               for family in args.models}
+    proxies = []
+    for family, res in results.items():
+        for name, values in seed_means(res["rows"], family, res["seeds"]).items():
+            if name in res["quality"]:
+                proxies.append({"family": family, "proxy": name, "kl": res["quality"][name]["kl"],
+                                "pearsons": values, "mean": mean_of(values)})
+    prediction_lines, prediction = kl_prediction(proxies)
+    rows = [r for res in results.values() for r in res["rows"]]
+    summary = "\n".join([summary_tables(family, res["rows"], res["quality"], res["seeds"], res["reap"])
+                         for family, res in results.items()]
+                        + ["### Does the fidelity figure predict RL tracking?", ""] + prediction_lines
+                        + ["", "### Winners", ""] + winners(results) + ["", "### Targets", ""]
+                        + targets(results, prediction)) + "\n"
     (OUT / "summary.md").write_text(summary)
     (OUT / "table.md").write_text(full_table(rows))
     (OUT / "results.json").write_text(json.dumps(
-        {"model": MODEL, "train": TRAIN | {k: v for k, v in info.items() if k != "key"}, "heal_phase": HEAL_PHASE,
-         "rl": RL, "fault_step": FAULT_STEP, "permutations": PERMUTATIONS, "planted": super_info,
+        {"models": {f: ORIGINALS[f] for f in results}, "train": TRAIN, "rl": RL, "fault_step": FAULT_STEP,
+         "permutations": PERMUTATIONS, "seeds": list(SEEDS),
+         "trained": {f: res["train"] for f, res in results.items()},
          "scenarios": {k: {kk: (dataclasses.asdict(vv) if dataclasses.is_dataclass(vv) else vv)
-                           for kk, vv in v.items()} for k, v in {**SCENARIOS, **SUPER_SCENARIOS}.items()},
-         "quality": quality, "rows": rows, "wall_s": round(time.time() - started, 1)}, indent=2, default=str))
+                           for kk, vv in v.items()} for k, v in {**scenarios, **SUPER_SCENARIOS}.items()},
+         "quality": {f: res["quality"] for f, res in results.items()},
+         "seed_scores": {f: res["seeds"] for f, res in results.items()},
+         "reap": {f: {str(k): v for k, v in res["reap"].items()} for f, res in results.items()},
+         "prediction": prediction, "code_version": lab_code_version(), "rows": rows, "wall_s": round(time.time() - started, 1)}, indent=2, default=str))
     print(summary)
     log.info("done in %.0fs; results in %s", time.time() - started, OUT)
     return 0
