@@ -70,7 +70,8 @@ def add_parser(sub) -> None:
                             "their hidden units aligned to it first (with --reconstruct: merged, then fitted)")
     auto = p.add_argument_group("--experts auto (fidelity-driven count; measured on the calibration tokens)")
     auto.add_argument("--max-kl", type=float, metavar="X",
-                      help="largest KL(original || proxy) per token accepted (nats, held-out calibration tokens)")
+                      help="largest KL(original || proxy) per token accepted (nats, held-out calibration tokens; "
+                           "0.02 is the fidelity lab's recommendation, docs/fidelity.md)")
     auto.add_argument("--max-experts", type=int, metavar="N", help="largest count to try")
     add_device_args(auto, "the proxy's device budget: only counts whose proxy fits are tried (the planner's "
                           "memory model, as in moe-proxy plan)")
