@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -16,6 +15,8 @@ import pytest
 
 from proxymodel_operator.resources import PROXYMODELS
 from proxymodel_operator.runtimes import WORKLOADS
+
+from moe_proxy.demo.seaweed import free_ports
 
 from ..apiserver import stamp_created
 from ..promised import require
@@ -72,12 +73,6 @@ def namespaces_listable(monkeypatch):
     monkeypatch.setattr(parsing, "parse_path", parse_path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -90,7 +85,7 @@ async def wait_for(predicate, timeout: float, what: str):
 
 @pytest.mark.parametrize("mode", ["namespaced", "cluster-wide", "checkpoint-watch"])
 async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, namespaces_listable):
-    port = free_port()
+    port = free_ports(1)[0]
     values = {"operator": {"livenessPort": port, "preflight": False, "logFormat": "plain"},
               "jobs": {"transformerImage": "registry.local/moe-proxy:test"}}
     if mode == "namespaced":

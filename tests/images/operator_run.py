@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pkgutil
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import kmock
 import aiohttp
+
+from moe_proxy.demo.seaweed import free_ports
 
 from ..apiserver import stamp_created
 from .conftest import ROOT, container_args, crd_resources, podman, secret
@@ -49,12 +50,6 @@ def operator_workloads() -> set[tuple[str, str, str, str]]:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class OperatorRun:
     image: str
@@ -71,7 +66,7 @@ async def run_operator(images, seaweed, s3_source, tmp_path) -> OperatorRun:
 
     from tests.chart.conftest import kubeconfig_for, render_objects
 
-    port = free_port()
+    port = free_ports(1)[0]
     with helm.Chart.load(str(ROOT / "charts" / "moe-proxy")) as chart:
         # The chart's defaults (preflight on, JSON logs, cluster-wide, default images), on a
         # free liveness port: the container shares the host's network.

@@ -19,7 +19,6 @@ import base64
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxymodel_operator.resources import PODS, SECRETS, Resource
+from moe_proxy.demo.seaweed import free_ports
 
 CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")
 
@@ -38,12 +38,6 @@ MOE_PROXY = str(Path(sys.executable).with_name("moe-proxy"))
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' `$(VAR)`: replaced when VAR is defined, left as it is otherwise."""
     return _REF.sub(lambda m: env.get(m.group(1), m.group(0)), text)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -73,7 +67,7 @@ class Kubelet:
     def __init__(self, api, namespace: str, root: Path, hosts: list[str], master_port: int | None = None):
         self.api, self.namespace, self.root = api, namespace, root
         self.hosts = sorted(hosts, key=len, reverse=True)  # the pods' FQDNs -> 127.0.0.1
-        self.master_port = str(master_port or free_port())
+        self.master_port = str(master_port or free_ports(1)[0])
 
     def _field(self, pod: Pod, path: str) -> str:
         if path == "metadata.name":
