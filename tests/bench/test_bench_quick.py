@@ -96,3 +96,26 @@ def test_quick_deep_build_cost_bench_prints_peaks_and_layer_times(tmp_path):
         assert r["peak_rss_bytes"] > 0 and len(r["per_layer_s"]) == r["depth"], r
     assert "peak RSS" in text and "per layer (mean, max)" in text
     assert not (tmp_path / "deep_build_cost").exists()  # checkpoints and proxies deleted
+
+
+def test_smoke_local_build_bench_prints_its_tables(tmp_path):
+    # bench/build.py without --paced: build vs copy on a local SeaweedFS, bytes, peak RSS, scale-out
+    out = subprocess.run([sys.executable, str(BENCH / "build.py"), "--smoke", "--sizes", "0.01", "--workers", "1,2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "build.json").read_text())
+    (row,) = result["sizes"]
+    assert row["build_s"] > 0 and row["copy_s"] > 0 and row["build_cpu_s"] > 0 and row["peak_rss_mb"] > 0
+    assert 0.95 <= row["download_vs_target"] <= 1.1, row  # kept experts, headers and routers, once
+    assert [s["manifest_identical_to_single"] for s in result["scale_out"]] == [True, True]
+    assert "| checkpoint GB | MoE layers |" in out.stdout and "| workers | seconds | speedup |" in out.stdout
+    assert not (tmp_path / "seaweedfs").exists()  # the S3 data it made is gone
+
+
+def test_smoke_build_vs_commit_times_both_trees(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH / "build_vs_commit.py"), "--smoke", "--size", "0.01",
+                          "--commit", "HEAD", "--out", str(tmp_path)], capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith(("| HEAD", "| today"))]
+    assert sorted(r[0].strip() for r in rows) == ["HEAD", "HEAD", "today", "today"]
+    assert all(float(r[2]) > float(r[4]) > 0 for r in rows)  # the whole process outlasts its in-process part
