@@ -13,10 +13,13 @@ of every layer is printed):
 
 (`--reconstruct` with at most --steps fit steps per layer: memory, not quality, is shown; the
 build also measures its fidelity figure, both models layer by layer). Prints peak RSS (VmHWM)
-and wall time of each, the per-layer times the commands printed, and writes
-bench/out/deep_build_cost.json. Deletes the checkpoints and proxies at the end (--keep: don't).
+and wall time of each, the per-layer times the commands printed, the build's peak per phase
+(reconstruct, write, fidelity: VmHWM reset at each phase's start, see RUN) with what was resident
+at its start and end, and writes bench/out/deep_build_cost.json. Deletes the checkpoints and
+proxies at the end (--keep: don't; a later run under the same --out links a kept deeper
+checkpoint's shards instead of writing them again).
 
-    nice -n 10 .venv/bin/python bench/deep_build_cost.py [--depths 4,16] [--samples 4] [--seq-len 32] [--steps 3]
+    nice -n 19 .venv/bin/python bench/deep_build_cost.py [--depths 4,16] [--samples 4] [--seq-len 32] [--steps 3]
 
 --quick: a tiny model of the same layout at depths 1 and 2 (a smoke run; figures mean nothing).
 """
@@ -45,12 +48,41 @@ QUICK = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_
              intermediate_size=64, num_experts=16, num_experts_per_tok=2, vocab_size=256)
 KEPT = 1 / 8  # 12.5%
 
-# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
-RUN = ("import sys\nimport moe_proxy.build.reconstruct as rec\nrec.RECON_STEPS = rec.RECON_PATIENCE = {steps}\n"
-       "from moe_proxy.cli import main\nsys.argv = ['moe-proxy'] + {argv!r}\n"
-       "try:\n    code = main()\nfinally:\n"
-       "    print('PEAK', [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0],"
-       " flush=True)\nsys.exit(code)\n")
+# The child process: the CLI command, with --reconstruct's step cap and a peak per phase.
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec. Each phase
+# (the library functions wrapped below) starts by resetting VmHWM (`5` to /proc/self/clear_refs,
+# Linux >= 4.0) and ends by reading it: "PHASE name peak rss-at-start rss-at-end" (bytes), so a
+# phase's peak is its own and what a phase leaves resident shows in the next one's start.
+RUN = """import sys
+import moe_proxy.build.fidelity as fid, moe_proxy.build.pipeline as pipe, moe_proxy.build.reconstruct as rec
+rec.RECON_STEPS = rec.RECON_PATIENCE = {steps}
+from moe_proxy.cli import main
+
+def status(key):
+    return [int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(key)][0]
+
+overall = 0
+def phase(name, fn):
+    def run(*a, **k):
+        global overall
+        overall, start = max(overall, status('VmHWM')), status('VmRSS')
+        open('/proc/self/clear_refs', 'w').write('5')
+        try:
+            return fn(*a, **k)
+        finally:
+            print('PHASE', name, status('VmHWM'), start, status('VmRSS'), flush=True)
+    return run
+
+rec.reconstruct = phase('reconstruct', rec.reconstruct)
+pipe.write_share = phase('write', pipe.write_share)
+fid.measure = phase('fidelity', fid.measure)
+sys.argv = ['moe-proxy'] + {argv!r}
+try:
+    code = main()
+finally:
+    print('PEAK', max(overall, status('VmHWM')), flush=True)
+sys.exit(code)
+"""
 # reconstruct's "model.layers.3.mlp: held-out ... 12.3 s" (printed and logged: counted once),
 # calibrate's "layer   3: ... (4.5 s)"
 LAYER_TIME = re.compile(r"^(model\.layers\.\d+\.mlp): held-out.*?, ([\d.]+) s$|^(layer +\d+): .*\(([\d.]+) s\)$")
@@ -86,8 +118,10 @@ def layer_tensors(shape: dict, i: int, gen: torch.Generator) -> dict[str, torch.
 
 
 def write_checkpoints(root: Path, shape: dict, depths: list[int]) -> dict[int, Path]:
-    """One checkpoint per depth; shards are hard links to the deepest one's."""
-    deep = max(depths)
+    """One checkpoint per depth; shards are hard links to the deepest one's (or to those of a
+    deeper checkpoint an earlier run kept under `root`: the weights are seeded, so identical)."""
+    kept = [int(d.name.split("-")[1]) for d in root.glob("depth-*") if (d / "config.json").exists()]
+    deep = max([max(depths)] + kept)
     files: dict[str, list[str]] = {}
     src = root / f"depth-{deep}"
     src.mkdir(parents=True, exist_ok=True)
@@ -136,7 +170,7 @@ def run(argv: list[str], steps: int, log: Path) -> dict:
         for line in proc.stdout:
             f.write(line)
             lines.append(line.rstrip("\n"))
-            if not line.startswith("PEAK"):
+            if not line.startswith(("PEAK", "PHASE")):
                 print("    " + line.rstrip("\n")[-160:], flush=True)
         if proc.wait() != 0:
             raise SystemExit(f"{' '.join(argv[:2])} failed (exit {proc.returncode}), log in {log}")
@@ -144,7 +178,10 @@ def run(argv: list[str], steps: int, log: Path) -> dict:
     times = {m.group(1) or m.group(3): float(m.group(2) or m.group(4)) for line in lines
              for part in line.split("\r") if (m := LAYER_TIME.search(part.strip()))}
     per_layer = list(times.values())
-    return {"peak_rss_bytes": peak, "wall_s": round(time.perf_counter() - start, 1), "per_layer_s": per_layer}
+    phases = {name: {"peak_rss_bytes": int(hwm), "rss_at_start_bytes": int(at_start), "rss_at_end_bytes": int(at_end)}
+              for name, hwm, at_start, at_end in (line.split()[1:] for line in lines if line.startswith("PHASE "))}
+    return {"peak_rss_bytes": peak, "wall_s": round(time.perf_counter() - start, 1), "per_layer_s": per_layer,
+            "phases": phases}
 
 
 HEADER = f"{'depth':>5}  {'checkpoint':>10}  {'command':<24} {'peak RSS':>9}  {'wall':>7}  per layer (mean, max)"
@@ -154,7 +191,10 @@ def row_line(r: dict) -> str:
     t = r["per_layer_s"]
     per = f"{sum(t) / len(t):6.1f} s, {max(t):6.1f} s over {len(t)} layers" if t else "-"
     return (f"{r['depth']:>5}  {r['checkpoint_bytes'] / 2**30:7.2f} GiB  {r['what']:<24} "
-            f"{r['peak_rss_bytes'] / 2**30:5.2f} GiB  {r['wall_s']:6.0f} s  {per}")
+            f"{r['peak_rss_bytes'] / 2**30:5.2f} GiB  {r['wall_s']:6.0f} s  {per}"
+            + "".join(f"\n{'':>19}{name:<12} peak {ph['peak_rss_bytes'] / 2**20:7.1f} MiB (resident at start "
+                      f"{ph['rss_at_start_bytes'] / 2**20:7.1f}, at end {ph['rss_at_end_bytes'] / 2**20:7.1f} MiB)"
+                      for name, ph in r.get("phases", {}).items()))
 
 
 def main() -> None:

@@ -80,14 +80,18 @@ def fit(block: torch.nn.Module, groups: list[tuple[list[torch.nn.Parameter], flo
         opt.zero_grad()
         relative_error(block, *train).backward()
         opt.step()
-        if (now := held_out()) < best:
-            best, best_step, best_state = now, step, [p.detach().clone() for p in params]
+        if (now := held_out()) < best:  # copied into place: a second copy of the block never exists
+            best, best_step = now, step
+            with torch.no_grad():
+                for kept, p in zip(best_state, params):
+                    kept.copy_(p)
         elif patience is not None and step - best_step >= patience:
             break
     with torch.no_grad():
         for p, value in zip(params, best_state):
             p.copy_(value)
             p.requires_grad_(False)
+            p.grad = None  # as large as the parameters: not kept past the fit
     return {"before": before, "after": best, "steps": step, "best_step": best_step}
 
 

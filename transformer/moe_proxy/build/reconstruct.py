@@ -203,65 +203,10 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
             if mods is None or block is None or block.prefix not in plan.selections:
                 states.advance(layer, i)
                 continue
-            start = time.monotonic()
-            sel = plan.selections[block.prefix]
-            with block_io(mods.block) as (xs, ys):  # the original block on the proxy's hidden states
-                states.observe(layer, i)
-            x, y = torch.cat(xs).float(), torch.cat(ys).float()  # [sequences, T, H]
-            h = x.shape[-1]
-            train = (x[~held].reshape(1, -1, h), y[~held].reshape(1, -1, h))
-            val = (x[held].reshape(1, -1, h), y[held].reshape(1, -1, h))
-            proxy = proxy_block(mods.block, proxy_config, sel.kept)
-            targets = Targets(proxy, block, layout.arch, sel.kept)
-            merged = None
-            if merge and block.prefix in calibration.layers:
-                from moe_proxy.build.merge import merge_into
-
-                record, stored_m, back_m = merge_into(mods.block, proxy, sel,
-                                                      calibration.layers[block.prefix].gate_mass, targets)
-                sel.record["merge"], merged = record, (stored_m, back_m)
-                merged_blocks.append(block.prefix)
-            with torch.no_grad():
-                fit_before = float(relative_error(proxy, *train))
-            r = fit(proxy, targets.groups(), train, val, RECON_STEPS, RECON_PATIENCE)
-            stored, back = targets.store()
-            params = dict(proxy.named_parameters())
-            with torch.no_grad():
-                for name, value in back.items():
-                    params[name].copy_(value)
-                after, fit_after = float(relative_error(proxy, *val)), float(relative_error(proxy, *train))
-            use = after < r["before"]
-            run = proxy_block(mods.block, proxy_config, sel.kept, model.dtype, same_kernels=True)
-            if use:
-                run_params = dict(run.named_parameters())
-                with torch.no_grad():
-                    for name, value in back.items():
-                        run_params[name].copy_(value)
-                for name, value in stored.items():
-                    plan.tensor_overrides[name] = spill.put(value)
-                fitted_names.update(targets.fitted())
-            elif merged is not None:  # the merged experts, as stored, are this layer's plain proxy
-                run_params = dict(run.named_parameters())
-                with torch.no_grad():
-                    for name, value in merged[1].items():
-                        run_params[name].copy_(value)
-                for name, value in merged[0].items():
-                    plan.tensor_overrides[name] = spill.put(value)
-            counts["fitted" if use else "plain"] += 1
-            sel.record["reconstruct"] = {
-                "fitted": use,
-                "error_before": {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)},
-                "error_after": ({"held_out": round(after, 6), "fit": round(fit_after, 6)} if use else
-                                {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)}),
-                "steps": r["steps"], "best_step": r["best_step"],
-                **({} if use else {"why": PLAIN_KEPT.replace("plain selection", "merged experts") if merged
-                                   else PLAIN_KEPT}),
-            }
-            with swapped(layer, run):  # on to the next layer through this layer as it will be written
-                states.advance(layer, i)
-            msg = (f"{block.prefix}: held-out relative error {r['before']:.4f} -> "
-                   f"{after if use else r['before']:.4f}{'' if use else ' (plain kept)'}, {r['steps']} steps, "
-                   f"{time.monotonic() - start:.1f} s")
+            # In a function: nothing of this layer (its float32 block with gradients, the values
+            # stored and read back, the block it ran with) is alive when the next layer loads.
+            msg = _fit_layer(layer, i, mods.block, block, plan, proxy_config, layout.arch, model.dtype, states,
+                             held, spill, fitted_names, counts, calibration if merge else None, merged_blocks)
             log.info(msg)
             if progress:
                 bar.write(msg)
@@ -285,3 +230,71 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
         from moe_proxy.build.merge import describe
 
         plan.merge = describe(plan, merged_blocks)
+
+
+def _fit_layer(layer: torch.nn.Module, i: int, original: torch.nn.Module, block: MoeBlock, plan, proxy_config, arch,
+               dtype: torch.dtype, states: HiddenStates, held: torch.Tensor, spill: Spill, fitted_names: set,
+               counts: dict, calibration, merged_blocks: list) -> str:
+    """Fit MoE block `block` of loaded decoder layer `layer` (`original`: its MoE module),
+    record it in the plan, spill what is written and advance the hidden states through the
+    layer as it will be written; returns the progress line. `calibration`: merge first (--merge)."""
+    start = time.monotonic()
+    sel = plan.selections[block.prefix]
+    with block_io(original) as (xs, ys):  # the original block on the proxy's hidden states
+        states.observe(layer, i)
+    x, y = torch.cat(xs).float(), torch.cat(ys).float()  # [sequences, T, H]
+    h = x.shape[-1]
+    train = (x[~held].reshape(1, -1, h), y[~held].reshape(1, -1, h))
+    val = (x[held].reshape(1, -1, h), y[held].reshape(1, -1, h))
+    proxy = proxy_block(original, proxy_config, sel.kept)
+    targets = Targets(proxy, block, arch, sel.kept)
+    merged = None
+    if calibration is not None and block.prefix in calibration.layers:
+        from moe_proxy.build.merge import merge_into
+
+        record, stored_m, back_m = merge_into(original, proxy, sel,
+                                              calibration.layers[block.prefix].gate_mass, targets)
+        sel.record["merge"], merged = record, (stored_m, back_m)
+        merged_blocks.append(block.prefix)
+    with torch.no_grad():
+        fit_before = float(relative_error(proxy, *train))
+    r = fit(proxy, targets.groups(), train, val, RECON_STEPS, RECON_PATIENCE)
+    stored, back = targets.store()
+    params = dict(proxy.named_parameters())
+    with torch.no_grad():
+        for name, value in back.items():
+            params[name].copy_(value)
+        after, fit_after = float(relative_error(proxy, *val)), float(relative_error(proxy, *train))
+    use = after < r["before"]
+    run = proxy_block(original, proxy_config, sel.kept, dtype, same_kernels=True)
+    if use:
+        run_params = dict(run.named_parameters())
+        with torch.no_grad():
+            for name, value in back.items():
+                run_params[name].copy_(value)
+        for name, value in stored.items():
+            plan.tensor_overrides[name] = spill.put(value)
+        fitted_names.update(targets.fitted())
+    elif merged is not None:  # the merged experts, as stored, are this layer's plain proxy
+        run_params = dict(run.named_parameters())
+        with torch.no_grad():
+            for name, value in merged[1].items():
+                run_params[name].copy_(value)
+        for name, value in merged[0].items():
+            plan.tensor_overrides[name] = spill.put(value)
+    counts["fitted" if use else "plain"] += 1
+    sel.record["reconstruct"] = {
+        "fitted": use,
+        "error_before": {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)},
+        "error_after": ({"held_out": round(after, 6), "fit": round(fit_after, 6)} if use else
+                        {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)}),
+        "steps": r["steps"], "best_step": r["best_step"],
+        **({} if use else {"why": PLAIN_KEPT.replace("plain selection", "merged experts") if merged
+                           else PLAIN_KEPT}),
+    }
+    with swapped(layer, run):  # on to the next layer through this layer as it will be written
+        states.advance(layer, i)
+    msg = (f"{block.prefix}: held-out relative error {r['before']:.4f} -> "
+           f"{after if use else r['before']:.4f}{'' if use else ' (plain kept)'}, {r['steps']} steps, "
+           f"{time.monotonic() - start:.1f} s")
+    return msg
