@@ -9,7 +9,8 @@ build makes the proxy that does?
 2. `calibrate` each (moe_proxy.calibrate.statistics, the code behind `moe-proxy calibrate`) on
    the lab's calibration tokens, one pass and, per build, `--sequential`; build proxies with
    `build_proxy --calibration` (the code behind `moe-proxy build`) at 50%, 25% and 12.5% of the
-   experts: the default build, with sequential statistics, with `--reconstruct`, both, other
+   experts, every option explicit: `plain` (one-pass statistics, no reconstruction), `seq`
+   (sequential statistics), `recon` (`--reconstruct`), `seq-recon` (both: the default), other
    selection rules, and merged (`--merge`) where the build can. Every build records its
    fidelity figure (KL(original || proxy) on held-out calibration tokens) in its manifest.
 3. REAP itself (llm-compressor's REAPPruningModifier, bench/reap_baseline.py in its own venv
@@ -56,7 +57,8 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "transformer"))
+# After PYTHONPATH: a frozen copy of the library named there (a long run while the tree changes) wins.
+sys.path.append(str(ROOT / "transformer"))
 
 from moe_proxy.build.expert_plan import PruningOptions  # noqa: E402
 from moe_proxy.build.pipeline import build_proxy  # noqa: E402
@@ -70,7 +72,7 @@ from moe_proxy.repro.config import Faults, ReproConfig  # noqa: E402
 from moe_proxy.repro.runner import run_repro  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "fidelity"
-PACKAGE = ROOT / "transformer"  # where moe_proxy's sources are
+PACKAGE = Path(sys.modules["moe_proxy"].__file__).resolve().parent.parent  # where the moe_proxy in use lives
 MODEL = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=64, num_experts_per_tok=4,
              norm_topk_prob=True, router_aux_loss_coef=0.01, output_router_logits=True, tie_word_embeddings=False,
@@ -115,27 +117,31 @@ SUPER_SCENARIOS = {  # on the planted original and its proxies (--super-study)
     "fp32-super": dict(steps=8),  # the same model in fp32: no overflow, but the activation shows
 }
 ORIGINALS = {"qwen3": MODEL, "deepseek-v3": DS_MODEL}  # the lab's two trained originals
-RATIOS_OF = {"qwen3": RATIOS, "deepseek-v3": (0.5, 0.125)}  # the keep ratios built from each
-# (name, build_proxy options), every one with the lab's calibration statistics (`--calibration`):
-# "stats": "sequential" builds from `calibrate --sequential` statistics made for that build (same
-# count and selection), else from the one-pass statistics. The data-free clusterings, random,
-# first-n, routing/output clusters and --heal were settled by earlier runs of this lab (docs/fidelity.md).
+RATIOS_OF = {"qwen3": RATIOS, "deepseek-v3": RATIOS}  # the keep ratios built from each
+# (name, build_proxy options), every one with the lab's calibration statistics (`--calibration`)
+# and every choice explicit, whatever the build's and calibrate's defaults are: "stats":
+# "sequential" builds from `calibrate --sequential` statistics made for that build (same count and
+# selection), "one-pass" from the one-pass statistics; reconstruct on or off. The data-free
+# clusterings, random, first-n, routing/output clusters and --heal were settled by earlier runs of
+# this lab (docs/fidelity.md). On the command line `NAME@RATIO` builds a variant at that ratio only.
+ONE_PASS, SEQ = dict(stats="one-pass"), dict(stats="sequential")
 VARIANTS = [
-    ("default", dict()),  # `build --calibration STATS`: the build's defaults
-    ("default-seq", dict(stats="sequential")),
-    ("default-recon", dict(reconstruct=True)),
-    ("default-seq-recon", dict(stats="sequential", reconstruct=True)),
-    # without pinning super experts: where the default refuses (more super experts than kept)
-    ("default-nosuper", dict(keep_super=False)),
-    ("default-seq-recon-nosuper", dict(stats="sequential", reconstruct=True, keep_super=False)),
-    ("frequency-seq-recon", dict(method="frequency", stats="sequential", reconstruct=True)),
-    ("saliency-seq-recon", dict(method="saliency", stats="sequential", reconstruct=True)),
+    ("plain", ONE_PASS | dict(reconstruct=False)),
+    ("seq", SEQ | dict(reconstruct=False)),
+    ("recon", ONE_PASS | dict(reconstruct=True)),
+    ("seq-recon", SEQ | dict(reconstruct=True)),  # the default of `calibrate --experts N` + `build --calibration`
+    # without pinning super experts (--no-keep-super)
+    ("plain-nosuper", ONE_PASS | dict(reconstruct=False, keep_super=False)),
+    ("seq-recon-nosuper", SEQ | dict(reconstruct=True, keep_super=False)),
+    ("frequency-seq-recon", SEQ | dict(method="frequency", reconstruct=True)),
+    ("saliency-seq-recon", SEQ | dict(method="saliency", reconstruct=True)),
 ]
+DEFAULT = "seq-recon"  # the variant the targets are checked on: the build's default with --calibration
 # With build/merge.py (`build --merge`): cluster members merged into their representative.
-MERGE_VARIANTS = [("default-merge", dict(merge=True)),
-                  ("default-seq-merge-recon", dict(stats="sequential", merge=True, reconstruct=True))]
-# Only in the super-expert family: the default without pinning super experts (--no-keep-super).
-SUPER_VARIANTS = [("default-no-super", dict(keep_super=False))]
+MERGE_VARIANTS = [("merge", ONE_PASS | dict(reconstruct=False, merge=True)),
+                  ("seq-merge-recon", SEQ | dict(merge=True, reconstruct=True))]
+# Also built in the super-expert family: `plain` without pinning super experts.
+SUPER_VARIANTS = [v for v in VARIANTS if v[0] == "plain-nosuper"]
 CONTROL = "original-reseeded"  # the original again, same prompts, other samples: the noise floor
 LOSS_MARGIN = 0.203  # the 12.5% target: 1.70 on the 1.497 original of the issue, as a margin over the original
 TRACKING = 0.6  # a proxy "tracks" when its 4-seed mean clean Pearson reaches this (the recommended maxKL's rule)
@@ -148,7 +154,7 @@ QUICK_DS_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2
                       moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
 QUICK_BATCH = dict(steps=2, batch=2, seq_len=32)
 QUICK_RL = dict(batch_size=2, group_size=2, max_new_tokens=4, mini_batches=1)
-QUICK_VARIANTS = ("default", "default-seq-recon", "default-merge")
+QUICK_VARIANTS = ("plain", "seq-recon", "merge")
 log = logging.getLogger("fidelity")
 REFUSED: dict[str, str] = {}  # proxy directory -> why its build refused
 
@@ -425,7 +431,9 @@ def build_family(original: Path, stats: Path, out: Path, variants: list, n_exper
         k = int(n_experts * ratio)
         for name, options in variants:
             options = dict(options)
-            sequential = options.pop("stats", None) == "sequential"
+            if ratio not in options.pop("ratios", (ratio,)):  # NAME@RATIO on the command line
+                continue
+            sequential = options.pop("stats") == "sequential"
             try:
                 used = sequential_stats(original, out.parent / "calibration-seq", k, options) if sequential else stats
             except InvalidExpertCount as e:
@@ -803,7 +811,7 @@ def lab_model(family: str, config: dict, variants: list, scenarios: dict, steps:
     info = train_original(original, config)
     log.info("%s original: held-out loss %.3f, trained in %ss", family, info["held_out_loss"], info["train_seconds"])
     stats = root / "calibration"
-    code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids()))
+    code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids(), sequential=None))
     n = expert_total(config)
     models = build_family(original, stats, root / "proxies", variants, n, ratios)
     reap = {ratio: reap_baseline(original, root / "reap" / f"reap-{ratio:g}", int(n * ratio)) for ratio in ratios}
@@ -820,7 +828,8 @@ def lab_model(family: str, config: dict, variants: list, scenarios: dict, steps:
         super_info = plant_super_expert(original, stats, planted)
         super_stats = root / "calibration-super"
         code_checked(super_stats, lambda: calibrate(str(planted), str(super_stats), token_ids=calibration_ids()))
-        supers = build_family(planted, super_stats, root / "proxies-super", variants + SUPER_VARIANTS, n, ratios,
+        supers = build_family(planted, super_stats, root / "proxies-super",
+                              variants + [v for v in SUPER_VARIANTS if v not in variants], n, ratios,
                               super_info)
         super_runs = run_scenarios(supers, SUPER_SCENARIOS, root / "runs-super", steps)
         rows += compare_scenarios(super_runs, supers, f"{family}-super")
@@ -830,13 +839,13 @@ def lab_model(family: str, config: dict, variants: list, scenarios: dict, steps:
 
 
 def targets(results: dict, prediction: dict) -> list[str]:
-    """The issue's targets, per lab model, for the default build (`build --calibration`)."""
+    """The issue's targets, per lab model, for the default build (DEFAULT)."""
     lines = ["| lab model | target | figure | met |", "|---|---|---|---|"]
     for family, res in results.items():
         q, seeds = res["quality"], seed_means(res["rows"], family, res["seeds"])
         at = {(r["scenario"], r["proxy"]): r for r in res["rows"] if r["family"] == family}
         low, high = min(RATIOS_OF[family]), max(RATIOS_OF[family])
-        deep, half = f"default-{low:g}", f"default-{high:g}"
+        deep, half = f"{DEFAULT}-{low:g}", f"{DEFAULT}-{high:g}"
         reap = res["reap"].get(low, {}).get("held_out_loss")
         loss = q.get(deep, {}).get("held_out_loss")
         mean_deep, mean_half = mean_of(seeds.get(deep, [])), mean_of(seeds.get(half, []))
@@ -891,8 +900,9 @@ def main() -> int:
                         help="the scenarios to run (clean always runs)")
     parser.add_argument("--ratios", nargs="+", type=float, help="keep ratios, for every model (default: "
                         f"{RATIOS_OF})")
-    parser.add_argument("--variants", nargs="+", help="only these variants (default: all of VARIANTS, and "
-                        "MERGE_VARIANTS where build_proxy can merge)")
+    parser.add_argument("--variants", nargs="+", help="only these variants, NAME or NAME@RATIO (at that keep "
+                        "ratio only; repeat for several) (default: all of VARIANTS, and MERGE_VARIANTS where "
+                        "build_proxy can merge)")
     parser.add_argument("--super-study", action="store_true",
                         help="also the planted super expert family in fp16 and fp32 (qwen3)")
     parser.add_argument("--out", type=Path, help="where to write (default: bench/out/fidelity, with --quick "
@@ -910,10 +920,16 @@ def main() -> int:
     else:
         log.warning("build_proxy has no merge option (build/merge.py): merged variants skipped")
     if args.variants:
-        unknown = set(args.variants) - {name for name, _ in variants}
+        only: dict[str, list[float]] = {}  # name -> its ratios ([] for every ratio)
+        for spec in args.variants:
+            name, _, ratio = spec.partition("@")
+            only.setdefault(name, [])
+            if ratio:
+                only[name].append(float(ratio))
+        unknown = set(only) - {name for name, _ in variants}
         if unknown:
             parser.error(f"unknown variants {sorted(unknown)}; known: {[name for name, _ in variants]}")
-        variants = [v for v in variants if v[0] in args.variants]
+        variants = [(n, o | ({"ratios": tuple(only[n])} if only[n] else {})) for n, o in variants if n in only]
     scenarios = {name: SCENARIOS[name] for name in SCENARIOS if name == "clean" or name in args.scenarios}
     if args.quick:
         MODEL.update(QUICK_MODEL)

@@ -58,7 +58,7 @@ def test_quick_fidelity_lab_prints_its_tables_and_figures(tmp_path):
     for heading in ("### qwen3", "### deepseek-v3", "| proxy | held-out loss | KL (fidelity) | loss delta (fidelity)",
                     "| original (reference) |", "### Does the fidelity figure predict RL tracking?",
                     "Recommended maxKL", "| lab model | keep ratio | lowest held-out loss |",
-                    "| lab model | target | figure | met |", "| default-seq-recon-0.5 | "):
+                    "| lab model | target | figure | met |", "| seq-recon-0.5 | "):
         assert heading in text, heading
     result = json.loads((tmp_path / "results.json").read_text())
     families = ("qwen3", "deepseek-v3")
@@ -67,7 +67,7 @@ def test_quick_fidelity_lab_prints_its_tables_and_figures(tmp_path):
     for family in families:
         quality = result["quality"][family]
         # every proxy is a calibrated build: the manifest's fidelity figure is in the table
-        assert {n for n in quality if n != "original"} >= {"default-0.5", "default-seq-recon-0.5"}
+        assert {n for n in quality if n != "original"} >= {"plain-0.5", "seq-recon-0.5"}
         assert all(q["kl"] is not None and q["kl"] >= 0 for n, q in quality.items() if n != "original")
         assert all(len(scores) == 1 for scores in result["seed_scores"][family].values())  # seed 1 of 2
         reap = result["reap"][family]["0.5"]
@@ -94,6 +94,9 @@ def test_quick_deep_build_cost_bench_prints_peaks_and_layer_times(tmp_path):
                                                        for w in ("calibrate --sequential", "build --reconstruct")]
     for r in rows:  # every layer's time, as the command printed it with its progress
         assert r["peak_rss_bytes"] > 0 and len(r["per_layer_s"]) == r["depth"], r
+    for r in rows[1::2]:  # the build's peak per phase, each within the process's peak
+        assert list(r["phases"]) == ["reconstruct", "write", "fidelity"], r
+        assert all(0 < ph["peak_rss_bytes"] <= r["peak_rss_bytes"] for ph in r["phases"].values()), r
     assert "peak RSS" in text and "per layer (mean, max)" in text
     assert not (tmp_path / "deep_build_cost").exists()  # checkpoints and proxies deleted
 

@@ -1,4 +1,5 @@
-"""Proxy-aware (sequential) calibration: `moe-proxy calibrate --sequential --experts N --method M`.
+"""Proxy-aware (sequential) calibration: `moe-proxy calibrate --experts N [--method M]` (the
+default as soon as the proxy's count is given; `--sequential` is implied).
 
 A one-pass calibration scores every MoE layer on the original's hidden states, but the proxy's
 layer i sees hidden states that went through the proxy's pruned layers 0..i-1. Sequentially
@@ -10,8 +11,9 @@ model's own MoE class with the proxy config and the kept experts, calibrate/prox
 one decoder layer resident.
 
 A layer's super experts are judged when it is selected, against the layers scored so far (the
-later ones are not scored yet); the artifact records them with the kept experts, and builds
-use them as recorded.
+later ones are not scored yet: the percentile is over the scored layers' experts, and the
+first-75%-of-layers cut over all the model's MoE layers); the artifact records them with the
+kept experts, and builds use them as recorded.
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ class SequentialProxy:
         self.key = selection_key(self.plan, options)
         self.config = transformers_config(rewrite_config(ckpt.config, self.plan))
         self.supers: dict[str, list[int]] = {}
+        # MoE layers that get statistics (the MTP layer, index num_hidden_layers, does not):
+        # the super-expert rule looks only at the first 75% of them
+        layers = ckpt.config.get("num_hidden_layers")
+        self.moe_layers = sum(1 for b in layout.blocks if layers is None or b.layer < int(layers))
 
     def select(self, block: MoeBlock, scored: dict[str, LayerStats]) -> Selection:
         """Block's kept experts from its statistics (`scored`: every layer scored so far)."""
-        self.supers[block.prefix] = super_experts(scored)[block.prefix]
+        self.supers[block.prefix] = super_experts(scored, self.moe_layers)[block.prefix]
         pins = sorted(set(self.options.pins.get(block.layer, [])))
         sel = usage_select(self.ckpt, block, scored[block.prefix], self.supers[block.prefix],
                            self.plan.experts_after, self.plan.n_group, self.options, pins)

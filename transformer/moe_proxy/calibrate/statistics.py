@@ -31,8 +31,16 @@ build for another proxy is refused (`Calibration.check_target`).
 
 Criteria (also applied by `build --calibration`):
 - dead: gate-mass share below DEAD_SHARE x the uniform share 1/E (default 1% of uniform);
-- super: max_abs at least SUPER_RATIO (10) x the layer's median max_abs and at least
-  1/10 of the largest max_abs of any layer (REAP's rule, after "Unveiling Super Experts").
+- super (REAP's `model_util.get_super_expert_indices`, after "Unveiling Super Experts in MoE
+  LLMs", arXiv 2507.23279, where super experts are a handful in a whole model): max_abs above
+  both the SUPER_PERCENTILE (99.5th) percentile of the max_abs of every routed expert of every
+  scored MoE layer (the threshold is taken over all of them) and SUPER_GLOBAL (1/10) of the
+  largest one; as REAP does by default (`--perserve_super_experts`), only experts of the first
+  SUPER_LAYERS (75%, int(0.75 x the MoE layer count)) of the MoE layers are flagged, since the
+  last layers' large outputs are their normal scale. Two departures: a model with a single MoE
+  layer keeps it eligible (REAP's int(0.75) would flag nothing), and a dead expert is never super.
+  (Before, an expert was super at 10x its layer's median and 1/10 of the largest: with 23-29
+  of 64 experts dead the median is low, and it flagged 10 ordinary experts in one layer.)
 """
 
 from __future__ import annotations
@@ -61,8 +69,11 @@ log = logging.getLogger(__name__)
 FORMAT = "moe-proxy-calibration/v1"
 SUMMARY, TENSORS = "calibration.json", "calibration.safetensors"
 DEAD_SHARE = 0.01
-SUPER_RATIO = 10.0
-SUPER_GLOBAL = 0.1
+SUPER_PERCENTILE = 99.5  # REAP: above this percentile of every routed expert's max |output| ...
+SUPER_GLOBAL = 0.1  # ... and above this share of the largest one
+SUPER_LAYERS = 0.75  # ... in the first 75% of the MoE layers
+CRITERIA = {"dead_share_of_uniform": DEAD_SHARE, "super_percentile": SUPER_PERCENTILE,
+            "super_share_of_global_max": SUPER_GLOBAL, "super_first_layers_share": SUPER_LAYERS}
 SKETCH_DIM, PROBE_TOKENS, PROBE_DIM, ROUTING_PROBE = 64, 16, 16, 64
 ONE_PASS, SEQUENTIAL = "one-pass", "sequential"
 
@@ -124,13 +135,18 @@ class LayerStats:
         return float(self.tokens.max() / mean) if mean > 0 else 0.0
 
 
-def super_experts(layers: dict[str, LayerStats]) -> dict[str, list[int]]:
-    top = max((float(s.max_abs.max()) for s in layers.values()), default=0.0)
-    out = {}
-    for prefix, s in layers.items():
-        median = float(s.max_abs.median())
-        out[prefix] = [e for e, v in enumerate(s.max_abs.tolist())
-                       if v >= SUPER_RATIO * median and v >= SUPER_GLOBAL * top and v > 0]
+def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None) -> dict[str, list[int]]:
+    """Per layer, its super experts (the module docstring's rule). `moe_layers`: how many MoE
+    layers the model has, where `layers` holds only the first ones (sequential statistics)."""
+    if not layers:
+        return {}
+    values = torch.cat([s.max_abs.double() for s in layers.values()])
+    threshold = max(float(torch.quantile(values, SUPER_PERCENTILE / 100)), SUPER_GLOBAL * float(values.max()))
+    first = sorted(layers, key=lambda p: layers[p].layer)[:max(1, int(SUPER_LAYERS * (moe_layers or len(layers))))]
+    out = {p: [] for p in layers}
+    for p in first:
+        dead = set(layers[p].dead())
+        out[p] = [e for e, v in enumerate(layers[p].max_abs.tolist()) if v > threshold and e not in dead]
     return out
 
 
@@ -228,7 +244,9 @@ class Calibration:
         """What a proxy's manifest says about the statistics it was built from."""
         return {"uri": self.uri, "format": self.summary["format"], "mode": self.mode,
                 **({"made_for": self.summary["made_for"]} if self.mode == SEQUENTIAL else {}),
-                "tokens": self.summary["tokens"], "criteria": self.summary["criteria"],
+                "tokens": self.summary["tokens"],
+                # one-pass statistics' super experts are judged again on load, by today's criteria
+                "criteria": self.summary["criteria"] if self.mode == SEQUENTIAL else CRITERIA,
                 "super": {p: v for p, v in self.super.items() if v}}
 
     def check_target(self, plan, options) -> None:
@@ -242,8 +260,9 @@ class Calibration:
             raise CalibrationError(
                 f"{self.uri}: these statistics are sequential, made for the proxy of {selection_flags(made)}: "
                 f"each layer was scored behind that proxy's pruned earlier layers, so they do not hold for this "
-                f"build ({'; '.join(diff)}); run moe-proxy calibrate SRC --out STATS --sequential "
-                f"{selection_flags(want)}, or calibrate without --sequential"
+                f"build ({'; '.join(diff)}); run moe-proxy calibrate SRC --out STATS "
+                f"{selection_flags(want)} for this proxy, or moe-proxy calibrate SRC --out STATS --one-pass "
+                f"for statistics any build can use"
             )
 
     def selection_notes(self, selections: dict) -> list[str]:
@@ -360,8 +379,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
                    "model_type": ckpt.config.get("model_type")},
         "tokens": {"samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
                    "sha256": tokens.sha256, "origin": tokens.origin, "random": tokens.random, "seed": seed},
-        "criteria": {"dead_share_of_uniform": DEAD_SHARE, "super_ratio_to_median": SUPER_RATIO,
-                     "super_share_of_global_max": SUPER_GLOBAL},
+        "criteria": CRITERIA,
         "experts": expert_count(layout.arch, ckpt.config),
         "layers": {
             p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": supers[p],
