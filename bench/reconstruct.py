@@ -91,15 +91,15 @@ def evaluate(original: Path, proxy: Path) -> dict:
             "kl": round(float((p.exp() * (p - q)).sum(-1).mean()), 4)}
 
 
-MERGE_VARIANTS = {  # name -> build options (one-pass statistics)
-    "saliency (plain)": dict(method="saliency"),
-    "saliency + merge": dict(method="saliency", merge=True),
+MERGE_VARIANTS = {  # name -> build options (one-pass statistics; reconstruct said, it is on by default)
+    "saliency (plain)": dict(method="saliency", reconstruct=False),
+    "saliency + merge": dict(method="saliency", merge=True, reconstruct=False),
     "saliency + reconstruct": dict(method="saliency", reconstruct=True),
     "saliency + merge + reconstruct": dict(method="saliency", merge=True, reconstruct=True),
 }
 CLUSTER_VARIANTS = {  # --cluster: the default calibrated selection too
-    "cluster (plain)": dict(method="cluster"),
-    "cluster + merge": dict(method="cluster", merge=True),
+    "cluster (plain)": dict(method="cluster", reconstruct=False),
+    "cluster + merge": dict(method="cluster", merge=True, reconstruct=False),
 }
 
 

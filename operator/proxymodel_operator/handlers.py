@@ -367,7 +367,7 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
     patch.status["pipeline"] = {"specHash": spec_hash(dict(spec)), "generation": generation, "transformerJob": None,
                                 "transformerStep": None, "reproductionJob": None, "reproductionKind": None}
     patch.status.update(phase=PENDING, message=None, proxy=None, reproduction=None, workers=None,
-                        plan=plan_summary(plan) if plan else None)
+                        plan=plan_summary(plan, parsed.pruning.notes) if plan else None)
     conditions = [c for c in status.get("conditions") or [] if c.get("type") == ACCEPTED]
     patch.status["conditions"] = conditions
     if plan:
@@ -376,9 +376,9 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
         patch.status["accelerators"] = arrow(plan.original.devices, devices)
         message = (f"{plan.architecture}: {plan.original.experts_per_layer} -> {plan.proxy.experts_per_layer} experts "
                    f"per layer; {plan.original.devices} -> {devices} x {plan.accelerator}"
-                   + "".join(f"; {note}" for note in plan.notes))
+                   + "".join(f"; {note}" for note in [*plan.notes, *parsed.pruning.notes]))
     else:
-        message = "spec accepted (preflight disabled)"
+        message = "spec accepted (preflight disabled)" + "".join(f"; {note}" for note in parsed.pruning.notes)
     _set_condition(patch, status, condition(ACCEPTED, True, "SpecValid", message, generation))
     logger.info(message)
 

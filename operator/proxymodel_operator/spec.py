@@ -8,10 +8,10 @@ the field it is about, so `kubectl describe` tells the user what to change.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from moe_proxy.reports import calibration_needs
+from moe_proxy.reports import calibration_needs, reconstructs
 from moe_proxy.repro.detect import SIGNATURES as DETECTED_SIGNATURES
 
 from .runtimes import RUNTIMES
@@ -57,10 +57,12 @@ class Pruning:
     representative: str | None = None  # medoid | saliency (usage-aware, needs spec.calibration)
     keep_super: bool = True
     heal: bool = False
-    sequential: bool = False  # calibrate behind this proxy's pruned earlier layers (--sequential)
+    # Both default to true with spec.calibration (the fidelity lab's winner): parse() resolves them.
+    sequential: bool = False  # calibrate behind this proxy's pruned earlier layers (calibrate --experts N)
     reconstruct: bool = False  # re-fit the kept experts and router rows layer by layer (--reconstruct)
     max_kl: float | None = None  # `experts: auto` (experts is None): the smallest count with KL <= this
     max_experts: int | None = None  # `experts: auto`: the largest count the plan sized devices for
+    notes: tuple[str, ...] = ()  # what the defaults could not do (status.plan.notes), e.g. one-pass statistics
 
     @property
     def auto(self) -> bool:
@@ -253,9 +255,9 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
         reconstruct=bool(p.get("reconstruct", False)), max_kl=_max_kl(p),
     )
     calibration = _calibration(spec.get("calibration"), pruning)
-    _check_sequential(pruning, settings)
     transformer = spec.get("transformer") or {}
     workers = _workers(transformer)
+    pruning = _deep_pruning(pruning, p, calibration is not None, workers, settings)
     if pruning.auto and workers > 1:
         raise InvalidSpec("spec.pruning.experts \"auto\" measures expert counts before anything is written, in one "
                           "build: set spec.transformer.parallelism to 1, or give a number of experts")
@@ -312,25 +314,51 @@ def _max_kl(p: dict) -> float | None:
     return number
 
 
-def _check_sequential(p: Pruning, settings: Settings) -> None:
-    """Sequential statistics hold for one proxy only (the build refuses others): the calibrate
-    Job must be able to name the proxy the build makes, with the flags `moe-proxy calibrate
-    --sequential` has (--experts, --method, --features, --representative, --no-keep-super)."""
-    if not p.sequential:
-        return
+def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, workers: int, settings: Settings) -> Pruning:
+    """sequential and reconstruct as asked, else true with spec.calibration (the fidelity lab's
+    best proxies, docs/fidelity.md; reconstruct not with heal, which the build cannot combine).
+    Sequential statistics hold for one proxy only (the build refuses others): where the calibrate
+    Job cannot name it, an explicit `sequential: true` is refused and the default falls back to
+    one-pass statistics with a note saying why. Reconstruction is not shared between the workers
+    of a scale-out build (each, and finalize, fits every layer): off there unless asked."""
+    notes = []
+    if raw.get("reconstruct") is not None:
+        reconstruct = p.reconstruct
+    else:
+        reconstruct = reconstructs(calibrated, p.heal) and workers == 1
+        if reconstructs(calibrated, p.heal) and workers > 1:
+            notes.append(f"no reconstruction (the default with spec.calibration) with spec.transformer.parallelism "
+                         f"{workers}: each worker and the finalize step would fit every layer again; set "
+                         f"spec.pruning.reconstruct true to pay that")
+    unservable = _unservable_sequential(p, settings) if calibrated else None
+    if p.sequential and unservable:
+        raise InvalidSpec(f"spec.pruning.sequential: {unservable[0]}: {unservable[1]}, or drop sequential")
+    sequential = p.sequential
+    if raw.get("sequential") is None and calibrated:
+        sequential = unservable is None
+        if unservable:
+            notes.insert(0, f"one-pass calibration statistics, not sequential (the default with "
+                            f"spec.calibration): {unservable[0]}")
+    return replace(p, sequential=sequential, reconstruct=reconstruct, notes=p.notes + tuple(notes))
+
+
+def _unservable_sequential(p: Pruning, settings: Settings) -> tuple[str, str] | None:
+    """Why the calibrate Job cannot make sequential statistics for this proxy, with the flags
+    `moe-proxy calibrate --experts N` has (--method, --features, --representative,
+    --no-keep-super), and what would let it; None where it can."""
     if p.auto:
-        raise InvalidSpec("spec.pruning.sequential makes statistics for one expert count, and experts \"auto\" tries "
-                          "several: give a number of experts, or drop sequential")
+        return ("experts \"auto\" tries several expert counts, and sequential statistics hold for one",
+                "give a number of experts")
     if p.experts is None and not settings.preflight:
-        raise InvalidSpec("spec.pruning.sequential with keepRatio needs the planned expert count, which needs the "
-                          "preflight read of config.json (disabled in this operator): give spec.pruning.experts")
+        return ("keepRatio needs the planned expert count, which needs the preflight read of config.json "
+                "(disabled in this operator)", "give spec.pruning.experts")
     if p.top_k is not None:
-        raise InvalidSpec("spec.pruning.sequential: `moe-proxy calibrate --sequential` makes statistics for the "
-                          "source's top-k only: remove spec.pruning.topK, or drop sequential")
+        return ("`moe-proxy calibrate --experts N` makes statistics for the source's top-k only",
+                "remove spec.pruning.topK")
     if p.method == "cluster" and (p.clustering, p.seed) != ("kmeans", 0):
-        raise InvalidSpec("spec.pruning.sequential with method cluster: `moe-proxy calibrate --sequential` clusters "
-                          "with kmeans and seed 0 only: set clustering kmeans and seed 0, or use method saliency "
-                          "or frequency")
+        return ("with method cluster, `moe-proxy calibrate --experts N` clusters with kmeans and seed 0 only",
+                "set clustering kmeans and seed 0, or use method saliency or frequency")
+    return None
 
 
 def _workers(transformer: dict) -> int:

@@ -80,8 +80,9 @@ def proxy_summary(report: dict) -> dict:
     }
 
 
-def plan_summary(plan) -> dict:
-    """A moe_proxy.sizing.Sizing, in status's camelCase."""
+def plan_summary(plan, notes: tuple[str, ...] = ()) -> dict:
+    """A moe_proxy.sizing.Sizing, in status's camelCase; `notes`: the spec's own (Pruning.notes)
+    after the plan's."""
 
     def side(s) -> dict:
         return {"devices": s.devices, "nodes": s.nodes, "expertsPerLayer": s.experts_per_layer, "topK": s.top_k,
@@ -94,7 +95,8 @@ def plan_summary(plan) -> dict:
         "precision": plan.precision, "original": side(plan.original), "proxy": side(plan.proxy),
         "deviceReduction": f"{plan.device_reduction:.1%}",
         "deviceHoursRatio": f"{plan.device_hours_ratio:.3f}",
-        **({"notes": list(plan.notes)} if plan.notes else {}),  # e.g. kept experts raised to 2 x top-k
+        # e.g. kept experts raised to 2 x top-k; one-pass statistics where sequential cannot serve
+        **({"notes": [*plan.notes, *notes]} if plan.notes or notes else {}),
     }
 
 

@@ -90,7 +90,9 @@ def build_args(spec: ProxyModelSpec, scale_out: list[str] | None = None) -> list
     if p.pins:
         args += ["--pin", ",".join(p.pins)]
     if spec.calibration is not None:
-        args += ["--calibration", spec.calibration_uri] + ["--heal"] * p.heal + ["--reconstruct"] * p.reconstruct
+        # said either way: `build --calibration` reconstructs unless told not to
+        args += ["--calibration", spec.calibration_uri, "--reconstruct" if p.reconstruct else "--no-reconstruct"]
+        args += ["--heal"] * p.heal
         args += _selection_args(p)
     if spec.source.endpoint:
         args += ["--endpoint-url", spec.source.endpoint]
@@ -110,6 +112,8 @@ def calibrate_args(spec: ProxyModelSpec) -> list[str]:
             raise ValueError("spec.pruning.sequential: no expert count planned yet to calibrate for")
         args += ["--sequential", "--experts", str(p.experts), "--method", p.method, "--features", p.features]
         args += _selection_args(p)
+    else:  # e.g. experts "auto": statistics for any count (Pruning.notes says why, in status.plan.notes)
+        args += ["--one-pass"]
     return args + (["--endpoint-url", spec.source.endpoint] if spec.source.endpoint else [])
 
 

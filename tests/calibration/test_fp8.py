@@ -41,7 +41,7 @@ def make_fp8_deepseek(src) -> None:
 
 
 def fp8_builds(tmp_path, samples: int, seq_len: int, **option) -> tuple[dict, dict, dict]:
-    """make_fp8_deepseek, calibrated, built plain and with `option` (4 experts by saliency):
+    """make_fp8_deepseek, calibrated, built plain and with `option` alone (4 experts by saliency):
     (the option's manifest, plain tensors, option's tensors), checked to share names, shapes, dtypes."""
     from .test_heal import tensors
 
@@ -49,8 +49,8 @@ def fp8_builds(tmp_path, samples: int, seq_len: int, **option) -> tuple[dict, di
     make_fp8_deepseek(src)
     cal.calibrate(str(src), str(tmp_path / "stats"), samples=samples, seq_len=seq_len)
     common = dict(experts=4, method="saliency", calibration=str(tmp_path / "stats"))
-    build_proxy(str(src), str(tmp_path / "plain"), **common)
-    m = build_proxy(str(src), str(tmp_path / "built"), **common, **option)
+    build_proxy(str(src), str(tmp_path / "plain"), reconstruct=False, **common)
+    m = build_proxy(str(src), str(tmp_path / "built"), **common, **{"reconstruct": False, **option})
     a, b = tensors(tmp_path / "plain"), tensors(tmp_path / "built")
     assert a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].dtype == b[n].dtype for n in a)
     return m, a, b

@@ -47,7 +47,7 @@ def test_heal_changes_only_routers(tmp_path, model_type, overrides, experts, rou
     make_tiny(model_type, src, seed=2, **overrides)
     cal.calibrate(str(src), str(tmp_path / "stats"), samples=32, seq_len=32)
     common = dict(experts=experts, method="saliency", calibration=str(tmp_path / "stats"))
-    plain = build_proxy(str(src), str(tmp_path / "plain"), **common)
+    plain = build_proxy(str(src), str(tmp_path / "plain"), reconstruct=False, **common)
     healed = build_proxy(str(src), str(tmp_path / "healed"), heal=True, **common)
 
     assert healed["method"]["heal"] is True and plain["method"]["heal"] is False

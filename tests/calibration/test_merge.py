@@ -61,7 +61,7 @@ def upcycled(path, seed: int = 3):
 def test_merging_upcycled_experts_gives_exactly_the_representative(tmp_path):
     src = upcycled(tmp_path / "src")
     cal.calibrate(str(src), str(tmp_path / "stats"), samples=8, seq_len=16)
-    common = dict(experts=4, calibration=str(tmp_path / "stats"))
+    common = dict(experts=4, calibration=str(tmp_path / "stats"), reconstruct=False)  # merged only
     build_proxy(str(src), str(tmp_path / "plain"), **common)
     m = build_proxy(str(src), str(tmp_path / "merged"), merge=True, **common)
     a, b = tensors(tmp_path / "plain"), tensors(tmp_path / "merged")
@@ -75,7 +75,7 @@ def test_merge_scaled_out_equals_one_build(tmp_path):
     """Workers write the merged experts, finalize takes their plan (merge record included)."""
     src = upcycled(tmp_path / "src")
     cal.calibrate(str(src), str(tmp_path / "stats"), samples=8, seq_len=16)
-    common = dict(experts=4, calibration=str(tmp_path / "stats"), merge=True)
+    common = dict(experts=4, calibration=str(tmp_path / "stats"), merge=True, reconstruct=False)
     single = build_proxy(str(src), str(tmp_path / "single"), **common)
     for i in (1, 0):
         build_proxy(str(src), str(tmp_path / "multi"), worker=i, workers=2, **common)
@@ -90,7 +90,7 @@ def test_merged_proxy_is_the_weighted_average_of_each_cluster_and_runs(duplicate
     expert is written as its family's gate-mass-weighted average (recomputed here: near-copies
     need no permutation), in the plain proxy's names, shapes and dtypes."""
     cal.calibrate(str(duplicates), str(tmp_path / "stats"), samples=16, seq_len=32)
-    common = dict(experts=FAMILIES, features="output", calibration=str(tmp_path / "stats"))
+    common = dict(experts=FAMILIES, features="output", calibration=str(tmp_path / "stats"), reconstruct=False)
     build_proxy(str(duplicates), str(tmp_path / "plain"), **common)
     m = build_proxy(str(duplicates), str(tmp_path / "merged"), merge=True, **common)
 
@@ -153,7 +153,7 @@ def test_merge_then_reconstruct_starts_from_the_merged_experts(tmp_path, monkeyp
     make_tiny("qwen3_moe", src, seed=2, num_experts=16, num_experts_per_tok=2, mlp_only_layers=[])
     cal.calibrate(str(src), str(tmp_path / "stats"), samples=8, seq_len=16)
     common = dict(experts=4, method="saliency", calibration=str(tmp_path / "stats"))
-    merged = build_proxy(str(src), str(tmp_path / "merged"), merge=True, **common)
+    merged = build_proxy(str(src), str(tmp_path / "merged"), merge=True, reconstruct=False, **common)
     both = build_proxy(str(src), str(tmp_path / "both"), merge=True, reconstruct=True, **common)
     plain_rec = build_proxy(str(src), str(tmp_path / "rec"), reconstruct=True, **common)
     assert both["merge"]["layers"] == merged["merge"]["layers"] and both["reconstruct"]

@@ -57,7 +57,7 @@ def test_reconstruct_lowers_the_held_out_block_error(tmp_path):
     make_tiny("qwen3_moe", src, seed=2, num_experts=16, num_experts_per_tok=2, mlp_only_layers=[])
     cal.calibrate(str(src), str(tmp_path / "stats"), samples=16, seq_len=32)
     common = dict(experts=2, method="saliency", calibration=str(tmp_path / "stats"))  # 12.5%
-    build_proxy(str(src), str(tmp_path / "plain"), **common)
+    build_proxy(str(src), str(tmp_path / "plain"), reconstruct=False, **common)
     m = build_proxy(str(src), str(tmp_path / "rec"), reconstruct=True, **common)
 
     assert m["method"]["reconstruct"] is True
@@ -99,9 +99,9 @@ def test_reconstruct_lowers_the_held_out_block_error(tmp_path):
 def test_reconstruct_returns_the_plain_proxy_when_fitting_cannot_help(planted, tmp_path):
     """Dropping only the two dead experts leaves nothing to fix: the pruned block is the
     original block, so no fit beats it and every layer keeps its plain bytes."""
-    cal.calibrate(str(planted), str(tmp_path / "stats"), samples=8, seq_len=16)
+    cal.calibrate(str(planted), str(tmp_path / "stats"), samples=16, seq_len=32)  # enough tokens that only the two planted experts are dead
     common = dict(experts=14, method="frequency", calibration=str(tmp_path / "stats"))
-    plain = build_proxy(str(planted), str(tmp_path / "plain"), **common)
+    plain = build_proxy(str(planted), str(tmp_path / "plain"), reconstruct=False, **common)
     m = build_proxy(str(planted), str(tmp_path / "rec"), reconstruct=True, **common)
     assert [layer["kept"] for layer in m["layers"].values()] == [layer["kept"] for layer in plain["layers"].values()]
     records = [layer["reconstruct"] for layer in m["layers"].values() if "reconstruct" in layer]

@@ -49,7 +49,8 @@ def test_sequential_statistics_are_those_of_the_proxy(three_moe):
     layer 0 MoE block replaced by the proxy's (built from the sequential statistics) routes
     layer 1's tokens with exactly the gate mass the statistics recorded."""
     root, _, seq = three_moe
-    build_proxy(str(root / "src"), str(root / "proxy"), calibration=str(root / "seq"), **TARGET)
+    # the plain selection: the statistics were made behind it (reconstruction would change layer 0)
+    build_proxy(str(root / "src"), str(root / "proxy"), calibration=str(root / "seq"), reconstruct=False, **TARGET)
     manifest = json.loads((root / "proxy" / "proxy-manifest.json").read_text())
     assert manifest["calibration"]["mode"] == "sequential"
     assert {p: layer["kept"] for p, layer in manifest["layers"].items()} == \
@@ -82,7 +83,7 @@ def test_build_refuses_sequential_statistics_of_another_proxy(three_moe, tmp_pat
     assert why in str(err.value) and "--sequential" in str(err.value)
     assert not (tmp_path / "p" / "proxy-manifest.json").exists()
     # One-pass statistics serve any build.
-    build_proxy(str(root / "src"), str(tmp_path / "q"), calibration=str(root / "one"), **options)
+    build_proxy(str(root / "src"), str(tmp_path / "q"), calibration=str(root / "one"), reconstruct=False, **options)
 
 
 def test_cli_sequential_and_mode_change_recomputes(three_moe, tmp_path, capsys):

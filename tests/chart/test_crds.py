@@ -120,14 +120,17 @@ def test_multi_document_crd_files_and_broken_ones(tmp_path):
 
 def test_rendered_proxymodel_crd_takes_the_build_options(chart):
     """The CRD the chart installs knows the build options the operator passes on (issue #16):
-    booleans, off unless set, each accepted and a non-boolean rejected by its schema."""
+    booleans, each accepted and a non-boolean rejected by its schema; heal off unless set, and
+    sequential and reconstruct without a schema default (absent: on with spec.calibration, the
+    operator decides)."""
     (crd,) = [c for c in by_kind(render_objects(chart), "CustomResourceDefinition")
               if c["metadata"]["name"] == "proxymodels.moeproxy.io"]
     pruning = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["pruning"]
     obj = {"apiVersion": "moeproxy.io/v1alpha1", "kind": "ProxyModel", "metadata": {"name": "x", "namespace": "n"},
            "spec": {"source": {"uri": "s3://ckpt/m"}, "calibration": {"samples": 8}}}
     for field in ("sequential", "reconstruct", "heal"):
-        assert pruning["properties"][field]["type"] == "boolean" and pruning["properties"][field]["default"] is False
+        assert pruning["properties"][field]["type"] == "boolean"
+        assert pruning["properties"][field].get("default") is (False if field == "heal" else None), field
         obj["spec"]["pruning"] = {"experts": 8, field: True}
         assert errors(crd, obj) == [], field
         obj["spec"]["pruning"] = {"experts": 8, field: "true"}

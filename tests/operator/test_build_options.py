@@ -11,15 +11,17 @@ import copy
 import pytest
 
 from proxymodel_operator.pipeline import VALIDATED, CreateChild, Observed, decide
+from proxymodel_operator.resources import JOBS, PROXYMODELS
 from proxymodel_operator.settings import Settings
 from proxymodel_operator.spec import InvalidSpec, parse
 from proxymodel_operator.transformer_job import build_args, calibrate_args
 
 from ..checkpoints.crd_schema import errors, load_crd
-from .harness import proxymodel
+from .harness import eventually, proxymodel
 from .test_decide import NAME, SETTINGS, accepted, only, pxm
 from .test_fidelity import _object
 from .test_manifests import _cli
+from .test_pipeline import NS, _apply
 
 CALIBRATED = {"calibration": {"samples": 16}}
 SEQUENTIAL = {"experts": 16, "method": "saliency", "sequential": True}
@@ -44,15 +46,33 @@ def test_schema_accepts_the_booleans_and_nothing_else():
         found = errors(crd, _object(_spec({"experts": 16, field: "yes"})))
         assert any(field in e for e in found), found
     pruning = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["pruning"]
-    assert pruning["properties"]["sequential"]["default"] is False
-    assert pruning["properties"]["reconstruct"]["default"] is False
+    # no schema default: the API server would store it, and an absent field means "true with calibration"
+    assert "default" not in pruning["properties"]["sequential"]
+    assert "default" not in pruning["properties"]["reconstruct"]
 
 
-def test_spec_parses_them_off_by_default():
+def test_spec_parses_them_on_with_calibration_off_without_and_as_asked():
     plain = parse(_spec({"experts": 16}, calibrated=False), "ns", NAME, SETTINGS).pruning
     assert (plain.sequential, plain.reconstruct) == (False, False)
+    default = parse(_spec({"experts": 16}), "ns", NAME, SETTINGS).pruning
+    assert (default.sequential, default.reconstruct, default.notes) == (True, True, ())
     both = parse(_spec({**SEQUENTIAL, "reconstruct": True}), "ns", NAME, SETTINGS).pruning
     assert (both.sequential, both.reconstruct) == (True, True)
+    off = parse(_spec({"experts": 16, "sequential": False, "reconstruct": False}), "ns", NAME, SETTINGS).pruning
+    assert (off.sequential, off.reconstruct, off.notes) == (False, False, ())
+    healed = parse(_spec({"experts": 16, "heal": True}), "ns", NAME, SETTINGS).pruning
+    assert (healed.sequential, healed.reconstruct) == (True, False)  # the build takes one of heal, reconstruct
+
+
+def test_by_default_a_calibrated_build_calibrates_for_its_count_and_reconstructs():
+    """No sequential/reconstruct in the spec: the Jobs say both flags, for the build's defaults."""
+    body = accepted(pxm(_spec({"experts": 16})))
+    [create] = only(decide(body, Observed(VALIDATED), SETTINGS), CreateChild)
+    args = _containers(create)
+    assert "--sequential" in args["calibrate"] and "--reconstruct" in args["transformer"]
+    calibrate, build = _cli("calibrate", args["calibrate"]), _cli("build", args["transformer"])
+    assert calibrate.experts == 16 and not calibrate.one_pass and build.reconstruct is True
+    _same_proxy(calibrate, build)
 
 
 def test_a_single_build_calibrates_sequentially_for_its_count_then_reconstructs():
@@ -95,9 +115,27 @@ def _same_proxy(calibrate, build) -> None:
     assert (build.clustering, build.seed, build.top_k) == ("kmeans", 0, None)
 
 
-def test_without_them_the_jobs_say_nothing_of_them():
-    spec = parse(_spec({"experts": 16, "method": "saliency"}), "ns", NAME, SETTINGS)
-    assert "--sequential" not in calibrate_args(spec) and "--reconstruct" not in build_args(spec)
+def test_turned_off_the_jobs_say_one_pass_and_no_reconstruct():
+    spec = parse(_spec({"experts": 16, "method": "saliency", "sequential": False, "reconstruct": False}),
+                 "ns", NAME, SETTINGS)
+    calibrate, build = calibrate_args(spec), build_args(spec)
+    assert "--one-pass" in calibrate and "--experts" not in calibrate and "--sequential" not in calibrate
+    assert "--no-reconstruct" in build and "--reconstruct" not in build
+    assert _cli("build", build).reconstruct is False and _cli("calibrate", calibrate).one_pass
+
+
+@pytest.mark.parametrize("pruning, settings, why", [
+    ({"experts": "auto", "maxKL": 0.05}, SETTINGS, "tries several"),
+    ({"keepRatio": 0.1}, Settings(preflight=False), "planned expert count"),
+    ({"experts": 16, "topK": 4}, SETTINGS, "top-k"),
+    ({"experts": 16, "seed": 7}, SETTINGS, "seed 0"),
+])
+def test_what_sequential_cannot_serve_falls_back_to_one_pass_with_a_note(pruning, settings, why):
+    spec = parse(_spec(pruning), "ns", NAME, settings)
+    assert (spec.pruning.sequential, spec.pruning.reconstruct) == (False, True)
+    (note,) = spec.pruning.notes
+    assert note.startswith("one-pass calibration statistics, not sequential") and why in note, note
+    assert "--one-pass" in calibrate_args(spec) and "--reconstruct" in build_args(spec)
 
 
 @pytest.mark.parametrize("pruning, calibrated, extra, settings, message", [
@@ -115,3 +153,29 @@ def test_without_them_the_jobs_say_nothing_of_them():
 def test_spec_refuses_what_the_cli_cannot_make(pruning, calibrated, extra, settings, message):
     with pytest.raises(InvalidSpec, match=message):
         parse(_spec(pruning, calibrated, **extra), "ns", NAME, settings)
+
+
+def test_several_workers_do_not_reconstruct_unless_asked():
+    """Each worker and the finalize step would fit every layer again: off by default, said."""
+    spec = parse(_spec({"experts": 16}, transformer={"parallelism": 3}), "ns", NAME, SETTINGS)
+    assert (spec.pruning.sequential, spec.pruning.reconstruct) == (True, False)
+    (note,) = spec.pruning.notes
+    assert "parallelism 3" in note and "reconstruct true" in note
+    assert "--no-reconstruct" in build_args(spec, ["--worker", "0", "--workers", "3"])
+    asked = parse(_spec({"experts": 16, "reconstruct": True}, transformer={"parallelism": 3}), "ns", NAME, SETTINGS)
+    assert asked.pruning.reconstruct and asked.pruning.notes == ()
+
+
+async def test_the_operator_says_where_it_falls_back_to_one_pass(cluster, operator):
+    """experts "auto" with calibration: accepted (not refused), one-pass statistics and a note
+    saying why in status.plan.notes and the Accepted condition; the build still reconstructs."""
+    await _apply(cluster, "fallback", pruning={"experts": "auto", "maxKL": 0.05, "seed": 0},
+                 calibration={"samples": 16})
+    job = await eventually(lambda: cluster.get(JOBS, NS, "fallback-transform-g1"), what="transformer Job")
+    pod = job["spec"]["template"]["spec"]
+    assert "--one-pass" in pod["initContainers"][0]["args"] and "--reconstruct" in pod["containers"][0]["args"]
+    status = cluster.get(PROXYMODELS, NS, "fallback")["status"]
+    note = status["plan"]["notes"][-1]
+    assert note.startswith("one-pass calibration statistics, not sequential") and "auto" in note, note
+    (accepted_condition,) = [c for c in status["conditions"] if c["type"] == "Accepted"]
+    assert accepted_condition["status"] == "True" and note in accepted_condition["message"]

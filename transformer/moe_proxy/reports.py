@@ -28,6 +28,16 @@ CALIBRATED_FEATURES = ("routing", "output")  # features measured on calibration 
 METHODS = ("cluster", "random", "first-n", *SCORED_METHODS)
 CLUSTERINGS = ("kmeans", "agglomerative")
 REPRESENTATIVES = ("medoid", "saliency")
+# The selection a build makes without flags. `calibrate --experts N` makes its sequential
+# statistics for this very selection, so the two match without further flags.
+DEFAULT_METHOD, DEFAULT_FEATURES = "cluster", "router"
+
+
+def reconstructs(calibrated: bool, heal: bool, reconstruct: bool | None = None) -> bool:
+    """Whether a build re-fits its kept experts and router rows (--reconstruct): as asked, else
+    whenever it has calibration statistics (the fidelity lab's winner, docs/fidelity.md), unless
+    --heal re-fits the router rows instead (the two exclude each other)."""
+    return reconstruct if reconstruct is not None else calibrated and not heal
 
 
 def calibration_needs(method: str, features: str, representative: str | None, heal: bool,

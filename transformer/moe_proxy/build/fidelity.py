@@ -94,8 +94,11 @@ def measure(ckpt, layout, plan, calibration, shards: dict, progress: bool = Fals
 
     from moe_proxy.build.config import rewrite_config
     from moe_proxy.build.heal import HEAL_SAMPLES
-    from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules
+    from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules, release_freed_memory
 
+    # What the shard write freed in its reader threads' heaps, which this thread does not reuse,
+    # goes back to the OS before two models load (docs/performance.md, memory against depth).
+    release_freed_memory()
     ids, rows = held_out(calibration.token_ids)
     original = LayerwiseModel(ckpt)
     proxy = LayerwiseModel(PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards), dtype=original.dtype)
@@ -170,7 +173,7 @@ def _head_figures(model, original: list, proxy: list, ids: tuple, torch) -> tupl
 def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool, store_options: dict | None = None,
                  progress: bool = False):
     """`--experts auto --max-kl X`: `options` with the chosen count, and (its fidelity figure,
-    notes saying what was tried). Counts (sizing.auto_counts) are tried in increasing order,
+    notes saying what was tried, its ExpertPlan). Counts (sizing.auto_counts) are tried in increasing order,
     each planned and measured without writing anything; the first whose KL(original || proxy)
     is at most X is chosen. FidelityTargetNotMet says the best figure reached."""
     from moe_proxy.build.pipeline import open_source
@@ -187,16 +190,24 @@ def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool,
         raise InvalidExpertCount("--experts auto runs as a single build (it measures counts before writing); choose "
                                  "the count with it, then give the workers --experts N")
     ckpt, layout, _, calibration = open_source(src, options, store_options)
+    if calibration.mode != "one-pass":  # made behind one proxy's pruned layers: that count only
+        raise InvalidExpertCount(f"--experts auto tries several expert counts, and {options.calibration} holds "
+                                 f"sequential statistics made for {calibration.summary['made_for']['experts']} "
+                                 f"experts only: calibrate without --experts (one-pass statistics, usable for any "
+                                 f"count), or build --experts {calibration.summary['made_for']['experts']}")
     budget = replace(sizing or SizingOptions(), experts=None, keep_ratio=None, top_k=options.top_k)
     counts = [c for c in auto_counts(ckpt.config, budget) if max_experts is None or c <= max_experts]
-    count, figure, notes = choose_experts(ckpt, layout, calibration, options, counts, progress)
-    return replace(options, experts=count), (figure, notes)
+    count, figure, notes, plan = choose_experts(ckpt, layout, calibration, options, counts, progress)
+    notes.append("one-pass statistics, as --experts auto needs (sequential ones are made for one count, known "
+                 "before the build)" + ("; each count tried was reconstructed" if options.reconstruct else ""))
+    return replace(options, experts=count), (figure, notes, plan)
 
 
 def choose_experts(ckpt, layout, calibration, options, counts: list[int],
-                   progress: bool = False) -> tuple[int, dict, list[str]]:
+                   progress: bool = False) -> tuple[int, dict, list[str], object]:
     """The smallest of `counts` (ascending) whose proxy has KL <= options.max_kl, its fidelity
-    figure, and a note saying what was tried."""
+    figure, a note saying what was tried, and its ExpertPlan (built as measured: not planned and
+    fitted again)."""
     from moe_proxy.build.expert_plan import plan_experts
     from moe_proxy.build.pipeline import output_tensors
     from moe_proxy.calibrate.statistics import CalibrationError
@@ -220,7 +231,7 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
         if best is None or figure["kl"] < best[0]:
             best = (figure["kl"], count)
         if figure["kl"] <= max_kl:
-            return count, figure, [f"--experts auto --max-kl {max_kl:g}: chose {count}; tried " + ", ".join(tried)]
+            return count, figure, [f"--experts auto --max-kl {max_kl:g}: chose {count}; tried " + ", ".join(tried)], plan
     reached = f"best KL {best[0]:.4g} with {best[1]} experts" if best else "no count could be measured"
     raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {max_kl:g} ({reached}); tried "
                                f"{', '.join(tried)}; raise --max-kl or the device budget")

@@ -36,6 +36,7 @@ from moe_proxy import __version__
 from moe_proxy.architectures import detect
 from moe_proxy.checkpoint.reader import INDEX, MANIFEST, Checkpoint, TensorInfo, open_checkpoint, read_json, slice_ranges
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
+from moe_proxy.reports import reconstructs
 from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
 from moe_proxy.build.config import rewrite_config
 from moe_proxy.checkpoint.reads import read_ahead, read_tasks
@@ -243,15 +244,17 @@ def _import_planning() -> None:
 
 
 def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
-            store_options: dict | None, finalize_workers: int | None = None) -> Prepared | dict:
+            store_options: dict | None, finalize_workers: int | None = None,
+            planned: ExpertPlan | None = None) -> Prepared | dict:
     """Open, check the destination, plan. Returns the existing manifest if dst is up to date.
     `finalize_workers`: finalizing W workers' build, whose journals hold the plan: it is taken
     from them (checked against this checkpoint), not worked out again; with fitted tensors
-    (--heal, --reconstruct), which the journals do not hold, it is re-planned and must match."""
+    (--heal, --reconstruct), which the journals do not hold, it is re-planned and must match.
+    `planned`: the plan --experts auto chose (and measured, and fitted), used as it is."""
     # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
     store_options = dict(store_options or {})
     transfer = store_options.setdefault("transfer", Transfer.from_options(store_options))
-    if not finalize_workers or options.heal or options.reconstruct:  # it will select experts:
+    if planned is None and (not finalize_workers or options.heal or options.reconstruct):  # it will select:
         # load torch and scikit-learn (seconds of CPU) while the headers and routers come down.
         threading.Thread(target=_import_planning, name="import", daemon=True).start()
     ckpt, layout, identity, calibration = open_source(src, options, store_options)
@@ -267,7 +270,9 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
         return existing | {"up_to_date": True}
     journaled = workers_plan(dst_store, build_id, finalize_workers) if finalize_workers else None
-    if journaled is not None and not (options.heal or options.reconstruct):
+    if planned is not None:
+        plan = planned
+    elif journaled is not None and not (options.heal or options.reconstruct):
         plan = plan_from_record(journaled, layout)
     else:
         plan = plan_experts(ckpt, layout, options, progress, calibration=calibration)
@@ -441,7 +446,7 @@ def build_proxy(
     max_kl: float | None = None,
     max_experts: int | None = None,
     sizing=None,
-    reconstruct: bool = False,
+    reconstruct: bool | None = None,
     merge: bool = False,
 ) -> dict:
     """Build the proxy of checkpoint `src` into `dst` and return its manifest (a dict).
@@ -450,10 +455,11 @@ def build_proxy(
     `experts="auto"` with `max_kl`: the smallest count whose fidelity figure meets it, within
     `max_experts` and the device budget of `sizing` (a sizing.SizingOptions), see fidelity.py.
     `merge`: each kept expert is the gate-mass-weighted merge of its cluster (merge.py; needs
-    `calibration`; with `reconstruct`, merged first, then fitted)."""
+    `calibration`; with `reconstruct`, merged first, then fitted). `reconstruct` None: reconstruct
+    whenever `calibration` is given (and `heal` is not), reports.reconstructs."""
     options = PruningOptions(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}),
                       calibration, keep_super, representative, heal)
-    options.reconstruct = reconstruct
+    options.reconstruct = reconstructs(bool(calibration), heal, reconstruct)
     options.max_kl = max_kl
     options.merge = merge
     chosen = None
@@ -462,7 +468,8 @@ def build_proxy(
 
         options, chosen = resolve_auto(src, options, max_experts, sizing, worker is not None or finalize_only,
                                        store_options, progress)
-    p = prepare(src, dst, options, overwrite, progress, store_options, workers if finalize_only else None)
+    p = prepare(src, dst, options, overwrite, progress, store_options, workers if finalize_only else None,
+                chosen[2] if chosen is not None else None)
     if isinstance(p, dict):
         return p
     if chosen is not None:

@@ -1,6 +1,7 @@
-"""`moe-proxy calibrate SRC --out STATS`: per-expert usage statistics (routing mass, saliency,
-output magnitude) on calibration tokens, computed one decoder layer at a time, for
-`moe-proxy build --calibration STATS`."""
+"""`moe-proxy calibrate SRC --out STATS [--experts N]`: per-expert usage statistics (routing
+mass, saliency, output magnitude) on calibration tokens, computed one decoder layer at a time,
+for `moe-proxy build --calibration STATS`. With --experts N they are sequential, made for the
+proxy `build --experts N` makes by default; without, one pass over the original (any count)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import json
 
 from moe_proxy.commands._common import add_storage_args, store_options
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.reports import CALIBRATED_FEATURES, METHODS, REPRESENTATIVES
+from moe_proxy.reports import CALIBRATED_FEATURES, DEFAULT_FEATURES, DEFAULT_METHOD, METHODS, REPRESENTATIVES
+
+# Said after one-pass statistics made without --one-pass: the better statistics for a deep proxy.
+DEEPER = ("  one-pass statistics, usable for any count; for a deep proxy pass the build's --experts N here: "
+          "sequential statistics made for that proxy, which with the build's reconstruction made the fidelity "
+          "lab's best proxies (docs/fidelity.md)")
 
 
 def add_parser(sub) -> None:
@@ -25,19 +31,27 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward (default 8)")
     p.add_argument("--seed", type=int, default=0)
-    seq = p.add_argument_group("proxy-aware (sequential) statistics, for one proxy")
-    seq.add_argument("--sequential", action="store_true",
-                     help="score each MoE layer behind the proxy's already-pruned earlier layers, selecting its "
-                          "experts right after scoring it; builds must then ask for the same proxy")
-    seq.add_argument("--experts", type=int, metavar="N", help="with --sequential: routed experts the proxy keeps")
-    seq.add_argument("--method", choices=METHODS, default="saliency",
-                     help="with --sequential: the build's --method (default saliency)")
-    seq.add_argument("--features", choices=("router", "weights", *CALIBRATED_FEATURES), default="router",
-                     help="with --sequential and --method cluster: the build's --features")
+    seq = p.add_argument_group(
+        "proxy-aware (sequential) statistics, for one proxy",
+        "With --experts N, each MoE layer is scored behind the proxy's already-pruned earlier layers and its "
+        "experts selected right after (the build then reconstructs them by default): the fidelity lab's best "
+        "proxies at 50% and 12.5%, at 7-15x a plain build's time with the reconstruction (docs/fidelity.md). "
+        "Builds must ask for the same proxy.")
+    seq.add_argument("--experts", type=int, metavar="N",
+                     help="routed experts the proxy keeps (the build's --experts N): sequential statistics for it")
+    seq.add_argument("--sequential", action="store_true", help="(implied by --experts; still accepted)")
+    seq.add_argument("--one-pass", action="store_true",
+                     help="one pass over the original instead: statistics usable for any expert count (and for "
+                          "build --experts auto), without --experts")
+    seq.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
+                     help=f"with --experts: the build's --method (default {DEFAULT_METHOD}, as build's)")
+    seq.add_argument("--features", choices=("router", "weights", *CALIBRATED_FEATURES), default=DEFAULT_FEATURES,
+                     help=f"with --experts and --method cluster: the build's --features (default {DEFAULT_FEATURES}, "
+                          f"as build's)")
     seq.add_argument("--representative", choices=REPRESENTATIVES,
-                     help="with --sequential: the build's --representative")
+                     help="with --experts: the build's --representative")
     seq.add_argument("--no-keep-super", dest="keep_super", action="store_false",
-                     help="with --sequential: the build's --no-keep-super")
+                     help="with --experts: the build's --no-keep-super")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_storage_args(p)
@@ -48,19 +62,23 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.calibrate.statistics import calibrate  # torch loads only when it runs
 
     target = None
-    if args.sequential:
+    if args.one_pass and (args.sequential or args.experts is not None):
+        raise MoeProxyError("--one-pass makes statistics for any expert count: drop --sequential/--experts, or drop "
+                            "--one-pass for sequential statistics made for the proxy of --experts N")
+    if args.experts is not None:  # sequential statistics for that proxy (--sequential is implied)
         from moe_proxy.build.expert_plan import PruningOptions
 
-        if args.experts is None:
-            raise MoeProxyError("--sequential needs --experts N: the statistics are made for that proxy")
         target = PruningOptions(experts=args.experts, method=args.method, features=args.features,
                                 representative=args.representative, keep_super=args.keep_super)
-    elif args.experts is not None:
-        raise MoeProxyError("--experts (and --method, ...) only mean something with --sequential")
+    elif args.sequential:
+        raise MoeProxyError("--sequential needs --experts N: the statistics are made for that proxy")
     summary = calibrate(args.src, args.out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
                         seed=args.seed, batch_size=args.batch_size, progress=not args.no_progress,
                         store_options=store_options(args), sequential=target)
-    print(json.dumps(summary, indent=2) if args.json else text(summary))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(text(summary) + ("\n" + DEEPER if target is None and not args.one_pass else ""))
     return 0
 
 
