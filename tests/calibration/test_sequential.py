@@ -80,7 +80,7 @@ def test_build_refuses_sequential_statistics_of_another_proxy(three_moe, tmp_pat
     root, _, _ = three_moe
     with pytest.raises(cal.CalibrationError, match="sequential") as err:
         build_proxy(str(root / "src"), str(tmp_path / "p"), calibration=str(root / "seq"), **options)
-    assert why in str(err.value) and "--sequential" in str(err.value)
+    assert why in str(err.value) and "--one-pass" in str(err.value)  # the remedies: this proxy's statistics, or one-pass
     assert not (tmp_path / "p" / "proxy-manifest.json").exists()
     # One-pass statistics serve any build.
     build_proxy(str(root / "src"), str(tmp_path / "q"), calibration=str(root / "one"), reconstruct=False, **options)
