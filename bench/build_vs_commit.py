@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_proxy.demo.seaweed import SeaweedFS  # noqa: E402
+from build import children_cpu  # noqa: E402  (bench/build.py: CPU seconds of reaped children)
 from synthetic import BENCH, KEYS, QUICK, generate, upload  # noqa: E402
 
 CHILD = r"""
@@ -45,14 +45,12 @@ print(json.dumps({"in_process_s": time.perf_counter() - t, "in_process_cpu_s": c
 
 def timed(tree: Path, args: dict) -> dict:
     """One build in a fresh process with `tree` first on the path: spawn-to-exit wall and CPU."""
-    u0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
+    cpu0, t = children_cpu(), time.perf_counter()
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(tree)))
-    wall, u = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, cpu = time.perf_counter() - t, children_cpu() - cpu0
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
-    cpu = u.ru_utime + u.ru_stime - u0.ru_utime - u0.ru_stime
     return json.loads(out.stdout.strip().splitlines()[-1]) | {"process_s": wall, "process_cpu_s": cpu}
 
 

@@ -325,8 +325,9 @@ def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, workers: int, setting
     if raw.get("reconstruct") is not None:
         reconstruct = p.reconstruct
     else:
-        reconstruct = reconstructs(calibrated, p.heal) and workers == 1
-        if reconstructs(calibrated, p.heal) and workers > 1:
+        default = reconstructs(calibrated, p.heal)
+        reconstruct = default and workers == 1
+        if default and workers > 1:
             notes.append(f"no reconstruction (the default with spec.calibration) with spec.transformer.parallelism "
                          f"{workers}: each worker and the finalize step would fit every layer again; set "
                          f"spec.pruning.reconstruct true to pay that")

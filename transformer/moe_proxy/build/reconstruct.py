@@ -267,21 +267,18 @@ def _fit_layer(layer: torch.nn.Module, i: int, original: torch.nn.Module, block:
         after, fit_after = float(relative_error(proxy, *val)), float(relative_error(proxy, *train))
     use = after < r["before"]
     run = proxy_block(original, proxy_config, sel.kept, dtype, same_kernels=True)
+    # The layer as written: the fitted tensors, else the merged experts (--merge), else the plain
+    # selection's, which the writer reads from the source and `run` already holds.
+    written = (stored, back) if use else merged
+    if written is not None:
+        run_params = dict(run.named_parameters())
+        with torch.no_grad():
+            for name, value in written[1].items():
+                run_params[name].copy_(value)
+        for name, value in written[0].items():
+            plan.tensor_overrides[name] = spill.put(value)
     if use:
-        run_params = dict(run.named_parameters())
-        with torch.no_grad():
-            for name, value in back.items():
-                run_params[name].copy_(value)
-        for name, value in stored.items():
-            plan.tensor_overrides[name] = spill.put(value)
         fitted_names.update(targets.fitted())
-    elif merged is not None:  # the merged experts, as stored, are this layer's plain proxy
-        run_params = dict(run.named_parameters())
-        with torch.no_grad():
-            for name, value in merged[1].items():
-                run_params[name].copy_(value)
-        for name, value in merged[0].items():
-            plan.tensor_overrides[name] = spill.put(value)
     counts["fitted" if use else "plain"] += 1
     sel.record["reconstruct"] = {
         "fitted": use,
