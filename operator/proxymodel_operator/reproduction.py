@@ -30,6 +30,7 @@ DEFAULT_CONTAINER = "reproduction"
 RUN_VOLUME = "moe-proxy-run"  # the emptyDir a user's framework shares with the watcher
 METRICS_FILE = f"{RUN_DIR}/metrics.jsonl"  # VERL_FILE_LOGGER_PATH unless the template sets it
 STOP_FILE = f"{RUN_DIR}/stop"  # the watcher makes it when the failure is in (failOn.stopOnReproduce)
+READY_FILE = f"{RUN_DIR}/watcher-ready"  # the watcher makes it once SIGTERM cannot kill it unheard
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,12 @@ def watcher(spec: ProxyModelSpec, runtime: Runtime, where: Placement, env: list[
     """The native sidecar: `moe-proxy watch` on the framework's metrics file. It writes the
     verdict (its termination message) as soon as it decides and stays until the pod ends (a
     native sidecar that exits is restarted); on SIGTERM it reads the rest and writes the final
-    one. Only node 0 has metrics: on the other nodes it waits and writes nothing."""
+    one. Only node 0 has metrics: on the other nodes it waits and writes nothing. Its startupProbe
+    holds the framework's containers back until the watcher listens for SIGTERM: a framework that
+    ends within the watcher's start-up would otherwise leave no verdict."""
     r = spec.reproduction
     rank = runtime.rendezvous.init_node_rank
-    args = ["watch", metrics, "--termination-log", TERMINATION_LOG, "--hold",
+    args = ["watch", metrics, "--termination-log", TERMINATION_LOG, "--hold", "--ready-file", READY_FILE,
             "--node-rank", _var(rank) if rank and where.pods > 1 else "0"]
     if r.fail_on:
         args += ["--fail-on", r.fail_on.cli()]
@@ -174,7 +177,9 @@ def watcher(spec: ProxyModelSpec, runtime: Runtime, where: Placement, env: list[
             args += ["--stop-file", STOP_FILE]
     container = container_basics(r.workload, WATCHER)
     container.pop("resources", None)  # the framework's requests are the pod's; the watcher needs little
-    container.update(restartPolicy="Always", command=["moe-proxy"], args=args, env=env, volumeMounts=mounts)
+    container.update(restartPolicy="Always", command=["moe-proxy"], args=args, env=env, volumeMounts=mounts,
+                     startupProbe={"exec": {"command": ["test", "-e", READY_FILE]},
+                                   "periodSeconds": 1, "failureThreshold": 300})
     return container
 
 

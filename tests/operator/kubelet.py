@@ -6,8 +6,8 @@ the container's env resolved as the pod spec says (values, `$(VAR)` references t
 variables, secretKeyRef and configMapKeyRef from the emulator's Secrets and ConfigMaps,
 downward-API fields and annotations such as the completion index), configMap volumes as files,
 `$(VAR)` expanded in command and args,
-native sidecars (init containers with `restartPolicy: Always`) started first and sent SIGTERM once
-the main containers have exited, and each container's termination message read from its
+native sidecars (init containers with `restartPolicy: Always`) started first (their startupProbe
+passed) and sent SIGTERM once the main containers have exited, and each container's termination message read from its
 terminationMessagePath. Where a node differs, it is said: every pod's volumes are directories of
 the test, the images' `moe-proxy` and `python` are this checkout's, the pods' host names resolve
 to 127.0.0.1 and, all pods sharing this machine's network, MASTER_PORT is a free local port.
@@ -156,6 +156,21 @@ class Kubelet:
         output = (self.root / pod.name / f"{container['name']}.log").read_text()
         return Ran(container["name"], process.returncode, message, output)
 
+    def _wait_started(self, pod: Pod, container: dict, process: subprocess.Popen) -> None:
+        """A sidecar is started once its startupProbe (exec) succeeds, as the kubelet has it (polled
+        faster than periodSeconds, within the same failureThreshold x periodSeconds); without one,
+        once its process runs (a short grace here)."""
+        probe = container.get("startupProbe")
+        if not probe:
+            time.sleep(0.5)
+            return
+        argv = [self._local(pod, container, a) for a in probe["exec"]["command"]]
+        limit = time.monotonic() + probe.get("failureThreshold", 3) * probe.get("periodSeconds", 10)
+        while subprocess.run(argv, check=False).returncode != 0:
+            assert process.poll() is None, f"sidecar {container['name']} exited ({process.returncode}) before it started"
+            assert time.monotonic() < limit, f"sidecar {container['name']}: startupProbe {argv} never succeeded"
+            time.sleep(0.05)
+
     def run(self, pods: list[Pod], timeout: float = 300) -> dict[str, dict[str, Ran]]:
         """Run every pod at once (a gang); returns pod name -> container name -> Ran."""
         started = []
@@ -163,7 +178,8 @@ class Kubelet:
             sidecars = [c for c in pod.template["spec"].get("initContainers") or [] if c.get("restartPolicy") == "Always"]
             assert len(sidecars) == len(pod.template["spec"].get("initContainers") or []), "plain init containers"
             side = [(c, self.start(pod, c)) for c in sidecars]
-            time.sleep(0.5 if side else 0)  # started before the main containers, as the kubelet does
+            for container, process in side:  # started before the main containers, as the kubelet does
+                self._wait_started(pod, container, process)
             main = [(c, self.start(pod, c)) for c in pod.template["spec"]["containers"]]
             started.append((pod, side, main))
         deadline = time.monotonic() + timeout

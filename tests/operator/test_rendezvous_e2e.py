@@ -23,9 +23,10 @@ import json
 import math
 import textwrap
 
+import kubernetes_validate
 import pytest
 
-from proxymodel_operator.reproduction import METRICS_FILE, RUN_DIR, RUN_VOLUME
+from proxymodel_operator.reproduction import METRICS_FILE, READY_FILE, RUN_DIR, RUN_VOLUME
 from proxymodel_operator.resources import JOBS, PROXYMODELS, SERVICES
 from proxymodel_operator.runtimes import RUNTIMES, WATCHER
 
@@ -186,6 +187,10 @@ async def test_a_frameworks_nan_at_step_3_is_the_sidecars_verdict(cluster, opera
     pod = RUNTIMES[runtime].pod_templates(workload["spec"])[0]["spec"]
     [sidecar] = pod["initContainers"]
     assert (sidecar["name"], sidecar["restartPolicy"]) == (WATCHER, "Always")
+    # the framework starts once the watcher listens for SIGTERM (the kubelet here waits for the probe too)
+    assert sidecar["startupProbe"]["exec"]["command"] == ["test", "-e", READY_FILE] and READY_FILE in sidecar["args"]
+    if runtime == "Job":  # the API server's schema takes it (a sidecar's startupProbe is Kubernetes >= 1.29)
+        kubernetes_validate.validate(workload, "1.31.0", strict=True)
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["VERL_FILE_LOGGER_PATH"] == METRICS_FILE and env["MOEPROXY_EXPERTS_PER_LAYER"] == "4"
     assert {m["mountPath"] for m in sidecar["volumeMounts"]} == {RUN_DIR}

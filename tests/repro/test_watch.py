@@ -1,6 +1,7 @@
 """`moe-proxy watch`: follows a growing metrics file, same detectors and verdict as repro."""
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -72,3 +73,38 @@ def test_watch_never_imports_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def _sidecar(tmp_path, *args):
+    """`moe-proxy watch` as its own process, as a native sidecar runs it; returns once its ready
+    file says SIGTERM ends the watch instead of the process (what the startupProbe checks)."""
+    ready = tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, "-m", "moe_proxy.cli", "watch", *args, "--ready-file", str(ready),
+                                "--hold", "--poll", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0]
+        time.sleep(0.02)
+    return process
+
+
+def test_sigterm_right_after_start_reads_the_whole_file_and_gives_the_verdict(tmp_path):
+    """The framework ended (its file complete) before the watch's first poll came round: the
+    SIGTERM that follows wakes it, it reads the rest, writes the verdict and exits 0."""
+    metrics, log = tmp_path / "m.jsonl", tmp_path / "log"
+    process = _sidecar(tmp_path, str(metrics), "--fail-on", "nan", "--termination-log", str(log))
+    metrics.write_text("".join(verl_line(s, **{"actor/pg_loss": float("nan") if s == 3 else 0.1}) for s in (1, 2, 3, 4)))
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=30)  # not the 60 s poll: SIGTERM wakes it
+    assert process.returncode == 0, output
+    assert "nan at step 3 (reproduced)" in output
+    assert (json.loads(log.read_text())["signature"], json.loads(log.read_text())["step"]) == ("nan", 3)
+
+
+def test_another_nodes_watch_ends_cleanly_on_sigterm_with_no_verdict(tmp_path):
+    log = tmp_path / "log"
+    process = _sidecar(tmp_path, str(tmp_path / "m.jsonl"), "--node-rank", "1", "--termination-log", str(log))
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output
+    assert not log.exists()

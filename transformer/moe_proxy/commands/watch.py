@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 
 def add_parser(subparsers) -> None:
@@ -30,41 +31,50 @@ def add_parser(subparsers) -> None:
     p.add_argument("--hold", action="store_true",
                    help="once the verdict is written, stay until SIGTERM (or --until-file): a Kubernetes native "
                    "sidecar that exits is restarted")
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="create this file once the watch listens for SIGTERM (a sidecar's startupProbe checks "
+                   "it, so the main container cannot end before the watch can hear it)")
     p.add_argument("--node-rank", type=int, default=0, metavar="R",
                    help="this pod's node rank in a multi-node run; only node 0 has the metrics, so on any other "
                    "node the watch waits for SIGTERM (or --until-file) and writes no verdict")
     p.set_defaults(func=run)
 
 
-def _wait_for_end(until_file: str | None, poll: float) -> None:
-    """Until SIGTERM or the done marker."""
-    import signal
-    import threading
+def _wait_for_end(ended, until_file: str | None, poll: float) -> None:
+    """Until SIGTERM (`ended`) or the done marker."""
     from pathlib import Path
 
-    ended = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: ended.set())
     while not ended.wait(poll):
         if until_file and Path(until_file).exists():
             return
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_proxy.repro.watch import sigterm_ends
+
+    with sigterm_ends() as ended:  # first: from here on SIGTERM ends the watch, not the process
+        return _run(args, ended)
+
+
+def _run(args: argparse.Namespace, ended) -> int:
     from moe_proxy.errors import InvalidReproConfig, MoeProxyError
     from moe_proxy.repro.detect import Signature, Thresholds
     from moe_proxy.repro.watch import watch
     from moe_proxy.reports import error_report, write_termination_log
 
+    if args.ready_file:
+        Path(args.ready_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.ready_file).touch()
     if args.node_rank != 0:
         print(f"node {args.node_rank}: node 0's watcher decides; waiting for the run to end")
-        _wait_for_end(args.until_file, args.poll)
+        _wait_for_end(ended, args.until_file, args.poll)
         return 0
     try:
         if not args.metrics_file:
             raise InvalidReproConfig("no METRICS_FILE given and $VERL_FILE_LOGGER_PATH is not set")
         fail_on = Signature.parse(args.fail_on) if args.fail_on else None
         result = watch(args.metrics_file, fail_on=fail_on, thresholds=Thresholds(), until_file=args.until_file,
-                       stop_file=args.stop_file, timeout_s=args.timeout, poll_s=args.poll)
+                       stop_file=args.stop_file, timeout_s=args.timeout, poll_s=args.poll, ended=ended)
     except MoeProxyError as exc:
         if args.termination_log:
             write_termination_log(args.termination_log, error_report(exc))
@@ -77,5 +87,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"no failure in {result.steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
     if args.hold and not result.run_ended:
-        _wait_for_end(args.until_file, args.poll)
+        _wait_for_end(ended, args.until_file, args.poll)
     return 0

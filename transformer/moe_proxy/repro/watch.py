@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,10 +45,6 @@ class WatchResult:
     stopped: str  # why the watch ended
     failures: dict = field(default_factory=dict)
     run_ended: bool = False  # the run ended (done marker or SIGTERM), not only the watch
-
-
-class _Stop(Exception):
-    pass
 
 
 class MetricsFollower:
@@ -78,25 +77,36 @@ class MetricsFollower:
         return out
 
 
+@contextmanager
+def sigterm_ends() -> Iterator[threading.Event]:
+    """An event SIGTERM sets, for the duration (main thread only; elsewhere it is never set and
+    the done marker and timeout still end the watch). A sidecar enters it first thing: a SIGTERM
+    that came before would kill the watch without a verdict."""
+    ended = threading.Event()
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda *_: ended.set())
+    except ValueError:
+        previous = None
+    try:
+        yield ended
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresholds: Thresholds | None = None,
           until_file: str | Path | None = None, stop_file: str | Path | None = None,
-          timeout_s: float | None = None, poll_s: float = 1.0) -> WatchResult:
-    """Follow `metrics_file` until the verdict is in (see the module docstring)."""
+          timeout_s: float | None = None, poll_s: float = 1.0,
+          ended: threading.Event | None = None) -> WatchResult:
+    """Follow `metrics_file` until the verdict is in (see the module docstring). `ended` is the
+    run's end as SIGTERM reports it (`sigterm_ends`); without it none is listened for."""
     path = Path(metrics_file)
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
     follower = MetricsFollower(path)
     rows: dict[int, dict[str, float]] = {}
     last: dict[str, float] = {}
     started = time.monotonic()
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_term(*_):
-        raise _Stop()
-
-    try:
-        signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread: no signal, the done marker and timeout still work
-        previous = None
+    ended = ended or threading.Event()
 
     def feed(final: bool = False) -> str | None:
         nonlocal last
@@ -118,27 +128,24 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
                 return reason
         return None
 
-    stopped, ended = None, False
-    try:
-        while stopped is None:
-            stopped = feed()
-            if stopped:
-                break
-            if until_file and Path(until_file).exists():
-                stopped, ended = feed(final=True) or "the run ended (done marker)", True
-                break
-            if timeout_s is not None and time.monotonic() - started > timeout_s:
-                raise WatchTimeout(f"{path}: no end of the run within {timeout_s:g}s ({len(rows)} steps seen"
-                                   f"{'' if path.is_file() else ', and the file never appeared'}); no verdict")
-            time.sleep(poll_s)
-    except _Stop:
-        stopped, ended = feed(final=True) or "the run ended (SIGTERM)", True
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    stopped, run_ended = None, False
+    while stopped is None:
+        stopped = feed()
+        if stopped:
+            break
+        if until_file and Path(until_file).exists():
+            stopped, run_ended = feed(final=True) or "the run ended (done marker)", True
+            break
+        if ended.is_set():
+            stopped, run_ended = feed(final=True) or "the run ended (SIGTERM)", True
+            break
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise WatchTimeout(f"{path}: no end of the run within {timeout_s:g}s ({len(rows)} steps seen"
+                               f"{'' if path.is_file() else ', and the file never appeared'}); no verdict")
+        ended.wait(poll_s)
     if not rows and not path.is_file():
         raise MalformedMetrics(f"{path}: the run ended and the metrics file never appeared; no verdict")
     if stop_file and stopped.startswith(("reproduced", "loss or weights")):
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
         Path(stop_file).write_text(stopped + "\n")
-    return WatchResult(verdict_report(detector, fail_on, last), len(rows), stopped, detector.to_dict(), ended)
+    return WatchResult(verdict_report(detector, fail_on, last), len(rows), stopped, detector.to_dict(), run_ended)
