@@ -163,3 +163,13 @@ def test_auto_counts_respect_routing_groups_and_top_k():
     assert auto_counts(ds, SizingOptions(top_k=8)) == [12]
     plan = auto_plan(ds, SizingOptions())
     assert plan.proxy.experts_per_layer == 12 and "smallest of 8, 12 experts" in plan.notes[-1]
+
+
+def test_the_cli_build_shows_the_fidelity_figure_layer_by_layer(source, capsys):
+    """Long work shows progress: the figure's pass (both models, one layer at a time) has its bar."""
+    config = json.loads((source / "src" / "config.json").read_text())
+    rc = main(["build", str(source / "src"), str(source / "bar"), "--experts", "4", "--calibration",
+               str(source / "stats"), "--no-reconstruct"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "measuring fidelity: 100%" in err and f"{config['num_hidden_layers']}/{config['num_hidden_layers']}" in err

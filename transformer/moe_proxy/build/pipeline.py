@@ -373,9 +373,11 @@ def _read_journal(dst: Store, name: str, build_id: str, plan: dict | None = None
     return j.get("files", {}) if same else {}
 
 
-def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str, Written] | None = None) -> dict:
+def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str, Written] | None = None,
+             progress: bool = False) -> dict:
     """Check every worker's shards, then write config, index, other files and the manifest.
-    `fresh`: shards this very process has just written (a single build), not checked again."""
+    `fresh`: shards this very process has just written (a single build), not checked again.
+    `progress`: a bar over the fidelity figure's layers, when there is one to measure."""
     written: dict[str, Written] = dict(fresh or {})
     for worker, files in enumerate(assign_shards(p.shards, workers) if fresh is None else []):
         name = journal_name(worker, workers)
@@ -398,7 +400,7 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
     if p.calibration is not None and plan.fidelity is None:  # the figure, before anything is published
         from moe_proxy.build.fidelity import measure
 
-        plan.fidelity = measure(ckpt, p.layout, plan, p.calibration, p.shards)
+        plan.fidelity = measure(ckpt, p.layout, plan, p.calibration, p.shards, progress)
     written["config.json"] = write_file(p.dst, "config.json", [_json(rewrite_config(ckpt.config, plan))])
     if ckpt.store.exists(INDEX):
         weight_map = {t.name: f for f, ts in p.shards.items() for t in ts}
@@ -476,11 +478,11 @@ def build_proxy(
         p.plan.fidelity = chosen[0]
         p.plan.notes.extend(n for n in chosen[1] if n not in p.plan.notes)  # (a workers' plan has them)
     if finalize_only:
-        return finalize(p, workers, overwrite)
+        return finalize(p, workers, overwrite, progress=progress)
     if worker is not None:
         files = write_share(p, worker, workers, progress)
         return {"worker": worker, "workers": workers, "files": {f: asdict(w) for f, w in files.items()}}
-    return finalize(p, 1, overwrite, fresh=write_share(p, 0, 1, progress))
+    return finalize(p, 1, overwrite, fresh=write_share(p, 0, 1, progress), progress=progress)
 
 
 class Published(dict):
