@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -194,7 +195,7 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
         raise MoeProxyError("--reconstruct needs at least 2 calibration sequences (one is held out)")
     held = torch.arange(len(ids)) % HOLDOUT == 0
     states = HiddenStates(model, ids, BATCH)
-    spill, fitted_names, counts, merged_blocks = Spill(), set(), {"fitted": 0, "plain": 0}, []
+    p = _Pass(plan, proxy_config, layout.arch, model.dtype, states, held, Spill(), calibration if merge else None)
     bar = tqdm(range(model.n_layers), desc="reconstructing", unit="layer", disable=not progress)
     for i in bar:
         block = next((b for b in layout.blocks if b.layer == i), None)
@@ -205,8 +206,7 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
                 continue
             # In a function: nothing of this layer (its float32 block with gradients, the values
             # stored and read back, the block it ran with) is alive when the next layer loads.
-            msg = _fit_layer(layer, i, mods.block, block, plan, proxy_config, layout.arch, model.dtype, states,
-                             held, spill, fitted_names, counts, calibration if merge else None, merged_blocks)
+            msg = _fit_layer(p, layer, i, mods.block, block)
             log.info(msg)
             if progress:
                 bar.write(msg)
@@ -215,7 +215,7 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
     plan.reconstruction = {
         "objective": "relative squared error of the MoE block output, ||proxy_block(X) - Y||^2 / ||Y||^2, X the "
                      "block input through the already reconstructed proxy, Y the original block's output on X",
-        "fitted": sorted(fitted_names),
+        "fitted": sorted(p.fitted_names),
         "tokens": {"calibration_sha256": calibration.summary["tokens"]["sha256"], "sequences": len(ids),
                    "seq_len": seq_len, "split": f"every {HOLDOUT}th calibration sequence (0, {HOLDOUT}, ...) held out",
                    "fit": {"sequences": n_fit, "tokens": n_fit * seq_len},
@@ -224,20 +224,37 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
                       "lr_router_x_rms": ROUTER_LR, "lr_experts_x_rms": EXPERT_LR},
         "rule": "a layer keeps its fitted tensors only if, as stored (dtype, FP8 re-quantised), they lower the "
                 "held-out error below the plain selection's",
-        "layers": counts,
+        "layers": p.counts,
     }
     if merge:
         from moe_proxy.build.merge import describe
 
-        plan.merge = describe(plan, merged_blocks)
+        plan.merge = describe(plan, p.merged_blocks)
 
 
-def _fit_layer(layer: torch.nn.Module, i: int, original: torch.nn.Module, block: MoeBlock, plan, proxy_config, arch,
-               dtype: torch.dtype, states: HiddenStates, held: torch.Tensor, spill: Spill, fitted_names: set,
-               counts: dict, calibration, merged_blocks: list) -> str:
+@dataclass
+class _Pass:
+    """What every layer's fit shares, and what it adds to (the fitted tensors' names, the counts,
+    the merged blocks)."""
+
+    plan: object  # the ExpertPlan being filled
+    proxy_config: object  # the proxy's transformers config
+    arch: object
+    dtype: torch.dtype  # the checkpoint's
+    states: HiddenStates  # the calibration tokens' hidden states through the proxy so far
+    held: torch.Tensor  # which calibration sequences are held out
+    spill: Spill
+    merge_with: object = None  # the statistics whose gate mass weights the merges (--merge), else None
+    fitted_names: set = field(default_factory=set)
+    counts: dict = field(default_factory=lambda: {"fitted": 0, "plain": 0})
+    merged_blocks: list = field(default_factory=list)
+
+
+def _fit_layer(p: _Pass, layer: torch.nn.Module, i: int, original: torch.nn.Module, block: MoeBlock) -> str:
     """Fit MoE block `block` of loaded decoder layer `layer` (`original`: its MoE module),
     record it in the plan, spill what is written and advance the hidden states through the
-    layer as it will be written; returns the progress line. `calibration`: merge first (--merge)."""
+    layer as it will be written; returns the progress line."""
+    plan, proxy_config, states, held = p.plan, p.proxy_config, p.states, p.held
     start = time.monotonic()
     sel = plan.selections[block.prefix]
     with block_io(original) as (xs, ys):  # the original block on the proxy's hidden states
@@ -247,15 +264,15 @@ def _fit_layer(layer: torch.nn.Module, i: int, original: torch.nn.Module, block:
     train = (x[~held].reshape(1, -1, h), y[~held].reshape(1, -1, h))
     val = (x[held].reshape(1, -1, h), y[held].reshape(1, -1, h))
     proxy = proxy_block(original, proxy_config, sel.kept)
-    targets = Targets(proxy, block, arch, sel.kept)
+    targets = Targets(proxy, block, p.arch, sel.kept)
     merged = None
-    if calibration is not None and block.prefix in calibration.layers:
+    if p.merge_with is not None and block.prefix in p.merge_with.layers:
         from moe_proxy.build.merge import merge_into
 
         record, stored_m, back_m = merge_into(original, proxy, sel,
-                                              calibration.layers[block.prefix].gate_mass, targets)
+                                              p.merge_with.layers[block.prefix].gate_mass, targets)
         sel.record["merge"], merged = record, (stored_m, back_m)
-        merged_blocks.append(block.prefix)
+        p.merged_blocks.append(block.prefix)
     with torch.no_grad():
         fit_before = float(relative_error(proxy, *train))
     r = fit(proxy, targets.groups(), train, val, RECON_STEPS, RECON_PATIENCE)
@@ -266,7 +283,7 @@ def _fit_layer(layer: torch.nn.Module, i: int, original: torch.nn.Module, block:
             params[name].copy_(value)
         after, fit_after = float(relative_error(proxy, *val)), float(relative_error(proxy, *train))
     use = after < r["before"]
-    run = proxy_block(original, proxy_config, sel.kept, dtype, same_kernels=True)
+    run = proxy_block(original, proxy_config, sel.kept, p.dtype, same_kernels=True)
     # The layer as written: the fitted tensors, else the merged experts (--merge), else the plain
     # selection's, which the writer reads from the source and `run` already holds.
     written = (stored, back) if use else merged
@@ -276,10 +293,10 @@ def _fit_layer(layer: torch.nn.Module, i: int, original: torch.nn.Module, block:
             for name, value in written[1].items():
                 run_params[name].copy_(value)
         for name, value in written[0].items():
-            plan.tensor_overrides[name] = spill.put(value)
+            plan.tensor_overrides[name] = p.spill.put(value)
     if use:
-        fitted_names.update(targets.fitted())
-    counts["fitted" if use else "plain"] += 1
+        p.fitted_names.update(targets.fitted())
+    p.counts["fitted" if use else "plain"] += 1
     sel.record["reconstruct"] = {
         "fitted": use,
         "error_before": {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)},
