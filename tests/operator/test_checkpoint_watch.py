@@ -314,7 +314,7 @@ async def test_listing_errors_are_conditions_and_recover(cluster, operator, run,
     await cluster.patch(SECRETS, NS, "s3-creds", {"data": {"AWS_SECRET_ACCESS_KEY": _b64(SECRET_KEY)}})
     await eventually(lambda: proxymodels(cluster) == ["err-step-100"], what="recovery")
     await eventually(lambda: watch_condition(cluster, "err", "SourceReachable")["status"] == "True")
-    assert events(cluster, "SourceReachable")
+    await eventually(lambda: events(cluster, "SourceReachable"), what="the recovery's Event")  # posted from a queue
 
     # No secret value anywhere: logs, statuses, Events, the objects the operator made.
     everything = json.dumps([dict(o.raw) for o in list(cluster.emulator.objects.values())
