@@ -76,6 +76,15 @@ def test_quick_fidelity_lab_prints_its_tables_and_figures(tmp_path):
     assert {p.name for p in tmp_path.glob("*.png")} == {
         f"{f}-{s}-0.5.png" for f in families for s in ("clean", "router-scale")}
 
+    # bench/rl_batch.py: the same clean runs with more prompts per step, on the proxies just built
+    text = run_bench("rl_batch.py", "--out", str(tmp_path), "--batch", "4", timeout=900)
+    for family in families:
+        for name in ("plain-0.5", "seq-recon-0.5", "original-reseeded"):
+            [row] = [line for line in text.splitlines() if line.startswith(f"| {family} | {name} |")]
+            assert len(row.strip("| ").split(" | ")) == 2 + 2 + 1, row  # model, proxy, seeds 0 and 1, mean
+        key = json.loads((tmp_path / family / "rl-batch-4" / "1" / "clean" / "seq-recon-0.5" / "lab-key.json").read_text())
+        assert (key["config"]["batch_size"], key["config"]["steps"], key["config"]["prompt_seed"]) == (4, 2, 1)
+
 
 @pytest.mark.slow
 def test_quick_repro_memory_bench_prints_a_row_per_rank_count():
