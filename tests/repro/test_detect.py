@@ -31,6 +31,14 @@ def test_overflow_without_and_with_loss_scaling():
     assert feed(FailureDetector(), collapsed) == {"overflow": 0}
 
 
+def test_underflow_is_judged_in_half_precision_steps_only():
+    """A clean fp32 run's rare exact zeros (2.2e-6 of the elements in the fidelity lab) are
+    cancellations, not a flush: no verdict; the same row in fp16 is one."""
+    row = {"numerics/dense_grad_zero_frac": 2.2e-6}
+    assert feed(FailureDetector(), [row | {"numerics/half_precision": 0.0}]) == {}
+    assert feed(FailureDetector(), [row | {"numerics/half_precision": 1.0}]) == {"underflow": 0}
+
+
 def test_nan_is_not_also_an_overflow():
     rows = [{"actor/pg_loss": math.nan, "numerics/grad_overflow": 1}]
     assert feed(FailureDetector(), rows) == {"nan": 0}
