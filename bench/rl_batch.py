@@ -39,8 +39,7 @@ def scores(family: str, proxies: list[str], batch: int, steps: int, seeds: list[
         path = root / "proxies" / name
         if not (path / "proxy-manifest.json").is_file():
             raise SystemExit(f"{path} is not built: run bench/fidelity.py for {family} first")
-        models[name] = lab.Model(path, 0.0, 0.0)
-    lab.RL = lab.RL | {"batch_size": batch}  # what run_scenarios passes to every run
+        models[name] = lab.Model(path, 0.0, 0.0)  # run_scenarios uses only the path
     out: dict[str, list[float]] = {}
     for seed in seeds:
         runs = lab.run_scenarios(models, {"clean": {}}, root / f"rl-batch-{batch}" / str(seed), steps, seed=seed)["clean"]
@@ -69,6 +68,7 @@ def main() -> int:
         args.steps, args.seeds = 2, args.seeds[:2]
         lab.OUT = lab.OUT.with_name("fidelity-quick")
     lab.OUT = args.out or lab.OUT
+    lab.RL = lab.RL | {"batch_size": args.batch}  # what run_scenarios passes to every run
     print(f"clean median Pearson against the original, {args.batch} prompts x {lab.RL['group_size']} samples "
           f"per step, {args.steps} steps, seeds {' '.join(map(str, args.seeds))}\n")
     print("| lab model | proxy | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean |")

@@ -7,8 +7,8 @@ variables, secretKeyRef and configMapKeyRef from the emulator's Secrets and Conf
 downward-API fields and annotations such as the completion index), configMap volumes as files,
 `$(VAR)` expanded in command and args,
 native sidecars (init containers with `restartPolicy: Always`) started first (their startupProbe
-passed) and sent SIGTERM once the main containers have exited, and each container's termination message read from its
-terminationMessagePath. Where a node differs, it is said: every pod's volumes are directories of
+passed) and sent SIGTERM once the main containers have exited, and each container's termination
+message read from its terminationMessagePath. Where a node differs, it is said: every pod's volumes are directories of
 the test, the images' `moe-proxy` and `python` are this checkout's, the pods' host names resolve
 to 127.0.0.1 and, all pods sharing this machine's network, MASTER_PORT is a free local port.
 """

@@ -98,7 +98,8 @@ def test_sigterm_right_after_start_reads_the_whole_file_and_gives_the_verdict(tm
     output, _ = process.communicate(timeout=30)  # not the 60 s poll: SIGTERM wakes it
     assert process.returncode == 0, output
     assert "nan at step 3 (reproduced)" in output
-    assert (json.loads(log.read_text())["signature"], json.loads(log.read_text())["step"]) == ("nan", 3)
+    verdict = json.loads(log.read_text())
+    assert (verdict["signature"], verdict["step"]) == ("nan", 3)
 
 
 def test_another_nodes_watch_ends_cleanly_on_sigterm_with_no_verdict(tmp_path):

@@ -42,8 +42,6 @@ def add_parser(subparsers) -> None:
 
 def _wait_for_end(ended, until_file: str | None, poll: float) -> None:
     """Until SIGTERM (`ended`) or the done marker."""
-    from pathlib import Path
-
     while not ended.wait(poll):
         if until_file and Path(until_file).exists():
             return
