@@ -13,6 +13,7 @@ from typing import Any
 
 from moe_proxy.reports import calibration_needs, reconstructs
 from moe_proxy.repro.detect import SIGNATURES as DETECTED_SIGNATURES
+from moe_proxy.storage import overlap
 
 from .runtimes import RUNTIMES
 from .settings import Settings
@@ -233,8 +234,7 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     destination = (spec.get("destination") or {}).get("uri") or default_destination(uri, namespace, name)
     if not _S3.match(destination):
         raise InvalidSpec(f"spec.destination.uri {destination!r}: expected s3://bucket/prefix")
-    src_dir, dst_dir = uri.rstrip("/") + "/", destination.rstrip("/") + "/"
-    if dst_dir.startswith(src_dir) or src_dir.startswith(dst_dir):
+    if overlap(destination, uri):  # however spelled: s3://b//x/ is s3://b/x
         raise InvalidSpec(f"spec.destination.uri {destination!r} overlaps the source {uri!r}: "
                           "a proxy must never be written into its source checkpoint")
 

@@ -3,6 +3,7 @@ bytes downloaded, idempotent reruns, refusal of a different proxy, CLI inspect/v
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -132,3 +133,31 @@ def test_cli_build_inspect_verify_on_s3(seaweed, s3_ckpt, prefix):
     assert "qwen3" in r.stdout.lower()
     r = cli("verify", f"s3://proxy/{prefix}", *endpoint)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _objects(client, bucket: str, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = hashlib.sha256(client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("dst", ["s3://ckpt/qwen3", "s3://ckpt//qwen3/", "s3://ckpt/qwen3/proxy", "s3://ckpt",
+                                 "s3://ckpt/"])
+def test_an_s3_destination_overlapping_the_source_is_refused(seaweed, s3_ckpt, dst):
+    client = seaweed.client()
+    before = _objects(client, "ckpt")
+    with pytest.raises(DestinationExists, match="source checkpoint"):
+        build_proxy(s3_ckpt, dst, experts=8, overwrite=True, store_options={"endpoint_url": seaweed.endpoint_url})
+    assert _objects(client, "ckpt") == before  # every source object intact, nothing added
+
+
+def test_an_s3_prefix_that_is_not_a_proxy_is_refused_with_overwrite(seaweed, s3_ckpt, prefix):
+    client = seaweed.client()
+    client.put_object(Bucket="proxy", Key=f"{prefix}/data/train.parquet", Body=b"someone's data")
+    before = _objects(client, "proxy", prefix)
+    with pytest.raises(DestinationExists, match="not a moe-proxy output.*data/train.parquet"):
+        build_proxy(s3_ckpt, f"s3://proxy/{prefix}", experts=8, overwrite=True,
+                    store_options={"endpoint_url": seaweed.endpoint_url})
+    assert _objects(client, "proxy", prefix) == before

@@ -34,6 +34,7 @@ TORCH_FREE = (
     "moe_proxy.repro.config",
     "moe_proxy.repro.detect",
     "moe_proxy.repro.metrics_io",
+    "moe_proxy.repro.source",  # a run's checkpoint, checked before torch loads
     "moe_proxy.cli",
     "moe_proxy.commands",
     "moe_proxy.commands._common",

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from moe_proxy import __version__
 from moe_proxy.architectures import detect
-from moe_proxy.checkpoint.reader import INDEX, MANIFEST, Checkpoint, TensorInfo, open_checkpoint, read_json, slice_ranges
+from moe_proxy.checkpoint.reader import INDEX, JOURNAL, MANIFEST, Checkpoint, TensorInfo, check_finished, open_checkpoint, slice_ranges
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
 from moe_proxy.reports import reconstructs
 from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
@@ -43,11 +43,10 @@ from moe_proxy.checkpoint.reads import read_ahead, read_tasks
 from moe_proxy.checkpoint.params import stored_params
 from moe_proxy.build.expert_plan import PruningOptions, ExpertPlan, plan_experts, plan_from_record, plan_record
 from moe_proxy.build.writer import OutTensor, Written, header_bytes, shard_size, write_file
-from moe_proxy.storage import Store, Writer, open_store, sha256_of, write_bytes
+from moe_proxy.storage import Store, Writer, open_store, overlap, sha256_of, write_bytes
 from moe_proxy.storage.inflight import Transfer
 
 log = logging.getLogger(__name__)
-JOURNAL = ".moe-proxy-journal"
 
 
 @dataclass
@@ -201,28 +200,75 @@ def _journals(dst: Store) -> list[str]:
     return [n for n in dst.list() if n.startswith(JOURNAL)]
 
 
-def _check_destination(dst: Store, src: Store, build_id: str, overwrite: bool) -> dict | None:
-    """The existing manifest when dst already holds this very proxy; raise if it holds another."""
-    if dst.uri.rstrip("/") == src.uri.rstrip("/"):
-        raise DestinationExists("destination is the source checkpoint itself; choose another directory")
-    if dst.exists(MANIFEST):
-        m = read_json(dst, MANIFEST)
-        if m.get("build_id") == build_id and all(dst.exists(f) for f in m.get("files", {})):
-            return m
-        if not overwrite:
-            raise DestinationExists(
-                f"{dst.uri} already holds a different proxy (of {m.get('source', {}).get('uri')}, "
-                f"method {m.get('method')}); pass --overwrite to replace it"
-            )
-    elif dst.list() and not _journals(dst) and not overwrite:
-        raise DestinationExists(f"{dst.uri} is not empty and is not a moe-proxy output; pass --overwrite to replace it")
-    return None
+REPLACED = f"{JOURNAL}-replaced.json"  # the files of the proxy this build replaces (--overwrite)
+
+
+def check_apart(src: str, dst: str) -> None:
+    """Refuse a destination that is, contains or lies inside the source, however spelled
+    (real paths, symlinks followed; normalised s3:// bucket and prefix): writing there could
+    overwrite or delete the source's own files."""
+    how = overlap(dst, src)
+    if how == "same":
+        raise DestinationExists(f"destination {dst} is the source checkpoint itself; choose another directory")
+    if how is not None:
+        where = "lies inside" if how == "inside" else "contains"
+        raise DestinationExists(f"destination {dst} {where} the source checkpoint {src}; a proxy must never be "
+                                f"written into or around its source: choose a directory apart from it")
+
+
+def _owned(dst: Store) -> set[str]:
+    """The files earlier moe-proxy builds wrote into dst, as their journals (and the record of a
+    replaced proxy) list them: the only files a build may ever delete there."""
+    owned = set()
+    for name in _journals(dst):
+        try:
+            j = json.loads(dst.read_bytes(name))
+        except ValueError:
+            continue
+        owned |= set(j.get("files", {})) | set(j.get("replaces", []))
+    return owned
+
+
+def _proxy_manifest(dst: Store) -> dict | None:
+    """dst's proxy-manifest.json when it is one moe-proxy wrote; None for anything else."""
+    try:
+        m = json.loads(dst.read_bytes(MANIFEST))
+    except ValueError:
+        return None
+    return m if isinstance(m, dict) and str(m.get("format", "")).startswith("moe-proxy/") else None
+
+
+def _check_destination(dst: Store, build_id: str, overwrite: bool) -> tuple[dict | None, list[str]]:
+    """(the existing manifest when dst already holds this very proxy, else None; the files of
+    the proxy this build replaces). dst must be empty, or a moe-proxy output: a finished proxy
+    (replaced only with `overwrite`) or an interrupted build (resumed). Anything else is refused
+    whatever the flags: --overwrite never deletes a file moe-proxy did not write."""
+    names = dst.list()
+    if not names:
+        return None, []
+    manifest = _proxy_manifest(dst) if MANIFEST in names else None
+    if manifest is None and not _journals(dst):
+        some = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise DestinationExists(f"{dst.uri} is not empty and is not a moe-proxy output (it holds {some}); "
+                                f"choose a new or empty directory: nothing there is ever deleted, --overwrite "
+                                f"replaces only an earlier proxy")
+    if manifest is None:  # an interrupted build: resumed, or (another build's) replaced by this one
+        return None, []
+    if manifest.get("build_id") == build_id and all(dst.exists(f) for f in manifest.get("files", {})):
+        return manifest, []
+    if not overwrite:
+        raise DestinationExists(
+            f"{dst.uri} already holds a different proxy (of {manifest.get('source', {}).get('uri')}, "
+            f"method {manifest.get('method')}); pass --overwrite to replace it"
+        )
+    return None, [MANIFEST, *manifest.get("files", {})]
 
 
 def open_source(src: str | Store, options: PruningOptions, store_options: dict | None):
     """The source checkpoint, its layout and identity, and its calibration statistics (checked
     to be of this very checkpoint) when the options name them."""
     ckpt = open_checkpoint(src, **(store_options or {}))
+    check_finished(ckpt.store)
     layout = find_layout(ckpt, detect(ckpt.config))
     # Routers are read once, here: the identity, the features and the output rows use these bytes.
     ckpt.preload([t.name for b in layout.blocks for t, _ in b.router.values()])
@@ -251,6 +297,7 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     from them (checked against this checkpoint), not worked out again; with fitted tensors
     (--heal, --reconstruct), which the journals do not hold, it is re-planned and must match.
     `planned`: the plan --experts auto chose (and measured, and fitted), used as it is."""
+    check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
     store_options = dict(store_options or {})
     transfer = store_options.setdefault("transfer", Transfer.from_options(store_options))
@@ -265,7 +312,7 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
                                          + ([calibration.summary["made_for"]] if calibration
                                             and calibration.mode != "one-pass" else []),
                                          sort_keys=True).encode()).hexdigest()
-    existing = _check_destination(dst_store, ckpt.store, build_id, overwrite)
+    existing, replaced = _check_destination(dst_store, build_id, overwrite)
     if existing is not None:
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
         return existing | {"up_to_date": True}
@@ -281,6 +328,8 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
                                     f"({_plan_difference(journaled, mine)}); rerun every worker with the same moe-proxy")
     for note in plan.notes:
         log.warning(note)
+    if replaced:  # recorded before the manifest goes, so that finalize (maybe another process) knows them
+        write_bytes(dst_store, REPLACED, json.dumps({"build_id": build_id, "replaces": replaced}).encode())
     # Unpublish: from here until finalize writes the manifest, dst is visibly incomplete.
     dst_store.delete(MANIFEST)
     return Prepared(ckpt, layout, dst_store, options, identity, build_id, plan, output_tensors(ckpt, layout, plan),
@@ -410,10 +459,9 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
         written[INDEX] = write_file(p.dst, INDEX, [_json(index)])
     for name in ckpt.other_files():
         written[name] = write_file(p.dst, name, [ckpt.store.read_bytes(name)])
-    if overwrite:  # leftovers of the proxy this one replaces
-        for name in p.dst.list():
-            if name not in written and not name.startswith(JOURNAL):
-                p.dst.delete(name)
+    if overwrite:  # leftovers of the proxy this one replaces: only files a moe-proxy build wrote
+        for name in sorted(_owned(p.dst) - set(written) - {MANIFEST}):
+            p.dst.delete(name)
 
     if n := p.dst.discard_incomplete():  # all workers are done: nothing is being written
         log.info("%s: discarded %d unfinished write(s) of interrupted attempts", p.dst.uri, n)
@@ -464,6 +512,7 @@ def build_proxy(
     options.reconstruct = reconstructs(bool(calibration), heal, reconstruct)
     options.max_kl = max_kl
     options.merge = merge
+    check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     chosen = None
     if experts == "auto" or max_kl is not None:  # counts measured without writing; the chosen one is built
         from moe_proxy.build.fidelity import resolve_auto

@@ -18,6 +18,7 @@ from moe_proxy.storage import Store, open_store
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MANIFEST = "proxy-manifest.json"
+JOURNAL = ".moe-proxy-journal"  # prefix of a build's journals: present until its manifest is published
 MAX_HEADER = 100 << 20  # safetensors itself refuses headers over 100 MB
 PLAN_THREADS = 16  # small planning requests (HEADs, headers, routers) in flight at once
 
@@ -170,6 +171,14 @@ def read_json(store: Store, name: str) -> dict:
     if not isinstance(data, dict):
         raise CorruptCheckpoint(f"{store.uri}/{name}: expected a JSON object")
     return data
+
+
+def check_finished(store: Store) -> None:
+    """Refuse a directory a moe-proxy build has begun and not finished (its journals are there,
+    its manifest is not): its shards may be partial or of another build."""
+    if not store.exists(MANIFEST) and any(n.startswith(JOURNAL) for n in store.list()):
+        raise CorruptCheckpoint(f"{store.uri}: incomplete proxy (a build started there has not finished: no "
+                                f"{MANIFEST}); rerun the build")
 
 
 def open_checkpoint(uri: str | Store, **store_options) -> Checkpoint:

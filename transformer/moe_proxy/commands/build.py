@@ -82,7 +82,9 @@ def add_parser(sub) -> None:
     auto.add_argument("--max-experts", type=int, metavar="N", help="largest count to try")
     add_device_args(auto, "the proxy's device budget: only counts whose proxy fits are tried (the planner's "
                           "memory model, as in moe-proxy plan)")
-    p.add_argument("--overwrite", action="store_true", help="replace a different proxy at DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier moe-proxy proxy at DST, deleting only the files it lists (any other "
+                        "non-empty DST, and any DST overlapping SRC, is refused)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     scale = p.add_argument_group("scale-out (a Kubernetes Indexed Job: --worker $(JOB_COMPLETION_INDEX))")

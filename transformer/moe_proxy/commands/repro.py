@@ -108,13 +108,22 @@ def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from moe_proxy.errors import InvalidReproConfig
-    from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, RankFault, launched
+    from moe_proxy.errors import InvalidReproConfig, MoeProxyError
+    from moe_proxy.reports import error_report, write_termination_log
+    from moe_proxy.repro.source import check_source
 
-    try:
-        config = config_from_args(args)
-    except argparse.ArgumentTypeError as exc:
-        raise InvalidReproConfig(str(exc)) from None
+    try:  # bad arguments and a checkpoint that cannot run are refused before torch loads, writing nothing
+        try:
+            config = config_from_args(args)
+        except argparse.ArgumentTypeError as exc:
+            raise InvalidReproConfig(str(exc)) from None
+        check_source(args.checkpoint)
+    except MoeProxyError as exc:
+        if args.termination_log:
+            write_termination_log(args.termination_log, error_report(exc))
+        raise
+
+    from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, RankFault, launched
     fail_on = Signature.parse(args.fail_on) if args.fail_on else None
     if args.fault_rank_exit and args.fault_rank_hang:
         raise InvalidReproConfig("--fault-rank-exit and --fault-rank-hang: one rank fault at a time")
@@ -126,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
         from moe_proxy.repro.device import pick_device
         from moe_proxy.repro.distributed import check_local_ranks
         from moe_proxy.repro.launch import launch
-        from moe_proxy.reports import error_report, write_termination_log
 
         nproc = args.nproc_per_node or 1
         check_local_ranks(pick_device(args.device).type, nproc)

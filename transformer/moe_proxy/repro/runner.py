@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint
+from moe_proxy.errors import MoeProxyError
 from moe_proxy.reports import error_report, write_termination_log
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
@@ -42,7 +43,7 @@ from moe_proxy.repro.faults import FaultInjector
 from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
 from moe_proxy.repro.routers import RouterTap
 from moe_proxy.repro.sharded_load import load_shards, meta_model
-from moe_proxy.repro.source import local_checkpoint
+from moe_proxy.repro.source import check_source, local_checkpoint
 from moe_proxy.repro.task import Codec, PromptSet, load_prompts, make_prompts
 from moe_proxy.repro.verdict import first_failure, stop_reason as stop_reason_of, verdict_report
 
@@ -72,6 +73,12 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
     `prompts` (a file or s3:// object of verl RL data) replaces the built-in task. Launched by
     torchrun (RANK, WORLD_SIZE, LOCAL_RANK set), this process is one rank of the run."""
     out = Path(out_dir)
+    try:  # a run that cannot start writes no summary: only the Job's termination message says why
+        check_source(checkpoint)
+    except MoeProxyError as exc:
+        if termination_log:
+            write_termination_log(termination_log, error_report(exc))
+        raise
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
     started = time.time()
     last: dict[str, float] = {}

@@ -10,7 +10,18 @@ from pathlib import Path
 
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.storage.materialize import local_copy
-from moe_proxy.storage import open_store
+from moe_proxy.checkpoint.reader import check_finished
+from moe_proxy.storage import Store, open_store
+
+
+def check_source(uri: str) -> Store:
+    """The store of a run's checkpoint, refused unless it is a finished Hugging Face checkpoint
+    (checked before a run starts, so that a refused run writes nothing)."""
+    store = open_store(uri)
+    if not store.exists("config.json"):
+        raise CorruptCheckpoint(f"{uri}: no config.json there; expected a Hugging Face checkpoint directory")
+    check_finished(store)
+    return store
 
 
 @contextlib.contextmanager
@@ -18,8 +29,6 @@ def local_checkpoint(uri: str, weights: bool = True) -> Iterator[Path]:
     """Yield a local directory holding the checkpoint at `uri` (a path or s3://bucket/prefix).
     `weights=False`: a remote checkpoint's safetensors are not copied (a rank of a distributed
     run reads only its rows of them, by range: sharded_load.py), only config and tokenizer."""
-    store = open_store(uri)
-    if not store.exists("config.json"):
-        raise CorruptCheckpoint(f"{uri}: no config.json there; expected a Hugging Face checkpoint directory")
+    store = check_source(uri)
     with local_copy(store, skip_suffix=None if weights else ".safetensors") as path:
         yield Path(path)

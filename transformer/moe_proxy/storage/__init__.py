@@ -63,6 +63,29 @@ def open_store(uri: str, **options) -> Store:
     return LocalStore(uri)
 
 
+def location(uri: str) -> tuple[str, ...]:
+    """Where `uri` points, however it is spelled: a local path resolved to its real path
+    (symlinks followed, `.`/`..` and relative spellings gone, the folder need not exist), an
+    `s3://` URI as ("s3:", bucket, *prefix parts) with empty parts dropped."""
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        return ("s3:", bucket, *filter(None, prefix.split("/")))
+    return Path(uri).expanduser().resolve().parts
+
+
+def overlap(a: str, b: str) -> str | None:
+    """How locations `a` and `b` overlap: "same", "inside" (a lies inside b), "contains" (b
+    lies inside a), or None when they are apart. A build must never write into its source."""
+    la, lb = location(a), location(b)
+    if la == lb:
+        return "same"
+    if la[:len(lb)] == lb:
+        return "inside"
+    if lb[:len(la)] == la:
+        return "contains"
+    return None
+
+
 def write_bytes(store: Store, name: str, data: bytes) -> None:
     w = store.writer(name)
     try:
@@ -157,6 +180,18 @@ class LocalStore:
         return len(stale)
 
 
+def file_mode() -> int:
+    """The mode a new file gets under this process's umask (0644 under 022), as `cp` and
+    `save_pretrained` give: mkstemp's 0600 would make a proxy unreadable to anyone else."""
+    try:  # Linux >= 4.7 reports it without changing it (changing it races with other threads)
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 class LocalWriter:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,6 +205,7 @@ class LocalWriter:
 
     def commit(self) -> None:
         self.file.flush()
+        os.fchmod(self.file.fileno(), file_mode())
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.path)
