@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # After PYTHONPATH: a frozen copy of the library named there (a long run while the tree changes) wins.
 sys.path.append(str(ROOT / "transformer"))
 
-from moe_proxy.build.expert_plan import PruningOptions  # noqa: E402
+from moe_proxy.options import PruningOptions  # noqa: E402
 from moe_proxy.build.pipeline import build_proxy  # noqa: E402
 from moe_proxy.calibrate.statistics import calibrate  # noqa: E402
 from moe_proxy.errors import InvalidExpertCount  # noqa: E402

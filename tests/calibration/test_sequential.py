@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from moe_proxy.build.expert_plan import PruningOptions
+from moe_proxy.options import PruningOptions
 from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main

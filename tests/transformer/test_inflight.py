@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_proxy.build.expert_plan import PruningOptions
+from moe_proxy.options import PruningOptions
 from moe_proxy.build.pipeline import build_proxy, prepare, write_share
 from moe_proxy.checkpoint.reads import ReadTask, read_ahead
 from moe_proxy.demo.tiny import make_tiny

@@ -68,7 +68,7 @@ def test_finalize_before_a_worker_ran(src, tmp_path):
 
 def test_partition_is_balanced_and_complete(src, tmp_path):
     from moe_proxy.build.pipeline import prepare
-    from moe_proxy.build.expert_plan import PruningOptions
+    from moe_proxy.options import PruningOptions
 
     p = prepare(str(src), str(tmp_path / "x"), PruningOptions(experts=8), False, False, None)
     for w in (1, 2, 3, 5):
@@ -206,7 +206,7 @@ class RecordingDestination:
 
 
 def test_uploads_overlap_by_one_shard_and_commit_in_order(src, tmp_path):
-    from moe_proxy.build.expert_plan import PruningOptions
+    from moe_proxy.options import PruningOptions
     from moe_proxy.build.pipeline import prepare, write_share
 
     dst = RecordingDestination(tmp_path / "dst")

@@ -15,6 +15,7 @@ TORCH_FREE = (
     "moe_proxy",
     "moe_proxy.reports",  # exit codes and termination messages: the CLI-operator contract
     "moe_proxy.errors",
+    "moe_proxy.options",  # every stage's options, declared once
     "moe_proxy.architectures",  # the one place that knows model types
     "moe_proxy.checkpoint.params",  # parameter counts from config.json or from headers
     "moe_proxy.sizing",  # accelerators for RL on the original and the proxy

@@ -17,26 +17,7 @@ from moe_proxy.checkpoint.layout import Layout
 from moe_proxy.sizing import target_experts  # one rule for the CLI, the library and the operator
 from moe_proxy.reports import CALIBRATED_FEATURES, SCORED_METHODS, calibration_needs
 from moe_proxy.build.selection import Selection
-
-
-@dataclass
-class PruningOptions:
-    experts: int | None = None
-    keep_ratio: float | None = None
-    method: str = "cluster"
-    features: str = "router"
-    clustering: str = "kmeans"
-    seed: int = 0
-    top_k: int | None = None
-    pins: dict[int, list[int]] = field(default_factory=dict)  # layer -> expert ids to keep
-    # Usage-aware selection (usage.py), from `moe-proxy calibrate` statistics at this location.
-    calibration: str | None = None
-    keep_super: bool = True
-    representative: str | None = None  # medoid | saliency (default saliency with calibration)
-    heal: bool = False  # re-fit the kept router rows (heal.py)
-    reconstruct: bool = False  # re-fit the kept experts and router rows layer by layer (reconstruct.py)
-    max_kl: float | None = None  # --experts auto: the KL target the chosen count met (fidelity.py)
-    merge: bool = False  # kept experts = gate-mass-weighted merges of their clusters (merge.py)
+from moe_proxy.options import PruningOptions
 
 
 @dataclass

@@ -41,7 +41,8 @@ from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
 from moe_proxy.build.config import rewrite_config
 from moe_proxy.checkpoint.reads import read_ahead, read_tasks
 from moe_proxy.checkpoint.params import stored_params
-from moe_proxy.build.expert_plan import PruningOptions, ExpertPlan, plan_experts, plan_from_record, plan_record
+from moe_proxy.options import PruningOptions
+from moe_proxy.build.expert_plan import ExpertPlan, plan_experts, plan_from_record, plan_record
 from moe_proxy.build.writer import OutTensor, Written, header_bytes, shard_size, write_file
 from moe_proxy.storage import Store, Writer, open_store, overlap, sha256_of, write_bytes
 from moe_proxy.storage.inflight import Transfer

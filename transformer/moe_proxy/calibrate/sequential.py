@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from moe_proxy.build.config import rewrite_config
-from moe_proxy.build.expert_plan import PruningOptions, proxy_counts
+from moe_proxy.build.expert_plan import proxy_counts
+from moe_proxy.options import PruningOptions
 from moe_proxy.build.selection import Selection
 from moe_proxy.build.usage import usage_select
 from moe_proxy.calibrate.layerwise import transformers_config

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoeProxyError("--one-pass makes statistics for any expert count: drop --sequential/--experts, or drop "
                             "--one-pass for sequential statistics made for the proxy of --experts N")
     if args.experts is not None:  # sequential statistics for that proxy (--sequential is implied)
-        from moe_proxy.build.expert_plan import PruningOptions
+        from moe_proxy.options import PruningOptions
 
         target = PruningOptions(experts=args.experts, method=args.method, features=args.features,
                                 representative=args.representative, keep_super=args.keep_super)
