@@ -232,7 +232,8 @@ def as_planned(spec: ProxyModelSpec, status: dict) -> ProxyModelSpec:
         return replace(spec, pruning=replace(spec.pruning, max_experts=int(planned))) if planned else spec
     if spec.pruning.experts is not None or not planned:
         return spec
-    return replace(spec, pruning=replace(spec.pruning, experts=int(planned)))
+    return replace(spec, pruning=replace(spec.pruning, options=replace(spec.pruning.options, experts=int(planned),
+                                                                           keep_ratio=None)))
 
 
 def suspended(status: dict, generation: int) -> dict:

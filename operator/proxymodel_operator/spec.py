@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from moe_proxy.reports import calibration_needs, reconstructs
+from moe_proxy.errors import InvalidOptions
+from moe_proxy.options import PruningOptions, TokenOptions, calibration_needs, from_crd, reconstructs
 from moe_proxy.repro.detect import SIGNATURES as DETECTED_SIGNATURES
 from moe_proxy.storage import overlap
 
@@ -26,7 +27,6 @@ SIGNATURE_REASONS = {
     "overflow": "GradientOverflow", "underflow": "GradientUnderflow", "nan": "NaN",
     "divergence": "Divergence", "collapse": "RoutingCollapse", "threshold": "MetricThreshold",
 }
-_PIN = re.compile(r"^\d+:\d+$")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
 # spec.transformer.parallelism: the CRD's maximum too. Workers beyond the proxy's shard count
 # would only idle (each writes whole shards), and 64 keeps an Indexed Job's pod names short.
@@ -47,39 +47,29 @@ class Source:
 
 @dataclass(frozen=True)
 class Pruning:
-    experts: int | None
-    keep_ratio: float | None
-    method: str = "cluster"
-    features: str = "router"
-    clustering: str = "kmeans"
-    top_k: int | None = None
-    pins: tuple[str, ...] = ()
-    seed: int = 0
-    representative: str | None = None  # medoid | saliency (usage-aware, needs spec.calibration)
-    keep_super: bool = True
-    heal: bool = False
-    # Both default to true with spec.calibration (the fidelity lab's winner): parse() resolves them.
+    """spec.pruning: the build's options (the one model the CLI has, moe_proxy.options), and
+    what only the operator decides around them."""
+
+    options: PruningOptions
+    # Default true with spec.calibration (the fidelity lab's winner): parse() resolves it, and
+    # options.reconstruct (None until then).
     sequential: bool = False  # calibrate behind this proxy's pruned earlier layers (calibrate --experts N)
-    reconstruct: bool = False  # re-fit the kept experts and router rows layer by layer (--reconstruct)
-    max_kl: float | None = None  # `experts: auto` (experts is None): the smallest count with KL <= this
     max_experts: int | None = None  # `experts: auto`: the largest count the plan sized devices for
     notes: tuple[str, ...] = ()  # what the defaults could not do (status.plan.notes), e.g. one-pass statistics
 
     @property
+    def experts(self) -> int | None:
+        """The count to keep; None with `experts: auto` (max_kl set) or a keep ratio."""
+        return None if self.options.auto else self.options.experts
+
+    @property
     def auto(self) -> bool:
-        return self.max_kl is not None
+        return self.options.auto
 
-
-@dataclass(frozen=True)
-class Calibration:
-    """spec.calibration: `moe-proxy calibrate` runs before the build (the single build's init
-    container, or the calibrate step's Job before several workers); its statistics live beside
-    the proxy and are reused while the source and the data are unchanged."""
-
-    dataset: str | None = None  # s3://... JSONL, parquet or text; None: seeded random token ids
-    samples: int = 64
-    seq_len: int = 256
-    seed: int = 0
+    def __getattr__(self, name: str):  # the build's options read as fields: p.method, p.keep_ratio, ...
+        if name == "options":
+            raise AttributeError(name)
+        return getattr(self.options, name)
 
 
 @dataclass(frozen=True)
@@ -152,7 +142,7 @@ class ProxyModelSpec:
     suspend: bool = False
     ttl_seconds_after_finished: int | None = None
     queue_name: str | None = None  # Kueue LocalQueue, set as a label on child batch/v1 Jobs
-    calibration: Calibration | None = None
+    calibration: TokenOptions | None = None  # spec.calibration: the tokens `moe-proxy calibrate` runs
     workers: int = 1  # spec.transformer.parallelism: pods sharing the build (an Indexed Job when > 1)
 
     @property
@@ -241,23 +231,21 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     p = spec.get("pruning") or {}
     if ("experts" in p) == ("keepRatio" in p):
         raise InvalidSpec("spec.pruning: give exactly one of `experts` (per layer) or `keepRatio`")
-    for pin in p.get("pin") or []:
-        if not _PIN.match(str(pin)):
-            raise InvalidSpec(f"spec.pruning.pin {pin!r}: expected LAYER:EXPERT, e.g. 3:17")
-    ratio = p.get("keepRatio")
-    pruning = Pruning(
-        experts=_experts(p), keep_ratio=float(ratio) if ratio is not None else None,
-        method=p.get("method", "cluster"), features=p.get("features", "router"),
-        clustering=p.get("clustering", "kmeans"), top_k=p.get("topK"),
-        pins=tuple(str(x) for x in p.get("pin") or []), seed=p.get("seed", 0),
-        representative=p.get("representative"), keep_super=bool(p.get("keepSuper", True)),
-        heal=bool(p.get("heal", False)), sequential=bool(p.get("sequential", False)),
-        reconstruct=bool(p.get("reconstruct", False)), max_kl=_max_kl(p),
-    )
+    if (p.get("experts") == "auto") != (p.get("maxKL") is not None):
+        raise InvalidSpec("spec.pruning.experts \"auto\" and spec.pruning.maxKL go together: the build picks the "
+                          "smallest expert count whose KL(original || proxy) per token is at most maxKL")
+    try:
+        pruning = Pruning(from_crd(PruningOptions, p, "spec.pruning"), sequential=bool(p.get("sequential", False)))
+    except InvalidOptions as exc:
+        raise InvalidSpec(str(exc)) from None
     calibration = _calibration(spec.get("calibration"), pruning)
     transformer = spec.get("transformer") or {}
     workers = _workers(transformer)
     pruning = _deep_pruning(pruning, p, calibration is not None, workers, settings)
+    try:  # the build's own rules (merge, heal, ...), as `moe-proxy build` would check them
+        replace(pruning.options, calibration="spec.calibration" if calibration else None).validate()
+    except InvalidOptions as exc:
+        raise InvalidSpec(f"spec.pruning: {exc}") from None
     if pruning.auto and workers > 1:
         raise InvalidSpec("spec.pruning.experts \"auto\" measures expert counts before anything is written, in one "
                           "build: set spec.transformer.parallelism to 1, or give a number of experts")
@@ -288,32 +276,6 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     )
 
 
-def _experts(p: dict) -> int | None:
-    """spec.pruning.experts: a whole number, or "auto" (None here, with max_kl set)."""
-    experts = p.get("experts")
-    if experts == "auto":
-        return None
-    if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
-        raise InvalidSpec(f"spec.pruning.experts {experts!r}: a whole number of at least 1, or \"auto\" with maxKL")
-    return experts
-
-
-def _max_kl(p: dict) -> float | None:
-    auto, value = p.get("experts") == "auto", p.get("maxKL")
-    if auto != (value is not None):
-        raise InvalidSpec("spec.pruning.experts \"auto\" and spec.pruning.maxKL go together: the build picks the "
-                          "smallest expert count whose KL(original || proxy) per token is at most maxKL")
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise InvalidSpec(f"spec.pruning.maxKL {value!r}: a number above 0") from None
-    if not number > 0:
-        raise InvalidSpec(f"spec.pruning.maxKL {value!r}: a number above 0 (only keeping every expert gives 0)")
-    return number
-
-
 def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, workers: int, settings: Settings) -> Pruning:
     """sequential and reconstruct as asked, else true with spec.calibration (the fidelity lab's
     best proxies, docs/fidelity.md; reconstruct not with heal, which the build cannot combine).
@@ -322,10 +284,10 @@ def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, workers: int, setting
     one-pass statistics with a note saying why. Reconstruction is not shared between the workers
     of a scale-out build (each, and finalize, fits every layer): off there unless asked."""
     notes = []
-    if raw.get("reconstruct") is not None:
-        reconstruct = p.reconstruct
+    if p.options.reconstruct is not None:
+        reconstruct = p.options.reconstruct
     else:
-        default = reconstructs(calibrated, p.heal)
+        default = reconstructs(calibrated, p.options.heal)
         reconstruct = default and workers == 1
         if default and workers > 1:
             notes.append(f"no reconstruction (the default with spec.calibration) with spec.transformer.parallelism "
@@ -340,7 +302,8 @@ def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, workers: int, setting
         if unservable:
             notes.insert(0, f"one-pass calibration statistics, not sequential (the default with "
                             f"spec.calibration): {unservable[0]}")
-    return replace(p, sequential=sequential, reconstruct=reconstruct, notes=p.notes + tuple(notes))
+    return replace(p, options=replace(p.options, reconstruct=reconstruct), sequential=sequential,
+                   notes=p.notes + tuple(notes))
 
 
 def _unservable_sequential(p: Pruning, settings: Settings) -> tuple[str, str] | None:
@@ -373,9 +336,8 @@ def _workers(transformer: dict) -> int:
     return workers
 
 
-def _calibration(raw: dict | None, pruning: Pruning) -> Calibration | None:
-    needs = calibration_needs(pruning.method, pruning.features, pruning.representative, pruning.heal,
-                              reconstruct=pruning.reconstruct, auto=pruning.auto) + ["sequential"] * pruning.sequential
+def _calibration(raw: dict | None, pruning: Pruning) -> TokenOptions | None:
+    needs = calibration_needs(pruning.options) + ["sequential"] * pruning.sequential
     if raw is None:
         if needs:
             raise InvalidSpec(f"spec.pruning {', '.join(needs)}: needs spec.calibration (usage statistics)")
@@ -383,4 +345,7 @@ def _calibration(raw: dict | None, pruning: Pruning) -> Calibration | None:
     dataset = raw.get("dataset")
     if dataset is not None and not _S3.match(dataset):
         raise InvalidSpec(f"spec.calibration.dataset {dataset!r}: expected s3://bucket/key of a JSONL, parquet or text file")
-    return Calibration(dataset, int(raw.get("samples", 64)), int(raw.get("seqLen", 256)), int(raw.get("seed", 0)))
+    try:
+        return from_crd(TokenOptions, raw, "spec.calibration")
+    except InvalidOptions as exc:
+        raise InvalidSpec(str(exc)) from None

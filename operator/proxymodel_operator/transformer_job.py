@@ -20,13 +20,15 @@ the Job at once through a pod failure policy instead of burning the retries on t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
+from moe_proxy.options import SELECTION, to_args
 from moe_proxy.reports import EXIT_BAD_INPUT
 
 from .children import (CALIBRATE, FINALIZE, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
                        merge_env, pod_spec_basics, s3_env)
-from .spec import ProxyModelSpec, Pruning
+from .spec import ProxyModelSpec
 
 BUILD, WORKERS = "build", "workers"  # the single build; the Indexed Job of the scale-out build
 # Kubernetes sets JOB_COMPLETION_INDEX in an Indexed Job's pods, but `$(VAR)` in args expands
@@ -75,25 +77,19 @@ def step_message(step: str, job_name: str, spec: ProxyModelSpec) -> str:
 
 
 def build_args(spec: ProxyModelSpec, scale_out: list[str] | None = None) -> list[str]:
-    """`moe-proxy build` arguments, mirroring spec.pruning one flag per field; `scale_out`: the
-    worker or finalize flags of a step of a build with several workers."""
+    """`moe-proxy build` arguments: spec.pruning's options as the CLI spells them (the same
+    model, moe_proxy.options); `scale_out`: the worker or finalize flags of a step of a build
+    with several workers."""
     p = spec.pruning
+    options = replace(p.options, calibration=spec.calibration_uri if spec.calibration is not None else None)
     args = ["build", spec.source.uri, spec.destination]
-    if p.auto:  # the smallest count meeting maxKL, at most the count the devices were planned for
-        args += ["--experts", "auto", "--max-kl", f"{p.max_kl:g}"]
+    args += to_args(options, only=("experts", "keep_ratio"))
+    if p.auto:  # at most the count the devices were planned for
         args += ["--max-experts", str(p.max_experts)] if p.max_experts is not None else []
-    else:
-        args += ["--experts", str(p.experts)] if p.experts is not None else ["--keep-ratio", f"{p.keep_ratio:g}"]
-    args += ["--method", p.method, "--features", p.features, "--clustering", p.clustering, "--seed", str(p.seed)]
-    if p.top_k is not None:
-        args += ["--top-k", str(p.top_k)]
-    if p.pins:
-        args += ["--pin", ",".join(p.pins)]
-    if spec.calibration is not None:
-        # said either way: `build --calibration` reconstructs unless told not to
-        args += ["--calibration", spec.calibration_uri, "--reconstruct" if p.reconstruct else "--no-reconstruct"]
-        args += ["--heal"] * p.heal
-        args += _selection_args(p)
+    # said either way: `build --calibration` reconstructs unless told not to
+    calibrated = spec.calibration is not None
+    args += to_args(options, skip=("experts", "keep_ratio") + ("reconstruct",) * (not calibrated),
+                    always=("method", "features", "clustering", "seed") + ("reconstruct",) * calibrated)
     if spec.source.endpoint:
         args += ["--endpoint-url", spec.source.endpoint]
     return args + list(scale_out or []) + ["--termination-log", TERMINATION_LOG]
@@ -102,25 +98,16 @@ def build_args(spec: ProxyModelSpec, scale_out: list[str] | None = None) -> list
 def calibrate_args(spec: ProxyModelSpec) -> list[str]:
     """`moe-proxy calibrate` arguments (it does nothing when the statistics beside the proxy
     already match the source and the tokens)."""
-    c = spec.calibration
-    args = ["calibrate", spec.source.uri, "--out", spec.calibration_uri, "--samples", str(c.samples),
-            "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--no-progress"]
-    args += ["--dataset", c.dataset] if c.dataset else []
+    args = ["calibrate", spec.source.uri, "--out", spec.calibration_uri, "--no-progress"]
+    args += to_args(spec.calibration, always=("samples", "seq_len", "seed"))
     p = spec.pruning
     if p.sequential:  # statistics for the proxy the build makes: the planned count (as_planned)
         if p.experts is None:
             raise ValueError("spec.pruning.sequential: no expert count planned yet to calibrate for")
-        args += ["--sequential", "--experts", str(p.experts), "--method", p.method, "--features", p.features]
-        args += _selection_args(p)
+        args += ["--sequential"] + to_args(p.options, only=("experts", *SELECTION), always=("method", "features"))
     else:  # e.g. experts "auto": statistics for any count (Pruning.notes says why, in status.plan.notes)
         args += ["--one-pass"]
     return args + (["--endpoint-url", spec.source.endpoint] if spec.source.endpoint else [])
-
-
-def _selection_args(p: Pruning) -> list[str]:
-    """The usage-aware selection flags `build` and `calibrate --sequential` share."""
-    representative = ["--representative", p.representative] if p.representative else []
-    return ["--no-keep-super"] * (not p.keep_super) + representative
 
 
 def step_job(step: str, proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:

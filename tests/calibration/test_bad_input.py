@@ -13,7 +13,7 @@ from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.calibrate.tokens import BadDataset
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
-from moe_proxy.errors import InvalidExpertCount, MoeProxyError
+from moe_proxy.errors import InvalidExpertCount, InvalidOptions, MoeProxyError
 from moe_proxy.demo.tiny import make_tiny
 
 
@@ -71,7 +71,7 @@ def test_seq_len_beyond_max_positions(qwen, tmp_path, capsys):
 def test_calibration_needed_for_usage_options(qwen, tmp_path):
     for kwargs in (dict(method="frequency"), dict(method="saliency"), dict(features="output"),
                    dict(features="routing"), dict(heal=True)):
-        with pytest.raises(InvalidExpertCount, match="need.*--calibration"):
+        with pytest.raises(InvalidOptions, match="need.*--calibration"):
             build_proxy(str(qwen), str(tmp_path / "p"), experts=4, **kwargs)
 
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 import moe_proxy.build.reconstruct as rec
-from moe_proxy.reports import reconstructs
+from moe_proxy.options import reconstructs
 from moe_proxy.cli import main
 from moe_proxy.demo.tiny import make_tiny
 

@@ -17,12 +17,21 @@ class InvalidExpertCount(MoeProxyError):
     """The requested experts per layer cannot be kept (too many, too few, breaks grouped routing)."""
 
 
+class InvalidOptions(MoeProxyError):
+    """Options that cannot work together (or a value out of range), refused before anything is read."""
+
+
+class CannotMerge(InvalidOptions):
+    """A build --merge cannot do (its options, or a model's expert layout)."""
+
+
 class CorruptCheckpoint(MoeProxyError):
     """A file of the checkpoint is malformed, truncated, or missing."""
 
 
 class DestinationExists(MoeProxyError):
-    """The destination already holds a different proxy (pass --overwrite to replace it)."""
+    """The destination cannot take this proxy: it holds a different one (pass --overwrite to
+    replace it), files that are not a moe-proxy output, or it overlaps the source."""
 
 
 class StorageError(MoeProxyError):

@@ -19,38 +19,6 @@ EXIT_BAD_INPUT = 2  # a MoeProxyError: retrying the same input cannot help (the 
 TERMINATION_LOG_LIMIT = 4096  # bytes the kubelet keeps of a termination message
 ERROR_MESSAGE_LIMIT = 3000  # an error's text, leaving room for the rest of its payload
 
-# Usage-aware pruning options that need calibration statistics (`moe-proxy calibrate`), as
-# (what the user asked for, predicate on the options). The CLI and the operator's spec check
-# the same list, each naming the options in its own words.
-SCORED_METHODS = ("frequency", "saliency")  # selection by routing mass / REAP saliency
-CALIBRATED_FEATURES = ("routing", "output")  # features measured on calibration tokens
-# The pruning options' vocabulary (the ProxyModel CRD's enums say the same).
-METHODS = ("cluster", "random", "first-n", *SCORED_METHODS)
-CLUSTERINGS = ("kmeans", "agglomerative")
-REPRESENTATIVES = ("medoid", "saliency")
-# The selection a build makes without flags. `calibrate --experts N` makes its sequential
-# statistics for this very selection, so the two match without further flags.
-DEFAULT_METHOD, DEFAULT_FEATURES = "cluster", "router"
-
-
-def reconstructs(calibrated: bool, heal: bool, reconstruct: bool | None = None) -> bool:
-    """Whether a build re-fits its kept experts and router rows (--reconstruct): as asked, else
-    whenever it has calibration statistics (the fidelity lab's winner, docs/fidelity.md), unless
-    --heal re-fits the router rows instead (the two exclude each other)."""
-    return reconstruct if reconstruct is not None else calibrated and not heal
-
-
-def calibration_needs(method: str, features: str, representative: str | None, heal: bool,
-                      reconstruct: bool = False, auto: bool = False, merge: bool = False) -> list[str]:
-    """The options in this combination that need calibration statistics, as `name value` words."""
-    return [what for what, used in (
-        (f"method {method}", method in SCORED_METHODS),
-        (f"features {features}", features in CALIBRATED_FEATURES),
-        ("representative saliency", representative == "saliency"),
-        ("heal", heal), ("reconstruct", reconstruct), ("merge", merge),  # merge: members weighted by gate mass
-        ("experts auto", auto)) if used]  # auto: the fidelity figure is measured on the calibration tokens
-
-
 def build_report(manifest: dict, proxy_uri: str, manifest_sha256: str | None = None) -> dict:
     """A finished build: where the proxy is and what it is. `manifest_sha256`: the sha256 of
     the proxy-manifest.json file as published (its bytes, not a re-encoding of `manifest`)."""

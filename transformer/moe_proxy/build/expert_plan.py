@@ -15,7 +15,7 @@ from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import CorruptCheckpoint, InvalidExpertCount
 from moe_proxy.checkpoint.layout import Layout
 from moe_proxy.sizing import target_experts  # one rule for the CLI, the library and the operator
-from moe_proxy.reports import CALIBRATED_FEATURES, SCORED_METHODS, calibration_needs
+from moe_proxy.options import CALIBRATED_FEATURES, SCORED_METHODS
 from moe_proxy.build.selection import Selection
 from moe_proxy.options import PruningOptions
 
@@ -72,17 +72,7 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
     from moe_proxy.build.usage import usage_select
 
     arch, config = layout.arch, ckpt.config
-    if options.merge:
-        from moe_proxy.build.merge import check_options  # torch-heavy, only when asked
-
-        check_options(options)
-    needs = [f"--{what}" for what in calibration_needs(options.method, options.features, options.representative,
-                                                        options.heal, options.reconstruct, merge=options.merge)]
-    if needs and calibration is None:
-        raise InvalidExpertCount(f"{', '.join(needs)} need(s) --calibration STATS (from moe-proxy calibrate)")
-    if options.heal and options.reconstruct:
-        raise InvalidExpertCount("--heal and --reconstruct: --reconstruct already re-fits the router rows "
-                                 "(with the kept experts); pass one of them")
+    options.validate()
     plan = proxy_counts(arch, config, options)
     n, k, k0, new_top_k = plan.experts_before, plan.experts_after, plan.top_k_before, plan.top_k_after
     n_group, topk_group, notes = plan.n_group, plan.topk_group, plan.notes

@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from itertools import chain, islice
 from typing import Callable
@@ -36,7 +36,6 @@ from moe_proxy import __version__
 from moe_proxy.architectures import detect
 from moe_proxy.checkpoint.reader import INDEX, JOURNAL, MANIFEST, Checkpoint, TensorInfo, check_finished, open_checkpoint, slice_ranges
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
-from moe_proxy.reports import reconstructs
 from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
 from moe_proxy.build.config import rewrite_config
 from moe_proxy.checkpoint.reads import read_ahead, read_tasks
@@ -476,46 +475,29 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
 def build_proxy(
     src: str | Store,
     dst: str | Store,
-    experts: int | None = None,
-    keep_ratio: float | None = None,
-    method: str = "cluster",
-    features: str = "router",
-    clustering: str = "kmeans",
-    seed: int = 0,
-    top_k: int | None = None,
-    pins: dict[int, list[int]] | None = None,
+    options: PruningOptions | None = None,
+    *,
     overwrite: bool = False,
     progress: bool = False,
     store_options: dict | None = None,
     worker: int | None = None,
     workers: int = 1,
     finalize_only: bool = False,
-    calibration: str | None = None,
-    keep_super: bool = True,
-    representative: str | None = None,
-    heal: bool = False,
-    max_kl: float | None = None,
     max_experts: int | None = None,
     sizing=None,
-    reconstruct: bool | None = None,
-    merge: bool = False,
+    **pruning,
 ) -> dict:
     """Build the proxy of checkpoint `src` into `dst` and return its manifest (a dict).
-    Rerunning an identical build is a no-op that returns the existing manifest.
-    With `worker`, write only that worker's shards and return {"worker", "workers", "files"}.
-    `experts="auto"` with `max_kl`: the smallest count whose fidelity figure meets it, within
-    `max_experts` and the device budget of `sizing` (a sizing.SizingOptions), see fidelity.py.
-    `merge`: each kept expert is the gate-mass-weighted merge of its cluster (merge.py; needs
-    `calibration`; with `reconstruct`, merged first, then fitted). `reconstruct` None: reconstruct
-    whenever `calibration` is given (and `heal` is not), reports.reconstructs."""
-    options = PruningOptions(experts, keep_ratio, method, features, clustering, seed, top_k, dict(pins or {}),
-                      calibration, keep_super, representative, heal)
-    options.reconstruct = reconstructs(bool(calibration), heal, reconstruct)
-    options.max_kl = max_kl
-    options.merge = merge
+    `options` (or the same as keywords, `**pruning`: experts=8, calibration=...): what to build,
+    see options.PruningOptions. Rerunning an identical build is a no-op that returns the
+    existing manifest. With `worker`, write only that worker's shards and return {"worker",
+    "workers", "files"}. `experts="auto"` with `max_kl`: the smallest count whose fidelity
+    figure meets it, within `max_experts` and the device budget of `sizing` (a
+    sizing.SizingOptions), see fidelity.py."""
+    options = replace(options or PruningOptions(), **pruning).resolved()
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     chosen = None
-    if experts == "auto" or max_kl is not None:  # counts measured without writing; the chosen one is built
+    if options.auto or options.max_kl is not None:  # counts measured without writing; the chosen one is built
         from moe_proxy.build.fidelity import resolve_auto
 
         options, chosen = resolve_auto(src, options, max_experts, sizing, worker is not None or finalize_only,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.reports import CLUSTERINGS, METHODS, SCORED_METHODS
+from moe_proxy.options import CLUSTERINGS, METHODS, SCORED_METHODS
 
 
 @dataclass

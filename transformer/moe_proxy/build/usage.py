@@ -21,7 +21,7 @@ from moe_proxy.build.features import expert_features
 from moe_proxy.checkpoint.layout import MoeBlock
 from moe_proxy.build.selection import Selection, select
 
-# reports.CALIBRATED_FEATURES -> the statistics that hold them
+# options.CALIBRATED_FEATURES -> the statistics that hold them
 PROBES = {"routing": "routing_probe", "output": "output_probe"}
 
 

@@ -6,31 +6,8 @@ import argparse
 import json
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.reports import (CALIBRATED_FEATURES, CLUSTERINGS, DEFAULT_FEATURES, DEFAULT_METHOD, METHODS,
-                               REPRESENTATIVES)
+from moe_proxy.options import PruningOptions, add_arguments, from_args
 from moe_proxy.commands._common import add_device_args, add_storage_args, device_options, store_options
-
-
-def parse_pins(values: list[str]) -> dict[int, list[int]]:
-    pins: dict[int, list[int]] = {}
-    for value in values:
-        for item in filter(None, value.split(",")):
-            try:
-                layer, expert = (int(x) for x in item.split(":"))
-            except ValueError:
-                raise MoeProxyError(f"--pin {item!r}: expected LAYER:EXPERT, e.g. 3:17") from None
-            pins.setdefault(layer, []).append(expert)
-    return pins
-
-
-def experts_arg(value: str) -> int | str:
-    """`--experts N` or `--experts auto` (with --max-kl)."""
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {value!r}") from None
 
 
 def add_parser(sub) -> None:
@@ -39,46 +16,13 @@ def add_parser(sub) -> None:
     p.add_argument("src", help="source checkpoint directory or s3://bucket/prefix")
     p.add_argument("dst", help="destination directory or s3://bucket/prefix")
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--experts", type=experts_arg, metavar="N|auto",
-                      help="routed experts to keep per MoE layer; auto (with --max-kl and --calibration): the "
-                           "smallest count whose fidelity figure meets the target")
-    size.add_argument("--keep-ratio", type=float, metavar="R", help="fraction of routed experts to keep, e.g. 0.125")
-    p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
-                   help="cluster (default: one representative per cluster); frequency / saliency (top-N by gate "
-                        "mass / REAP saliency, need --calibration); random and first-n are baselines")
-    p.add_argument("--features", choices=("router", "weights", *CALIBRATED_FEATURES), default=DEFAULT_FEATURES,
-                   help="what to cluster on: router rows (default, cheap), a projection of expert weights, or "
-                        "with --calibration: routing (router logits on probe tokens) / output (expert outputs)")
-    p.add_argument("--clustering", choices=CLUSTERINGS, default="kmeans")
-    p.add_argument("--top-k", type=int, metavar="K", help="experts per token in the proxy (default: kept, clamped)")
-    p.add_argument("--pin", action="append", default=[], metavar="LAYER:EXPERT[,...]",
-                   help="always keep these experts (e.g. ones implicated in a failure)")
-    p.add_argument("--seed", type=int, default=0)
+    add_arguments(size, PruningOptions, only=("experts", "keep_ratio"))
+    add_arguments(p, PruningOptions, only=("method", "features", "clustering", "top_k", "pins", "seed"))
     usage = p.add_argument_group("usage-aware selection (statistics from moe-proxy calibrate)")
-    usage.add_argument("--calibration", metavar="STATS",
-                       help="statistics of this checkpoint (moe-proxy calibrate; best: calibrate --experts N for "
-                            "this very proxy): dead experts are never kept, super experts always are, and the kept "
-                            "experts are reconstructed (--no-reconstruct: not)")
-    usage.add_argument("--no-keep-super", dest="keep_super", action="store_false",
-                       help="do not force super experts (massive output activations) into the proxy")
-    usage.add_argument("--representative", choices=REPRESENTATIVES,
-                       help="each cluster's kept expert: saliency (default with --calibration) or medoid")
-    usage.add_argument("--heal", action="store_true",
-                       help="re-fit the kept router rows so each proxy MoE block matches the original's output")
-    usage.add_argument("--reconstruct", action=argparse.BooleanOptionalAction, default=None,
-                       help="re-fit the kept experts and router rows layer by layer (inputs through the proxy, a "
-                            "held-out split stops it; a layer keeps its plain tensors unless fitting helps). On by "
-                            "default with --calibration (not with --heal): with sequential statistics (calibrate "
-                            "--experts N) the fidelity lab's best proxies at 50%% and 12.5%%, at 7-15x a plain "
-                            "build's time there (docs/fidelity.md). --no-reconstruct: the plain selection")
-    usage.add_argument("--merge", action="store_true",
-                       help="each kept expert becomes the gate-mass-weighted average of its cluster's members, "
-                            "their hidden units aligned to it first (with reconstruction, on by default: merged, then "
-                            "fitted)")
+    add_arguments(usage, PruningOptions, only=("calibration", "keep_super", "representative", "heal", "reconstruct",
+                                               "merge"))
     auto = p.add_argument_group("--experts auto (fidelity-driven count; measured on the calibration tokens)")
-    auto.add_argument("--max-kl", type=float, metavar="X",
-                      help="largest KL(original || proxy) per token accepted (nats, held-out calibration tokens; "
-                           "0.02 is the fidelity lab's recommendation, docs/fidelity.md)")
+    add_arguments(auto, PruningOptions, only=("max_kl",))
     auto.add_argument("--max-experts", type=int, metavar="N", help="largest count to try")
     add_device_args(auto, "the proxy's device budget: only counts whose proxy fits are tried (the planner's "
                           "memory model, as in moe-proxy plan)")
@@ -103,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.reports import build_report, error_report, worker_report, write_termination_log
     from moe_proxy.sizing import SizingOptions
 
+    options = from_args(PruningOptions, args)
     if args.worker is not None and args.finalize:
         raise MoeProxyError("--worker and --finalize are separate steps: run the workers, then finalize once")
 
@@ -112,14 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         manifest = build_proxy(
-            args.src, args.dst, experts=args.experts, keep_ratio=args.keep_ratio, method=args.method,
-            features=args.features, clustering=args.clustering, seed=args.seed, top_k=args.top_k,
-            pins=parse_pins(args.pin), overwrite=args.overwrite, progress=not args.no_progress,
+            args.src, args.dst, options, overwrite=args.overwrite, progress=not args.no_progress,
             store_options=store_options(args), worker=args.worker, workers=args.workers,
-            finalize_only=args.finalize, calibration=args.calibration, keep_super=args.keep_super,
-            representative=args.representative, heal=args.heal, max_kl=args.max_kl, max_experts=args.max_experts,
-            reconstruct=args.reconstruct, merge=args.merge,
-            sizing=SizingOptions(**device_options(args)),
+            finalize_only=args.finalize, max_experts=args.max_experts, sizing=SizingOptions(**device_options(args)),
         )
     except MoeProxyError as exc:
         report(error_report(exc))

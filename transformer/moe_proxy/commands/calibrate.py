@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 from moe_proxy.commands._common import add_storage_args, store_options
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.reports import CALIBRATED_FEATURES, DEFAULT_FEATURES, DEFAULT_METHOD, METHODS, REPRESENTATIVES
+from moe_proxy.options import SELECTION, PruningOptions, TokenOptions, add_arguments, flag, from_args
+
 
 # Said after one-pass statistics made without --one-pass: the better statistics for a deep proxy.
 DEEPER = ("  one-pass statistics, usable for any count; for a deep proxy pass the build's --experts N here: "
@@ -23,35 +25,22 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("src", help="source checkpoint directory or s3://bucket/prefix")
     p.add_argument("--out", required=True, metavar="STATS", help="statistics directory or s3://bucket/prefix")
-    p.add_argument("--dataset", metavar="FILE",
-                   help="local file or s3://bucket/key: JSONL (text, prompt, or verl chat prompt), parquet (needs "
-                        "pyarrow) or plain text; "
-                        "default: seeded random token ids")
-    p.add_argument("--samples", type=int, default=64, metavar="N", help="calibration sequences (default 64)")
-    p.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    add_arguments(p, TokenOptions)
     seq = p.add_argument_group(
         "proxy-aware (sequential) statistics, for one proxy",
         "With --experts N, each MoE layer is scored behind the proxy's already-pruned earlier layers and its "
         "experts selected right after (the build then reconstructs them by default): the fidelity lab's best "
         "proxies at 50% and 12.5%, at 7-15x a plain build's time with the reconstruction (docs/fidelity.md). "
         "Builds must ask for the same proxy.")
-    seq.add_argument("--experts", type=int, metavar="N",
-                     help="routed experts the proxy keeps (the build's --experts N): sequential statistics for it")
+    add_arguments(seq, PruningOptions, only=("experts",), helps={
+        "experts": "routed experts the proxy keeps (the build's --experts N): sequential statistics for it"})
     seq.add_argument("--sequential", action="store_true", help="(implied by --experts; still accepted)")
     seq.add_argument("--one-pass", action="store_true",
                      help="one pass over the original instead: statistics usable for any expert count (and for "
                           "build --experts auto), without --experts")
-    seq.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
-                     help=f"with --experts: the build's --method (default {DEFAULT_METHOD}, as build's)")
-    seq.add_argument("--features", choices=("router", "weights", *CALIBRATED_FEATURES), default=DEFAULT_FEATURES,
-                     help=f"with --experts and --method cluster: the build's --features (default {DEFAULT_FEATURES}, "
-                          f"as build's)")
-    seq.add_argument("--representative", choices=REPRESENTATIVES,
-                     help="with --experts: the build's --representative")
-    seq.add_argument("--no-keep-super", dest="keep_super", action="store_false",
-                     help="with --experts: the build's --no-keep-super")
+    add_arguments(seq, PruningOptions, only=SELECTION, helps={
+        name: f"with --experts: the build's {flag(name)}" for name in SELECTION} | {
+        "keep_super": "with --experts: the build's --no-keep-super"})
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_storage_args(p)
@@ -65,15 +54,15 @@ def run(args: argparse.Namespace) -> int:
     if args.one_pass and (args.sequential or args.experts is not None):
         raise MoeProxyError("--one-pass makes statistics for any expert count: drop --sequential/--experts, or drop "
                             "--one-pass for sequential statistics made for the proxy of --experts N")
+    if args.experts == "auto":
+        raise MoeProxyError("--experts auto tries several counts, and sequential statistics hold for one: give the "
+                            "count, or --one-pass statistics for build --experts auto")
     if args.experts is not None:  # sequential statistics for that proxy (--sequential is implied)
-        from moe_proxy.options import PruningOptions
-
-        target = PruningOptions(experts=args.experts, method=args.method, features=args.features,
-                                representative=args.representative, keep_super=args.keep_super)
+        target = from_args(PruningOptions, args, seed=0)
     elif args.sequential:
         raise MoeProxyError("--sequential needs --experts N: the statistics are made for that proxy")
-    summary = calibrate(args.src, args.out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
-                        seed=args.seed, batch_size=args.batch_size, progress=not args.no_progress,
+    tokens = from_args(TokenOptions, args)
+    summary = calibrate(args.src, args.out, **asdict(tokens), progress=not args.no_progress,
                         store_options=store_options(args), sequential=target)
     if args.json:
         print(json.dumps(summary, indent=2))

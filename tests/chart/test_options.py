@@ -1,0 +1,93 @@
+"""One options model per stage (moe_proxy.options): the CLI's flags, the operator's Job args and
+the ProxyModel CRD's schema all come from it, and this fails when any of them drifts."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_proxy.cli import build_parser
+from moe_proxy.options import (CLI_ONLY, PruningOptions, TokenOptions, crd_properties, flag, from_args,
+                               options_of)
+from proxymodel_operator.settings import Settings
+from proxymodel_operator.spec import parse
+from proxymodel_operator.transformer_job import build_args, calibrate_args
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "proxymodels.moeproxy.io.yaml"
+SPEC = {"source": {"uri": "s3://ckpt/m"}}
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("generate_crds", ROOT / "charts" / "generate_crds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_crd_is_generated_from_the_options_models():
+    assert CRD.read_text() == generator().render(CRD.read_text()), \
+        "crds/proxymodels.moeproxy.io.yaml is stale: run python charts/generate_crds.py"
+    spec = generator().spec_schema(yaml.safe_load(CRD.read_text()))
+    assert crd_properties(PruningOptions).items() <= spec["pruning"]["properties"].items()
+    assert set(spec["pruning"]["properties"]) - set(crd_properties(PruningOptions)) == {"sequential"}
+    assert spec["calibration"]["properties"] == crd_properties(TokenOptions)
+
+
+def _flags(command: str) -> set[str]:
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    return {s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+@pytest.mark.parametrize("command, models", [("build", [PruningOptions]), ("calibrate", [TokenOptions, PruningOptions])])
+def test_every_cli_flag_is_an_option_or_listed_as_cli_only(command, models):
+    """Each flag of the command comes from an options model (and then reaches the CRD or says
+    why not), or is in options.CLI_ONLY with its reason; CLI_ONLY names no flag that is gone."""
+    generated = set()
+    for model in models:
+        for name, opt, default in options_of(model):
+            assert opt.crd or opt.cli_only, f"{model.__name__}.{name}: neither a CRD field nor a reason"
+            base = name.rstrip("s") if opt.kind == "pins" else name
+            generated |= {flag(base), flag(f"no_{base}")}
+    flags = _flags(command)
+    assert flags - generated <= set(CLI_ONLY[command]), flags - generated - set(CLI_ONLY[command])
+    assert set(CLI_ONLY[command]) <= flags, set(CLI_ONLY[command]) - flags
+
+
+def _cli(argv: list[str]):
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("pruning", [
+    {"experts": 16, "method": "saliency", "representative": "medoid", "keepSuper": False, "merge": True,
+     "pin": ["3:17", "3:2", "10:5"], "topK": 4, "seed": 3, "clustering": "agglomerative", "features": "weights"},
+    {"keepRatio": 0.25, "heal": True, "reconstruct": False},
+    {"experts": "auto", "maxKL": 0.05},
+    {"experts": 8},
+])
+def test_the_jobs_args_parse_back_to_the_specs_options(pruning):
+    """spec.pruning -> the Job's `moe-proxy build` args -> the CLI's parser -> the same options."""
+    calibrated = pruning != {"experts": 8}
+    spec = parse({**SPEC, "pruning": pruning, **({"calibration": {"samples": 8}} if calibrated else {})},
+                 "ns", "pm", Settings())
+    args = build_args(spec)
+    parsed = from_args(PruningOptions, _cli(args)).resolved()  # as build_proxy takes them
+    want = replace(spec.pruning.options, calibration=spec.calibration_uri if calibrated else None)
+    assert parsed == want, args
+    if calibrated and (spec.pruning.experts is not None or not spec.pruning.sequential):  # (else: once planned)
+        tokens = from_args(TokenOptions, _cli(calibrate_args(spec)))
+        assert replace(tokens, batch_size=spec.calibration.batch_size) == spec.calibration
+
+
+def test_merge_is_settable_on_a_proxymodel_and_reaches_the_job():
+    spec = parse({**SPEC, "pruning": {"experts": 8, "merge": True}, "calibration": {}}, "ns", "pm", Settings())
+    assert spec.pruning.merge and "--merge" in build_args(spec) and _cli(build_args(spec)).merge
+    with pytest.raises(ValueError, match="merge.*needs spec.calibration"):
+        parse({**SPEC, "pruning": {"experts": 8, "merge": True}}, "ns", "pm", Settings())
+    with pytest.raises(ValueError, match="--merge with --method random"):
+        parse({**SPEC, "pruning": {"experts": 8, "merge": True, "method": "random"}, "calibration": {}},
+              "ns", "pm", Settings())
