@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Write the option fields of the ProxyModel CRD (crds/proxymodels.moeproxy.io.yaml) from the
 options models (transformer/moe_proxy/options.py): spec.pruning from PruningOptions,
-spec.calibration from TokenOptions. The fields only the operator has (OPERATOR_ONLY) are kept
-as they are; every other field of those sections is generated. tests/chart fails when the
-file is stale.
+spec.calibration from TokenOptions, spec.reproduction's RL settings from repro.config.ReproConfig.
+The fields only the operator has are kept as they are (for pruning and calibration: only those
+listed below), after the generated ones. tests/chart fails when the file is stale.
 
     python charts/generate_crds.py          # rewrite the file
     python charts/generate_crds.py --check  # exit 1 when it is stale
@@ -18,10 +18,13 @@ from pathlib import Path
 import yaml
 
 from moe_proxy.options import PruningOptions, TokenOptions, crd_properties
+from moe_proxy.repro.config import ReproConfig
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "proxymodels.moeproxy.io.yaml"
-# spec section -> (its options model, the fields of that section only the operator has)
-SECTIONS = {"pruning": (PruningOptions, ("sequential",)), "calibration": (TokenOptions, ())}
+# spec section -> (its options model, the fields of that section only the operator has; None:
+# the section is mostly the operator's own, whatever is not generated is kept)
+SECTIONS = {"pruning": (PruningOptions, ("sequential",)), "calibration": (TokenOptions, ()),
+            "reproduction": (ReproConfig, None)}
 
 
 def spec_schema(crd: dict) -> dict:
@@ -32,8 +35,9 @@ def render(text: str) -> str:
     crd = yaml.safe_load(text)
     spec = spec_schema(crd)
     for section, (model, operator_only) in SECTIONS.items():
-        props = spec[section]["properties"]
-        spec[section]["properties"] = crd_properties(model) | {k: props[k] for k in operator_only if k in props}
+        props, generated = spec[section]["properties"], crd_properties(model)
+        kept = [k for k in props if k not in generated] if operator_only is None else operator_only
+        spec[section]["properties"] = generated | {k: props[k] for k in kept if k in props}
     return yaml.safe_dump(crd, sort_keys=False, width=110, allow_unicode=True)
 
 

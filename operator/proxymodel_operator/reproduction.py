@@ -19,6 +19,8 @@ import copy
 import math
 from dataclasses import dataclass
 
+from moe_proxy.options import to_args
+
 from .children import (REPRODUCTION, TERMINATION_LOG, child_name, container_basics, labels, merge_env,
                        pod_spec_basics, s3_env)
 from .resources import LABEL_CHILD, SERVICES
@@ -28,7 +30,7 @@ from .spec import ProxyModelSpec
 RUN_DIR = "/run/moe-proxy"
 DEFAULT_CONTAINER = "reproduction"
 RUN_VOLUME = "moe-proxy-run"  # the emptyDir a user's framework shares with the watcher
-METRICS_FILE = f"{RUN_DIR}/metrics.jsonl"  # VERL_FILE_LOGGER_PATH unless the template sets it
+METRICS_PATH = f"{RUN_DIR}/metrics.jsonl"  # VERL_FILE_LOGGER_PATH unless the template sets it
 STOP_FILE = f"{RUN_DIR}/stop"  # the watcher makes it when the failure is in (failOn.stopOnReproduce)
 READY_FILE = f"{RUN_DIR}/watcher-ready"  # the watcher makes it once SIGTERM cannot kill it unheard
 
@@ -54,7 +56,9 @@ def repro_args(spec: ProxyModelSpec, proxy_uri: str, runtime: Runtime | None = N
                where: Placement | None = None) -> list[str]:
     """`moe-proxy repro` for one pod: with a placement, this node's ranks of the whole run."""
     r = spec.reproduction
-    args = ["repro", proxy_uri, "--out", RUN_DIR, "--steps", str(r.max_steps), "--precision", r.precision]
+    # spec.reproduction's RL settings as the CLI spells them (the same model: repro.config.ReproConfig);
+    # steps and precision always, as their ProxyModel defaults are not the CLI's.
+    args = ["repro", proxy_uri, "--out", RUN_DIR] + to_args(r.config, always=("steps", "precision"))
     if r.fail_on:
         args += ["--fail-on", r.fail_on.cli()]
     if where is not None:
@@ -195,7 +199,7 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
         pod = template["spec"]
         pod.setdefault("restartPolicy", "Never")
         first = pod["containers"][0]
-        metrics = _env_value(first.get("env") or [], "VERL_FILE_LOGGER_PATH") or METRICS_FILE
+        metrics = _env_value(first.get("env") or [], "VERL_FILE_LOGGER_PATH") or METRICS_PATH
         env = merge_env(env, [{"name": "VERL_FILE_LOGGER_PATH", "value": metrics}])
         shared = {"name": RUN_VOLUME, "mountPath": RUN_DIR}
         prelude = node_rank_prelude(runtime, where)

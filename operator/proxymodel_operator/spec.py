@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from moe_proxy.errors import InvalidOptions
+from moe_proxy.errors import InvalidOptions, MoeProxyError
 from moe_proxy.options import PruningOptions, TokenOptions, calibration_needs, from_crd, reconstructs
+from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.detect import SIGNATURES as DETECTED_SIGNATURES
 from moe_proxy.storage import overlap
 
@@ -124,12 +125,19 @@ class Reproduction:
     runtime: str  # a key of runtimes.RUNTIMES
     workload: Workload
     accelerator: AcceleratorRequest
-    precision: str = "bf16"
-    max_steps: int = 50
+    config: ReproConfig = field(default_factory=lambda: ReproConfig(steps=50, precision="bf16"))  # the RL run
     fail_on: FailOn | None = None
     template: dict | None = None  # the user's own pod template (verl, MindSpeed-RL, ...)
     scheduler_name: str | None = None
     volcano_queue: str | None = None
+
+    @property
+    def max_steps(self) -> int:
+        return self.config.steps
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,13 @@ def _fail_on(raw: dict | None) -> FailOn | None:
     except (TypeError, ValueError):
         raise InvalidSpec(f"spec.reproduction.failOn.value {value!r}: a threshold needs a number") from None
     return FailOn("threshold", metric, raw.get("operator", ">"), number, int(raw.get("steps", 1)), stop)
+
+
+def _repro_config(raw: dict) -> ReproConfig:
+    try:
+        return from_crd(ReproConfig, raw, "spec.reproduction")
+    except MoeProxyError as exc:  # a field out of range, or settings that do not combine (ReproConfig)
+        raise InvalidSpec(f"spec.reproduction: {exc}" if not str(exc).startswith("spec.") else str(exc)) from None
 
 
 def _accelerator(raw: dict, settings: Settings) -> AcceleratorRequest:
@@ -261,7 +276,7 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
         enabled=r.get("enabled", True), runtime=runtime,
         workload=_workload(r, settings.repro_image, 0),
         accelerator=_accelerator(r.get("accelerator") or {}, settings),
-        precision=r.get("precision", "bf16"), max_steps=r.get("maxSteps", 50),
+        config=_repro_config(r),
         fail_on=_fail_on(r.get("failOn")), template=template,
         scheduler_name=r.get("schedulerName"), volcano_queue=r.get("queue"),
     )

@@ -13,6 +13,8 @@ import yaml
 from moe_proxy.cli import build_parser
 from moe_proxy.options import (CLI_ONLY, PruningOptions, TokenOptions, crd_properties, flag, from_args,
                                options_of)
+from moe_proxy.repro.config import Faults, ReproConfig
+from proxymodel_operator.reproduction import repro_args
 from proxymodel_operator.settings import Settings
 from proxymodel_operator.spec import parse
 from proxymodel_operator.transformer_job import build_args, calibrate_args
@@ -36,6 +38,7 @@ def test_the_crd_is_generated_from_the_options_models():
     assert crd_properties(PruningOptions).items() <= spec["pruning"]["properties"].items()
     assert set(spec["pruning"]["properties"]) - set(crd_properties(PruningOptions)) == {"sequential"}
     assert spec["calibration"]["properties"] == crd_properties(TokenOptions)
+    assert crd_properties(ReproConfig).items() <= spec["reproduction"]["properties"].items()
 
 
 def _flags(command: str) -> set[str]:
@@ -43,7 +46,8 @@ def _flags(command: str) -> set[str]:
     return {s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
 
 
-@pytest.mark.parametrize("command, models", [("build", [PruningOptions]), ("calibrate", [TokenOptions, PruningOptions])])
+@pytest.mark.parametrize("command, models", [("build", [PruningOptions]), ("calibrate", [TokenOptions, PruningOptions]),
+                                             ("repro", [ReproConfig])])
 def test_every_cli_flag_is_an_option_or_listed_as_cli_only(command, models):
     """Each flag of the command comes from an options model (and then reaches the CRD or says
     why not), or is in options.CLI_ONLY with its reason; CLI_ONLY names no flag that is gone."""
@@ -91,3 +95,17 @@ def test_merge_is_settable_on_a_proxymodel_and_reaches_the_job():
     with pytest.raises(ValueError, match="--merge with --method random"):
         parse({**SPEC, "pruning": {"experts": 8, "merge": True, "method": "random"}, "calibration": {}},
               "ns", "pm", Settings())
+
+
+def test_the_reproductions_rl_settings_reach_its_job():
+    """spec.reproduction's RL settings -> the Job's `moe-proxy repro` args -> the same config."""
+    settings = {"lr": 3e-4, "batchSize": 16, "groupSize": 8, "klCoef": 0.0, "routerZCoef": 0.001,
+                "lrSchedule": "cosine", "precision": "fp16", "lossScaling": "none", "maxSteps": 12}
+    spec = parse({**SPEC, "pruning": {"experts": 8}, "reproduction": settings}, "ns", "pm", Settings())
+    assert (spec.reproduction.max_steps, spec.reproduction.precision) == (12, "fp16")
+    parsed = from_args(ReproConfig, _cli(repro_args(spec, "s3://b/proxy")), faults=Faults())
+    assert parsed == spec.reproduction.config
+    default = parse({**SPEC, "pruning": {"experts": 8}}, "ns", "pm", Settings()).reproduction
+    assert (default.max_steps, default.precision) == (50, "bf16")  # the ProxyModel's defaults, not the CLI's
+    with pytest.raises(ValueError, match="spec.reproduction.lr -1"):
+        parse({**SPEC, "pruning": {"experts": 8}, "reproduction": {"lr": -1}}, "ns", "pm", Settings())

@@ -45,6 +45,7 @@ class Opt:
     above: float | None = None  # exclusive minimum
     maximum: float | None = None
     crd_schema: dict = field(default_factory=dict)  # what the CRD checks beyond the CLI (e.g. s3:// only)
+    crd_default: Any = None  # where a ProxyModel's default differs from the CLI's (e.g. bf16 on accelerators)
 
 
 def option(default: Any, kind: str, help: str, **opt) -> Any:
@@ -251,6 +252,8 @@ def from_crd(cls, raw: dict, where: str, **extra):
     as the CRD's schema would; InvalidOptions names the field (`where`.field)."""
     values = {}
     for name, opt, default in options_of(cls):
+        if opt.crd is not None and raw.get(opt.crd) is None and opt.crd_default is not None:
+            values[name] = opt.crd_default
         if opt.crd is None or raw.get(opt.crd) is None:
             continue
         value, path = raw[opt.crd], f"{where}.{opt.crd}"
@@ -286,7 +289,10 @@ def crd_properties(cls) -> dict[str, dict]:
                 s |= {"minimum": opt.above, "exclusiveMinimum": True}
             if opt.maximum is not None:
                 s["maximum"] = opt.maximum
-            if default is not None and opt.kind != "tristate" and not isinstance(default, dict):
+            default = opt.crd_default if opt.crd_default is not None else default
+            # (no float defaults: YAML writers disagree on 1e-05, Helm's turns it into a string; the
+            # operator applies the model's default, so the schema need not)
+            if default is not None and opt.kind in ("int", "str", "bool"):
                 s["default"] = default
         props[opt.crd] = s | opt.crd_schema | {"description": opt.help}
     return props
@@ -374,5 +380,18 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         "--json": "terminal output", "--no-progress": "terminal output (the operator's Jobs pass it)",
         "--endpoint-url": "spec.source.endpoint", "--region": "spec.source.region",
         "--streams": _STORE, "--max-inflight-mb": _STORE, "--read-part-mb": _STORE,
+    },
+    "repro": {
+        "--out": "the operator's reproduction writes to its pod's run directory",
+        "--device": "spec.reproduction.accelerator",
+        "--fail-on": "spec.reproduction.failOn",
+        "--termination-log": "the operator reads its Jobs' results from /dev/termination-log",
+        "--prompts": "not yet a ProxyModel field: a user's own data runs through spec.reproduction.args or template",
+        **dict.fromkeys(("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port"),
+                        "the operator places the ranks from spec.reproduction.accelerator"),
+        "--dist-timeout": "the operator's default; a hung rank is named in status",
+        **dict.fromkeys(("--fault-fp16-no-scaling", "--fault-lr-spike", "--fault-router-scale", "--fault-op",
+                         "--fault-op-mode", "--fault-op-value", "--fault-rank-exit", "--fault-rank-hang"),
+                        "fault injection checks a proxy in the fidelity lab; a user's run has its own failure"),
     },
 }

@@ -7,7 +7,8 @@ import argparse
 import os
 from pathlib import Path
 
-from moe_proxy.repro.config import LOSS_SCALING, LR_SCHEDULES, OP_FAULT_MODES, PRECISIONS, Faults, ReproConfig
+from moe_proxy.options import add_arguments, from_args
+from moe_proxy.repro.config import OP_FAULT_MODES, Faults, ReproConfig
 from moe_proxy.repro.detect import Signature, Thresholds
 
 
@@ -19,8 +20,7 @@ def add_parser(subparsers) -> None:
         "{step, data} lines) and RUN_DIR/summary.json (first step of each failure).")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or s3:// prefix")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="directory for metrics.jsonl and summary.json")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    add_arguments(p, ReproConfig, only=("steps", "seed"))
     p.add_argument("--device", help="cpu, cuda, npu, ... (default: NPU, else CUDA, else CPU)")
     p.add_argument("--fail-on", metavar="SIGNATURE",
                    help="stop once this failure is seen: overflow, underflow, nan, divergence, collapse, "
@@ -44,22 +44,8 @@ def add_parser(subparsers) -> None:
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="a collective waiting longer ends the run, naming the rank that is missing (default 600)")
 
-    rl = p.add_argument_group("RL settings")
-    rl.add_argument("--batch-size", type=int, default=8, help="prompts per step")
-    rl.add_argument("--group-size", type=int, default=4, help="answers sampled per prompt")
-    rl.add_argument("--max-new-tokens", type=int, default=8)
-    rl.add_argument("--temperature", type=float, default=1.0)
-    rl.add_argument("--lr", type=float, default=1e-5)
-    rl.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant")
-    rl.add_argument("--warmup-steps", type=int, default=0)
-    rl.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
-    rl.add_argument("--mini-batches", type=int, default=2, help="optimizer updates per step")
-    rl.add_argument("--clip-ratio", type=float, default=0.2)
-    rl.add_argument("--kl-coef", type=float, default=0.01)
-    rl.add_argument("--router-aux-coef", type=float, default=0.0)
-    rl.add_argument("--router-z-coef", type=float, default=0.0)
-    rl.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    rl.add_argument("--loss-scaling", choices=LOSS_SCALING, default="dynamic", help="with fp16 only")
+    rl = p.add_argument_group("RL settings (a ProxyModel's spec.reproduction fields)")
+    add_arguments(rl, ReproConfig, skip=("steps", "seed"))
 
     f = p.add_argument_group("fault injection (off by default)")
     f.add_argument("--fault-fp16-no-scaling", type=int, metavar="STEP", help="fp16 without loss scaling from STEP")
@@ -95,13 +81,7 @@ def config_from_args(args: argparse.Namespace) -> ReproConfig:
     faults = Faults(fp16_no_scaling_step=args.fault_fp16_no_scaling, lr_spike_step=lr_step,
                     lr_spike_factor=lr_factor, router_scale_step=router_step, router_scale_factor=router_factor,
                     op_module=op_module, op_step=op_step, op_mode=args.fault_op_mode, op_value=args.fault_op_value)
-    return ReproConfig(
-        steps=args.steps, seed=args.seed, batch_size=args.batch_size, group_size=args.group_size,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
-        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
-        mini_batches=args.mini_batches, clip_ratio=args.clip_ratio, kl_coef=args.kl_coef,
-        router_aux_coef=args.router_aux_coef, router_z_coef=args.router_z_coef, precision=args.precision,
-        loss_scaling=args.loss_scaling, faults=faults)
+    return from_args(ReproConfig, args, faults=faults)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
             config = config_from_args(args)
         except argparse.ArgumentTypeError as exc:
             raise InvalidReproConfig(str(exc)) from None
+        if args.nproc_per_node is not None and args.nproc_per_node < 1:
+            raise InvalidReproConfig(f"--nproc-per-node {args.nproc_per_node}: at least 1 rank per node")
+        if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+            raise InvalidReproConfig(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: the node rank must be "
+                                     f"in 0..{args.nnodes - 1}")
         check_source(args.checkpoint)
     except MoeProxyError as exc:
         if args.termination_log:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from moe_proxy.options import option
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_SCALING = ("dynamic", "none")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -37,28 +39,39 @@ class Faults:
 
 @dataclass
 class ReproConfig:
-    steps: int = 20
-    seed: int = 0  # sampling, and the prompts unless prompt_seed is set
-    prompt_seed: int | None = None  # same prompts, other samples: a run's own noise floor
+    """A reproduction run's settings: `moe-proxy repro`'s flags and a ProxyModel's
+    spec.reproduction fields (moe_proxy.options generates both)."""
+
+    steps: int = option(20, "int", "RL steps to run (fewer when the failure asked for is seen)", crd="maxSteps",
+                        metavar="N", minimum=1, crd_default=50)
+    seed: int = option(0, "int", "seed of sampling, and of the prompts", crd="seed", minimum=0)
+    prompt_seed: int | None = None  # same prompts, other samples: a run's own noise floor (the fidelity lab)
     # Rollouts: `batch_size` prompts per step, each sampled `group_size` times (GRPO groups).
-    batch_size: int = 8
-    group_size: int = 4
-    max_new_tokens: int = 8
-    temperature: float = 1.0
+    batch_size: int = option(8, "int", "prompts per step", crd="batchSize", minimum=1)
+    group_size: int = option(4, "int", "answers sampled per prompt (a GRPO group)", crd="groupSize", minimum=2)
+    max_new_tokens: int = option(8, "int", "tokens generated per answer, at most", crd="maxNewTokens", minimum=1)
+    temperature: float = option(1.0, "float", "sampling temperature", crd="temperature", above=0)
     task: str = "arithmetic"
     # Optimisation.
-    lr: float = 1e-5
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
-    mini_batches: int = 2  # optimizer updates per step; >1 makes the later ones off-policy (ppo_kl != 0)
-    clip_ratio: float = 0.2
-    kl_coef: float = 0.01  # k3 ("low_var_kl") KL to the frozen reference, as verl's use_kl_loss
-    router_aux_coef: float = 0.0  # Switch/Mixtral load-balancing loss
-    router_z_coef: float = 0.0  # ST-MoE router z-loss
+    lr: float = option(1e-5, "float", "learning rate", crd="lr", above=0)
+    lr_schedule: str = option("constant", "str", "learning-rate schedule after warmup", crd="lrSchedule",
+                              choices=LR_SCHEDULES)
+    warmup_steps: int = option(0, "int", "linear warmup steps", crd="warmupSteps", minimum=0)
+    grad_clip: float = option(1.0, "float", "gradient-norm clipping (0 turns it off; the norm is still measured)",
+                              crd="gradClip", minimum=0)
+    mini_batches: int = option(2, "int", "optimizer updates per step (more than 1 makes the later ones off-policy)",
+                               crd="miniBatches", minimum=1)
+    clip_ratio: float = option(0.2, "float", "PPO clip ratio", crd="clipRatio", minimum=0)
+    kl_coef: float = option(0.01, "float", "k3 KL to the frozen reference (verl's use_kl_loss)", crd="klCoef",
+                            minimum=0)
+    router_aux_coef: float = option(0.0, "float", "Switch/Mixtral load-balancing loss", crd="routerAuxCoef",
+                                    minimum=0)
+    router_z_coef: float = option(0.0, "float", "ST-MoE router z-loss", crd="routerZCoef", minimum=0)
     # Numerics.
-    precision: str = "fp32"
-    loss_scaling: str = "dynamic"  # only used with fp16
+    precision: str = option("fp32", "str", "compute precision of training and rollouts", crd="precision",
+                            choices=PRECISIONS, crd_default="bf16")
+    loss_scaling: str = option("dynamic", "str", "fp16 loss scaling (with fp16 only)", crd="lossScaling",
+                               choices=LOSS_SCALING)
     init_loss_scale: float = 2.0**16
     faults: Faults = field(default_factory=Faults)
 
