@@ -33,14 +33,12 @@ from moe_proxy.storage.s3 import S3Store
 from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the settings in memo
 from .preflight import PreflightError, read_credentials, redact
 from .resources import GROUP, PROXYMODELS, VERSION, Resource
-from .status import condition, now, with_condition
-from .watch_plan import LABEL_STEP, LABEL_WATCH, Child, considered, decide, proxymodel_for, watch_label
+from .status import ACCEPTED, SUSPENDED_CONDITION, condition, now, with_condition
+from .watch_plan import LABEL_STEP, LABEL_WATCH, MadeProxyModel, considered, decide, proxymodel_for, watch_label
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
-ACCEPTED = "Accepted"  # the spec, and the ProxyModels its template makes, are valid
-SOURCE_REACHABLE = "SourceReachable"
-SUSPENDED = "Suspended"
+SOURCE_REACHABLE = "SourceReachable"  # condition: the checkpoint prefix can be listed
 MAX_LISTED = 20  # waiting/skipped entries kept in status
 REASONS = {AccessDenied: "S3AccessDenied", EndpointUnreachable: "EndpointUnreachable",
            ObjectNotFound: "S3NoSuchBucket"}
@@ -49,7 +47,7 @@ REASONS = {AccessDenied: "S3AccessDenied", EndpointUnreachable: "EndpointUnreach
 # --- reading: the ProxyModels that exist, the checkpoints under the prefix -------------------------
 
 
-async def children_of(namespace: str, watch: str) -> list[Child]:
+async def children_of(namespace: str, watch: str) -> list[MadeProxyModel]:
     """The ProxyModels this watch made, oldest step first (those being deleted left out)."""
     items = await kube.list_(PROXYMODELS, namespace, {LABEL_WATCH: watch_label(watch)})
     out = []
@@ -58,7 +56,7 @@ async def children_of(namespace: str, watch: str) -> list[Child]:
         step = (meta.get("labels") or {}).get(LABEL_STEP, "")
         if meta.get("deletionTimestamp") or not step.isdigit():
             continue
-        out.append(Child(meta["name"], int(step), (item.get("status") or {}).get("phase"),
+        out.append(MadeProxyModel(meta["name"], int(step), (item.get("status") or {}).get("phase"),
                          ((item.get("spec") or {}).get("source") or {}).get("uri", "")))
     return sorted(out, key=lambda c: c.step)
 
@@ -123,11 +121,12 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
 
     children = await children_of(namespace, name)
     if watch.suspend:
-        _condition(patch, status, SUSPENDED, True, "SuspendedBySpec",
+        _condition(patch, status, SUSPENDED_CONDITION, True, "SuspendedBySpec",
                    "spec.suspend is true: the prefix is not listed and no ProxyModel is made", generation)
         _record_children(patch, children)
         return
-    _condition(patch, status, SUSPENDED, False, "Polling", f"listing every {watch.poll_interval}s", generation)
+    _condition(patch, status, SUSPENDED_CONDITION, False, "Polling", f"listing every {watch.poll_interval}s",
+               generation)
 
     retired = status.get("retiredThrough")
     credentials: dict[str, str] = {}
@@ -154,7 +153,7 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
     await act(body, watch, decision, children, status, patch, memo.setdefault("warned", set()), logger)
 
 
-async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child], status: dict,
+async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[MadeProxyModel], status: dict,
               patch: kopf.Patch, warned: set[int], logger: logging.Logger) -> None:
     """Carry out a decision and record it in status. `warned`: the steps whose skipping this
     process has reported already (status keeps only the newest few)."""
@@ -180,7 +179,7 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[Child]
             kopf.event(body, type="Normal", reason="ProxyModelCreated",
                        message=f"{pxm} from step {checkpoint.step} ({checkpoint.uri})")
             logger.info("created ProxyModel %s from step %d", pxm, checkpoint.step)
-        kept.append(Child(pxm, checkpoint.step, None, checkpoint.uri))
+        kept.append(MadeProxyModel(pxm, checkpoint.step, None, checkpoint.uri))
 
     if rejected:
         if _condition(patch, status, ACCEPTED, False, "ProxyModelRejected", rejected, watch_generation(body)):
@@ -217,7 +216,7 @@ def watch_generation(body: kopf.Body) -> int:
     return body.get("metadata", {}).get("generation") or 1
 
 
-def _record_children(patch: kopf.Patch, children: list[Child]) -> None:
+def _record_children(patch: kopf.Patch, children: list[MadeProxyModel]) -> None:
     ordered = sorted(children, key=lambda c: c.step)
     patch.status["proxies"] = len(ordered)
     patch.status["proxyModels"] = [{"name": c.name, "step": c.step, "phase": c.phase or "Pending", "uri": c.uri}

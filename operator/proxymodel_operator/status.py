@@ -15,7 +15,9 @@ FAILED, SUSPENDED = "Failed", "Suspended"
 TERMINAL = (REPRODUCED, NOT_REPRODUCED, FAILED)
 
 # Condition types.
-ACCEPTED = "Accepted"  # the spec is valid and the source checkpoint fits it
+# Accepted: the spec is valid; a ProxyModel's source checkpoint fits it, a CheckpointWatch's
+# template makes valid ProxyModels.
+ACCEPTED = "Accepted"
 PROXY_READY_CONDITION = "ProxyReady"  # the proxy checkpoint is built
 REPRODUCED_CONDITION = "FailureReproduced"  # the reproduction saw the failure signature
 SUSPENDED_CONDITION = "Suspended"

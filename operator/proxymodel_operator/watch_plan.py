@@ -13,6 +13,7 @@ import kopf
 
 from moe_proxy.checkpoint.listing import MOE, PROXY, ListedCheckpoint
 
+from .children import MAX_NAME
 from .resources import GROUP, PROXYMODELS
 from .status import PENDING, TRANSFORMING
 from .watch_spec import WatchSpec
@@ -20,7 +21,6 @@ from .watch_spec import WatchSpec
 LABEL_WATCH = f"{GROUP}/checkpoint-watch"  # the watch that made a ProxyModel
 LABEL_STEP = f"{GROUP}/step"  # the training step of its source checkpoint
 ANNOTATION_CHECKPOINT = f"{GROUP}/checkpoint-uri"
-MAX_NAME = 63
 # ProxyModel phases that hold a transformation slot (maxConcurrent): not started or building.
 ACTIVE_PHASES = (None, "", PENDING, TRANSFORMING)
 CONFIG_MISSING = "config.json missing"
@@ -71,7 +71,7 @@ def proxymodel_for(watch_body: dict, watch: WatchSpec, step: int, uri: str) -> d
 
 
 @dataclass(frozen=True)
-class Child:
+class MadeProxyModel:
     """A ProxyModel this watch made, as it is now."""
 
     name: str
@@ -87,7 +87,7 @@ class Child:
 @dataclass
 class Decision:
     create: list[ListedCheckpoint] = field(default_factory=list)  # become ProxyModels now, oldest first
-    delete: list[Child] = field(default_factory=list)  # retired by keepLast
+    delete: list[MadeProxyModel] = field(default_factory=list)  # retired by keepLast
     pending: list[int] = field(default_factory=list)  # complete sources waiting for a slot
     waiting: list[ListedCheckpoint] = field(default_factory=list)  # incomplete: retried next poll
     skipped: list[ListedCheckpoint] = field(default_factory=list)  # no source: dense, unsupported, unreadable
@@ -104,7 +104,7 @@ def considered(watch: WatchSpec, step: int | None, made: set[int], retired_throu
     return retired_through is None or step > retired_through
 
 
-def decide(watch: WatchSpec, children: list[Child], found: list[ListedCheckpoint],
+def decide(watch: WatchSpec, children: list[MadeProxyModel], found: list[ListedCheckpoint],
            retired_through: int | None) -> Decision:
     """From the ProxyModels that exist and the checkpoints listed, what to do now."""
     made = {c.step for c in children}

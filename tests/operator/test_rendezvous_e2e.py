@@ -26,7 +26,7 @@ import textwrap
 import kubernetes_validate
 import pytest
 
-from proxymodel_operator.reproduction import METRICS_FILE, READY_FILE, RUN_DIR, RUN_VOLUME
+from proxymodel_operator.reproduction import METRICS_PATH, READY_FILE, RUN_DIR, RUN_VOLUME
 from proxymodel_operator.resources import JOBS, PROXYMODELS, SERVICES
 from proxymodel_operator.runtimes import RUNTIMES, WATCHER
 
@@ -192,7 +192,7 @@ async def test_a_frameworks_nan_at_step_3_is_the_sidecars_verdict(cluster, opera
     if runtime == "Job":  # the API server's schema takes it (a sidecar's startupProbe is Kubernetes >= 1.29)
         kubernetes_validate.validate(workload, "1.31.0", strict=True)
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    assert env["VERL_FILE_LOGGER_PATH"] == METRICS_FILE and env["MOEPROXY_EXPERTS_PER_LAYER"] == "4"
+    assert env["VERL_FILE_LOGGER_PATH"] == METRICS_PATH and env["MOEPROXY_EXPERTS_PER_LAYER"] == "4"
     assert {m["mountPath"] for m in sidecar["volumeMounts"]} == {RUN_DIR}
 
     started, ran, _ = await _run_and_report(cluster, tmp_path / "node", runtime, workload)

@@ -4,7 +4,7 @@ startAfterStep, keepLast, maxConcurrent, names, and the ProxyModel it makes."""
 from __future__ import annotations
 
 from moe_proxy.checkpoint.listing import DENSE, MOE, PROXY, UNKNOWN, ListedCheckpoint
-from proxymodel_operator.watch_plan import Child, decide, proxymodel_for, proxymodel_name
+from proxymodel_operator.watch_plan import MadeProxyModel, decide, proxymodel_for, proxymodel_name
 from proxymodel_operator.watch_spec import parse_watch
 
 SOURCE = {"uri": "s3://runs/grpo", "credentialsSecret": "creds"}
@@ -19,8 +19,8 @@ def ckpt(step: int, complete: bool = True, kind: str = MOE, reason: str | None =
                       complete=complete, kind=kind, reason=reason)
 
 
-def child(step: int, phase: str | None = "ProxyReady") -> Child:
-    return Child(f"w-step-{step}", step, phase, f"s3://runs/grpo/global_step_{step}")
+def child(step: int, phase: str | None = "ProxyReady") -> MadeProxyModel:
+    return MadeProxyModel(f"w-step-{step}", step, phase, f"s3://runs/grpo/global_step_{step}")
 
 
 def steps(items) -> list[int]:
