@@ -29,8 +29,8 @@ def add_parser(sub) -> None:
     seq = p.add_argument_group(
         "proxy-aware (sequential) statistics, for one proxy",
         "With --experts N, each MoE layer is scored behind the proxy's already-pruned earlier layers and its "
-        "experts selected right after (the build then reconstructs them by default): the fidelity lab's best "
-        "proxies at 50% and 12.5%, at 7-15x a plain build's time with the reconstruction (docs/fidelity.md). "
+        "experts selected right after (the build then reconstructs them by default; what that buys and costs: "
+        "docs/fidelity.md). "
         "Builds must ask for the same proxy.")
     add_arguments(seq, PruningOptions, only=("experts",), helps={
         "experts": "routed experts the proxy keeps (the build's --experts N): sequential statistics for it"})
