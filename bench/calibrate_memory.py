@@ -4,7 +4,7 @@ with depth?
 Makes two Qwen3-MoE checkpoints (bf16, random weights) that differ only in depth, then
 measures in a fresh process each:
 - peak RSS of `calibrate` (layer by layer);
-- the same with one of its two memory bounds undone (layerwise.py): oneDNN/ideep kernel
+- the same with one of its two memory bounds undone (layerwise/model.py): oneDNN/ideep kernel
   caches at their default 1024 entries, or no heap trim after each layer; and with both
   undone (calibrate as it was before them);
 - peak RSS of loading the whole model with transformers and running the same tokens (what a
@@ -39,7 +39,7 @@ PEAK = "print('PEAK', [int(l.split()[1]) * 1024 for l in open('/proc/self/status
 CALIBRATE = ("from moe_proxy.calibrate.statistics import calibrate\n"
              "calibrate({src!r}, {out!r}, samples={samples}, seq_len={seq_len})\n")
 UNBOUNDED_CACHES = "import os\nos.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] = os.environ['LRU_CACHE_CAPACITY'] = '1024'\n"
-NO_TRIM = "import moe_proxy.calibrate.layerwise\nmoe_proxy.calibrate.layerwise.release_freed_memory = lambda: None\n"
+NO_TRIM = "import moe_proxy.layerwise.model\nmoe_proxy.layerwise.model.release_freed_memory = lambda: None\n"
 SNIPPETS = {  # what is measured, as printed, and its code (SHORT: the names --only takes)
     "imports only": "import torch, transformers\n",
     "calibrate (layer by layer)": CALIBRATE,

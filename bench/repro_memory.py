@@ -66,7 +66,7 @@ def rank_load(checkpoint: str) -> dict:
     from moe_proxy.checkpoint.reader import open_checkpoint
     from moe_proxy.repro.distributed import join, shard
     from moe_proxy.repro.sharded_load import load_shards, meta_model
-    from moe_proxy.storage.materialize import load_causal_lm
+    from moe_proxy.layerwise.load import load_causal_lm
 
     torch.set_num_threads(1)
     start = _rss()
@@ -105,7 +105,7 @@ def unit_bytes(config: dict) -> tuple[int, int]:
     import torch
     import transformers
 
-    from moe_proxy.calibrate.layerwise import transformers_config
+    from moe_proxy.layerwise.load import transformers_config
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers_config(config), dtype=torch.float32)

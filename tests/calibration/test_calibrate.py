@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main
-from moe_proxy.calibrate.layerwise import moe_modules
+from moe_proxy.layerwise.model import moe_modules
 from moe_proxy.demo.tiny import make_tiny
 
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from moe_proxy.checkpoint.reader import open_checkpoint
-from moe_proxy.calibrate.layerwise import LayerwiseModel, moe_modules, run_layer
+from moe_proxy.layerwise.model import LayerwiseModel, moe_modules, run_layer
 
 ALL = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "deepseek_v2", "glm4_moe", "olmoe"]
 

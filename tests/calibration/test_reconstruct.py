@@ -14,8 +14,8 @@ from moe_proxy.build import reconstruct as rec
 from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.build.verify import verify
 from moe_proxy.calibrate import statistics as cal
-from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules
-from moe_proxy.calibrate.proxy import block_io
+from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
+from moe_proxy.layerwise.blocks import block_io
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.demo.tiny import make_tiny
 
@@ -31,7 +31,7 @@ def short_fit(monkeypatch):
 
 def held_out_ids(stats) -> torch.Tensor:
     ids = stats.token_ids[:rec.RECON_SAMPLES]
-    return ids[torch.arange(len(ids)) % rec.HOLDOUT == 0]
+    return ids[torch.arange(len(ids)) % rec.HOLDOUT_SEQUENCES == 0]
 
 
 def block_errors(original, proxy, ids) -> list[float]:

@@ -34,7 +34,7 @@ def rank_loads(path: str) -> dict:
 
     from moe_proxy.repro.distributed import join, shard
     from moe_proxy.repro.sharded_load import load_shards, meta_model
-    from moe_proxy.storage.materialize import load_causal_lm
+    from moe_proxy.layerwise.load import load_causal_lm
 
     torch.set_num_threads(1)
     comm = join("cpu", 120)

@@ -11,7 +11,7 @@ import transformers
 from moe_proxy.build import heal
 from moe_proxy.build.pipeline import build_proxy
 from moe_proxy.calibrate.statistics import calibrate
-from moe_proxy.storage.materialize import load_causal_lm
+from moe_proxy.layerwise.load import load_causal_lm
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.metrics_io import read_metrics
 from moe_proxy.repro.runner import run_repro

@@ -1,6 +1,6 @@
 """How close a proxy is to its original: the fidelity figure of a calibrated build.
 
-Both models run one decoder layer at a time (calibrate/layerwise.py), side by side, on
+Both models run one decoder layer at a time (a pass of layerwise.driver), side by side, on
 held-out calibration tokens: one layer of the original and the same layer of the proxy are
 resident, each model's hidden states go through its own layer, and both layers are freed
 before the next. The proxy is the one the plan describes, read through its output tensors
@@ -29,14 +29,14 @@ the measurement imports torch when it runs.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from moe_proxy.checkpoint.reads import read_coalesced
 from moe_proxy.errors import InvalidExpertCount
+from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
 
 log = logging.getLogger(__name__)
 FIDELITY_SAMPLES = 16  # held-out calibration sequences measured, at most
-BATCH = 8  # sequences per forward call
 HEAD_CHUNK = 512  # tokens per LM-head matmul (bounds the [tokens, vocab] logits)
 
 
@@ -86,59 +86,92 @@ class _Ratio:
         return _round(self.num / self.den) if self.den > 0 else 0.0
 
 
+@dataclass
+class Compared:
+    """The two models side by side: per decoder layer its errors, then the head's figures."""
+
+    layers: list[dict]  # {"layer", "hidden_error"} and, in MoE layers, {"block", "block_error"}
+    kl: float
+    loss_original: float
+    loss_proxy: float
+
+
+class FidelityPass(LayerPass[Compared]):
+    """Walks the original; each layer of the proxy (`source`, its hidden states of `token_ids`)
+    is loaded beside the original's and advanced with it."""
+
+    desc = "measuring fidelity"
+    dense = True  # every layer's hidden-state error
+
+    def __init__(self, source: PlannedProxy, token_ids):
+        self.source, self.token_ids = source, token_ids
+        self.layers: list[dict] = []
+
+    def begin(self, model, states) -> None:
+        from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel
+
+        self.original, self.ho = model, states
+        self.proxy = LayerwiseModel(self.source, dtype=model.dtype)
+        self.hp = HiddenStates(self.proxy, self.token_ids, BATCH)
+
+    def visit(self, layer: Layer) -> None:
+        from moe_proxy.layerwise.model import moe_modules
+
+        i = layer.index
+        with self.proxy.layer(i) as lp:
+            mp = moe_modules(lp)
+            record: dict = {"layer": i}
+            hook, block = None, _Ratio()
+            if layer.moe is not None and mp is not None:
+                def compare(module, args, out, proxy_block=mp.block) -> None:  # same input X, both blocks
+                    z = proxy_block(args[0])
+                    block.add(z[0] if isinstance(z, tuple) else z, out[0] if isinstance(out, tuple) else out)
+
+                hook = layer.moe.block.register_forward_hook(compare)
+                record["block"] = layer.block.prefix
+            try:
+                self.ho.advance(layer.module, i)
+            finally:
+                if hook is not None:
+                    hook.remove()
+            self.hp.advance(lp, i)
+        if hook is not None:
+            record["block_error"] = block.value
+        hidden = _Ratio()
+        for a, b in zip(self.hp.hidden, self.ho.hidden):
+            hidden.add(a, b)
+        record["hidden_error"] = hidden.value
+        self.layers.append(record)
+
+    def result(self) -> Compared:
+        import torch
+
+        kl, loss_o, loss_p = _head_figures(self.original, self.ho.hidden, self.hp.hidden,
+                                           self.token_ids.split(BATCH), torch)
+        return Compared(self.layers, kl, loss_o, loss_p)
+
+
 def measure(ckpt, layout, plan, calibration, shards: dict, progress: bool = False) -> dict:
     """The fidelity figure of the proxy `plan` describes (its output tensors `shards`), on the
     held-out calibration tokens of `calibration` (see the module docstring)."""
-    import torch
-    from tqdm.auto import tqdm
-
     from moe_proxy.build.config import rewrite_config
     from moe_proxy.build.heal import HEAL_SAMPLES
-    from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules, release_freed_memory
+    from moe_proxy.layerwise.model import release_freed_memory
 
     # What the shard write freed in its reader threads' heaps, which this thread does not reuse,
     # goes back to the OS before two models load (docs/performance.md, memory against depth).
     release_freed_memory()
     ids, rows = held_out(calibration.token_ids)
-    original = LayerwiseModel(ckpt)
-    proxy = LayerwiseModel(PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards), dtype=original.dtype)
-    ho, hp = HiddenStates(original, ids, BATCH), HiddenStates(proxy, ids, BATCH)
-    blocks = {b.layer: b for b in layout.blocks}
-    layers = []
-    for i in tqdm(range(original.n_layers), desc="measuring fidelity", unit="layer", disable=not progress):
-        with original.layer(i) as lo, proxy.layer(i) as lp:
-            mo, mp = moe_modules(lo), moe_modules(lp)
-            record: dict = {"layer": i}
-            hook, block = None, _Ratio()
-            if mo is not None and mp is not None and i in blocks:
-                def compare(module, args, out, proxy_block=mp.block) -> None:  # same input X, both blocks
-                    z = proxy_block(args[0])
-                    block.add(z[0] if isinstance(z, tuple) else z, out[0] if isinstance(out, tuple) else out)
-
-                hook = mo.block.register_forward_hook(compare)
-                record["block"] = blocks[i].prefix
-            try:
-                ho.advance(lo, i)
-            finally:
-                if hook is not None:
-                    hook.remove()
-            hp.advance(lp, i)
-        if hook is not None:
-            record["block_error"] = block.value
-        hidden = _Ratio()
-        for a, b in zip(hp.hidden, ho.hidden):
-            hidden.add(a, b)
-        record["hidden_error"] = hidden.value
-        layers.append(record)
-    kl, loss_o, loss_p = _head_figures(original, ho.hidden, hp.hidden, ids.split(BATCH), torch)
+    proxy = PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards)
+    found = walk(ckpt, layout, FidelityPass(proxy, ids), ids, BATCH, progress)
     return {
         "tokens": {"sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "rows": rows,
                    "of": int(calibration.token_ids.shape[0]),
                    "sha256": calibration.summary.get("tokens", {}).get("sha256"),
                    "held_out_from_heal": rows[0] >= HEAL_SAMPLES},
-        "layers": layers,
-        "kl": _round(kl), "loss_original": _round(loss_o), "loss_proxy": _round(loss_p),
-        "loss_delta": _round(loss_p - loss_o),
+        "layers": found.layers,
+        "kl": _round(found.kl), "loss_original": _round(found.loss_original), "loss_proxy": _round(found.loss_proxy),
+        "loss_delta": _round(found.loss_proxy - found.loss_original),
     }
 
 
@@ -146,7 +179,7 @@ def _head_figures(model, original: list, proxy: list, ids: tuple, torch) -> tupl
     """KL(original || proxy) per token and each model's next-token cross-entropy, through the
     original's final norm and LM head (tied to the embedding when the checkpoint has no head)."""
     norm = model.base.norm
-    model._load(norm, "model.norm.")
+    model.load(norm, "model.norm.")
     name = "lm_head.weight" if "lm_head.weight" in model.ckpt.tensors else "model.embed_tokens.weight"
     weight = model.tensors.read(name).to(model.dtype)
     kl = ce_o = ce_p = 0.0

@@ -1,11 +1,11 @@
 """`build --heal`: re-fit the kept router rows so each proxy MoE block reproduces the
 original block's output on the calibration hidden states.
 
-Layer by layer (layerwise.py, same memory bound as `calibrate`): the calibration tokens of
-the statistics are pushed through the *original* model; at each MoE layer the block's input
-X and output Y are captured, the proxy block (the model's own MoE module class, built from
-the proxy config with the kept experts' tensors) is instantiated, and only its router
-parameters are trained:
+Layer by layer (a pass of layerwise.driver, same memory bound as `calibrate`): the
+calibration tokens of the statistics are pushed through the *original* model; at each MoE
+layer the block's input X and output Y are captured, the proxy block (the model's own MoE
+module class, built from the proxy config with the kept experts' tensors) is instantiated,
+and only its router parameters are trained:
 
     minimise  ||proxy_block(X) - Y||^2 / ||Y||^2      (relative squared error over all tokens)
 
@@ -22,31 +22,23 @@ a healed proxy differs from the unhealed one only in router tensors.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
-from moe_proxy.checkpoint.reader import Checkpoint
-from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules, transformers_config
-from moe_proxy.calibrate.proxy import block_io, proxy_block
-from moe_proxy.checkpoint.layout import Layout
 from moe_proxy.build.config import rewrite_config
+from moe_proxy.checkpoint.layout import Layout, MoeBlock
+from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.checkpoint.tensors import TORCH_DTYPES
+from moe_proxy.layerwise.blocks import block_io, proxy_block, router_params
+from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
+from moe_proxy.layerwise.load import transformers_config
 
 log = logging.getLogger(__name__)
 HEAL_STEPS = 200
 HEAL_LR = 0.02
 HEAL_SAMPLES = 32  # calibration sequences used for healing (all of them if fewer)
-HOLDOUT = 4  # one token in HOLDOUT is held out to choose the step kept
-
-
-def _router_params(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The router's trainable tensors, named as the checkpoint's router leaves (`gate.weight`, ...)."""
-    for attr in ("gate", "router"):
-        router = getattr(block, attr, None)
-        if isinstance(router, torch.nn.Module) and isinstance(getattr(router, "weight", None), torch.nn.Parameter):
-            return {f"{attr}.{name}": p for name, p in router.named_parameters()}
-    raise ValueError(f"{type(block).__name__} has no router module")
+HOLDOUT_TOKENS = 4  # one token in HOLDOUT_TOKENS is held out to choose the step kept
 
 
 def relative_error(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -97,47 +89,72 @@ def fit(block: torch.nn.Module, groups: list[tuple[list[torch.nn.Parameter], flo
 
 def _fit(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """Train the block's router on x -> y; returns the held-out objective before and after."""
-    params = _router_params(block)
-    # Every HOLDOUT-th token is held out: it picks the step to keep (early stopping), so the
+    params = router_params(block)
+    # Every HOLDOUT_TOKENS-th token is held out: it picks the step to keep (early stopping), so the
     # router is not fitted to the calibration tokens' noise.
-    held = torch.arange(x.shape[1]) % HOLDOUT == 0
+    held = torch.arange(x.shape[1]) % HOLDOUT_TOKENS == 0
     weight = next(p for name, p in params.items() if name.endswith("weight"))
     lr = HEAL_LR * float(weight.detach().pow(2).mean().sqrt())
     r = fit(block, [(list(params.values()), lr)], (x[:, ~held], y[:, ~held]), (x[:, held], y[:, held]), HEAL_STEPS)
     return r["before"], r["after"]
 
 
+@dataclass
+class HealedRouters:
+    """What healing found: the healed router tensors and, per MoE block, its objective."""
+
+    tensors: dict[str, bytes] = field(default_factory=dict)  # checkpoint tensor name -> bytes, source dtype
+    records: dict[str, dict] = field(default_factory=dict)  # block prefix -> its manifest record's `heal`
+
+
+class HealPass(LayerPass[HealedRouters]):
+    """Each MoE layer: the original block's input and output on the hidden states, and the
+    proxy block's router fitted to them."""
+
+    desc = "healing routers"
+
+    def __init__(self, proxy_config, kept: dict[str, list[int]]):
+        self.proxy_config, self.kept = proxy_config, kept
+        self.healed = HealedRouters()
+
+    def visit(self, layer: Layer) -> None:
+        block, mods = layer.block, layer.moe
+        with block_io(mods.block) as (xs, ys):  # the original block's input and output
+            layer.states.advance(layer.module, layer.index)
+        proxy = proxy_block(mods.block, self.proxy_config, self.kept[block.prefix])
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs]).float()[None]  # [1, tokens, H]
+        y = torch.cat([t.reshape(-1, t.shape[-1]) for t in ys]).float()[None]
+        before, after = _fit(proxy, x, y)
+        self.healed.records[block.prefix] = {"objective": "relative squared error of the block output",
+                                             "before": round(before, 6), "after": round(after, 6)}
+        self.healed.tensors |= _router_tensors(proxy, block)
+        log.info("%s: healed router, relative error %.4f -> %.4f", block.prefix, before, after)
+
+    def result(self) -> HealedRouters:
+        return self.healed
+
+
+def _router_tensors(proxy: torch.nn.Module, block: MoeBlock) -> dict[str, bytes]:
+    """The proxy block's router rows as the checkpoint stores them: tensor name -> bytes."""
+    out = {}
+    for leaf, p in router_params(proxy).items():
+        info = block.router.get(leaf)
+        if info is None:  # a router parameter the checkpoint does not store: nothing to write
+            continue
+        t, axis = info
+        if axis != 0:
+            continue
+        value = p.detach().to(TORCH_DTYPES[t.dtype]).contiguous()
+        out[t.name] = value.view(torch.uint8).numpy().tobytes()
+    return out
+
+
 def heal_routers(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> dict[str, bytes]:
     """Healed router tensors of every calibrated MoE block: tensor name -> bytes in the source dtype.
     Records each layer's objective before and after in its selection's manifest record."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
-    model = LayerwiseModel(ckpt)
-    states = HiddenStates(model, calibration.token_ids[:HEAL_SAMPLES], 8)
-    overrides: dict[str, bytes] = {}
-    for i in tqdm(range(model.n_layers), desc="healing routers", unit="layer", disable=not progress):
-        block = next((b for b in layout.blocks if b.layer == i), None)
-        with model.layer(i) as layer:
-            mods = moe_modules(layer)
-            if mods is None or block is None:
-                states.advance(layer, i)
-                continue
-            with block_io(mods.block) as (xs, ys):  # the original block's input and output
-                states.advance(layer, i)
-            sel = plan.selections[block.prefix]
-            proxy = proxy_block(mods.block, proxy_config, sel.kept)
-            x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs]).float()[None]  # [1, tokens, H]
-            y = torch.cat([t.reshape(-1, t.shape[-1]) for t in ys]).float()[None]
-            before, after = _fit(proxy, x, y)
-            sel.record["heal"] = {"objective": "relative squared error of the block output",
-                                  "before": round(before, 6), "after": round(after, 6)}
-            for leaf, p in _router_params(proxy).items():
-                info = block.router.get(leaf)
-                if info is None:  # a router parameter the checkpoint does not store: nothing to write
-                    continue
-                t, axis = info
-                if axis != 0:
-                    continue
-                value = p.detach().to(TORCH_DTYPES[t.dtype]).contiguous()
-                overrides[t.name] = value.view(torch.uint8).numpy().tobytes()
-            log.info("%s: healed router, relative error %.4f -> %.4f", block.prefix, before, after)
-    return overrides
+    kept = {prefix: sel.kept for prefix, sel in plan.selections.items()}
+    healed = walk(ckpt, layout, HealPass(proxy_config, kept), calibration.token_ids[:HEAL_SAMPLES], BATCH, progress)
+    for prefix, record in healed.records.items():  # the plan's side channel, as plan_experts reads it
+        plan.selections[prefix].record["heal"] = record
+    return healed.tensors

@@ -18,7 +18,7 @@ column; P_m is the permutation that maximises the summed inner products of match
 (weight matching, as in Git Re-Basin), a linear assignment solved by scipy's
 `linear_sum_assignment` (what scikit-learn itself uses; scikit-learn requires scipy).
 
-One decoder layer at a time (calibrate/layerwise.py): its experts are read (block-FP8
+One decoder layer at a time (a pass of layerwise.driver): its experts are read (block-FP8
 dequantised), merged in float32, and rounded to the checkpoint's storage format through the
 same writer as --reconstruct (dtype; block-FP8 re-quantised with its `weight_scale_inv`
 layout), spilled to local disk until the shards are written. Router rows, shared experts and
@@ -31,41 +31,24 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
-from tqdm.auto import tqdm
 
 from moe_proxy.build.config import rewrite_config
 from moe_proxy.build.reconstruct import Spill, Targets
 from moe_proxy.build.selection import Selection
-from moe_proxy.calibrate.layerwise import LayerwiseModel, moe_modules, transformers_config
-from moe_proxy.calibrate.proxy import proxy_block
-from moe_proxy.checkpoint.layout import Layout
+from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
-from moe_proxy.errors import MoeProxyError
+from moe_proxy.errors import CannotMerge
+from moe_proxy.layerwise.blocks import proxy_block
+from moe_proxy.layerwise.driver import Layer, LayerPass, walk
+from moe_proxy.layerwise.load import transformers_config
 
 log = logging.getLogger(__name__)
-GROUPED_METHODS = ("cluster", "frequency", "saliency")  # selections whose grouping --merge averages over
-
-
-class CannotMerge(MoeProxyError):
-    """A build --merge cannot do (its options, or a model's expert layout)."""
-
-
-def check_options(options) -> None:
-    """Refuse option combinations --merge cannot serve, before anything is read."""
-    if not options.calibration:
-        raise CannotMerge("--merge needs --calibration STATS (from moe-proxy calibrate): members are weighted by "
-                          "the gate mass they receive on the calibration tokens")
-    if options.method not in GROUPED_METHODS:
-        raise CannotMerge(f"--merge with --method {options.method}: a baseline that picks experts without grouping "
-                          f"the others under them, so there is nothing meaningful to merge; use --method "
-                          f"{', '.join(GROUPED_METHODS)}")
-    if options.heal:
-        raise CannotMerge("--merge and --heal: --heal fits the router to the unmerged experts; use --merge "
-                          "--reconstruct, which re-fits the router rows with the merged experts")
 
 
 def neurons(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -153,34 +136,56 @@ def merge_into(original: torch.nn.Module, proxy: torch.nn.Module, sel: Selection
     return record, stored, back
 
 
+@dataclass
+class MergedExperts:
+    """What merging wrote, per MoE block it merged (in layer order)."""
+
+    tensors: dict[str, Callable[[], bytes]] = field(default_factory=dict)  # checkpoint tensor -> its bytes (spilled)
+    records: dict[str, list] = field(default_factory=dict)  # block prefix -> its manifest record's `merge`
+
+
+class MergePass(LayerPass[MergedExperts]):
+    """Each MoE layer with statistics: its clusters merged into the kept experts, rounded as
+    stored and spilled. No hidden states: only these layers are loaded."""
+
+    desc = "merging experts"
+
+    def __init__(self, proxy_config, arch, selections: dict[str, Selection], calibration):
+        self.proxy_config, self.arch, self.selections, self.calibration = proxy_config, arch, selections, calibration
+        self.spill = Spill()
+        self.merged = MergedExperts()
+
+    def visits(self, block: MoeBlock) -> bool:
+        return block.prefix in self.calibration.layers
+
+    def visit(self, layer: Layer) -> str:
+        block, original = layer.block, layer.moe.block
+        sel = self.selections[block.prefix]
+        proxy = proxy_block(original, self.proxy_config, sel.kept)
+        targets = Targets(proxy, block, self.arch, sel.kept, option="--merge")
+        record, stored, _ = merge_into(original, proxy, sel, self.calibration.layers[block.prefix].gate_mass, targets)
+        for name, value in stored.items():
+            self.merged.tensors[name] = self.spill.put(value)
+        self.merged.records[block.prefix] = record
+        msg = (f"{block.prefix}: merged {sum(len(r['members']) for r in record)} experts into {len(record)}, "
+               f"{time.monotonic() - layer.started:.1f} s")
+        log.info(msg)
+        return msg
+
+    def result(self) -> MergedExperts:
+        return self.merged
+
+
 def merge(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> None:
-    """Merge every calibrated MoE layer's clusters into their kept experts; fills
+    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass); fills
     plan.tensor_overrides (spilled), plan.merge and each layer's `merge` record."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
-    model = LayerwiseModel(ckpt)
-    spill, merged = Spill(), []
-    bar = tqdm(range(model.n_layers), desc="merging experts", unit="layer", disable=not progress)
-    for i in bar:
-        block = next((b for b in layout.blocks if b.layer == i), None)
-        if block is None or block.prefix not in calibration.layers:
-            continue
-        start = time.monotonic()
-        with model.layer(i) as layer:
-            mods = moe_modules(layer)
-            sel = plan.selections[block.prefix]
-            proxy = proxy_block(mods.block, proxy_config, sel.kept)
-            targets = Targets(proxy, block, layout.arch, sel.kept, option="--merge")
-            record, stored, _ = merge_into(mods.block, proxy, sel, calibration.layers[block.prefix].gate_mass, targets)
-        for name, value in stored.items():
-            plan.tensor_overrides[name] = spill.put(value)
-        sel.record["merge"] = record
-        merged.append(block.prefix)
-        msg = (f"{block.prefix}: merged {sum(len(r['members']) for r in record)} experts into {len(record)}, "
-               f"{time.monotonic() - start:.1f} s")
-        log.info(msg)
-        if progress:
-            bar.write(msg)
-    plan.merge = describe(plan, merged)
+    merged = walk(ckpt, layout, MergePass(proxy_config, layout.arch, plan.selections, calibration), progress=progress)
+    # The plan's side channels, as plan_experts and the shard writer read them.
+    plan.tensor_overrides.update(merged.tensors)
+    for prefix, record in merged.records.items():
+        plan.selections[prefix].record["merge"] = record
+    plan.merge = describe(plan, list(merged.records))
 
 
 def describe(plan, merged: list[str]) -> dict:

@@ -1,7 +1,7 @@
 """`build --reconstruct`: re-fit the kept experts and router rows of every MoE layer so the
 pruned block reproduces the original block, layer by layer (an extension of `--heal`).
 
-Layer by layer (layerwise.py, one decoder layer resident, as `calibrate`): the calibration
+Layer by layer (a pass of layerwise.driver, one decoder layer resident, as `calibrate`): the calibration
 tokens of the statistics go through the *proxy being built*. At MoE layer i, the original
 layer runs on the proxy's hidden states and its block's input X and output Y are recorded;
 the proxy block (the model's own MoE class, proxy config, kept experts) is fitted on them:
@@ -10,8 +10,8 @@ the proxy block (the model's own MoE class, proxy config, kept experts) is fitte
 
 over the router rows stored with one row per expert (router weight, bias) and all of the
 kept experts' tensors (fused gate_up / down projections and their biases), with Adam in
-float32, full batch, learning rates proportional to each tensor's RMS. Every HOLDOUT-th
-calibration sequence is held out: the held-out error picks the step kept, and RECON_PATIENCE
+float32, full batch, learning rates proportional to each tensor's RMS. Every
+HOLDOUT_SEQUENCES-th calibration sequence is held out: the held-out error picks the step kept, and RECON_PATIENCE
 steps without improvement stop the fit (early stopping). The fitted tensors are then rounded
 to the checkpoint's storage format (its dtype; block-FP8 experts re-quantised with their
 `weight_scale_inv` layout) and the held-out error is measured again on what will be stored.
@@ -35,26 +35,27 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from moe_proxy.build.config import rewrite_config
-from moe_proxy.build.heal import _router_params, fit, relative_error
-from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, moe_modules, transformers_config
-from moe_proxy.calibrate.proxy import block_io, proxy_block, swapped
+from moe_proxy.build.heal import fit, relative_error
+from moe_proxy.build.selection import Selection
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint, TensorInfo
 from moe_proxy.checkpoint.tensors import TORCH_DTYPES, dequantize_fp8, quantize_fp8
 from moe_proxy.errors import MoeProxyError
+from moe_proxy.layerwise.blocks import block_io, proxy_block, router_params, swapped
+from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
+from moe_proxy.layerwise.load import transformers_config
 
 log = logging.getLogger(__name__)
 RECON_SAMPLES = 32  # calibration sequences used (all of them if fewer)
-HOLDOUT = 4  # every HOLDOUT-th sequence (0, 4, 8, ...) is held out
+HOLDOUT_SEQUENCES = 4  # every HOLDOUT_SEQUENCES-th sequence (0, 4, 8, ...) is held out
 RECON_STEPS = 300  # at most, full-batch Adam steps per layer
 RECON_PATIENCE = 40  # steps without a held-out improvement before stopping
 ROUTER_LR, EXPERT_LR = 0.02, 0.01  # x the tensor's RMS
-BATCH = 8
 PLAIN_KEPT = "fitting did not lower the held-out error (as stored): plain selection kept"
 
 
@@ -92,7 +93,7 @@ class Targets:
     def __init__(self, proxy: torch.nn.Module, block: MoeBlock, arch, kept: list[int], option: str = "--reconstruct"):
         self.block, self.arch, self.kept, self.option = block, arch, kept, option
         self.router = {}
-        for leaf, p in _router_params(proxy).items():
+        for leaf, p in router_params(proxy).items():
             info = block.router.get(leaf)
             if info is not None and info[1] == 0:  # stored, experts on axis 0: fitted
                 self.router[leaf] = p
@@ -184,131 +185,137 @@ def _read(spill: Spill, path: Path) -> bytes:
 
 def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False,
                 merge: bool = False) -> None:
-    """Fit every calibrated MoE layer; fills plan.tensor_overrides, plan.reconstruction and
-    each layer's `reconstruct` record in its selection. `merge`: each layer's kept experts are
-    first merged (merge.py); the merged experts, as stored, are where the fit starts and what
-    the layer keeps when fitting does not help."""
+    """Fit every calibrated MoE layer (ReconstructPass); fills plan.tensor_overrides,
+    plan.reconstruction and each layer's `reconstruct` record in its selection. `merge`: each
+    layer's kept experts are first merged (merge.py); the merged experts, as stored, are where
+    the fit starts and what the layer keeps when fitting does not help."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
-    model = LayerwiseModel(ckpt)
     ids = calibration.token_ids[:RECON_SAMPLES]
     if len(ids) < 2:
         raise MoeProxyError("--reconstruct needs at least 2 calibration sequences (one is held out)")
-    held = torch.arange(len(ids)) % HOLDOUT == 0
-    states = HiddenStates(model, ids, BATCH)
-    p = _Pass(plan, proxy_config, layout.arch, model.dtype, states, held, Spill(), calibration if merge else None)
-    bar = tqdm(range(model.n_layers), desc="reconstructing", unit="layer", disable=not progress)
-    for i in bar:
-        block = next((b for b in layout.blocks if b.layer == i), None)
-        with model.layer(i) as layer:
-            mods = moe_modules(layer)
-            if mods is None or block is None or block.prefix not in plan.selections:
-                states.advance(layer, i)
-                continue
-            # In a function: nothing of this layer (its float32 block with gradients, the values
-            # stored and read back, the block it ran with) is alive when the next layer loads.
-            msg = _fit_layer(p, layer, i, mods.block, block)
-            log.info(msg)
-            if progress:
-                bar.write(msg)
+    held = torch.arange(len(ids)) % HOLDOUT_SEQUENCES == 0
+    layer_pass = ReconstructPass(proxy_config, layout.arch, plan.selections, held, calibration if merge else None)
+    found = walk(ckpt, layout, layer_pass, ids, BATCH, progress)
+    # The plan's side channels, as plan_experts and the shard writer read them.
+    plan.tensor_overrides.update(found.tensors)
+    for prefix, record in found.merges.items():
+        plan.selections[prefix].record["merge"] = record
+    for prefix, record in found.records.items():
+        plan.selections[prefix].record["reconstruct"] = record
     n_fit, n_held = int((~held).sum()), int(held.sum())
     seq_len = int(ids.shape[1])
     plan.reconstruction = {
         "objective": "relative squared error of the MoE block output, ||proxy_block(X) - Y||^2 / ||Y||^2, X the "
                      "block input through the already reconstructed proxy, Y the original block's output on X",
-        "fitted": sorted(p.fitted_names),
+        "fitted": sorted(found.fitted),
         "tokens": {"calibration_sha256": calibration.summary["tokens"]["sha256"], "sequences": len(ids),
-                   "seq_len": seq_len, "split": f"every {HOLDOUT}th calibration sequence (0, {HOLDOUT}, ...) held out",
+                   "seq_len": seq_len, "split": f"every {HOLDOUT_SEQUENCES}th calibration sequence "
+                                                f"(0, {HOLDOUT_SEQUENCES}, ...) held out",
                    "fit": {"sequences": n_fit, "tokens": n_fit * seq_len},
                    "held_out": {"sequences": n_held, "tokens": n_held * seq_len}},
         "optimizer": {"name": "Adam", "dtype": "float32", "max_steps": RECON_STEPS, "patience": RECON_PATIENCE,
                       "lr_router_x_rms": ROUTER_LR, "lr_experts_x_rms": EXPERT_LR},
         "rule": "a layer keeps its fitted tensors only if, as stored (dtype, FP8 re-quantised), they lower the "
                 "held-out error below the plain selection's",
-        "layers": p.counts,
+        "layers": found.counts,
     }
     if merge:
         from moe_proxy.build.merge import describe
 
-        plan.merge = describe(plan, p.merged_blocks)
+        plan.merge = describe(plan, list(found.merges))
 
 
 @dataclass
-class _Pass:
-    """What every layer's fit shares, and what it adds to (the fitted tensors' names, the counts,
-    the merged blocks)."""
+class Reconstruction:
+    """What reconstruction wrote, per MoE block it fitted."""
 
-    plan: object  # the ExpertPlan being filled
-    proxy_config: object  # the proxy's transformers config
-    arch: object
-    dtype: torch.dtype  # the checkpoint's
-    states: HiddenStates  # the calibration tokens' hidden states through the proxy so far
-    held: torch.Tensor  # which calibration sequences are held out
-    spill: Spill
-    merge_with: object = None  # the statistics whose gate mass weights the merges (--merge), else None
-    fitted_names: set = field(default_factory=set)
-    counts: dict = field(default_factory=lambda: {"fitted": 0, "plain": 0})
-    merged_blocks: list = field(default_factory=list)
+    tensors: dict[str, Callable[[], bytes]] = field(default_factory=dict)  # checkpoint tensor -> its bytes (spilled)
+    records: dict[str, dict] = field(default_factory=dict)  # block prefix -> its manifest record's `reconstruct`
+    merges: dict[str, list] = field(default_factory=dict)  # block prefix -> its `merge` record (--merge)
+    fitted: set[str] = field(default_factory=set)  # the parameters some layer kept fitted
+    counts: dict[str, int] = field(default_factory=lambda: {"fitted": 0, "plain": 0})
 
 
-def _fit_layer(p: _Pass, layer: torch.nn.Module, i: int, original: torch.nn.Module, block: MoeBlock) -> str:
-    """Fit MoE block `block` of loaded decoder layer `layer` (`original`: its MoE module),
-    record it in the plan, spill what is written and advance the hidden states through the
-    layer as it will be written; returns the progress line."""
-    plan, proxy_config, states, held = p.plan, p.proxy_config, p.states, p.held
-    start = time.monotonic()
-    sel = plan.selections[block.prefix]
-    with block_io(original) as (xs, ys):  # the original block on the proxy's hidden states
-        states.observe(layer, i)
-    x, y = torch.cat(xs).float(), torch.cat(ys).float()  # [sequences, T, H]
-    h = x.shape[-1]
-    train = (x[~held].reshape(1, -1, h), y[~held].reshape(1, -1, h))
-    val = (x[held].reshape(1, -1, h), y[held].reshape(1, -1, h))
-    proxy = proxy_block(original, proxy_config, sel.kept)
-    targets = Targets(proxy, block, p.arch, sel.kept)
-    merged = None
-    if p.merge_with is not None and block.prefix in p.merge_with.layers:
-        from moe_proxy.build.merge import merge_into
+class ReconstructPass(LayerPass[Reconstruction]):
+    """Each selected MoE layer: the original block on the proxy's hidden states, the proxy
+    block fitted to it (merged first with `merge_with`: the statistics whose gate mass weights
+    the merges), what is written spilled, and the hidden states carried on through the layer
+    as it will be written."""
 
-        record, stored_m, back_m = merge_into(original, proxy, sel,
-                                              p.merge_with.layers[block.prefix].gate_mass, targets)
-        sel.record["merge"], merged = record, (stored_m, back_m)
-        p.merged_blocks.append(block.prefix)
-    with torch.no_grad():
-        fit_before = float(relative_error(proxy, *train))
-    r = fit(proxy, targets.groups(), train, val, RECON_STEPS, RECON_PATIENCE)
-    stored, back = targets.store()
-    params = dict(proxy.named_parameters())
-    with torch.no_grad():
-        for name, value in back.items():
-            params[name].copy_(value)
-        after, fit_after = float(relative_error(proxy, *val)), float(relative_error(proxy, *train))
-    use = after < r["before"]
-    run = proxy_block(original, proxy_config, sel.kept, p.dtype, same_kernels=True)
-    # The layer as written: the fitted tensors, else the merged experts (--merge), else the plain
-    # selection's, which the writer reads from the source and `run` already holds.
-    written = (stored, back) if use else merged
-    if written is not None:
-        run_params = dict(run.named_parameters())
+    desc = "reconstructing"
+
+    def __init__(self, proxy_config, arch, selections: dict[str, Selection], held: torch.Tensor, merge_with=None):
+        self.proxy_config, self.arch, self.selections = proxy_config, arch, selections
+        self.held = held  # which calibration sequences are held out
+        self.merge_with = merge_with
+        self.spill = Spill()
+        self.found = Reconstruction()
+
+    def visits(self, block: MoeBlock) -> bool:
+        return block.prefix in self.selections
+
+    def visit(self, layer: Layer) -> str:
+        # A method's locals: nothing of this layer (its float32 block with gradients, the values
+        # stored and read back, the block it ran with) is alive when the next layer loads.
+        i, block, original, states, held = layer.index, layer.block, layer.moe.block, layer.states, self.held
+        found = self.found
+        start = time.monotonic()
+        sel = self.selections[block.prefix]
+        with block_io(original) as (xs, ys):  # the original block on the proxy's hidden states
+            states.observe(layer.module, i)
+        x, y = torch.cat(xs).float(), torch.cat(ys).float()  # [sequences, T, H]
+        h = x.shape[-1]
+        train = (x[~held].reshape(1, -1, h), y[~held].reshape(1, -1, h))
+        val = (x[held].reshape(1, -1, h), y[held].reshape(1, -1, h))
+        proxy = proxy_block(original, self.proxy_config, sel.kept)
+        targets = Targets(proxy, block, self.arch, sel.kept)
+        merged = None
+        if self.merge_with is not None and block.prefix in self.merge_with.layers:
+            from moe_proxy.build.merge import merge_into
+
+            record, stored_m, back_m = merge_into(original, proxy, sel,
+                                                  self.merge_with.layers[block.prefix].gate_mass, targets)
+            found.merges[block.prefix], merged = record, (stored_m, back_m)
         with torch.no_grad():
-            for name, value in written[1].items():
-                run_params[name].copy_(value)
-        for name, value in written[0].items():
-            plan.tensor_overrides[name] = p.spill.put(value)
-    if use:
-        p.fitted_names.update(targets.fitted())
-    p.counts["fitted" if use else "plain"] += 1
-    sel.record["reconstruct"] = {
-        "fitted": use,
-        "error_before": {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)},
-        "error_after": ({"held_out": round(after, 6), "fit": round(fit_after, 6)} if use else
-                        {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)}),
-        "steps": r["steps"], "best_step": r["best_step"],
-        **({} if use else {"why": PLAIN_KEPT.replace("plain selection", "merged experts") if merged
-                           else PLAIN_KEPT}),
-    }
-    with swapped(layer, run):  # on to the next layer through this layer as it will be written
-        states.advance(layer, i)
-    msg = (f"{block.prefix}: held-out relative error {r['before']:.4f} -> "
-           f"{after if use else r['before']:.4f}{'' if use else ' (plain kept)'}, {r['steps']} steps, "
-           f"{time.monotonic() - start:.1f} s")
-    return msg
+            fit_before = float(relative_error(proxy, *train))
+        r = fit(proxy, targets.groups(), train, val, RECON_STEPS, RECON_PATIENCE)
+        stored, back = targets.store()
+        params = dict(proxy.named_parameters())
+        with torch.no_grad():
+            for name, value in back.items():
+                params[name].copy_(value)
+            after, fit_after = float(relative_error(proxy, *val)), float(relative_error(proxy, *train))
+        use = after < r["before"]
+        run = proxy_block(original, self.proxy_config, sel.kept, layer.model.dtype, same_kernels=True)
+        # The layer as written: the fitted tensors, else the merged experts (--merge), else the plain
+        # selection's, which the writer reads from the source and `run` already holds.
+        written = (stored, back) if use else merged
+        if written is not None:
+            run_params = dict(run.named_parameters())
+            with torch.no_grad():
+                for name, value in written[1].items():
+                    run_params[name].copy_(value)
+            for name, value in written[0].items():
+                found.tensors[name] = self.spill.put(value)
+        if use:
+            found.fitted.update(targets.fitted())
+        found.counts["fitted" if use else "plain"] += 1
+        found.records[block.prefix] = {
+            "fitted": use,
+            "error_before": {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)},
+            "error_after": ({"held_out": round(after, 6), "fit": round(fit_after, 6)} if use else
+                            {"held_out": round(r["before"], 6), "fit": round(fit_before, 6)}),
+            "steps": r["steps"], "best_step": r["best_step"],
+            **({} if use else {"why": PLAIN_KEPT.replace("plain selection", "merged experts") if merged
+                               else PLAIN_KEPT}),
+        }
+        with swapped(layer.module, run):  # on to the next layer through this layer as it will be written
+            states.advance(layer.module, i)
+        msg = (f"{block.prefix}: held-out relative error {r['before']:.4f} -> "
+               f"{after if use else r['before']:.4f}{'' if use else ' (plain kept)'}, {r['steps']} steps, "
+               f"{time.monotonic() - start:.1f} s")
+        log.info(msg)
+        return msg
+
+    def result(self) -> Reconstruction:
+        return self.found

@@ -89,7 +89,8 @@ def run_forward(store, config: dict) -> str:
         import transformers
     except ImportError:
         return "skipped (transformers not installed)"
-    from moe_proxy.storage.materialize import load_causal_lm, local_copy
+    from moe_proxy.layerwise.load import load_causal_lm
+    from moe_proxy.storage.materialize import local_copy
 
     transformers.logging.set_verbosity_error()  # its load report would list the MTP layer it skips
     with local_copy(store) as path:

@@ -1,6 +1,6 @@
 """`moe-proxy calibrate`: per-expert usage statistics of an MoE checkpoint on calibration
-tokens, computed one decoder layer at a time (layerwise.py), stored once and reused by
-every build of the same checkpoint.
+tokens, computed one decoder layer at a time (a pass of layerwise.driver), stored once and
+reused by every build of the same checkpoint.
 
 Per MoE layer and routed expert (float64 sums over the calibration tokens; the routing is
 the model's own, read from the arguments its MoE block passes to its experts):
@@ -22,12 +22,12 @@ table, router bytes), the tokens' sha256 and origin, and per layer the dead and 
 experts under the default criteria below.
 
 Two modes (`mode` in calibration.json). One-pass (the default): every layer is scored on the
-original's hidden states. Sequential (`--sequential --experts N --method M`, sequential.py):
+original's hidden states. Sequential (`--sequential --experts N --method M`, build/sequential.py):
 each MoE layer is scored on hidden states that went through the already-pruned layers before
 it, its experts are selected right after it is scored, and the hidden states then go
 through the pruned layer; `made_for` records the proxy it was made for (expert count, top-k,
 method and the options that decide the selection) and per layer the experts kept, and a
-build for another proxy is refused (`Calibration.check_target`).
+build for another proxy is refused (`CalibrationStatistics.check_target`).
 
 Criteria (also applied by `build --calibration`):
 - dead: gate-mass share below DEAD_SHARE x the uniform share 1/E (default 1% of uniform);
@@ -49,20 +49,21 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-from tqdm.auto import tqdm
 
 from moe_proxy import __version__
 from moe_proxy.architectures import detect, expert_count
 from moe_proxy.calibrate.tokens import Tokens, calibration_tokens
 from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint, read_json
+from moe_proxy.checkpoint.layout import Layout, MoeBlock, find_layout, source_identity
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
-from moe_proxy.calibrate.layerwise import HiddenStates, LayerwiseModel, MoeModules, moe_modules
-from moe_proxy.calibrate.proxy import swapped
+from moe_proxy.layerwise.blocks import swapped
+from moe_proxy.layerwise.driver import Layer, LayerPass, walk
+from moe_proxy.layerwise.model import MoeModules
 from moe_proxy.storage import Store, open_store, write_bytes
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class ExpertObserver:
 
 
 @dataclass
-class Calibration:
+class CalibrationStatistics:
     summary: dict
     layers: dict[str, LayerStats]  # MoE block prefix -> statistics
     token_ids: torch.Tensor
@@ -283,7 +284,7 @@ class Calibration:
             )
 
 
-def save(store: Store, cal: Calibration) -> None:
+def save(store: Store, cal: CalibrationStatistics) -> None:
     tensors = {"tokens": cal.token_ids.to(torch.int64).contiguous()}
     for s in cal.layers.values():
         for name in LayerStats.NAMES:
@@ -293,7 +294,7 @@ def save(store: Store, cal: Calibration) -> None:
     write_bytes(store, SUMMARY, (json.dumps(cal.summary, indent=2) + "\n").encode())
 
 
-def load(uri: str | Store, **store_options) -> Calibration:
+def load(uri: str | Store, **store_options) -> CalibrationStatistics:
     store = open_store(uri, **store_options) if isinstance(uri, str) else uri
     if not store.exists(SUMMARY):
         raise CalibrationError(f"{store.uri}: no {SUMMARY}: not a calibration, or an incomplete one; "
@@ -318,7 +319,7 @@ def load(uri: str | Store, **store_options) -> Calibration:
     # layers scored so far): the build keeps the same ones.
     supers = ({p: info["super"] for p, info in summary["layers"].items()} if summary.get("mode") == SEQUENTIAL
               else super_experts(layers))
-    return Calibration(summary, layers, tensors["tokens"], store.uri, supers)
+    return CalibrationStatistics(summary, layers, tensors["tokens"], store.uri, supers)
 
 
 # ---------------------------------------------------------------- the pass
@@ -331,7 +332,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     """Compute and store the statistics; returns the summary (also `calibration.json`).
     `token_ids` ([samples, seq_len]): the caller's own tokens instead of `dataset` (library use,
     e.g. a byte-level model without a tokenizer). `sequential`: the PruningOptions of the proxy
-    to calibrate for (sequential.py); None: one pass over the original."""
+    to calibrate for (build/sequential.py); None: one pass over the original."""
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
     out_store = open_store(out, **(store_options or {})) if isinstance(out, str) else out
@@ -352,7 +353,9 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     identity = source_identity(ckpt, layout)
     proxy = None
     if sequential is not None:
-        from moe_proxy.calibrate.sequential import SequentialProxy  # needs the build's selection
+        # The one import of build from calibrate, when it runs: the build's own selection is what
+        # sequential statistics interleave with the scoring (tests/house/test_imports.py lists it).
+        from moe_proxy.build.sequential import SequentialProxy
 
         proxy = SequentialProxy(ckpt, layout, sequential)
     mode = {"mode": SEQUENTIAL, "made_for": proxy.key} if proxy is not None else {"mode": ONE_PASS}
@@ -384,48 +387,66 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
         "layers": {
             p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": supers[p],
                 "load_imbalance": round(s.load_imbalance(), 4)}
-            | ({"kept": proxy.plan.selections[p].kept} if proxy is not None else {})
+            | ({"kept": proxy.kept[p]} if proxy is not None else {})
             for p, s in layers.items()
         },
         "skipped": {b.prefix: "not part of the transformers model (MTP layer): no statistics; builds select "
                               "its experts without calibration"
                     for b in layout.blocks if b.prefix not in layers},
     }
-    save(out_store, Calibration(summary, layers, tokens.ids))
+    save(out_store, CalibrationStatistics(summary, layers, tokens.ids))
     return summary
 
 
-def run_statistics(ckpt: Checkpoint, layout: Layout, token_ids: torch.Tensor, batch_size: int = 8,
-                   progress: bool = False, proxy=None) -> dict[str, LayerStats]:
-    """Per MoE block prefix, its statistics. `proxy` (a sequential.SequentialProxy): score each
-    MoE layer on the proxy's hidden states, select its experts, and carry the hidden states
+class SequentialTarget(Protocol):
+    """The proxy sequential statistics are made for (build.sequential.SequentialProxy)."""
+
+    key: dict  # what decides its kept experts: the artifact's `made_for`
+    supers: dict[str, list[int]]  # per MoE block selected so far: its super experts
+    kept: dict[str, list[int]]  # per MoE block selected so far: its kept experts
+
+    def select(self, block: MoeBlock, scored: dict[str, LayerStats]) -> list[int]:
+        """Select `block`'s experts from the statistics of every layer scored so far; its kept experts."""
+
+    def block(self, original: torch.nn.Module, kept: list[int], dtype: torch.dtype) -> torch.nn.Module:
+        """The pruned block that replaces `original` (a loaded MoE block) in the proxy."""
+
+
+class StatisticsPass(LayerPass[dict[str, LayerStats]]):
+    """Per MoE block prefix, its statistics. With a `proxy`, each MoE layer is scored on the
+    proxy's hidden states, its experts are selected, and the hidden states are then carried
     through the pruned layer."""
-    model = LayerwiseModel(ckpt)
+
+    desc = "calibrating"
+
+    def __init__(self, n_experts: int, proxy: SequentialTarget | None = None):
+        self.n, self.proxy = n_experts, proxy
+        self.stats: dict[str, LayerStats] = {}
+
+    def visit(self, layer: Layer) -> str:
+        i, block, mods, states = layer.index, layer.block, layer.moe, layer.states
+        observer = ExpertObserver(block.prefix, i, mods, self.n, layer.model.config.hidden_size)
+        if self.proxy is None:
+            states.advance(layer.module, i)
+        else:  # the original layer scores the proxy's hidden states; they stay put for now
+            states.observe(layer.module, i)
+        s = self.stats[block.prefix] = observer.finish()
+        kept = ""
+        if self.proxy is not None:  # select now, then carry the hidden states through the pruned layer
+            selected = self.proxy.select(block, self.stats)
+            with swapped(layer.module, self.proxy.block(mods.block, selected, layer.model.dtype)):
+                states.advance(layer.module, i)
+            kept = f"  kept {selected}"
+        return (f"layer {i:>3}: dead {len(s.dead())}/{self.n} {s.dead()[:8]}  load imbalance "
+                f"{s.load_imbalance():.2f}  max |output| {float(s.max_abs.max()):.3g} "
+                f"(expert {int(s.max_abs.argmax())}){kept}  ({time.monotonic() - layer.started:.1f} s)")
+
+    def result(self) -> dict[str, LayerStats]:
+        return self.stats
+
+
+def run_statistics(ckpt: Checkpoint, layout: Layout, token_ids: torch.Tensor, batch_size: int = 8,
+                   progress: bool = False, proxy: SequentialTarget | None = None) -> dict[str, LayerStats]:
+    """Per MoE block prefix, its statistics (StatisticsPass)."""
     n = expert_count(layout.arch, ckpt.config)
-    states = HiddenStates(model, token_ids, batch_size)
-    stats: dict[str, LayerStats] = {}
-    bar = tqdm(range(model.n_layers), desc="calibrating", unit="layer", disable=not progress)
-    for i in bar:
-        block = next((b for b in layout.blocks if b.layer == i), None)
-        start = time.monotonic()
-        with model.layer(i) as layer:
-            mods = moe_modules(layer)
-            observer = ExpertObserver(block.prefix, i, mods, n, model.config.hidden_size) \
-                if mods is not None and block is not None else None
-            if observer is None or proxy is None:
-                states.advance(layer, i)
-            else:  # the original layer scores the proxy's hidden states; they stay put for now
-                states.observe(layer, i)
-            if observer is not None:
-                s = stats[block.prefix] = observer.finish()
-                kept = ""
-                if proxy is not None:  # select now, then carry the hidden states through the pruned layer
-                    sel = proxy.select(block, stats)
-                    with swapped(layer, proxy.block(mods.block, sel.kept, model.dtype)):
-                        states.advance(layer, i)
-                    kept = f"  kept {sel.kept}"
-                if progress:
-                    bar.write(f"layer {i:>3}: dead {len(s.dead())}/{n} {s.dead()[:8]}  load imbalance "
-                              f"{s.load_imbalance():.2f}  max |output| {float(s.max_abs.max()):.3g} "
-                              f"(expert {int(s.max_abs.argmax())}){kept}  ({time.monotonic() - start:.1f} s)")
-    return stats
+    return walk(ckpt, layout, StatisticsPass(n, proxy), token_ids, batch_size, progress)

@@ -16,15 +16,22 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from moe_proxy.storage import Store
 from moe_proxy.storage.inflight import READ_PART, Budget
 
-if TYPE_CHECKING:
-    from moe_proxy.build.writer import OutTensor
-
 PART = READ_PART  # bytes per read task, at most
+
+
+class Sourced(Protocol):
+    """A tensor to write and where its bytes come from (build.writer.OutTensor)."""
+
+    # (start, length) ranges of the source shard, in order, or a function that returns the bytes
+    source: list[tuple[int, int]] | Callable[[], bytes]
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ def part_readers(store: Store, file: str, ranges: list[tuple[int, int]], part: i
     return [ReadTask(partial(read_coalesced, store, file, b), sum(n for _, n in b)) for b in tasks]
 
 
-def read_tasks(store: Store, file: str, tensors: list[OutTensor], part: int = PART) -> list[Callable[[], bytes]]:
+def read_tasks(store: Store, file: str, tensors: list[Sourced], part: int = PART) -> list[Callable[[], bytes]]:
     """Tasks of about `part` bytes that read one output shard's data in order. Ranges are pooled
     across tensors, so kept tensors that sit next to each other in the source (a layer's
     backbone, a kept expert's projections) come in one request, not one per tensor; a tensor

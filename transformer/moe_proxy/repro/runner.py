@@ -259,7 +259,7 @@ class _Loop:
 
     def __init__(self, path: Path, config: ReproConfig, comm: Comm, dataset: PromptSet | None = None,
                  weights: Checkpoint | None = None):
-        from moe_proxy.storage.materialize import load_causal_lm
+        from moe_proxy.layerwise.load import load_causal_lm
 
         self.config, self.comm, self.device, self.dataset = config, comm, comm.device, dataset
         check_rows(config, comm.world)

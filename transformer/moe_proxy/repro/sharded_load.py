@@ -29,7 +29,7 @@ def meta_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
     device: its modules and settings as from_pretrained gives them, without weights."""
     import transformers
 
-    from moe_proxy.calibrate.layerwise import transformers_config
+    from moe_proxy.layerwise.load import transformers_config
 
     config = transformers_config(json.loads((path / "config.json").read_text()))
     with torch.device("meta"):

@@ -1,5 +1,6 @@
 """Running a model needs its files on local disk: a local store is used in place, a remote one
-is copied to a temporary directory that is removed afterwards."""
+is copied to a temporary directory that is removed afterwards (the model itself is loaded by
+layerwise.load.load_causal_lm)."""
 
 from __future__ import annotations
 
@@ -29,19 +30,3 @@ def local_copy(store: Store, skip_suffix: str | None = None) -> Iterator[str]:
                     f.write(store.read_range(name, start, min(chunk, size - start)))
         yield tmp
 
-
-def load_causal_lm(path: str, **kwargs):
-    """`AutoModelForCausalLM.from_pretrained(path)`; a model type transformers has no classes for
-    (architectures.TRANSFORMERS_MODEL_TYPE: Kimi-K2) runs with the classes of the one it copies."""
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    from moe_proxy.architectures import TRANSFORMERS_MODEL_TYPE
-
-    config = json.loads(Path(path, "config.json").read_text())
-    if config.get("model_type") in TRANSFORMERS_MODEL_TYPE:
-        from moe_proxy.calibrate.layerwise import transformers_config
-
-        kwargs["config"] = transformers_config(config)
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)

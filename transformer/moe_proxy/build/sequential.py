@@ -7,8 +7,11 @@ layer i sees hidden states that went through the proxy's pruned layers 0..i-1. S
 scored on those: the original layer i (all experts) runs on the proxy's hidden states and
 gives its statistics, its experts are selected right away (the build's own usage_select with
 the build's options), and the hidden states are then carried through the pruned layer (the
-model's own MoE class with the proxy config and the kept experts, calibrate/proxy.py). Still
+model's own MoE class with the proxy config and the kept experts, layerwise/blocks.py). Still
 one decoder layer resident.
+
+The scoring is calibrate/statistics.py's pass; this module is the proxy it is made for
+(statistics.SequentialTarget), here because it is the build's selection.
 
 A layer's super experts are judged when it is selected, against the layers scored so far (the
 later ones are not scored yet: the percentile is over the scored layers' experts, and the
@@ -22,15 +25,14 @@ import torch
 
 from moe_proxy.build.config import rewrite_config
 from moe_proxy.build.expert_plan import proxy_counts
-from moe_proxy.options import PruningOptions
-from moe_proxy.build.selection import Selection
 from moe_proxy.build.usage import usage_select
-from moe_proxy.calibrate.layerwise import transformers_config
-from moe_proxy.calibrate.proxy import proxy_block
 from moe_proxy.calibrate.statistics import LayerStats, selection_key, super_experts
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import MoeProxyError
+from moe_proxy.layerwise.blocks import proxy_block
+from moe_proxy.layerwise.load import transformers_config
+from moe_proxy.options import PruningOptions
 
 
 class SequentialProxy:
@@ -43,20 +45,21 @@ class SequentialProxy:
         self.plan = proxy_counts(layout.arch, ckpt.config, options)
         self.key = selection_key(self.plan, options)
         self.config = transformers_config(rewrite_config(ckpt.config, self.plan))
-        self.supers: dict[str, list[int]] = {}
+        self.supers: dict[str, list[int]] = {}  # per MoE block selected so far
+        self.kept: dict[str, list[int]] = {}
         # MoE layers that get statistics (the MTP layer, index num_hidden_layers, does not):
         # the super-expert rule looks only at the first 75% of them
         layers = ckpt.config.get("num_hidden_layers")
         self.moe_layers = sum(1 for b in layout.blocks if layers is None or b.layer < int(layers))
 
-    def select(self, block: MoeBlock, scored: dict[str, LayerStats]) -> Selection:
+    def select(self, block: MoeBlock, scored: dict[str, LayerStats]) -> list[int]:
         """Block's kept experts from its statistics (`scored`: every layer scored so far)."""
         self.supers[block.prefix] = super_experts(scored, self.moe_layers)[block.prefix]
         pins = sorted(set(self.options.pins.get(block.layer, [])))
         sel = usage_select(self.ckpt, block, scored[block.prefix], self.supers[block.prefix],
                            self.plan.experts_after, self.plan.n_group, self.options, pins)
-        self.plan.selections[block.prefix] = sel
-        return sel
+        self.kept[block.prefix] = sel.kept
+        return sel.kept
 
     def block(self, original: torch.nn.Module, kept: list[int], dtype: torch.dtype) -> torch.nn.Module:
         return proxy_block(original, self.config, kept, dtype, same_kernels=True)

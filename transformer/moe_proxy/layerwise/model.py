@@ -36,10 +36,10 @@ from typing import Iterator
 
 import torch
 
-from moe_proxy.architectures import TRANSFORMERS_MODEL_TYPE
-from moe_proxy.checkpoint.reader import Checkpoint
-from moe_proxy.errors import CorruptCheckpoint, MoeProxyError
 from moe_proxy.checkpoint.module_tensors import ModuleTensors
+from moe_proxy.checkpoint.reader import Checkpoint
+from moe_proxy.errors import CorruptCheckpoint
+from moe_proxy.layerwise.load import transformers_config
 
 COMPUTE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 KERNEL_CACHE_CAPACITY = "32"  # primitives per cache: every fixed-shape matmul of a layer still hits
@@ -105,17 +105,6 @@ def moe_modules(layer: torch.nn.Module) -> MoeModules | None:
     return MoeModules(mlp, router, experts)
 
 
-def transformers_config(config: dict):
-    import transformers
-
-    model_type = TRANSFORMERS_MODEL_TYPE.get(config.get("model_type"), config.get("model_type"))
-    try:
-        cls = transformers.CONFIG_MAPPING[model_type]
-    except KeyError:
-        raise MoeProxyError(f"transformers {transformers.__version__} has no model class for {model_type!r}") from None
-    return cls.from_dict({**config, "model_type": model_type})
-
-
 class LayerwiseModel:
     """A checkpoint's decoder stack, materialised one layer at a time."""
 
@@ -135,7 +124,7 @@ class LayerwiseModel:
             self.base.rotary_emb = type(self.base.rotary_emb)(config=self.base.config)
         self.layers = list(self.base.layers)
         self.n_layers = len(self.layers)
-        self._load(self.base.embed_tokens, "model.embed_tokens.")
+        self.load(self.base.embed_tokens, "model.embed_tokens.")
 
     def _checkpoint_dtype(self) -> torch.dtype:
         t = self.ckpt.tensors.get("model.embed_tokens.weight")
@@ -166,14 +155,16 @@ class LayerwiseModel:
     def layer(self, index: int) -> Iterator[torch.nn.Module]:
         """Decoder layer `index` with its real tensors; freed back to `meta` on exit."""
         module = self.layers[index]
-        self._load(module, f"model.layers.{index}.")
+        self.load(module, f"model.layers.{index}.")
         try:
             yield module
         finally:
             module.to("meta")
             release_freed_memory()
 
-    def _load(self, module: torch.nn.Module, prefix: str) -> None:
+    def load(self, module: torch.nn.Module, prefix: str) -> None:
+        """Give `module` (a part of the model, on `meta`) its real tensors, those under `prefix`;
+        `module.to("meta")` frees them again."""
         wanted = module.state_dict()
         loaded = {key: self.tensors.tensor(prefix + key, meta) for key, meta in wanted.items()}
         module.load_state_dict(loaded, strict=True, assign=True)

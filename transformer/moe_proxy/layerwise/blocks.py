@@ -1,11 +1,11 @@
 """The proxy's MoE block beside the original's, one decoder layer at a time.
 
-What sequential calibration, router healing and reconstruction share when they run a proxy
-layer by layer (layerwise.py): the proxy block is the model's own MoE module class built
-from the proxy config, holding the kept experts' rows of every tensor with one row per
-routed expert (router rows, correction bias, fused experts); `swapped` runs a loaded
-original decoder layer with it in place of the original block; `block_io` records what an
-MoE block receives and returns.
+What sequential calibration, router healing, merging and reconstruction share when they run a
+proxy layer by layer (model.py): the proxy block is the model's own MoE module class built from
+the proxy config, holding the kept experts' rows of every tensor with one row per routed expert
+(router rows, correction bias, fused experts); `swapped` runs a loaded original decoder layer
+with it in place of the original block; `block_io` records what an MoE block receives and
+returns; `router_params` names a block's trainable router tensors as the checkpoint does.
 """
 
 from __future__ import annotations
@@ -71,3 +71,12 @@ def block_io(block: torch.nn.Module) -> Iterator[tuple[list[torch.Tensor], list[
         yield xs, ys
     finally:
         hook.remove()
+
+
+def router_params(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The router's trainable tensors, named as the checkpoint's router leaves (`gate.weight`, ...)."""
+    for attr in ("gate", "router"):
+        router = getattr(block, attr, None)
+        if isinstance(router, torch.nn.Module) and isinstance(getattr(router, "weight", None), torch.nn.Parameter):
+            return {f"{attr}.{name}": p for name, p in router.named_parameters()}
+    raise ValueError(f"{type(block).__name__} has no router module")

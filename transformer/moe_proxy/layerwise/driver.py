@@ -1,0 +1,101 @@
+"""One walk over a checkpoint's decoder layers, for every job done layer by layer.
+
+`walk` materialises the model one decoder layer at a time (model.py), finds each layer's MoE
+block in the checkpoint's layout and hands the loaded layer to a pass: the statistics
+(calibrate/statistics.py), router healing, merging, reconstruction and the fidelity figure
+(build/). A pass works on the layers it `visits` and carries the calibration hidden states
+through them itself, since each does so its own way (through the original block with hooks
+on it, through the pruned block, or both); the driver carries them through every other layer.
+A walk without hidden states loads only the layers its pass visits. What a pass found comes
+back from the walk as the pass's own result.
+
+Torch-free at import (the model is imported when a walk starts), so a module that declares a
+pass keeps torch-free imports (build/fidelity.py: verify and the CLI read its figures).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from tqdm.auto import tqdm
+
+from moe_proxy.checkpoint.layout import Layout, MoeBlock
+from moe_proxy.checkpoint.reader import Checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, MoeModules
+
+R = TypeVar("R")
+BATCH = 8  # calibration sequences per forward call
+
+
+@dataclass
+class Layer:
+    """A loaded decoder layer, as a pass sees it."""
+
+    index: int
+    module: torch.nn.Module  # the decoder layer with its real tensors, freed once the pass returns
+    block: MoeBlock | None  # its MoE block in the checkpoint's layout; None: a dense layer
+    moe: MoeModules | None  # that block's modules; None: a dense layer
+    model: LayerwiseModel
+    states: HiddenStates | None  # the calibration hidden states at the layer's input
+    started: float  # time.monotonic() before the layer was loaded
+
+
+class LayerPass(Generic[R]):
+    """A job done layer by layer. `visit` gets the MoE layers whose block `visits` accepts
+    (every layer with `dense`) and must carry `layer.states` (if any) through the layer."""
+
+    desc = "layers"  # the progress bar's label
+    dense = False  # visit dense layers too
+
+    def visits(self, block: MoeBlock) -> bool:
+        """Whether the pass works on `block` (decided before its layer is loaded)."""
+        return True
+
+    def begin(self, model: LayerwiseModel, states: HiddenStates | None) -> None:
+        """Before the first layer: the model being walked and its hidden states."""
+
+    def visit(self, layer: Layer) -> str | None:
+        """Work on `layer` and carry the hidden states through it; returns a progress line or None."""
+        raise NotImplementedError
+
+    def result(self) -> R:
+        """What the pass found, after the last layer."""
+        raise NotImplementedError
+
+
+def walk(ckpt: Checkpoint, layout: Layout, layer_pass: LayerPass[R], token_ids: torch.Tensor | None = None,
+         batch_size: int = BATCH, progress: bool = False, dtype: torch.dtype | None = None) -> R:
+    """Run `layer_pass` over the decoder layers of `ckpt`, one layer resident at a time, with
+    the hidden states of `token_ids` ([sequences, tokens], `batch_size` sequences per forward
+    call) carried from layer to layer; returns the pass's result."""
+    from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
+
+    model = LayerwiseModel(ckpt, dtype)
+    states = HiddenStates(model, token_ids, batch_size) if token_ids is not None else None
+    layer_pass.begin(model, states)
+    blocks: dict[int, MoeBlock] = {}
+    for b in layout.blocks:
+        blocks.setdefault(b.layer, b)
+    bar = tqdm(range(model.n_layers), desc=layer_pass.desc, unit="layer", disable=not progress)
+    for i in bar:
+        block = blocks.get(i)
+        visits = layer_pass.dense or (block is not None and layer_pass.visits(block))
+        if not visits and states is None:
+            continue  # nothing to carry through it: not even loaded
+        started = time.monotonic()
+        line = None
+        with model.layer(i) as module:
+            moe = moe_modules(module) if block is not None else None
+            if visits and (moe is not None or layer_pass.dense):
+                line = layer_pass.visit(Layer(i, module, block, moe, model, states, started))
+            elif states is not None:
+                states.advance(module, i)
+        if line and progress:
+            bar.write(line)
+    return layer_pass.result()
