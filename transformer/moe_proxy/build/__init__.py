@@ -1,6 +1,8 @@
-"""Building a proxy: which experts to keep (`expert_plan` from `features`, `selection`, `usage`,
-`heal`), the streamed write (`pipeline`, `writer`), the config rewrite (`config`) and the
-checks of a written proxy (`verify`).
+"""Building a proxy: which experts to keep (`expert_plan` from `features`, `selection`, `usage`;
+`sequential`: selected layer by layer while sequential statistics are made), the layer-by-layer
+passes that fit or measure it (`heal`, `merge`, `reconstruct`, `fidelity`), the streamed write
+(`pipeline`, `writer`), the config rewrite (`config`) and the checks of a written proxy
+(`verify`).
 
 `from moe_proxy.build import build_proxy` is the library entry point; it is imported on first
 use so that the torch-free modules of this package (`config`) stay torch-free.

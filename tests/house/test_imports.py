@@ -1,0 +1,121 @@
+"""Imports between the project's modules, read from the source with `ast` (nothing is imported).
+
+- No module imports a private name (`_name`) of another module, nor reaches one through a
+  module it imported (`heal._router_params`), nor imports a private module (`_common`) from
+  outside its package: where two modules need the same thing, it has a public name in the
+  module that owns it. Every import counts, inside functions too.
+- The stage packages (moe_proxy.storage, checkpoint, layerwise, calibrate, build, repro)
+  depend one way: the module-level imports between them form no cycle, and every import
+  between them (inside functions too) follows DEPENDS, but for the lazy imports listed in
+  AGAINST_THE_GRAIN with the reason each is there.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from .sources import PACKAGES, imports, modules, private
+
+STAGES = ("storage", "checkpoint", "layerwise", "calibrate", "build", "repro")
+DEPENDS = {  # stage -> the stages it may import
+    "storage": set(),
+    "checkpoint": {"storage"},
+    "layerwise": {"checkpoint", "storage"},  # the layer-by-layer runner and its driver
+    "calibrate": {"layerwise", "checkpoint", "storage"},  # the statistics pass and its artifact
+    "build": {"calibrate", "layerwise", "checkpoint", "storage"},  # selection, fits, the writer
+    "repro": {"layerwise", "checkpoint", "storage"},
+}
+AGAINST_THE_GRAIN = {  # (importing module, imported module): why, imported when it runs
+    ("moe_proxy.calibrate.statistics", "moe_proxy.build.sequential"):
+        "sequential statistics interleave the build's own expert selection with the scoring",
+}
+
+
+def ours(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+def stage(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "moe_proxy" and parts[1] in STAGES else None
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = modules()
+    bad = []
+    for module in found.values():
+        aliases: dict[str, str] = {}  # local name -> one of our modules
+        for imp in imports(module):
+            if not ours(imp.target):
+                continue
+            package = imp.target.rpartition(".")[0]
+            if any(private(part) for part in imp.target.split(".")) and not module.name.startswith(package + "."):
+                bad.append(f"{module.where(imp.node)}: imports the private module {imp.target}")
+            bad += [f"{module.where(imp.node)}: imports {name} from {imp.target}" for name in imp.names if private(name)]
+            for a in imp.node.names:
+                if isinstance(imp.node, ast.Import):  # `import a.b` binds a, `import a.b as c` binds a.b
+                    local = a.asname or a.name.split(".")[0]
+                    aliases[local] = a.name if a.asname else local
+                elif f"{imp.target}.{a.name}" in found:  # `from a import b`, b a module
+                    aliases[a.asname or a.name] = f"{imp.target}.{a.name}"
+        for node in ast.walk(module.tree):
+            if (isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases):
+                bad.append(f"{module.where(node)}: uses {aliases[node.value.id]}.{node.attr}")
+    assert not bad, "private names used across modules (give them a public name where they belong):\n" + \
+        "\n".join(bad)
+
+
+def stage_imports():
+    """(importing stage, imported stage, Import) for every import between two stage packages."""
+    for module in modules().values():
+        here = stage(module.name)
+        if here is None:
+            continue
+        for imp in imports(module):
+            targets = [imp.target] if imp.target and stage(imp.target) else []
+            # `from moe_proxy import build`: the stage is the name taken
+            targets += [f"{imp.target}.{n}" for n in imp.names if imp.target == "moe_proxy" and stage(f"moe_proxy.{n}")]
+            for target in targets:
+                if stage(target) != here:
+                    yield here, stage(target), imp
+
+
+def test_no_import_cycle_between_stage_packages():
+    graph: dict[str, set[str]] = {s: set() for s in STAGES}
+    seen: dict[tuple[str, str], str] = {}
+    for a, b, imp in stage_imports():
+        if imp.top:
+            graph[a].add(b)
+            seen.setdefault((a, b), f"{imp.module.where(imp.node)} imports {imp.target}")
+
+    def cycle_from(start: str, path: list[str]) -> list[str] | None:
+        for nxt in sorted(graph[path[-1]]):
+            if nxt == start:
+                return path + [start]
+            if nxt not in path and (found := cycle_from(start, path + [nxt])):
+                return found
+        return None
+
+    for s in STAGES:
+        if cycle := cycle_from(s, [s]):
+            steps = [seen[(a, b)] for a, b in zip(cycle, cycle[1:])]
+            raise AssertionError(f"module-level import cycle {' -> '.join(cycle)}:\n" + "\n".join(steps))
+
+
+def test_stage_packages_depend_one_way():
+    bad = []
+    for a, b, imp in stage_imports():
+        if b in DEPENDS[a]:
+            continue
+        why = AGAINST_THE_GRAIN.get((imp.module.name, imp.target))
+        if why is None or imp.top:
+            bad.append(f"{imp.module.where(imp.node)}: {a} imports {imp.target}"
+                       + (" at module level" if why else ""))
+    assert not bad, f"imports against the stages' direction ({DEPENDS}):\n" + "\n".join(bad)
+
+
+def test_the_exceptions_are_still_needed():
+    """Each listed lazy import still exists: the list does not outlive its reasons."""
+    present = {(imp.module.name, imp.target) for _, _, imp in stage_imports()}
+    assert set(AGAINST_THE_GRAIN) <= present

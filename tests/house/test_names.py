@@ -1,0 +1,59 @@
+"""One meaning per name, read from the source with `ast`: no class name is defined in two
+modules of moe_proxy and proxymodel_operator, and no public module constant (an UPPER_CASE
+name assigned at module level) either, but for the pairs in KNOWN. A second definition is
+either the same thing (import it from where it lives) or another thing (give it its own name)."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+
+from .sources import modules
+
+KNOWN = {  # constant -> why it is still defined twice (remove the entry when it is not)
+    "SIGNATURES": "repro/detect.py's detected signatures, and the operator spec's accepted ones (those and "
+                  "`threshold`): both files are being reworked into the options model",
+    "FAILED": "a workload's outcome (outcome.py) and a ProxyModel's phase (status.py, imported as PHASE_FAILED)",
+}
+
+
+def definitions(kind) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = defaultdict(list)
+    for module in modules().values():
+        for name, node in kind(module.tree):
+            where[name].append(module.where(node))
+    return where
+
+
+def classes(tree: ast.Module):
+    return [(node.name, node) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+
+
+def constants(tree: ast.Module):
+    out = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "TypeVar":
+            continue
+        out += [(n.id, node) for t in targets for n in ast.walk(t)
+                if isinstance(n, ast.Name) and n.id.isupper() and not n.id.startswith("_")]
+    return out
+
+
+def test_no_class_name_is_defined_twice():
+    twice = {name: where for name, where in definitions(classes).items() if len(where) > 1}
+    assert not twice, "classes defined in more than one module:\n" + \
+        "\n".join(f"{name}: {', '.join(where)}" for name, where in sorted(twice.items()))
+
+
+def test_no_module_constant_is_defined_twice():
+    twice = {name: where for name, where in definitions(constants).items() if len(where) > 1 and name not in KNOWN}
+    assert not twice, "module constants defined in more than one module:\n" + \
+        "\n".join(f"{name}: {', '.join(where)}" for name, where in sorted(twice.items()))
+
+
+def test_the_known_pairs_are_still_there():
+    """KNOWN does not outlive its entries."""
+    where = definitions(constants)
+    assert all(len(where.get(name, [])) > 1 for name in KNOWN), {n: where.get(n) for n in KNOWN}
