@@ -70,13 +70,13 @@ class LayerPass(Generic[R]):
 
 
 def walk(ckpt: Checkpoint, layout: Layout, layer_pass: LayerPass[R], token_ids: torch.Tensor | None = None,
-         batch_size: int = BATCH, progress: bool = False, dtype: torch.dtype | None = None) -> R:
+         batch_size: int = BATCH, progress: bool = False) -> R:
     """Run `layer_pass` over the decoder layers of `ckpt`, one layer resident at a time, with
     the hidden states of `token_ids` ([sequences, tokens], `batch_size` sequences per forward
     call) carried from layer to layer; returns the pass's result."""
     from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
 
-    model = LayerwiseModel(ckpt, dtype)
+    model = LayerwiseModel(ckpt)
     states = HiddenStates(model, token_ids, batch_size) if token_ids is not None else None
     layer_pass.begin(model, states)
     blocks: dict[int, MoeBlock] = {}
