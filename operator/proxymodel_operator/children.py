@@ -12,8 +12,8 @@ TRANSFORMER = "transformer"
 REPRODUCTION = "reproduction"
 # The scale-out transformer's steps before and after its workers (the workers Job is named
 # like a single transformer Job). Their Jobs carry the transformer role.
-CALIBRATE, FINALIZE = "calibrate", "finalize"
-_SHORT = {TRANSFORMER: "transform", REPRODUCTION: "repro", CALIBRATE: "calibrate", FINALIZE: "finalize"}
+CALIBRATE, FIT, FINALIZE = "calibrate", "fit", "finalize"
+_SHORT = {TRANSFORMER: "transform", REPRODUCTION: "repro", CALIBRATE: "calibrate", FIT: "fit", FINALIZE: "finalize"}
 MAX_NAME = 63  # Job names become pod label values, which stop at 63 characters
 TERMINATION_LOG = "/dev/termination-log"
 

@@ -256,7 +256,7 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     calibration = _calibration(spec.get("calibration"), pruning)
     transformer = spec.get("transformer") or {}
     workers = _workers(transformer)
-    pruning = _deep_pruning(pruning, p, calibration is not None, workers, settings)
+    pruning = _deep_pruning(pruning, p, calibration is not None, settings)
     try:  # the build's own rules (merge, heal, ...), as `moe-proxy build` would check them
         replace(pruning.options, calibration="spec.calibration" if calibration else None).validate()
     except InvalidOptions as exc:
@@ -291,23 +291,18 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     )
 
 
-def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, workers: int, settings: Settings) -> Pruning:
+def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, settings: Settings) -> Pruning:
     """sequential and reconstruct as asked, else true with spec.calibration (the fidelity lab's
     best proxies, docs/fidelity.md; reconstruct not with heal, which the build cannot combine).
     Sequential statistics hold for one proxy only (the build refuses others): where the calibrate
     Job cannot name it, an explicit `sequential: true` is refused and the default falls back to
-    one-pass statistics with a note saying why. Reconstruction is not shared between the workers
-    of a scale-out build (each, and finalize, fits every layer): off there unless asked."""
+    one-pass statistics with a note saying why. Reconstruction stays on at any parallelism: the
+    fit step before the workers fits each layer once (transformer_job.steps)."""
     notes = []
     if p.options.reconstruct is not None:
         reconstruct = p.options.reconstruct
     else:
-        default = reconstructs(calibrated, p.options.heal)
-        reconstruct = default and workers == 1
-        if default and workers > 1:
-            notes.append(f"no reconstruction (the default with spec.calibration) with spec.transformer.parallelism "
-                         f"{workers}: each worker and the finalize step would fit every layer again; set "
-                         f"spec.pruning.reconstruct true to pay that")
+        reconstruct = reconstructs(calibrated, p.options.heal)  # any parallelism: a fit step fits once
     unservable = _unservable_sequential(p, settings) if calibrated else None
     if p.sequential and unservable:
         raise InvalidSpec(f"spec.pruning.sequential: {unservable[0]}: {unservable[1]}, or drop sequential")

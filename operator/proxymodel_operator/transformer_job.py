@@ -6,11 +6,14 @@ One worker (spec.transformer.parallelism 1, the default): one Job of one pod, wi
 W workers: up to three Jobs, each created once the one before it succeeded (see handlers.py):
 1. calibrate (with spec.calibration only): `moe-proxy calibrate`, once, before any worker, so
    the W workers all read the same statistics instead of racing to write them;
-2. workers: an Indexed Job of W pods, `--worker $(JOB_COMPLETION_INDEX) --workers W`, each
+2. fit (when the build fits tensors: reconstruct, the default with spec.calibration, heal or
+   merge): `moe-proxy build --fit`, once, so that the workers and finalize read the fitted
+   tensors instead of each fitting every layer again;
+3. workers: an Indexed Job of W pods, `--worker $(JOB_COMPLETION_INDEX) --workers W`, each
    writing its deterministic share of the shards. A failed pod is retried for its own index
    only (backoffLimitPerIndex), and its journal skips the shards it had finished. An index out
    of retries fails the Job at once (maxFailedIndexes 0): the proxy cannot be finished without it;
-3. finalize: `--workers W --finalize`, once: checks every worker's shards, writes config,
+4. finalize: `--workers W --finalize`, once: checks every worker's shards, writes config,
    index and manifest, and reports like a single build.
 
 Each Job reports through its termination message (a short JSON, see `moe_proxy.reports`).
@@ -26,7 +29,7 @@ from typing import NamedTuple
 from moe_proxy.options import SELECTION, to_args
 from moe_proxy.reports import EXIT_BAD_INPUT
 
-from .children import (CALIBRATE, FINALIZE, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
+from .children import (CALIBRATE, FINALIZE, FIT, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
                        merge_env, pod_spec_basics, s3_env)
 from .spec import ProxyModelSpec
 
@@ -46,6 +49,7 @@ class StepText(NamedTuple):
 STEP_TEXT = {
     BUILD: StepText("TransformerCreated", "TransformerRunning", "transformer"),
     CALIBRATE: StepText("CalibrationCreated", "Calibrating", "calibration"),
+    FIT: StepText("FitCreated", "Fitting", "fit"),
     WORKERS: StepText("WorkersCreated", "WorkersRunning", "transformer workers"),
     FINALIZE: StepText("FinalizeCreated", "Finalizing", "finalize"),
 }
@@ -55,7 +59,8 @@ def steps(spec: ProxyModelSpec) -> tuple[str, ...]:
     """The transformer's Jobs, in the order they run."""
     if spec.workers == 1:
         return (BUILD,)
-    return ((CALIBRATE,) if spec.calibration is not None else ()) + (WORKERS, FINALIZE)
+    fit = spec.pruning.heal or spec.pruning.reconstruct or spec.pruning.merge  # fitted tensors: made once
+    return ((CALIBRATE,) if spec.calibration is not None else ()) + ((FIT,) if fit else ()) + (WORKERS, FINALIZE)
 
 
 def next_step(spec: ProxyModelSpec, step: str) -> str | None:
@@ -71,6 +76,8 @@ def step_message(step: str, job_name: str, spec: ProxyModelSpec) -> str:
         return f"Job {job_name} builds the proxy at {spec.destination}"
     if step == CALIBRATE:
         return f"Job {job_name} computes usage statistics at {spec.calibration_uri} for the {spec.workers} workers"
+    if step == FIT:
+        return f"Job {job_name} selects the experts and fits them once, for the {spec.workers} workers"
     if step == WORKERS:
         return f"Indexed Job {job_name}: {spec.workers} workers build the proxy at {spec.destination}"
     return f"all {spec.workers} workers done; Job {job_name} checks their shards and writes the index and manifest"
@@ -114,6 +121,8 @@ def step_job(step: str, proxymodel: str, namespace: str, generation: int, spec: 
     """The Job of one of `steps(spec)`."""
     if step == CALIBRATE:
         return calibrate_job(proxymodel, namespace, generation, spec)
+    if step == FIT:
+        return fit_job(proxymodel, namespace, generation, spec)
     if step == FINALIZE:
         return finalize_job(proxymodel, namespace, generation, spec)
     return transformer_job(proxymodel, namespace, generation, spec)
@@ -144,6 +153,13 @@ def calibrate_job(proxymodel: str, namespace: str, generation: int, spec: ProxyM
     """Before the workers of a calibrated build: the statistics, computed once."""
     return _job(proxymodel, CALIBRATE, namespace, generation, spec,
                 _container(spec, "calibrate", calibrate_args(spec)))
+
+
+def fit_job(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:
+    """Before the workers of a build that fits tensors (reconstruct, heal, merge): select and fit
+    once; the workers and finalize read the fits (`moe-proxy build --fit`)."""
+    return _job(proxymodel, FIT, namespace, generation, spec,
+                _container(spec, "fit", build_args(spec, ["--workers", str(spec.workers), "--fit"])))
 
 
 def finalize_job(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec) -> dict:

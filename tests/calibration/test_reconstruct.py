@@ -142,3 +142,48 @@ def test_reconstruct_requantises_block_fp8_experts(tmp_path):
     assert err["plain"] == pytest.approx(record["error_before"]["held_out"], rel=1e-3)
     assert err["built"] == pytest.approx(record["error_after"]["held_out"], rel=1e-3)
     assert err["built"] < err["plain"]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(merge=True), dict(heal=True, reconstruct=False)])
+def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
+    """A 2-worker build that fits (reconstruct, merge, heal) writes the same shards as a 1-worker
+    build; with a fit step first, every layer is fitted once: neither the workers nor finalize
+    fit again (counted), and the fits are gone once the proxy is published."""
+    from moe_proxy.build import expert_plan
+    from moe_proxy.build.pipeline import fits_name
+    from moe_proxy.checkpoint.reader import MANIFEST
+
+    src = tmp_path / "src"
+    make_tiny("qwen3_moe", src, seed=3, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[],
+              max_shard_size="40KB")
+    cal.calibrate(str(src), str(tmp_path / "stats"), samples=8, seq_len=16)
+    common = dict(experts=4, calibration=str(tmp_path / "stats"), **extra)
+    one = build_proxy(str(src), str(tmp_path / "one"), **common)
+
+    real, fitted = expert_plan.plan_experts, []
+
+    def counted(*args, **kwargs):
+        fitted.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("moe_proxy.build.pipeline.plan_experts", counted)
+    dst = tmp_path / "two"
+    done = build_proxy(str(src), str(dst), workers=2, fit_only=True, **common)
+    assert done["fits"] and (dst / done["fits"]).exists() and len(fitted) == 1
+    for worker in (0, 1):
+        build_proxy(str(src), str(dst), worker=worker, workers=2, **common)
+    two = build_proxy(str(src), str(dst), workers=2, finalize_only=True, **common)
+    assert len(fitted) == 1  # the workers and finalize read the fits
+    shards = {f: v for f, v in one["files"].items() if f.endswith(".safetensors")}
+    assert len(shards) > 1 and {f: two["files"][f] for f in shards} == shards  # same bytes, by sha256
+    assert two["layers"] == one["layers"] and two.get("reconstruct") == one.get("reconstruct")
+    assert two["fidelity"] == one["fidelity"]
+    assert not any(p.name.startswith(".moe-proxy") for p in dst.iterdir()) and (dst / MANIFEST).exists()
+    assert not (dst / fits_name(two["build_id"])).exists()
+
+    # Without a fit step, the first worker fits and the rest of the build reads its fits.
+    fitted.clear()
+    for worker in (0, 1):
+        build_proxy(str(src), str(tmp_path / "three"), worker=worker, workers=2, **common)
+    three = build_proxy(str(src), str(tmp_path / "three"), workers=2, finalize_only=True, **common)
+    assert len(fitted) == 1 and three["files"] == two["files"]

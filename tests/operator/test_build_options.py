@@ -155,15 +155,20 @@ def test_spec_refuses_what_the_cli_cannot_make(pruning, calibrated, extra, setti
         parse(_spec(pruning, calibrated, **extra), "ns", NAME, settings)
 
 
-def test_several_workers_do_not_reconstruct_unless_asked():
-    """Each worker and the finalize step would fit every layer again: off by default, said."""
+def test_several_workers_reconstruct_with_a_fit_step_before_them():
+    """Reconstruction (the default with spec.calibration) stays on at any parallelism: a fit Job
+    before the workers fits each layer once, and the workers and finalize read its fits (issue
+    #25; before, the default was off with several workers, each of which would have refitted)."""
+    from proxymodel_operator.transformer_job import fit_job, steps
+
     spec = parse(_spec({"experts": 16}, transformer={"parallelism": 3}), "ns", NAME, SETTINGS)
-    assert (spec.pruning.sequential, spec.pruning.reconstruct) == (True, False)
-    (note,) = spec.pruning.notes
-    assert "parallelism 3" in note and "reconstruct true" in note
-    assert "--no-reconstruct" in build_args(spec, ["--worker", "0", "--workers", "3"])
-    asked = parse(_spec({"experts": 16, "reconstruct": True}, transformer={"parallelism": 3}), "ns", NAME, SETTINGS)
-    assert asked.pruning.reconstruct and asked.pruning.notes == ()
+    assert (spec.pruning.sequential, spec.pruning.reconstruct, spec.pruning.notes) == (True, True, ())
+    assert steps(spec) == ("calibrate", "fit", "workers", "finalize")
+    fit = _cli("build", fit_job("pm", "ns", 1, spec)["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (fit.fit, fit.workers, fit.reconstruct, fit.worker) == (True, 3, True, None)
+    assert "--reconstruct" in build_args(spec, ["--worker", "0", "--workers", "3"])
+    plain = parse(_spec({"experts": 16, "reconstruct": False}, transformer={"parallelism": 3}), "ns", NAME, SETTINGS)
+    assert steps(plain) == ("calibrate", "workers", "finalize")  # nothing to fit
 
 
 async def test_the_operator_says_where_it_falls_back_to_one_pass(cluster, operator):

@@ -96,7 +96,7 @@ def test_finalize_runs_once_with_the_same_build_options():
 
 def test_calibration_runs_once_before_the_workers():
     spec = _spec(CALIBRATED)
-    assert steps(spec) == ("calibrate", "workers", "finalize")
+    assert steps(spec) == ("calibrate", "fit", "workers", "finalize")  # saliency + calibration: reconstructs
     calibrate = calibrate_job("pm", "ns", 1, spec)
     kubernetes_validate.validate(calibrate, K8S, strict=True)
     assert calibrate["metadata"]["name"] == "pm-calibrate-g1" and "completionMode" not in calibrate["spec"]
@@ -291,7 +291,12 @@ async def test_calibration_job_before_the_workers(cluster, operator):
     assert _container(calibrate)["args"][0] == "calibrate" and cluster.names(JOBS, NS) == ["cx-calibrate-g1"]
     await cluster.finish_pod(NS, calibrate, "calibrate", 0)
     await cluster.job_condition(NS, "cx-calibrate-g1", "Complete")
-    workers = await eventually(lambda: cluster.get(JOBS, NS, "cx-transform-g1"), what="the workers after calibration")
+    fit = await eventually(lambda: cluster.get(JOBS, NS, "cx-fit-g1"), what="the fit Job after calibration")
+    assert "--fit" in _container(fit)["args"] and "--reconstruct" in _container(fit)["args"]
+    await eventually(lambda: cluster.condition(NS, "cx", "ProxyReady").get("reason") == "Fitting")
+    await cluster.finish_pod(NS, fit, "fit", 0)
+    await cluster.job_condition(NS, "cx-fit-g1", "Complete")
+    workers = await eventually(lambda: cluster.get(JOBS, NS, "cx-transform-g1"), what="the workers after the fit")
     assert "--calibration" in _container(workers)["args"]
     assert "initContainers" not in workers["spec"]["template"]["spec"]
     assert cluster.status(NS, "cx")["pipeline"]["transformerStep"] == "workers"

@@ -370,6 +370,7 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         "--json": "terminal output", "--no-progress": "terminal output (the operator's Jobs pass it)",
         "--workers": "spec.transformer.parallelism", "--worker": "spec.transformer.parallelism (the Job's index)",
         "--finalize": "spec.transformer.parallelism (the finalize Job)",
+        "--fit": "spec.transformer.parallelism (the fit Job before the workers)",
         "--termination-log": "the operator reads its Jobs' results from /dev/termination-log",
         "--endpoint-url": "spec.source.endpoint", "--region": "spec.source.region",
         "--streams": _STORE, "--max-inflight-mb": _STORE, "--read-part-mb": _STORE,

@@ -34,7 +34,8 @@ from tqdm.auto import tqdm
 
 from moe_proxy import __version__
 from moe_proxy.architectures import detect
-from moe_proxy.checkpoint.reader import INDEX, JOURNAL, MANIFEST, Checkpoint, TensorInfo, check_finished, open_checkpoint, slice_ranges
+from moe_proxy.checkpoint.reader import (INDEX, JOURNAL, MANIFEST, Checkpoint, TensorInfo, check_finished,
+                                         open_checkpoint, read_header, slice_ranges)
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
 from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
 from moe_proxy.build.config import rewrite_config
@@ -221,6 +222,8 @@ def _owned(dst: Store) -> set[str]:
     replaced proxy) list them: the only files a build may ever delete there."""
     owned = set()
     for name in _journals(dst):
+        if name.endswith(".safetensors"):  # fitted tensors (fits_name), not a list of files
+            continue
         try:
             j = json.loads(dst.read_bytes(name))
         except ValueError:
@@ -264,6 +267,47 @@ def _check_destination(dst: Store, build_id: str, overwrite: bool) -> tuple[dict
     return None, [MANIFEST, *manifest.get("files", {})]
 
 
+def fits(options: PruningOptions) -> bool:
+    """Whether a build with these options fits tensors (on top of selecting experts)."""
+    return bool(options.heal or options.reconstruct or options.merge)
+
+
+def fits_name(build_id: str) -> str:
+    """Where a build's fitted tensors live in its destination until it is published (a journal:
+    hidden, marks the build unfinished, deleted with the journals)."""
+    return f"{JOURNAL}-fits-{build_id[:16]}.safetensors"
+
+
+def save_fits(dst: Store, build_id: str, plan: ExpertPlan) -> None:
+    """The plan's fitted tensors as one safetensors file (each tensor's bytes as stored, U8), its
+    plan record and build id in the metadata. Streamed: one fitted tensor in memory at a time."""
+    sources = {**{n: (lambda b=b: b) for n, b in plan.router_overrides.items()}, **plan.tensor_overrides}
+    tensors = [OutTensor(n, "U8", (len(read()),), read) for n, read in sorted(sources.items())]
+    metadata = {"format": "moe-proxy-fits", "build_id": build_id, "plan": json.dumps(_as_json(plan_record(plan))),
+                "routers": json.dumps(sorted(plan.router_overrides))}
+    write_file(dst, fits_name(build_id), chain([header_bytes(tensors, metadata)], (t.source() for t in tensors)))
+
+
+def load_fits(dst: Store, build_id: str, layout: Layout) -> ExpertPlan | None:
+    """The plan save_fits wrote for this very build, its fitted tensors read from dst when the
+    shards are written; None when there is none (or another build's)."""
+    name = fits_name(build_id)
+    if not dst.exists(name):
+        return None
+    tensors, metadata = read_header(dst, name, dst.size(name))
+    if metadata.get("format") != "moe-proxy-fits" or metadata.get("build_id") != build_id:
+        return None
+    plan = plan_from_record(json.loads(metadata["plan"]), layout)
+    routers = set(json.loads(metadata["routers"]))
+    for tensor, t in tensors.items():
+        read = partial(dst.read_range, name, t.start, t.nbytes)
+        if tensor in routers:
+            plan.router_overrides[tensor] = read()
+        else:
+            plan.tensor_overrides[tensor] = read
+    return plan
+
+
 def open_source(src: str | Store, options: PruningOptions, store_options: dict | None):
     """The source checkpoint, its layout and identity, and its calibration statistics (checked
     to be of this very checkpoint) when the options name them."""
@@ -291,17 +335,20 @@ def _import_planning() -> None:
 
 def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
             store_options: dict | None, finalize_workers: int | None = None,
-            planned: ExpertPlan | None = None) -> Prepared | dict:
+            planned: ExpertPlan | None = None, share_fits: bool = False) -> Prepared | dict:
     """Open, check the destination, plan. Returns the existing manifest if dst is up to date.
     `finalize_workers`: finalizing W workers' build, whose journals hold the plan: it is taken
     from them (checked against this checkpoint), not worked out again; with fitted tensors
     (--heal, --reconstruct), which the journals do not hold, it is re-planned and must match.
-    `planned`: the plan --experts auto chose (and measured, and fitted), used as it is."""
+    `planned`: the plan --experts auto chose (and measured, and fitted), used as it is.
+    Fitted tensors (heal, reconstruct, merge) are made once per build: `share_fits` (a step of a
+    scale-out build) writes them beside the journals, and any later step of the same build reads
+    them instead of fitting again (save_fits, load_fits)."""
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
     store_options = dict(store_options or {})
     transfer = store_options.setdefault("transfer", Transfer.from_options(store_options))
-    if planned is None and (not finalize_workers or options.heal or options.reconstruct):  # it will select:
+    if planned is None and (not finalize_workers or fits(options)):  # it may select:
         # load torch and scikit-learn (seconds of CPU) while the headers and routers come down.
         threading.Thread(target=_import_planning, name="import", daemon=True).start()
     ckpt, layout, identity, calibration = open_source(src, options, store_options)
@@ -317,15 +364,21 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
         return existing | {"up_to_date": True}
     journaled = workers_plan(dst_store, build_id, finalize_workers) if finalize_workers else None
+    fitted = fits(options)
     if planned is not None:
         plan = planned
-    elif journaled is not None and not (options.heal or options.reconstruct):
+    elif fitted and (plan := load_fits(dst_store, build_id, layout)) is not None:  # fitted once, by another step
+        log.info("fitted tensors of this build read from %s/%s: nothing fitted again", dst_store.uri,
+                 fits_name(build_id))
+    elif journaled is not None and not fitted:
         plan = plan_from_record(journaled, layout)
     else:
         plan = plan_experts(ckpt, layout, options, progress, calibration=calibration)
-        if journaled is not None and (mine := _as_json(plan_record(plan))) != journaled:
-            raise CorruptCheckpoint(f"the workers selected other experts than finalize does "
-                                    f"({_plan_difference(journaled, mine)}); rerun every worker with the same moe-proxy")
+        if fitted and share_fits:  # the other workers and finalize read these instead of fitting again
+            save_fits(dst_store, build_id, plan)
+    if journaled is not None and (mine := _as_json(plan_record(plan))) != journaled:
+        raise CorruptCheckpoint(f"the workers selected other experts than finalize does "
+                                f"({_plan_difference(journaled, mine)}); rerun every worker with the same moe-proxy")
     for note in plan.notes:
         log.warning(note)
     if replaced:  # recorded before the manifest goes, so that finalize (maybe another process) knows them
@@ -483,6 +536,7 @@ def build_proxy(
     worker: int | None = None,
     workers: int = 1,
     finalize_only: bool = False,
+    fit_only: bool = False,
     max_experts: int | None = None,
     sizing=None,
     **pruning,
@@ -491,7 +545,8 @@ def build_proxy(
     `options` (or the same as keywords, `**pruning`: experts=8, calibration=...): what to build,
     see options.PruningOptions. Rerunning an identical build is a no-op that returns the
     existing manifest. With `worker`, write only that worker's shards and return {"worker",
-    "workers", "files"}. `experts="auto"` with `max_kl`: the smallest count whose fidelity
+    "workers", "files"}; with `fit_only`, only select and fit (once, for all workers and finalize,
+    see prepare) and return {"fits", "workers"}. `experts="auto"` with `max_kl`: the smallest count whose fidelity
     figure meets it, within `max_experts` and the device budget of `sizing` (a
     sizing.SizingOptions), see fidelity.py."""
     options = replace(options or PruningOptions(), **pruning).resolved()
@@ -502,10 +557,13 @@ def build_proxy(
 
         options, chosen = resolve_auto(src, options, max_experts, sizing, worker is not None or finalize_only,
                                        store_options, progress)
+    scale_out = worker is not None or finalize_only or fit_only
     p = prepare(src, dst, options, overwrite, progress, store_options, workers if finalize_only else None,
-                chosen[2] if chosen is not None else None)
+                chosen[2] if chosen is not None else None, share_fits=scale_out)
     if isinstance(p, dict):
         return p
+    if fit_only:  # the step before a scale-out's workers: selected and fitted, nothing written but the fits
+        return {"fits": fits_name(p.build_id) if fits(options) else None, "workers": workers}
     if chosen is not None:
         p.plan.fidelity = chosen[0]
         p.plan.notes.extend(n for n in chosen[1] if n not in p.plan.notes)  # (a workers' plan has them)

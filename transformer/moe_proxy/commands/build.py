@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     scale = p.add_argument_group("scale-out (a Kubernetes Indexed Job: --worker $(JOB_COMPLETION_INDEX))")
     scale.add_argument("--workers", type=int, default=1, metavar="W", help="number of workers sharing the build")
     scale.add_argument("--worker", type=int, metavar="I", help="write only worker I's shards (0-based)")
+    scale.add_argument("--fit", action="store_true",
+                       help="before the W workers of a build that fits tensors (reconstruct, heal, merge): select "
+                            "and fit once, so the workers and finalize read the fits instead of fitting again")
     scale.add_argument("--finalize", action="store_true",
                        help="after all W workers: check their shards, write config, index and manifest")
     p.add_argument("--termination-log", metavar="PATH",
@@ -48,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.sizing import SizingOptions
 
     options = from_args(PruningOptions, args)
-    if args.worker is not None and args.finalize:
-        raise MoeProxyError("--worker and --finalize are separate steps: run the workers, then finalize once")
+    if sum((args.worker is not None, args.finalize, args.fit)) > 1:
+        raise MoeProxyError("--fit, --worker and --finalize are separate steps: fit once, run the workers, then "
+                            "finalize once")
 
     def report(payload: dict) -> None:
         if args.termination_log:
@@ -59,11 +63,18 @@ def run(args: argparse.Namespace) -> int:
         manifest = build_proxy(
             args.src, args.dst, options, overwrite=args.overwrite, progress=not args.no_progress,
             store_options=store_options(args), worker=args.worker, workers=args.workers,
-            finalize_only=args.finalize, max_experts=args.max_experts, sizing=SizingOptions(**device_options(args)),
+            finalize_only=args.finalize, fit_only=args.fit, max_experts=args.max_experts,
+            sizing=SizingOptions(**device_options(args)),
         )
     except MoeProxyError as exc:
         report(error_report(exc))
         raise
+    if args.fit:
+        report({"fits": manifest.get("fits"), "workers": args.workers})
+        print(json.dumps(manifest) if args.json else
+              f"fitted once for the {args.workers} workers: {manifest['fits']}" if manifest.get("fits") else
+              "nothing to fit (no reconstruct, heal or merge): run the workers")
+        return 0
     if args.worker is not None:  # a worker's share only: no manifest yet
         report(worker_report(args.worker, args.workers, len(manifest["files"])))
         print(json.dumps(manifest, indent=2) if args.json else
