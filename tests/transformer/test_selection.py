@@ -89,3 +89,12 @@ def test_too_many_pins_in_a_group():
 def test_unknown_method():
     with pytest.raises(MoeProxyError, match="unknown method"):
         select(np.zeros((4, 2)), 2, method="best")
+
+
+def test_random_draws_differently_in_every_layer():
+    """A random baseline must be random across layers too, not the same ids everywhere (seeded
+    by seed, layer and routing group: the same build twice is still the same proxy)."""
+    x = np.random.default_rng(0).normal(size=(64, 8))
+    per_layer = [tuple(select(x, 8, method="random", seed=0, layer=layer).kept) for layer in range(6)]
+    assert len(set(per_layer)) == 6
+    assert per_layer[3] == tuple(select(x, 8, method="random", seed=0, layer=3).kept)

@@ -105,7 +105,7 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
         feats = expert_features(ckpt, block, options.features if data_free else "router")
         selections[block.prefix] = select(
             feats, k, n_group=n_group, method="cluster" if options.method in SCORED_METHODS else options.method,
-            clustering=options.clustering, seed=options.seed, pins=sorted(set(pins)),
+            clustering=options.clustering, seed=options.seed, pins=sorted(set(pins)), layer=block.layer,
         )
     plan.selections = selections
     if calibration is not None:

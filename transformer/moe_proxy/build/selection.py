@@ -44,6 +44,7 @@ def select(
     scores: np.ndarray | None = None,
     alive: np.ndarray | None = None,
     representative: str = "medoid",
+    layer: int = 0,
 ) -> Selection:
     n = len(features)
     alive = np.ones(n, dtype=bool) if alive is None else np.asarray(alive, dtype=bool)
@@ -78,7 +79,7 @@ def select(
             ranked = sorted(rest, key=lambda i: -scores[members[cands[i]]])
             chosen = cand_pins + ranked[: k_per - len(cand_pins)]
         elif method == "random":
-            rng = np.random.default_rng([seed, g])
+            rng = np.random.default_rng([seed, layer, g])  # a different draw in every layer and group
             chosen = cand_pins + sorted(rng.choice(rest, k_per - len(cand_pins), replace=False).tolist())
         else:
             chosen = cand_pins + rest[: k_per - len(cand_pins)]

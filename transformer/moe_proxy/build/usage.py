@@ -57,7 +57,7 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: l
     scores = (stats.gate_mass if options.method == "frequency" else stats.saliency).double().numpy()
     sel = select(feats, k, n_group=n_group, method=options.method, clustering=options.clustering,
                  seed=options.seed, pins=forced, scores=scores, alive=alive,
-                 representative=options.representative or "saliency")
+                 representative=options.representative or "saliency", layer=block.layer)
     share = stats.share
     sel.record = {
         "gate_mass_kept": round(float(share[sel.kept].sum()), 6),

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from moe_proxy.errors import MoeProxyError
+from moe_proxy.errors import MoeProxyError, UnsupportedArchitecture
 
 
 def proxy_block(original: torch.nn.Module, proxy_config, kept: list[int],
@@ -79,4 +79,5 @@ def router_params(block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         router = getattr(block, attr, None)
         if isinstance(router, torch.nn.Module) and isinstance(getattr(router, "weight", None), torch.nn.Parameter):
             return {f"{attr}.{name}": p for name, p in router.named_parameters()}
-    raise ValueError(f"{type(block).__name__} has no router module")
+    raise UnsupportedArchitecture(f"{type(block).__name__} has no router module (gate or router) with a weight: "
+                                  f"its router rows cannot be fitted (use --no-reconstruct, without --heal)")
