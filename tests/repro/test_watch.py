@@ -109,3 +109,16 @@ def test_another_nodes_watch_ends_cleanly_on_sigterm_with_no_verdict(tmp_path):
     output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
     assert not log.exists()
+
+
+def test_a_failure_not_asked_for_is_named_with_its_step_not_contradicted():
+    """`--fail-on collapse` on a run that diverged: the verdict says collapse was not reproduced
+    and names the divergence with its step, instead of "no failure" after "divergence detected"."""
+    from moe_proxy.repro.detect import Signature
+    from moe_proxy.repro.verdict import verdict_lines
+
+    failures = {"divergence": {"step": 3, "detail": "grad_norm 40x its median"}}
+    lines = verdict_lines(Signature.parse("collapse"), None, None, 6, failures)
+    assert lines == ["collapse not reproduced in 6 steps", "  divergence seen at step 3 (not the failure asked for)"]
+    assert verdict_lines(None, "divergence", 3, 6, failures) == ["divergence at step 3"]
+    assert verdict_lines(Signature.parse("nan"), None, None, 6, {}) == ["no failure in 6 steps (nan not reproduced)"]

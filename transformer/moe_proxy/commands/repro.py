@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         summary = json.loads((Path(args.out) / "summary.json").read_text())
         signature, step = (summary["first_failure"] or {}).get("signature"), (summary["first_failure"] or {}).get("step")
-        _print_verdict(args, fail_on, signature, step, summary["steps_completed"])
+        _print_verdict(args, fail_on, signature, step, summary["steps_completed"], summary.get("failures") or {})
         return 0
 
     from moe_proxy.repro.runner import run_repro  # torch and transformers load only when a run starts
@@ -153,13 +153,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if launched() and int(os.environ["RANK"]) != 0:
         return 0
-    _print_verdict(args, fail_on, result.signature, result.step, result.steps_completed)
+    _print_verdict(args, fail_on, result.signature, result.step, result.steps_completed, result.failures)
     return 0
 
 
-def _print_verdict(args, fail_on, signature: str | None, step: int | None, steps: int) -> None:
-    if signature:
-        print(f"{signature} at step {step}" + (" (reproduced)" if fail_on else ""))
-    else:
-        print(f"no failure in {steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
+def _print_verdict(args, fail_on, signature: str | None, step: int | None, steps: int, failures: dict) -> None:
+    from moe_proxy.repro.verdict import verdict_lines
+
+    print("\n".join(verdict_lines(fail_on, signature, step, steps, failures)))
     print(f"metrics: {args.out}/metrics.jsonl  summary: {args.out}/summary.json")

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, ended) -> int:
     from moe_proxy.errors import InvalidReproConfig, MoeProxyError
     from moe_proxy.repro.detect import Signature, Thresholds
+    from moe_proxy.repro.verdict import verdict_lines
     from moe_proxy.repro.watch import watch
     from moe_proxy.reports import error_report, write_termination_log
 
@@ -80,10 +81,7 @@ def _run(args: argparse.Namespace, ended) -> int:
     if args.termination_log:
         write_termination_log(args.termination_log, result.report)
     report = result.report
-    if report["signature"]:
-        print(f"{report['signature']} at step {report['step']}" + (" (reproduced)" if fail_on else ""))
-    else:
-        print(f"no failure in {result.steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else ""))
+    print("\n".join(verdict_lines(fail_on, report["signature"], report["step"], result.steps, result.failures)))
     if args.hold and not result.run_ended:
         _wait_for_end(ended, args.until_file, args.poll)
     return 0

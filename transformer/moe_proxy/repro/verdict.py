@@ -36,3 +36,17 @@ def verdict_report(detector: FailureDetector, fail_on: Signature | None, last: d
     signature, step = first_failure(detector, fail_on)
     headline = {k: finite_or_none(last.get(k)) for k in HEADLINE if k in last}
     return repro_report(signature is not None, signature, step, headline)
+
+
+def verdict_lines(fail_on: Signature | None, signature: str | None, step: int | None, steps: int,
+                  failures: dict[str, dict]) -> list[str]:
+    """What `repro` and `watch` print: the verdict, and any failure seen that was not the one
+    asked for, each with its own step (never a failure asked for reported as absent while
+    another one is shown as detected, without saying which is which)."""
+    others = [f"  {name} seen at step {onset['step']} (not the failure asked for)"
+              for name, onset in failures.items() if name != signature] if fail_on else []
+    if signature:
+        return [f"{signature} at step {step}" + (" (reproduced)" if fail_on else "")] + others
+    if others:
+        return [f"{fail_on.name} not reproduced in {steps} steps"] + others
+    return [f"no failure in {steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else "")]
