@@ -48,7 +48,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n== 4. the same build from and to S3 (an embedded SeaweedFS on 127.0.0.1)")
     s3_ok = demo_s3.run(src, out / "seaweedfs", experts=8)
+    print(NEXT.format(src=src, dst=dst, out=out))
     return 0 if report.ok and s3_ok else 1
+
+
+# What to try next on the demo's own files (each runs on this CPU in a minute or so).
+NEXT = """
+== next, on these files
+  .venv/bin/moe-proxy repro {dst} --out {out}/run-proxy --steps 6 --fault-lr-spike 3:1000 --fail-on divergence
+  .venv/bin/moe-proxy repro {src} --out {out}/run-original --steps 6 --fault-lr-spike 3:1000 --fail-on divergence
+  .venv/bin/moe-proxy compare {out}/run-original {out}/run-proxy --out {out}/compare
+  .venv/bin/moe-proxy calibrate {src} --out {out}/stats --experts 8 && \\
+    .venv/bin/moe-proxy build {src} {out}/proxy-calibrated --experts 8 --calibration {out}/stats"""
 
 
 if __name__ == "__main__":
