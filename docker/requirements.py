@@ -4,7 +4,7 @@
     python docker/requirements.py --extra operator --without torch scikit-learn
 
 The operator image installs moe-proxy itself with `--no-deps` and these requirements, so
-it gets kopf, kubernetes and the small libraries the torch-free modules use (boto3, numpy)
+it gets kopf and the small libraries the torch-free modules use (boto3, numpy)
 without torch: pyproject.toml lists torch among the base dependencies, which the CLI needs.
 """
 

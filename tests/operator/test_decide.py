@@ -307,7 +307,16 @@ def test_calibrate_then_workers_then_finalize():
     body = transforming(**spec)
     assert body["status"]["pipeline"]["transformerStep"] == "calibrate"
 
+    # Calibrated (routing features): it reconstructs, so a fit step fits once before the workers.
     actions = decide(body, child("q3-calibrate-g1", succeeded({})), SETTINGS)
+    [create] = only(actions, CreateChild)
+    assert create.manifest["metadata"]["name"] == "q3-fit-g1" and create.created.reason == "FitCreated"
+    assert "--fit" in create.manifest["spec"]["template"]["spec"]["containers"][0]["args"]
+    body = walk(body, actions)
+    assert body["status"]["pipeline"]["transformerStep"] == "fit" and body["status"]["workers"] == "0/3"
+    assert condition(body, "ProxyReady")["reason"] == "Fitting"
+
+    actions = decide(body, child("q3-fit-g1", succeeded({})), SETTINGS)
     [create] = only(actions, CreateChild)
     assert create.manifest["metadata"]["name"] == "q3-transform-g1" and create.manifest["spec"]["completions"] == 3
     assert create.created.reason == "WorkersCreated"
@@ -316,6 +325,7 @@ def test_calibrate_then_workers_then_finalize():
     assert body["status"]["pipeline"]["transformerStep"] == "workers" and body["status"]["workers"] == "0/3"
     assert condition(body, "ProxyReady")["reason"] == "WorkersRunning"
     assert decide(body, child("q3-calibrate-g1", succeeded({})), SETTINGS) == []  # not the current child
+    assert decide(body, child("q3-fit-g1", succeeded({})), SETTINGS) == []
 
     progress = Observed(WORKERS_PROGRESS, child=Child("q3-transform-g1", TRANSFORMER, progress="2/3"))
     [patch] = decide(body, progress, SETTINGS)
