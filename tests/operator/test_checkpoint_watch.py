@@ -255,6 +255,8 @@ async def test_restart_makes_no_duplicate(cluster, operator, run):
     await secret(cluster)
     await cluster.create(CHECKPOINT_WATCHES, NS, checkpoint_watch_manifest("rs", run))
     await eventually(lambda: proxymodels(cluster) == ["rs-step-100", "rs-step-200"])
+    # kopf posts Events from a queue: stopping before it has posted would lose them, not duplicate
+    await eventually(lambda: len(events(cluster, "ProxyModelCreated")) == 2, what="the two creation Events")
     await operator.stop()
     await operator.start()
     await polls(cluster, "rs", 3)
