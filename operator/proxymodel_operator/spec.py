@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moe_proxy.errors import InvalidOptions, MoeProxyError
-from moe_proxy.options import PruningOptions, TokenOptions, calibration_needs, from_crd, reconstructs
+from moe_proxy.options import S3_URI, PruningOptions, TokenOptions, calibration_needs, from_crd, reconstructs
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.detect import SIGNATURES as DETECTED_SIGNATURES
 from moe_proxy.storage import overlap
@@ -28,7 +28,7 @@ SIGNATURE_REASONS = {
     "overflow": "GradientOverflow", "underflow": "GradientUnderflow", "nan": "NaN",
     "divergence": "Divergence", "collapse": "RoutingCollapse", "threshold": "MetricThreshold",
 }
-_S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
+_S3 = re.compile(S3_URI)
 # spec.transformer.parallelism: the CRD's maximum too. Workers beyond the proxy's shard count
 # would only idle (each writes whole shards), and 64 keeps an Indexed Job's pod names short.
 MAX_WORKERS = 64

@@ -59,8 +59,8 @@ def steps(spec: ProxyModelSpec) -> tuple[str, ...]:
     """The transformer's Jobs, in the order they run."""
     if spec.workers == 1:
         return (BUILD,)
-    fit = spec.pruning.heal or spec.pruning.reconstruct or spec.pruning.merge  # fitted tensors: made once
-    return ((CALIBRATE,) if spec.calibration is not None else ()) + ((FIT,) if fit else ()) + (WORKERS, FINALIZE)
+    fit = (FIT,) if spec.pruning.options.fits else ()  # fitted tensors: made once, before the workers
+    return ((CALIBRATE,) if spec.calibration is not None else ()) + fit + (WORKERS, FINALIZE)
 
 
 def next_step(spec: ProxyModelSpec, step: str) -> str | None:

@@ -119,6 +119,11 @@ class PruningOptions:
     def auto(self) -> bool:
         return self.experts == "auto"
 
+    @property
+    def fits(self) -> bool:
+        """Whether the build fits tensors on top of selecting experts (a scale-out fits them once)."""
+        return bool(self.heal or self.reconstruct or self.merge)
+
     def resolved(self) -> "PruningOptions":
         """These options with the defaults that depend on others applied (reconstruct), checked."""
         self.validate()

@@ -267,11 +267,6 @@ def _check_destination(dst: Store, build_id: str, overwrite: bool) -> tuple[dict
     return None, [MANIFEST, *manifest.get("files", {})]
 
 
-def fits(options: PruningOptions) -> bool:
-    """Whether a build with these options fits tensors (on top of selecting experts)."""
-    return bool(options.heal or options.reconstruct or options.merge)
-
-
 def fits_name(build_id: str) -> str:
     """Where a build's fitted tensors live in its destination until it is published (a journal:
     hidden, marks the build unfinished, deleted with the journals)."""
@@ -348,7 +343,7 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
     store_options = dict(store_options or {})
     transfer = store_options.setdefault("transfer", Transfer.from_options(store_options))
-    if planned is None and (not finalize_workers or fits(options)):  # it may select:
+    if planned is None and (not finalize_workers or options.fits):  # it may select:
         # load torch and scikit-learn (seconds of CPU) while the headers and routers come down.
         threading.Thread(target=_import_planning, name="import", daemon=True).start()
     ckpt, layout, identity, calibration = open_source(src, options, store_options)
@@ -364,7 +359,7 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
         return existing | {"up_to_date": True}
     journaled = workers_plan(dst_store, build_id, finalize_workers) if finalize_workers else None
-    fitted = fits(options)
+    fitted = options.fits
     if planned is not None:
         plan = planned
     elif fitted and (plan := load_fits(dst_store, build_id, layout)) is not None:  # fitted once, by another step
@@ -563,7 +558,7 @@ def build_proxy(
     if isinstance(p, dict):
         return p
     if fit_only:  # the step before a scale-out's workers: selected and fitted, nothing written but the fits
-        return {"fits": fits_name(p.build_id) if fits(options) else None, "workers": workers}
+        return {"fits": fits_name(p.build_id) if options.fits else None, "workers": workers}
     if chosen is not None:
         p.plan.fidelity = chosen[0]
         p.plan.notes.extend(n for n in chosen[1] if n not in p.plan.notes)  # (a workers' plan has them)

@@ -74,7 +74,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
     torchrun (RANK, WORLD_SIZE, LOCAL_RANK set), this process is one rank of the run."""
     out = Path(out_dir)
     try:  # a run that cannot start writes no summary: only the Job's termination message says why
-        check_source(checkpoint)
+        store = check_source(checkpoint)
     except MoeProxyError as exc:
         if termination_log:
             write_termination_log(termination_log, error_report(exc))
@@ -93,7 +93,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
                 (out / stale).unlink(missing_ok=True)
         dataset = PromptSet(load_prompts(prompts), config.seed if config.prompt_seed is None else config.prompt_seed) \
             if prompts else None
-        with local_checkpoint(checkpoint, weights=not comm.distributed) as path:
+        with local_checkpoint(store, weights=not comm.distributed) as path:
             loop = _Loop(path, config, comm, dataset, open_checkpoint(checkpoint) if comm.distributed else None)
             for step in range(config.steps):
                 if rank_fault:

@@ -25,10 +25,9 @@ def check_source(uri: str) -> Store:
 
 
 @contextlib.contextmanager
-def local_checkpoint(uri: str, weights: bool = True) -> Iterator[Path]:
-    """Yield a local directory holding the checkpoint at `uri` (a path or s3://bucket/prefix).
+def local_checkpoint(store: Store, weights: bool = True) -> Iterator[Path]:
+    """Yield a local directory holding the checkpoint in `store` (check_source's).
     `weights=False`: a remote checkpoint's safetensors are not copied (a rank of a distributed
     run reads only its rows of them, by range: sharded_load.py), only config and tokenizer."""
-    store = check_source(uri)
     with local_copy(store, skip_suffix=None if weights else ".safetensors") as path:
         yield Path(path)
