@@ -10,7 +10,8 @@ native sidecars (init containers with `restartPolicy: Always`) started first (th
 passed) and sent SIGTERM once the main containers have exited, and each container's termination
 message read from its terminationMessagePath. Where a node differs, it is said: every pod's volumes are directories of
 the test, the images' `moe-proxy` and `python` are this checkout's, the pods' host names resolve
-to 127.0.0.1 and, all pods sharing this machine's network, MASTER_PORT is a free local port.
+to 127.0.0.1 and, all pods sharing this machine's network, MASTER_PORT is a free local port
+below the kernel's ephemeral range (`tests/ports.py`: why).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxymodel_operator.resources import PODS, SECRETS, Resource
-from moe_proxy.demo.seaweed import free_ports
+
+from ..ports import listen_port
 
 CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")
 
@@ -67,7 +69,7 @@ class Kubelet:
     def __init__(self, api, namespace: str, root: Path, hosts: list[str], master_port: int | None = None):
         self.api, self.namespace, self.root = api, namespace, root
         self.hosts = sorted(hosts, key=len, reverse=True)  # the pods' FQDNs -> 127.0.0.1
-        self.master_port = str(master_port or free_ports(1)[0])
+        self.master_port = str(master_port or listen_port())
 
     def _field(self, pod: Pod, path: str) -> str:
         if path == "metadata.name":
@@ -187,7 +189,11 @@ class Kubelet:
         try:
             for pod, side, main in started:
                 for container, process in main:
-                    process.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    try:
+                        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        raise AssertionError(f"pod {pod.name}: {container['name']} still ran after {timeout:g}s; "
+                                             + self._tails(started)) from None
                 for container, process in reversed(side):  # then the sidecars, in reverse order
                     process.send_signal(signal.SIGTERM)
                     process.wait(timeout=30)
@@ -199,6 +205,16 @@ class Kubelet:
                         os.killpg(process.pid, signal.SIGKILL)
                         process.wait()
         return results
+
+    def _tails(self, started) -> str:
+        """The end of every container's output so far: what a hang was waiting for."""
+        parts = []
+        for pod, side, main in started:
+            for container, _ in [*side, *main]:
+                log = self.root / pod.name / f"{container['name']}.log"
+                text = log.read_text(errors="replace") if log.is_file() else ""
+                parts.append(f"--- {pod.name}/{container['name']}:\n{text[-2000:]}")
+        return "\n".join(parts)
 
     async def report(self, pod: Pod, ran: dict[str, Ran]) -> None:
         """Write the pod, with its containers' terminated states, into the emulator (the kubelet's status)."""

@@ -10,7 +10,6 @@ actor/pg_loss, actor/kl_loss near 0) show it most, about 1e-8 absolute. Times ar
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from moe_proxy.errors import InvalidReproConfig
 from moe_proxy.repro.config import Faults, ReproConfig
 from moe_proxy.repro.metrics_io import read_metrics
 from moe_proxy.repro.runner import run_repro
+
+from ..ports import listen_port
 
 STEPS = 4
 ARGS = ["--steps", str(STEPS), "--lr", "1e-4", "--seed", "1"]
@@ -124,9 +125,7 @@ def test_more_ranks_than_devices_is_refused(tiny_qwen3, tmp_path, monkeypatch, c
 
 
 def test_an_unreachable_master_is_one_clear_error_and_starts_no_rank(tiny_qwen3, tmp_path, capsys):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = listen_port()  # nobody listens there
     log = tmp_path / "termination-log"
     code = launch(tiny_qwen3, tmp_path / "run", 2, "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
                   "--master-port", str(port), "--dist-timeout", "3", "--termination-log", str(log))

@@ -243,11 +243,20 @@ class Comm:
             f"rank {r} ({'before its first step' if steps[r] < 0 else f'last seen in step {steps[r]}'})"
             for r in lost) + ": it died or hung"
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Leave the group. After a clean run every rank first waits for the others (rank 0
+        writes the outputs last): a rank that tears its connections down while a peer still
+        uses them can abort that peer (gloo: "terminate called without an active exception").
+        After an error no rank waits: a peer may be gone."""
         if self.distributed:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if clean:
+                    try:
+                        dist.barrier()
+                    except Exception:  # noqa: BLE001 - the run's outcome is already written
+                        log.warning("rank %d: the closing barrier failed; leaving the group anyway", self.rank)
                 dist.destroy_process_group()
 
 

@@ -117,7 +117,8 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
                     log.info("step %d: reward %.3f grad_norm %.4g pg_loss %.4g", step, last["critic/rewards/mean"],
                              last["actor/grad_norm"], last["actor/pg_loss"])
     except BaseException as exc:  # the steps recorded so far stay readable, and say why they end
-        error = exc  # (kept should naming the lost rank be cut short, e.g. by the launcher's SIGTERM)
+        # Set before naming the lost rank, which the launcher's SIGTERM may cut short.
+        error = exc
         stop_reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(exc).__name__}: {exc}"
         error = _rank_error(comm, exc)
         stop_reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(error).__name__}: {error}"
@@ -137,7 +138,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
                 "reproduced": result.reproduced if error is None else None,
                 "thresholds": detector.thresholds.__dict__, "config": config.to_dict(),
             })
-        comm.close()
+        comm.close(clean=error is None)
     return result
 
 
