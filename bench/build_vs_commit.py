@@ -31,10 +31,7 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 def cpu(): u = resource.getrusage(resource.RUSAGE_SELF); return u.ru_utime + u.ru_stime
 a = json.loads(sys.argv[1])
-try:
-    from moe_proxy.build.pipeline import build_proxy
-except ImportError:  # the tree before the move into packages (#15)
-    from moe_proxy.build import build_proxy
+from moe_proxy.build import build_proxy  # every tree has it there (a module before #15, a package after)
 from moe_proxy.storage import open_store
 c, t = cpu(), time.perf_counter()
 src, dst = (open_store(u, endpoint_url=a["endpoint"]) for u in (a["src"], a["dst"]))
@@ -54,6 +51,13 @@ def timed(tree: Path, args: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1]) | {"process_s": wall, "process_cpu_s": cpu}
 
 
+def _source_root(commit: str) -> str:
+    """Where moe_proxy lived at `commit`: src/ since #25, transformer/ before."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", commit, "src/moe_proxy"], capture_output=True,
+                            text=True, check=True).stdout
+    return "src" if listed.strip() else "transformer"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--commit", default="1fdc64b", help="the older tree (default: the last pre-#15 build table's)")
@@ -66,9 +70,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
         old.mkdir()
-        archive = subprocess.run(["git", "archive", a.commit, "transformer"], capture_output=True, check=True).stdout
+        root = _source_root(a.commit)
+        archive = subprocess.run(["git", "archive", a.commit, root], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-        trees = {a.commit: old / "transformer", "today": Path("transformer").resolve()}
+        trees = {a.commit: old / root, "today": Path("src").resolve()}
         ckpt = generate(Path(a.out) / f"ckpt-{a.size:g}gb{'-smoke' if a.smoke else ''}", a.size, d)
         with SeaweedFS(Path(tmp) / "s3", *KEYS, buckets=["bench"]) as s3:
             upload(s3.client(), ckpt, "bench", "src")

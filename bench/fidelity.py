@@ -58,10 +58,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # After PYTHONPATH: a frozen copy of the library named there (a long run while the tree changes) wins.
-sys.path.append(str(ROOT / "transformer"))
+sys.path.append(str(ROOT / "src"))
 
 from moe_proxy.options import PruningOptions  # noqa: E402
-from moe_proxy.build.pipeline import build_proxy  # noqa: E402
+from moe_proxy.build.steps import build_proxy  # noqa: E402
 from moe_proxy.calibrate.statistics import calibrate  # noqa: E402
 from moe_proxy.errors import InvalidExpertCount  # noqa: E402
 from moe_proxy.calibrate.statistics import load as load_calibration  # noqa: E402

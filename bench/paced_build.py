@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_proxy.checkpoint.reader import PLAN_THREADS
+from moe_proxy.checkpoint.reader import SMALL_READ_THREADS
 from moe_proxy.demo.seaweed import SeaweedFS
 from moe_proxy.storage.inflight import Transfer
 from paced_relay import PacedRelay
@@ -294,7 +294,7 @@ def run(args) -> int:
         router_reads=first["router_reads"] / facts.moe_layers,
         streams=first["stream_down_mbps"] / first["conn_mbps"],
         cpu_s_per_gb=first["stream_cpu_s"] / (first["stream_down"] / 1e9),
-        rss=first["peak_rss"], latency_s=first["latency_ms"] / 1000, plan_parallel=PLAN_THREADS,
+        rss=first["peak_rss"], latency_s=first["latency_ms"] / 1000, plan_parallel=SMALL_READ_THREADS,
         inflight=Transfer(streams=first["streams_option"] if first["streams_option"] != "default" else None)
         .sized(d.layer_expert_bytes).max_inflight,
         plan_cpu_s_per_layer=first["planning_cpu_s"] / facts.moe_layers,

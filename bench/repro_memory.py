@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transformer"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 MIB = 1 << 20
 PROMPT_TOKENS = 6  # "12+34=" in bytes

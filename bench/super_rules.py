@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "transformer"))  # after PYTHONPATH
+sys.path.append(str(Path(__file__).resolve().parent.parent / "src"))  # after PYTHONPATH
 
 from moe_proxy.calibrate import statistics as cal  # noqa: E402
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write the option fields of the ProxyModel CRD (crds/proxymodels.moeproxy.io.yaml) from the
-options models (transformer/moe_proxy/options.py): spec.pruning from PruningOptions,
+options models (src/moe_proxy/options.py): spec.pruning from PruningOptions,
 spec.calibration from TokenOptions, spec.reproduction's RL settings from repro.config.ReproConfig.
 The fields only the operator has are kept as they are (for pruning and calibration: only those
 listed below), after the generated ones. tests/chart fails when the file is stale.

@@ -26,8 +26,8 @@ INPUTS_LABEL=io.moeproxy.build-inputs
 
 # Everything the Dockerfiles COPY or are: a change to any of it makes the images stale.
 inputs_hash() {
-    find .dockerignore pyproject.toml README.md docker operator/Dockerfile operator/proxymodel_operator \
-         transformer/Dockerfile transformer/moe_proxy -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
+    find .dockerignore pyproject.toml README.md docker operator/Dockerfile operator/proxymodel_operator src/moe_proxy \
+         -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
         | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16
 }
 if [ "${1:-}" = --inputs ]; then
@@ -40,7 +40,7 @@ TORCH_WHEELS=${TORCH_WHEELS:-auto}
 IMAGES_DIR=${IMAGES_DIR:-dist/images}
 REGISTRY_BASE=docker.io/library/python:3.11-slim-bookworm
 LOCAL_BASE=localhost/moe-proxy-python:3.11-bookworm
-TORCH_VERSION=$(sed -n 's/^ARG TORCH_VERSION=//p' transformer/Dockerfile)
+TORCH_VERSION=$(sed -n 's/^ARG TORCH_VERSION=//p' docker/moe-proxy/Dockerfile)
 
 # The chart's defaults: image.repository (values.yaml) and ghcr.io/moe-proxy/moe-proxy
 # (jobs.transformerImage's default, templates/deployment.yaml), both at the chart's appVersion.
@@ -111,7 +111,7 @@ build() {  # build NAME DOCKERFILE TAG [ARGS...]
 times=()
 inputs=$(inputs_hash)
 build operator operator/Dockerfile "$OPERATOR_IMAGE"
-build transformer transformer/Dockerfile "$TRANSFORMER_IMAGE" "${torch_args[@]}"
+build transformer docker/moe-proxy/Dockerfile "$TRANSFORMER_IMAGE" "${torch_args[@]}"
 
 # The images these replaced (now untagged) go: each is another full copy under vfs.
 $PODMAN image prune --force --filter "label=$INPUTS_LABEL" > /dev/null

@@ -6,7 +6,7 @@ One kopf timer per CheckpointWatch. Every `spec.pollInterval` seconds it
 2. lists the run's prefix with `moe_proxy.checkpoint.listing` (the function behind
    `moe-proxy checkpoints`; config, index and shard headers only), with the credentials of
    the Secret the watch names, read with `get` and kept in memory;
-3. decides (watch_plan.decide) and acts: creates ProxyModels `<watch>-step-<N>` owned by the
+3. decides (watch_decisions.decide) and acts: creates ProxyModels `<watch>-step-<N>` owned by the
    watch, deletes the oldest beyond keepLast, and writes what it saw to status.
 An incomplete checkpoint is looked at again on the next poll; one that is no source (dense,
 unsupported, unreadable) gets one warning Event. Listing errors become the SourceReachable
@@ -34,7 +34,7 @@ from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the 
 from .preflight import PreflightError, read_credentials, redact
 from .resources import GROUP, PROXYMODELS, VERSION, Resource
 from .status import ACCEPTED, SUSPENDED_CONDITION, condition, now, with_condition
-from .watch_plan import LABEL_STEP, LABEL_WATCH, MadeProxyModel, considered, decide, proxymodel_for, watch_label
+from .watch_decisions import LABEL_STEP, LABEL_WATCH, MadeProxyModel, considered, decide, proxymodel_for, watch_label
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")

@@ -4,7 +4,7 @@
 status, the single source of truth), what a handler observed (which event, a child's verdict,
 whether a recorded child exists) and returns the actions to take, in order. The handlers
 observe and act (`handlers.py`); nothing here calls the API, so every branch is unit-tested
-without a cluster. The same split as CheckpointWatch's `watch_plan.decide`.
+without a cluster. The same split as CheckpointWatch's `watch_decisions.decide`.
 
 `status.pipeline` records which spec the pipeline runs for (`specHash`), the generation its
 children are named after, their names, and which transformer step runs (`transformerStep`:

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from moe_proxy.build.fidelity import FidelityTargetNotMet, held_out
-from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.build.steps import build_proxy
 from moe_proxy.build.verify import as_json, text, verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main

@@ -13,7 +13,7 @@ import transformers
 from moe_proxy.build import reconstruct as rec
 from moe_proxy.build.merge import align, expert_layout, neurons, permute
 from moe_proxy.errors import CannotMerge
-from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.build.steps import build_proxy
 from moe_proxy.build.verify import verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.checkpoint.tensors import dequantize_fp8

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from moe_proxy.build import reconstruct as rec
-from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.build.steps import build_proxy
 from moe_proxy.build.verify import verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
@@ -150,7 +150,7 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
     build; with a fit step first, every layer is fitted once: neither the workers nor finalize
     fit again (counted), and the fits are gone once the proxy is published."""
     from moe_proxy.build import expert_plan
-    from moe_proxy.build.pipeline import fits_name
+    from moe_proxy.build.steps import fits_name
     from moe_proxy.checkpoint.reader import MANIFEST
 
     src = tmp_path / "src"
@@ -166,7 +166,7 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
         fitted.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("moe_proxy.build.pipeline.plan_experts", counted)
+    monkeypatch.setattr("moe_proxy.build.steps.plan_experts", counted)
     dst = tmp_path / "two"
     done = build_proxy(str(src), str(dst), workers=2, fit_only=True, **common)
     assert done["fits"] and (dst / done["fits"]).exists() and len(fitted) == 1

@@ -19,7 +19,7 @@ from .conftest import ROOT
 
 DOCKERFILES = {
     "operator": ROOT / "operator" / "Dockerfile",
-    "transformer": ROOT / "transformer" / "Dockerfile",
+    "transformer": ROOT / "docker" / "moe-proxy" / "Dockerfile",
     "ascend": ROOT / "docker" / "ascend" / "Dockerfile",
 }
 
@@ -142,7 +142,7 @@ def test_operator_runs_without_torch():
             "names = [m.name for m in pkgutil.walk_packages(proxymodel_operator.__path__, 'proxymodel_operator.')]\n"
             "for name in names: __import__(name)\n"
             "print(len(names))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "transformer")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "src")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(result.stdout.strip()) >= 10  # handlers, __main__, spec, kube, ...

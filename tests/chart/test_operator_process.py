@@ -123,7 +123,7 @@ async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, n
         env = {e["name"]: e["value"] for e in container["env"]}
         env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                    HOME=str(tmp_path), KUBECONFIG=str(kubeconfig),
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "operator"), str(ROOT / "transformer")]))
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "operator"), str(ROOT / "src")]))
         log = open(tmp_path / "operator.log", "wb")
         process = await asyncio.create_subprocess_exec(*container["command"], env=env, stdout=log, stderr=log)
         try:

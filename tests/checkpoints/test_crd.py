@@ -86,7 +86,7 @@ def test_bad_watches_are_rejected(crd, name):
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_template_makes_a_valid_proxymodel(path):
     """The ProxyModel a watch makes of its template and a checkpoint passes the ProxyModel CRD."""
-    from proxymodel_operator.watch_plan import proxymodel_for
+    from proxymodel_operator.watch_decisions import proxymodel_for
     from proxymodel_operator.watch_spec import parse_watch
 
     watch = load(path)
@@ -108,7 +108,7 @@ def test_a_schema_error_is_caught_by_the_checker(crd):
 
 def test_kubectl_get_pxm_shows_the_source_step():
     """`kubectl get pxm` prints the step label a watch puts on its ProxyModels."""
-    from proxymodel_operator.watch_plan import LABEL_STEP
+    from proxymodel_operator.watch_decisions import LABEL_STEP
 
     columns = {c["name"]: c for c in openapi_columns(load_crd("proxymodels.moeproxy.io"))}
     assert columns["Step"]["jsonPath"] == ".metadata.labels." + LABEL_STEP.replace(".", "\\.")

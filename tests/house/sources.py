@@ -8,7 +8,7 @@ from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = (REPO / "transformer", REPO / "operator")  # source roots: the importable packages live inside
+ROOTS = (REPO / "src", REPO / "operator")  # source roots: the importable packages live inside
 PACKAGES = ("moe_proxy", "proxymodel_operator")
 
 

@@ -57,3 +57,26 @@ def test_the_known_pairs_are_still_there():
     """KNOWN does not outlive its entries."""
     where = definitions(constants)
     assert all(len(where.get(name, [])) > 1 for name in KNOWN), {n: where.get(n) for n in KNOWN}
+
+
+# Names that had two or three meanings (#25) and were renamed: the word -> what it means now.
+RETIRED_MODULES = {
+    "pipeline": "the operator's ProxyModel steps only (proxymodel_operator.pipeline); the build's "
+                "streaming is moe_proxy.build.steps",
+    "describe": "gone: checkpoint.summary (inspect), build.fidelity.figure_lines, build.merge.merge_record",
+    "watch_plan": "proxymodel_operator.watch_decisions: `plan` is the sizing of devices and ExpertPlan",
+}
+
+
+def test_renamed_names_keep_one_meaning():
+    stems = {name.rpartition(".")[2]: name for name in modules()}
+    assert stems.get("pipeline") == "proxymodel_operator.pipeline", RETIRED_MODULES["pipeline"]
+    assert "describe" not in stems and "watch_plan" not in stems, RETIRED_MODULES
+    functions = {node.name for m in modules().values() for node in m.tree.body
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert "describe" not in functions, RETIRED_MODULES["describe"]
+    # "transformer" is the operator's build Job (spec.transformer, its image, its container),
+    # not a source folder: the library lives in src/.
+    from .sources import REPO
+
+    assert not (REPO / "transformer").exists() and (REPO / "src" / "moe_proxy" / "__init__.py").is_file()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from moe_proxy.build.pipeline import build_proxy, journal_name
+from moe_proxy.build.steps import build_proxy, journal_name
 from moe_proxy.checkpoint.reader import MANIFEST
 from .faultproxy import FaultProxy
 from .helpers import PART, download, incomplete_uploads, tree
@@ -64,7 +64,7 @@ def test_killed_build_resumes_without_reuploading(seaweed, s3_ckpt, local_proxy,
         # wait for the first shard's journal entry (written after its commit) too.
         net.stall_after_up = first + PART + (256 << 10)
         options = {"endpoint_url": net.endpoint_url, "part_size": PART}
-        code = f"from moe_proxy.build.pipeline import build_proxy; build_proxy({s3_ckpt!r}, {dst!r}, experts={KEEP}, store_options={options!r})"
+        code = f"from moe_proxy.build.steps import build_proxy; build_proxy({s3_ckpt!r}, {dst!r}, experts={KEEP}, store_options={options!r})"
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         client = seaweed.client()

@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.build.pipeline import build_proxy  # torch and scikit-learn load only when a build runs
+    from moe_proxy.build.steps import build_proxy  # torch and scikit-learn load only when a build runs
     from moe_proxy.reports import build_report, error_report, worker_report, write_termination_log
     from moe_proxy.sizing import SizingOptions
 
@@ -96,8 +96,8 @@ def _manifest_sha256(manifest: dict, args: argparse.Namespace) -> str:
 
 
 def summary(m: dict) -> str:
-    from moe_proxy.build.fidelity import describe
-    from moe_proxy.checkpoint.describe import human
+    from moe_proxy.build.fidelity import figure_lines
+    from moe_proxy.checkpoint.summary import human
 
     e, p, b = m["experts"], m["params"], m["bytes"]
     lines = [
@@ -118,6 +118,6 @@ def summary(m: dict) -> str:
         if (r := layer.get("reconstruct")) is not None:  # --reconstruct
             lines.append(f"    {'':<36} reconstructed: held-out error {r['error_before']['held_out']:.4g} -> "
                          f"{r['error_after']['held_out']:.4g}" + ("" if r["fitted"] else " (plain kept)"))
-    lines += describe(m.get("fidelity"))
+    lines += figure_lines(m.get("fidelity"))
     lines += [f"  note: {n}" for n in m.get("notes", [])]
     return "\n".join(lines)

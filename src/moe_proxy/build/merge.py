@@ -185,10 +185,10 @@ def merge(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = 
     plan.tensor_overrides.update(merged.tensors)
     for prefix, record in merged.records.items():
         plan.selections[prefix].record["merge"] = record
-    plan.merge = describe(plan, list(merged.records))
+    plan.merge = merge_record(plan, list(merged.records))
 
 
-def describe(plan, merged: list[str]) -> dict:
+def merge_record(plan, merged: list[str]) -> dict:
     """The manifest's `merge`: how kept experts were made, and which blocks were not merged."""
     skipped = sorted(set(plan.selections) - set(merged))
     if skipped:

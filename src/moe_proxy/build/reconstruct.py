@@ -220,9 +220,9 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
         "layers": found.counts,
     }
     if merge:
-        from moe_proxy.build.merge import describe
+        from moe_proxy.build.merge import merge_record
 
-        plan.merge = describe(plan, list(found.merges))
+        plan.merge = merge_record(plan, list(found.merges))
 
 
 @dataclass

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-import moe_proxy.build.pipeline as build_module
-from moe_proxy.build.pipeline import build_proxy
+import moe_proxy.build.steps as build_module
+from moe_proxy.build.steps import build_proxy
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, InvalidExpertCount, NotMoE, UnsupportedArchitecture

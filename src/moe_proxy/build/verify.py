@@ -23,7 +23,7 @@ from moe_proxy.architectures import detect, expert_count, groups, top_k
 from moe_proxy.checkpoint.reader import INDEX, MANIFEST, open_checkpoint, read_json
 from moe_proxy.errors import CorruptCheckpoint, NotMoE, UnsupportedArchitecture
 from moe_proxy.checkpoint.layout import find_layout
-from moe_proxy.build.fidelity import describe
+from moe_proxy.build.fidelity import figure_lines
 from moe_proxy.storage import open_store, sha256_of
 
 
@@ -129,7 +129,7 @@ def _where(store, names: list[str]) -> str:
 def text(r: Report) -> str:
     head = "OK" if r.ok else "FAILED"
     lines = [f"{head}: {r.uri}", f"  files hashed   {r.files_checked}", f"  forward pass   {r.forward}"]
-    lines += describe(r.fidelity, width=15)
+    lines += figure_lines(r.fidelity, width=15)
     lines += [f"  problem: {p}" for p in r.problems]
     return "\n".join(lines)
 

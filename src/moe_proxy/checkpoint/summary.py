@@ -8,7 +8,7 @@ from moe_proxy.checkpoint.layout import find_layout
 from moe_proxy.checkpoint.params import stored_params
 
 
-def describe(ckpt: Checkpoint) -> dict:
+def summarize(ckpt: Checkpoint) -> dict:
     arch = detect(ckpt.config)
     layout = find_layout(ckpt, arch)
     n_group, topk_group = groups(arch, ckpt.config)

@@ -26,7 +26,7 @@ TORCH_FREE = (
     "moe_proxy.checkpoint.reads",  # the build's read path
     "moe_proxy.checkpoint.layout",
     "moe_proxy.checkpoint.listing",  # the listing (`checkpoints`, the operator's CheckpointWatch)
-    "moe_proxy.checkpoint.describe",  # `inspect`
+    "moe_proxy.checkpoint.summary",  # `inspect`
     "moe_proxy.build.writer",
     "moe_proxy.build.config",
     "moe_proxy.repro.compare",  # numpy only

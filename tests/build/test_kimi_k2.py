@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from moe_proxy.build import heal
-from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.build.steps import build_proxy
 from moe_proxy.calibrate.statistics import calibrate
 from moe_proxy.layerwise.load import load_causal_lm
 from moe_proxy.repro.config import ReproConfig

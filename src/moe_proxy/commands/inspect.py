@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moe_proxy.checkpoint.reader import open_checkpoint
-    from moe_proxy.checkpoint.describe import describe, text
+    from moe_proxy.checkpoint.summary import summarize, text
 
-    d = describe(open_checkpoint(args.src, **store_options(args)))
+    d = summarize(open_checkpoint(args.src, **store_options(args)))
     print(json.dumps(d, indent=2) if args.json else text(d))
     return 0

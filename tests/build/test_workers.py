@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_proxy.build.pipeline import assign_shards, build_proxy, journal_name
+from moe_proxy.build.steps import assign_shards, build_proxy, journal_name
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.demo.tiny import make_tiny
@@ -67,7 +67,7 @@ def test_finalize_before_a_worker_ran(src, tmp_path):
 
 
 def test_partition_is_balanced_and_complete(src, tmp_path):
-    from moe_proxy.build.pipeline import prepare
+    from moe_proxy.build.steps import prepare
     from moe_proxy.options import PruningOptions
 
     p = prepare(str(src), str(tmp_path / "x"), PruningOptions(experts=8), False, False, None)
@@ -99,7 +99,7 @@ def _two_workers(src, dst):
 def test_finalize_takes_the_workers_plan(src, tmp_path, monkeypatch):
     import sys
 
-    import moe_proxy.build.pipeline as pipeline
+    import moe_proxy.build.steps as pipeline
 
     single = tmp_path / "single"
     build_proxy(str(src), str(single), experts=8)
@@ -207,7 +207,7 @@ class RecordingDestination:
 
 def test_uploads_overlap_by_one_shard_and_commit_in_order(src, tmp_path):
     from moe_proxy.options import PruningOptions
-    from moe_proxy.build.pipeline import prepare, write_share
+    from moe_proxy.build.steps import prepare, write_share
 
     dst = RecordingDestination(tmp_path / "dst")
     p = prepare(str(src), dst, PruningOptions(experts=8), False, False, None)

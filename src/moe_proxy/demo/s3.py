@@ -14,7 +14,7 @@ from pathlib import Path
 from moe_proxy import cli
 from moe_proxy.storage.s3 import S3Store
 from moe_proxy.demo.seaweed import SeaweedFS
-from moe_proxy.checkpoint.describe import human
+from moe_proxy.checkpoint.summary import human
 
 BUCKET = "models"
 

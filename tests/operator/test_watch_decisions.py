@@ -4,7 +4,7 @@ startAfterStep, keepLast, maxConcurrent, names, and the ProxyModel it makes."""
 from __future__ import annotations
 
 from moe_proxy.checkpoint.listing import DENSE, MOE, PROXY, UNKNOWN, ListedCheckpoint
-from proxymodel_operator.watch_plan import MadeProxyModel, decide, proxymodel_for, proxymodel_name
+from proxymodel_operator.watch_decisions import MadeProxyModel, decide, proxymodel_for, proxymodel_name
 from proxymodel_operator.watch_spec import parse_watch
 
 SOURCE = {"uri": "s3://runs/grpo", "credentialsSecret": "creds"}

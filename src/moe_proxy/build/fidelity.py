@@ -4,7 +4,7 @@ Both models run one decoder layer at a time (a pass of layerwise.driver), side b
 held-out calibration tokens: one layer of the original and the same layer of the proxy are
 resident, each model's hidden states go through its own layer, and both layers are freed
 before the next. The proxy is the one the plan describes, read through its output tensors
-(pipeline.output_tensors: sliced routers, healed rows, kept experts) without writing it, so
+(steps.output_tensors: sliced routers, healed rows, kept experts) without writing it, so
 `--experts auto` can measure several counts and write only the chosen one.
 
 Recorded per decoder layer (relative squared errors, heal.py's objective, so the figures
@@ -209,7 +209,7 @@ def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool,
     notes saying what was tried, its ExpertPlan). Counts (sizing.auto_counts) are tried in increasing order,
     each planned and measured without writing anything; the first whose KL(original || proxy)
     is at most X is chosen. FidelityTargetNotMet says the best figure reached."""
-    from moe_proxy.build.pipeline import open_source
+    from moe_proxy.build.steps import open_source
     from moe_proxy.sizing import SizingOptions, auto_counts
 
     if options.experts != "auto" or options.max_kl is None:
@@ -242,7 +242,7 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
     figure, a note saying what was tried, and its ExpertPlan (built as measured: not planned and
     fitted again)."""
     from moe_proxy.build.expert_plan import plan_experts
-    from moe_proxy.build.pipeline import output_tensors
+    from moe_proxy.build.steps import output_tensors
     from moe_proxy.calibrate.statistics import CalibrationError
 
     max_kl = options.max_kl
@@ -270,7 +270,7 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
                                f"{', '.join(tried)}; raise --max-kl or the device budget")
 
 
-def describe(figure: dict | None, width: int = 23) -> list[str]:
+def figure_lines(figure: dict | None, width: int = 23) -> list[str]:
     """The figure as lines a person reads (build's summary, verify's report), labels `width` wide."""
     if not figure:
         return []

@@ -20,7 +20,7 @@ SINGLE = "model.safetensors"
 MANIFEST = "proxy-manifest.json"
 JOURNAL = ".moe-proxy-journal"  # prefix of a build's journals: present until its manifest is published
 MAX_HEADER = 100 << 20  # safetensors itself refuses headers over 100 MB
-PLAN_THREADS = 16  # small planning requests (HEADs, headers, routers) in flight at once
+SMALL_READ_THREADS = 16  # small planning requests (HEADs, headers, routers) in flight at once
 
 # Bytes per element of each safetensors dtype.
 ITEMSIZE = {
@@ -156,10 +156,10 @@ def read_header(store: Store, file: str, file_size: int) -> tuple[dict[str, Tens
 
 
 def _in_parallel(fn, items: list) -> list:
-    """[fn(x) for x in items], PLAN_THREADS at a time; the first failure (in item order) raises."""
+    """[fn(x) for x in items], SMALL_READ_THREADS at a time; the first failure (in item order) raises."""
     if len(items) <= 1:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(min(PLAN_THREADS, len(items)), thread_name_prefix="plan") as pool:
+    with ThreadPoolExecutor(min(SMALL_READ_THREADS, len(items)), thread_name_prefix="small-read") as pool:
         return list(pool.map(fn, items))
 
 

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 from moe_proxy.demo import s3 as demo_s3
-from moe_proxy.build.pipeline import build_proxy
+from moe_proxy.build.steps import build_proxy
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.commands.build import summary
-from moe_proxy.checkpoint.describe import describe, text
+from moe_proxy.checkpoint.summary import summarize, text
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.build.verify import text as verify_text
 from moe_proxy.build.verify import verify
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     print("== 1. a tiny DeepSeek-V3-style checkpoint, made with transformers")
     make_tiny("deepseek_v3", src, max_shard_size="500KB", mtp=True, num_hidden_layers=4,
               n_routed_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4)
-    print(text(describe(open_checkpoint(str(src)))))
+    print(text(summarize(open_checkpoint(str(src)))))
 
     print("\n== 2. moe-proxy build --experts 8 (k-means on router rows within each routing group, medoids)")
     manifest = build_proxy(str(src), str(dst), experts=8, progress=True)
