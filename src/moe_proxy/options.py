@@ -76,7 +76,9 @@ class PruningOptions:
     experts: int | str | None = option(None, "count", "routed experts to keep per MoE layer; auto (with --max-kl "
                                        "and --calibration): the smallest count whose fidelity figure meets the target",
                                        crd="experts", metavar="N|auto", minimum=1)
-    keep_ratio: float | None = option(None, "float", "fraction of routed experts to keep, in (0, 1]",
+    keep_ratio: float | None = option(None, "float", "fraction of routed experts to keep, in (0, 1]: rounded to the same "
+                                      "number per routing group, raised to 2 x top-k when the device budget holds it "
+                                      "(the count `moe-proxy plan` shows; the build's notes say so)",
                                       crd="keepRatio", metavar="R", above=0, maximum=1)
     method: str = option(DEFAULT_METHOD, "str", "cluster: one representative per cluster; frequency / saliency: "
                          "top-N by gate mass / REAP saliency (need calibration); random and first-n are baselines",

@@ -141,14 +141,30 @@ class Sizing:
 # --- the expert target ---------------------------------------------------------------------
 
 
+def ratio_experts(n: int, arch: Arch, n_group: int, keep_ratio: float) -> tuple[int, list[str]]:
+    """A keep ratio's first count: n x ratio rounded to whole routing groups, at least
+    `min_per_group` in each; notes say when that is not n x ratio or keeps everything."""
+    if not 0 < keep_ratio <= 1:
+        raise InvalidExpertCount(f"keep ratio must be in (0, 1], got {keep_ratio}")
+    exact = n * keep_ratio
+    experts = max(n_group * arch.min_per_group, round(exact / n_group) * n_group)
+    notes = []
+    if experts == n:
+        notes.append(f"keep ratio {keep_ratio:g} keeps all {n} experts: the proxy is a copy of the original's "
+                     f"experts (nothing pruned)")
+    elif experts != exact:
+        unit = (f"the same number in each of the {n_group} routing groups, at least {arch.min_per_group}"
+                if n_group > 1 else f"rounded, at least {arch.min_per_group}")
+        notes.append(f"keep ratio {keep_ratio:g} of {n} experts is {exact:g}: {experts} kept ({unit})")
+    return experts, notes
+
+
 def target_experts(n: int, arch: Arch, n_group: int, experts: int | None, keep_ratio: float | None) -> int:
     """The routed experts per layer to keep, validated; errors suggest valid values."""
     if (experts is None) == (keep_ratio is None):
         raise InvalidExpertCount("give exactly one of experts per layer or a keep ratio")
     if keep_ratio is not None:
-        if not 0 < keep_ratio <= 1:
-            raise InvalidExpertCount(f"keep ratio must be in (0, 1], got {keep_ratio}")
-        experts = max(n_group * arch.min_per_group, round(n * keep_ratio / n_group) * n_group)
+        experts, _ = ratio_experts(n, arch, n_group, keep_ratio)
     assert experts is not None
     valid = list(range(n_group * arch.min_per_group, n + 1, n_group))
     if experts < 1 or experts > n or experts % n_group or experts // n_group < arch.min_per_group:
@@ -261,6 +277,8 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
     wanted_k = opts.top_k or k  # the proxy's top-k before it is capped at the kept experts
     proxy = side(kept, min(wanted_k, kept))
     proxy, notes = _prefer_twice_top_k(proxy, side, opts, preferred_experts(n, arch, n_group, wanted_k), wanted_k)
+    if opts.keep_ratio is not None and proxy.experts_per_layer == kept:  # not raised: how the ratio rounded
+        notes = ratio_experts(n, arch, n_group, opts.keep_ratio)[1] + notes
     return Sizing(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
                 original=side(n, k), proxy=proxy, notes=tuple(notes))
 

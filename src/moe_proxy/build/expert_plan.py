@@ -5,7 +5,7 @@ fields checked against the architecture's constraints. Errors suggest valid valu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from tqdm.auto import tqdm
@@ -14,7 +14,7 @@ from moe_proxy.architectures import Arch, expert_count, groups, top_k
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import CorruptCheckpoint, InvalidExpertCount
 from moe_proxy.checkpoint.layout import Layout
-from moe_proxy.sizing import target_experts  # one rule for the CLI, the library and the operator
+from moe_proxy.sizing import SizingOptions, estimate, target_experts  # one rule for plan, build and the operator
 from moe_proxy.options import CALIBRATED_FEATURES, SCORED_METHODS
 from moe_proxy.build.selection import Selection
 from moe_proxy.options import PruningOptions
@@ -41,15 +41,23 @@ class ExpertPlan:
     merge: dict | None = None  # how --merge made the kept experts (the manifest's)
 
 
-def proxy_counts(arch: Arch, config: dict, options: PruningOptions) -> ExpertPlan:
+def proxy_counts(arch: Arch, config: dict, options: PruningOptions, sizing: SizingOptions | None = None) -> ExpertPlan:
     """The proxy's expert count, top-k and routing groups (an ExpertPlan without selections),
-    checked against the architecture's constraints."""
+    checked against the architecture's constraints. A keep ratio becomes a count by the rule
+    `moe-proxy plan` uses (sizing.estimate: rounded to whole groups, raised to 2 x top-k
+    where the device budget of `sizing`, default the ratio's own devices, holds it), with its notes."""
     n, k0 = expert_count(arch, config), top_k(arch, config)
     n_group, topk_group = groups(arch, config)
     if n % n_group:
         raise InvalidExpertCount(f"config has {n} experts in {n_group} groups: not an equal split")
-    k = target_experts(n, arch, n_group, options.experts, options.keep_ratio)
     notes = []
+    if options.keep_ratio is not None:
+        sized = estimate(config, replace(sizing or SizingOptions(), experts=None, keep_ratio=options.keep_ratio,
+                                         top_k=options.top_k))
+        k = sized.proxy.experts_per_layer
+        notes += sized.notes
+    else:
+        k = target_experts(n, arch, n_group, options.experts, None)
     limit = min(k, topk_group * (k // n_group)) if n_group > 1 else k
     if options.top_k is not None:
         if not 1 <= options.top_k <= limit:
@@ -64,7 +72,7 @@ def proxy_counts(arch: Arch, config: dict, options: PruningOptions) -> ExpertPla
 
 
 def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, progress: bool = False,
-              calibration=None) -> ExpertPlan:
+              calibration=None, sizing: SizingOptions | None = None) -> ExpertPlan:
     """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
     # torch (features) and scikit-learn (selection) load only when experts are selected.
     from moe_proxy.build.features import expert_features
@@ -73,7 +81,7 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
 
     arch, config = layout.arch, ckpt.config
     options.validate()
-    plan = proxy_counts(arch, config, options)
+    plan = proxy_counts(arch, config, options, sizing)
     n, k, k0, new_top_k = plan.experts_before, plan.experts_after, plan.top_k_before, plan.top_k_after
     n_group, topk_group, notes = plan.n_group, plan.topk_group, plan.notes
     if calibration is not None:  # sequential statistics: only for the proxy they were made for

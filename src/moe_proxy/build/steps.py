@@ -330,7 +330,7 @@ def _import_planning() -> None:
 
 def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
             store_options: dict | None, finalize_workers: int | None = None,
-            planned: ExpertPlan | None = None, share_fits: bool = False) -> Prepared | dict:
+            planned: ExpertPlan | None = None, share_fits: bool = False, sizing=None) -> Prepared | dict:
     """Open, check the destination, plan. Returns the existing manifest if dst is up to date.
     `finalize_workers`: finalizing W workers' build, whose journals hold the plan: it is taken
     from them (checked against this checkpoint), not worked out again; with fitted tensors
@@ -338,7 +338,8 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     `planned`: the plan --experts auto chose (and measured, and fitted), used as it is.
     Fitted tensors (heal, reconstruct, merge) are made once per build: `share_fits` (a step of a
     scale-out build) writes them beside the journals, and any later step of the same build reads
-    them instead of fitting again (save_fits, load_fits)."""
+    them instead of fitting again (save_fits, load_fits). `sizing` (a sizing.SizingOptions): the
+    device budget a keep ratio's count is judged against, as `moe-proxy plan` does."""
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
     store_options = dict(store_options or {})
@@ -352,7 +353,9 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     build_id = hashlib.sha256(json.dumps([identity, asdict(options), __version__]
                                          + ([calibration.summary["tokens"]["sha256"]] if calibration else [])
                                          + ([calibration.summary["made_for"]] if calibration
-                                            and calibration.mode != "one-pass" else []),
+                                            and calibration.mode != "one-pass" else [])
+                                         # a keep ratio's count depends on the device budget
+                                         + ([asdict(sizing)] if sizing and options.keep_ratio is not None else []),
                                          sort_keys=True).encode()).hexdigest()
     existing, replaced = _check_destination(dst_store, build_id, overwrite)
     if existing is not None:
@@ -368,7 +371,7 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     elif journaled is not None and not fitted:
         plan = plan_from_record(journaled, layout)
     else:
-        plan = plan_experts(ckpt, layout, options, progress, calibration=calibration)
+        plan = plan_experts(ckpt, layout, options, progress, calibration=calibration, sizing=sizing)
         if fitted and share_fits:  # the other workers and finalize read these instead of fitting again
             save_fits(dst_store, build_id, plan)
     if journaled is not None and (mine := _as_json(plan_record(plan))) != journaled:
@@ -554,7 +557,7 @@ def build_proxy(
                                        store_options, progress)
     scale_out = worker is not None or finalize_only or fit_only
     p = prepare(src, dst, options, overwrite, progress, store_options, workers if finalize_only else None,
-                chosen[2] if chosen is not None else None, share_fits=scale_out)
+                chosen[2] if chosen is not None else None, share_fits=scale_out, sizing=sizing)
     if isinstance(p, dict):
         return p
     if fit_only:  # the step before a scale-out's workers: selected and fitted, nothing written but the fits
