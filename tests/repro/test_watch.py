@@ -122,3 +122,23 @@ def test_a_failure_not_asked_for_is_named_with_its_step_not_contradicted():
     assert lines == ["collapse not reproduced in 6 steps", "  divergence seen at step 3 (not the failure asked for)"]
     assert verdict_lines(None, "divergence", 3, 6, failures) == ["divergence at step 3"]
     assert verdict_lines(Signature.parse("nan"), None, None, 6, {}) == ["no failure in 6 steps (nan not reproduced)"]
+
+
+def test_each_figure_is_shown_with_its_own_step(tmp_path, capsys, caplog):
+    """Divergence needs 2 steps in a row: it begins at step 5 and is known at step 6. The log
+    says both; the termination message pairs step 5 with step 5's metrics (#32 item 8)."""
+    import logging
+
+    metrics, log, done = tmp_path / "m.jsonl", tmp_path / "log", tmp_path / "done"
+    norms = [1.0, 1.1, 0.9, 1.0, 1.05, 300.0, 900.0, 1.0]
+    metrics.write_text("".join(json.dumps({"step": s, "actor/grad_norm": g, "critic/rewards/mean": s / 10}) + "\n"
+                               for s, g in enumerate(norms)))
+    done.touch()
+    caplog.set_level(logging.INFO)
+    assert main(["watch", str(metrics), "--fail-on", "divergence", "--until-file", str(done),
+                 "--termination-log", str(log), "--poll", "0.01"]) == 0
+    assert capsys.readouterr().out.strip() == "divergence at step 5 (reproduced)"
+    [line] = [r.getMessage() for r in caplog.records if "divergence detected" in r.getMessage()]
+    assert line.startswith("step 5: divergence detected (at step 6: ") and "900" in line, line
+    report = json.loads(log.read_text())
+    assert (report["step"], report["metrics"]) == (5, {"actor/grad_norm": 300.0, "critic/rewards/mean": 0.5})

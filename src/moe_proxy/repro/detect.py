@@ -91,8 +91,14 @@ class Signature:
 
 @dataclass
 class Onset:
-    step: int
-    detail: str
+    step: int  # the first step of the streak: where the failure began
+    detail: str  # the values that completed the detection, those of step `seen`
+    seen: int | None = None  # the step the detection completed at (= step when patience is 1)
+
+    def line(self, name: str) -> str:
+        """'step 3: divergence detected (...)', each figure with the step it belongs to."""
+        at = "" if self.seen in (None, self.step) else f"at step {self.seen}: "
+        return f"step {self.step}: {name} detected ({at}{self.detail})"
 
 
 @dataclass
@@ -116,7 +122,7 @@ class FailureDetector:
                 continue
             streak.append(step)
             if len(streak) >= patience:
-                self.onsets[name] = Onset(step=streak[0], detail=detail)
+                self.onsets[name] = Onset(step=streak[0], detail=detail, seen=step)
                 found.append(name)
         self._record_baseline(metrics)
         self._steps_seen += 1

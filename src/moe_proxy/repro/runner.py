@@ -82,6 +82,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
     started = time.time()
     last: dict[str, float] = {}
+    history: dict[int, dict[str, float]] = {}  # step -> metrics: a verdict shows its own step's
     steps_done, stop_reason, device_used = 0, "completed", device
     comm, error = Comm(), None
     try:
@@ -103,10 +104,10 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
                 if comm.is_main:
                     append_step(out / METRICS_FILE, step, last)
                 steps_done = step + 1
+                history[step] = last
                 for name in detector.update(step, last):
-                    onset = detector.onsets[name]
                     if comm.is_main:
-                        log.info("step %d: %s detected (%s)", onset.step, name, onset.detail)
+                        log.info("%s", detector.onsets[name].line(name))
                 stop = stop_reason_of(detector, fail_on)
                 # The metrics are the same on every rank, so is the decision; agreeing on it
                 # keeps the ranks in step even if it were not.
@@ -128,7 +129,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
     finally:
         result = _result(detector, fail_on, steps_done, last)
         if comm.is_main:
-            _write_outputs(out, termination_log, verdict_report(detector, fail_on, last), error, {
+            _write_outputs(out, termination_log, verdict_report(detector, fail_on, history), error, {
                 "checkpoint": checkpoint, "device": device_used, "ranks": comm.world, "prompts": prompts,
                 "steps_requested": config.steps, "steps_completed": steps_done, "stopped": stop_reason,
                 "wall_s": round(time.time() - started, 3), "failures": result.failures,

@@ -31,10 +31,14 @@ def stop_reason(detector: FailureDetector, fail_on: Signature | None) -> str | N
     return None
 
 
-def verdict_report(detector: FailureDetector, fail_on: Signature | None, last: dict[str, float]) -> dict:
-    """The termination message of a finished run (reports.repro_report)."""
+def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: dict[int, dict[str, float]]) -> dict:
+    """The termination message of a finished run (reports.repro_report): the verdict's step with
+    that step's headline metrics (the last step's when nothing was found)."""
     signature, step = first_failure(detector, fail_on)
-    headline = {k: finite_or_none(last.get(k)) for k in HEADLINE if k in last}
+    shown = rows.get(step) if step is not None else None
+    if shown is None:
+        shown = rows[max(rows)] if rows else {}
+    headline = {k: finite_or_none(shown.get(k)) for k in HEADLINE if k in shown}
     return repro_report(signature is not None, signature, step, headline)
 
 

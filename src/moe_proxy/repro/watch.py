@@ -104,12 +104,10 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
     follower = MetricsFollower(path)
     rows: dict[int, dict[str, float]] = {}
-    last: dict[str, float] = {}
     started = time.monotonic()
     ended = ended or threading.Event()
 
     def feed(final: bool = False) -> str | None:
-        nonlocal last
         for line, where in follower.lines(final):
             parsed = parse_line(line, where)
             if parsed is None:
@@ -119,10 +117,8 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
                 rows[step].update(values)
                 continue
             rows[step] = values
-            last = values
             for name in detector.update(step, values):
-                log.info("step %d: %s detected (%s)", detector.onsets[name].step, name,
-                         detector.onsets[name].detail)
+                log.info("%s", detector.onsets[name].line(name))
             reason = stop_reason(detector, fail_on)
             if reason:
                 return reason
@@ -148,4 +144,4 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
     if stop_file and stopped.startswith(("reproduced", "loss or weights")):
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
         Path(stop_file).write_text(stopped + "\n")
-    return WatchResult(verdict_report(detector, fail_on, last), len(rows), stopped, detector.to_dict(), run_ended)
+    return WatchResult(verdict_report(detector, fail_on, rows), len(rows), stopped, detector.to_dict(), run_ended)
