@@ -279,6 +279,11 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
     proxy, notes = _prefer_twice_top_k(proxy, side, opts, preferred_experts(n, arch, n_group, wanted_k), wanted_k)
     if opts.keep_ratio is not None and proxy.experts_per_layer == kept:  # not raised: how the ratio rounded
         notes = ratio_experts(n, arch, n_group, opts.keep_ratio)[1] + notes
+    mtp = c.get("num_nextn_predict_layers") or 0
+    if mtp:
+        notes.append(f"{mtp} MTP layer{'s' * (mtp > 1)} (num_nextn_predict_layers) not counted: an RL step "
+                     f"neither samples nor trains with {'them' if mtp > 1 else 'it'}; the proxy keeps "
+                     f"{'them' if mtp > 1 else 'it'}, pruned alike")
     return Sizing(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
                 original=side(n, k), proxy=proxy, notes=tuple(notes))
 
@@ -313,8 +318,11 @@ def format_sizing(p: Sizing) -> str:
     def row(label: str, o, x) -> str:
         return f"  {label:<28}{o:>18}{x:>18}"
 
-    def gib(b: int) -> str:
-        return f"{b / GIB:,.1f} GiB"
+    def gib(b: int) -> str:  # the unit that fits: a tiny model's rows are not "0.0 GiB"
+        for unit, size in (("TiB", GIB * 1024), ("GiB", GIB), ("MiB", GIB / 1024), ("KiB", GIB / 1024 ** 2)):
+            if b >= size:
+                return f"{b / size:,.1f} {unit}"
+        return f"{b:,} B"
 
     o, x = p.original, p.proxy
     lines = [

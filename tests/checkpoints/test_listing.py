@@ -244,3 +244,12 @@ def test_deep_reads_every_header(tmp_path):
     for name in (n for n in content if n.endswith(".safetensors")):
         assert (f"step_1/{name}", 8, synthetic.header_size(content[name]) - 8) in reads
     assert (f"step_1/model.safetensors.index.json", 0, len(content["model.safetensors.index.json"])) in reads
+
+
+def test_a_nested_proxys_step_is_its_sources_not_its_names():
+    """#32 item 11: `proxy-8` under step 200's proxies folder is step 200."""
+    from moe_proxy.checkpoint.listing import step_of
+
+    assert step_of("global_step_200/actor/huggingface-proxies/team-a/proxy-8") == 200
+    assert step_of("global_step_7-proxies/ns/p12") == 7
+    assert step_of("run/global_step_30/actor/huggingface") == 30  # no proxies folder: the last integer

@@ -217,3 +217,19 @@ def test_plan_command_shows_the_decision(tmp_path, capsys):
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["proxy"]["experts_per_layer"] == 4 and "within the device budget of 8" in out["notes"][0]
+
+
+def test_mtp_layers_are_said_and_tiny_memory_has_units_that_fit(tmp_path, capsys):
+    """A DeepSeek-V3 with an MTP layer: inspect counts it apart from the decoder's MoE layers,
+    plan says it is not counted, and a tiny model's memory rows are not "0.0 GiB" (#32 item 11)."""
+    from moe_proxy.cli import main
+    from moe_proxy.demo.tiny import make_tiny
+
+    make_tiny("deepseek_v3", tmp_path / "m", mtp=True, num_hidden_layers=4)
+    assert main(["inspect", str(tmp_path / "m")]) == 0
+    assert "layers         4: 1 dense, 3 MoE; plus 1 MTP layer (MoE, layer 4), pruned alike" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path / "m"), "--keep-ratio", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "note: 1 MTP layer (num_nextn_predict_layers) not counted" in out
+    weights = next(line for line in out.splitlines() if line.strip().startswith("weights"))
+    assert "0.0 GiB" not in out and weights.split()[-1] in ("KiB", "MiB"), weights

@@ -118,3 +118,20 @@ def test_learning_rate_schedule_and_spike():
     assert ReproConfig(faults=Faults(fp16_no_scaling_step=3)).precision_at(2) == ("fp32", False)
     assert ReproConfig(faults=Faults(fp16_no_scaling_step=3)).precision_at(3) == ("fp16", False)
     assert ReproConfig(precision="fp16").precision_at(0) == ("fp16", True)
+
+
+def test_an_mtp_layer_is_said_once_not_reported_tensor_by_tensor(tmp_path):
+    """DeepSeek-V3's MTP layer has no module in transformers' model: repro says once that it is
+    left out, instead of transformers' load report listing its tensors as UNEXPECTED for the
+    policy and again for the reference (#32 item 11)."""
+    import subprocess
+    import sys
+
+    from moe_proxy.demo.tiny import make_tiny
+
+    make_tiny("deepseek_v3", tmp_path / "m", mtp=True, num_hidden_layers=2)
+    run = subprocess.run([sys.executable, "-m", "moe_proxy", "repro", str(tmp_path / "m"), "--out", str(tmp_path / "r"),
+                          "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout + run.stderr
+    assert out.count("MTP layer 2 left out of the model") == 1 and "UNEXPECTED" not in out, out[-2000:]

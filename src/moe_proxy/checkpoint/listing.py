@@ -92,7 +92,8 @@ class ListedCheckpoint:
 
 def step_of(path: str, step_regex: str | None = None) -> int | None:
     """The training step in a checkpoint's relative path: the first group (or the whole
-    match) of `step_regex`, else the last integer in the path; None when there is none."""
+    match) of `step_regex`, else the last integer in the path up to a `-proxies` folder; None
+    when there is none."""
     if step_regex:
         m = re.search(step_regex, path)
         if not m:
@@ -102,7 +103,11 @@ def step_of(path: str, step_regex: str | None = None) -> int | None:
             return int(text)
         except (TypeError, ValueError):
             return None
-    numbers = re.findall(r"\d+", path)
+    # A proxy under `<checkpoint>-proxies/` has its source's step, not the one in its own name
+    # (`.../global_step_200/huggingface-proxies/team/proxy-8` is step 200).
+    parts = path.split("/")
+    cut = next((i + 1 for i, part in enumerate(parts) if part.endswith(PROXIES_SUFFIX)), len(parts))
+    numbers = re.findall(r"\d+", "/".join(parts[:cut]))
     return int(numbers[-1]) if numbers else None
 
 

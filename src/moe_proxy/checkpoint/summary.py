@@ -48,8 +48,10 @@ def text(d: dict) -> str:
     lines = [
         f"checkpoint     {d['uri']}",
         f"architecture   {d['architecture']} ({d['model_type']})",
-        f"layers         {d['layers']}: {len(d['dense_layers'])} dense, {len(d['moe_layers'])} MoE"
-        + (f" (incl. MTP layer {d['mtp_layers']})" if d["mtp_layers"] else ""),
+        f"layers         {d['layers']}: {len(d['dense_layers'])} dense, "
+        f"{len(d['moe_layers']) - len(d['mtp_layers'])} MoE"
+        + (f"; plus {len(d['mtp_layers'])} MTP layer{'s' if len(d['mtp_layers']) > 1 else ''} (MoE, "
+           f"layer {', '.join(map(str, d['mtp_layers']))}), pruned alike" if d["mtp_layers"] else ""),
         f"experts        {d['experts']} routed per MoE layer, top-{d['top_k']}, {d['expert_layout']}",
         f"shared experts {'yes' if d['layers_with_shared_experts'] else 'none'}",
         f"grouped        {'n_group=%d, topk_group=%d' % (g['n_group'], g['topk_group']) if g else 'no'}",
