@@ -147,12 +147,19 @@ def test_what_sequential_cannot_serve_falls_back_to_one_pass_with_a_note(pruning
      "planned expert count"),
     ({**SEQUENTIAL, "topK": 4}, True, {}, SETTINGS, "remove spec.pruning.topK"),
     ({"experts": 16, "method": "cluster", "seed": 7, "sequential": True}, True, {}, SETTINGS, "seed 0"),
-    ({"experts": 16, "method": "cluster", "clustering": "agglomerative", "sequential": True}, True, {}, SETTINGS,
-     "kmeans"),
 ])
 def test_spec_refuses_what_the_cli_cannot_make(pruning, calibrated, extra, settings, message):
     with pytest.raises(InvalidSpec, match=message):
         parse(_spec(pruning, calibrated, **extra), "ns", NAME, settings)
+
+
+def test_sequential_statistics_cluster_as_the_build_does():
+    """calibrate takes --clustering: a sequential build with agglomerative clustering gets
+    statistics made with it (it was refused when calibrate clustered with kmeans only)."""
+    spec = parse(_spec({"experts": 16, "method": "cluster", "clustering": "agglomerative", "sequential": True},
+                       True), "ns", NAME, SETTINGS)
+    calibrate, build = _cli("calibrate", calibrate_args(spec)), _cli("build", build_args(spec))
+    assert calibrate.clustering == build.clustering == "agglomerative" and calibrate.experts == 16
 
 
 def test_several_workers_reconstruct_with_a_fit_step_before_them():
