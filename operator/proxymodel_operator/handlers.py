@@ -41,7 +41,8 @@ from .resources import (GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYM
 from .runtimes import CHILDREN, WORKLOADS, runtime_of
 from .settings import Settings, from_env
 from .spec import InvalidSpec, ProxyModelSpec, parse
-from .status import ACCEPTED, FAILED as PHASE_FAILED, PENDING, arrow, condition, plan_summary, with_condition
+from .status import (ACCEPTED, FAILED as PHASE_FAILED, PENDING, READY, arrow, condition, plan_summary, with_condition,
+                     with_ready)
 
 PXM = (GROUP, VERSION, "proxymodels")
 # Set: a refused ProxyModel is judged again. (Not under moeproxy.io/: kopf keeps its own records
@@ -189,7 +190,7 @@ async def _create(action: CreateChild, ctx: _Context, status: dict) -> bool:
         if action.refused is None:
             raise
         # Status changed since the ProxyModel was read (the child was just recorded): unversioned.
-        refused = pipeline.create_refused(status, action.refused, what, str(exc))
+        refused = pipeline.create_refused(status, action.refused, what, str(exc), ctx.body.get("spec") or {})
         ctx.logger.warning("the API server refused %s: %s%s", what, exc,
                            "; tried again later" if action.refused.retry else "")
         await _act(refused, _Context(ctx.body, ctx.memo, ctx.logger))
@@ -236,6 +237,8 @@ async def admit(spec: kopf.Spec, status: kopf.Status, body: kopf.Body, namespace
     depended = await _dependencies(dict(body), memo.settings) if reason == "resume" else None
     _reports_refusal(dict(body))
     actions = decide(dict(body), Observed(ADMITTED, child_exists=exists, dependencies=depended), memo.settings)
+    if reason == "resume":
+        actions = pipeline.ready_added(dict(body), actions)
     await _act(actions, _Context(dict(body), memo, logger, patch))
 
 
@@ -321,6 +324,15 @@ def _set_condition(patch: kopf.Patch, status: dict, new: dict) -> None:
     patch.status["conditions"] = with_condition(current, new)
 
 
+def _set_ready(patch: kopf.Patch, status: dict, spec: kopf.Spec | dict) -> None:
+    """The Ready condition as status will be after this handler implies (`status.ready`): the
+    validate step writes phase itself, not through `pipeline.decide`, so it keeps Ready itself."""
+    after = {**status, **patch.status}
+    conditions = with_ready(after, pipeline.reproduces(dict(spec)))
+    if conditions is not None:
+        patch.status["conditions"] = conditions
+
+
 def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str,
             depended: dict, logger: logging.Logger, temporary: bool = False) -> None:
     """Refuse the spec: say so in status (Failed; Pending while the cause may pass by itself,
@@ -332,6 +344,7 @@ def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, r
     patch.status["phase"] = PENDING if temporary else PHASE_FAILED
     patch.status["message"] = message
     patch.status["refusal"] = pipeline.refusal(reason, generation, depended, temporary)
+    _set_ready(patch, status, body.get("spec") or {})
     if before is None or before.get("reason") != reason:
         kopf.warn(body, reason=reason, message=message)
     REFUSALS.refusing[(meta["namespace"], meta["name"])] = reason
@@ -368,8 +381,9 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
                                 "transformerStep": None, "reproductionJob": None, "reproductionKind": None}
     patch.status.update(phase=PENDING, message=None, proxy=None, reproduction=None, workers=None,
                         plan=plan_summary(plan, parsed.pruning.notes) if plan else None)
-    conditions = [c for c in status.get("conditions") or [] if c.get("type") == ACCEPTED]
-    patch.status["conditions"] = conditions
+    # The steps' conditions belong to the spec before: Accepted and Ready stay (each keeps its
+    # lastTransitionTime while its status does not change).
+    patch.status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") in (ACCEPTED, READY)]
     if plan:
         patch.status["experts"] = arrow(plan.original.experts_per_layer, plan.proxy.experts_per_layer)
         devices = parsed.reproduction.accelerator.devices or plan.proxy.devices
@@ -380,6 +394,7 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
     else:
         message = "spec accepted (preflight disabled)" + "".join(f"; {note}" for note in parsed.pruning.notes)
     _set_condition(patch, status, condition(ACCEPTED, True, "SpecValid", message, generation))
+    _set_ready(patch, status, spec)
     logger.info(message)
 
 

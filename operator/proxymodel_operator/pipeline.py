@@ -29,7 +29,7 @@ from .settings import Settings
 from .spec import SIGNATURE_REASONS, ProxyModelSpec, parse
 from .status import (FAILED as PHASE_FAILED, NOT_REPRODUCED, PROXY_READY, PROXY_READY_CONDITION, REPRODUCED,
                      REPRODUCED_CONDITION, REPRODUCING, SUSPENDED, SUSPENDED_CONDITION, TERMINAL, TRANSFORMING, arrow,
-                     condition, proxy_summary, reproduction_summary, with_condition)
+                     condition, proxy_summary, reproduction_summary, with_condition, with_ready)
 from .transformer_job import BUILD, STEP_TEXT, WORKERS, next_step, step_job, step_message, steps
 
 # Spec fields that change how the pipeline runs, not what it builds: no restart for them.
@@ -164,6 +164,44 @@ def spec_hash(spec: dict) -> str:
     return hashlib.sha256(json.dumps(essence, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def reproduces(spec: dict) -> bool:
+    """Whether the spec asks for a reproduction (spec.reproduction.enabled, true by default)."""
+    return bool((spec.get("reproduction") or {}).get("enabled", True))
+
+
+def finished(spec: dict, status: dict) -> bool:
+    """Whether the pipeline is done with this spec: a verdict or a failure, or the proxy when no
+    reproduction is asked for. Status's Ready condition is True exactly for the first two."""
+    return status.get("phase") in TERMINAL or (status.get("phase") == PROXY_READY and not reproduces(spec))
+
+
+def keep_ready(status: dict, actions: list[Action], spec: dict | None = None) -> list[Action]:
+    """`actions` with the Ready condition kept as the status each PatchStatus leaves implies
+    (`status.ready`, over `status` as read and the patches before it): the one code path by
+    which phase and conditions change also keeps Ready. A patch that leaves Ready as it is gets
+    no conditions it did not have."""
+    current, out, reproduce = dict(status), [], reproduces(spec or {})
+    for action in actions:
+        if isinstance(action, PatchStatus):
+            conditions = with_ready({**current, **action.status}, reproduce)
+            if conditions is not None:
+                action = replace(action, status={**action.status, "conditions": conditions})
+            current.update(action.status)
+        out.append(action)
+    return out
+
+
+def ready_added(proxymodel: dict, actions: list[Action]) -> list[Action]:
+    """At a resume: `actions`, and when they write nothing, a status patch that adds the Ready
+    condition to a status an operator without it wrote (a ProxyModel it finished, or one that
+    waits for its child). When they write status, Ready comes with it (`keep_ready`)."""
+    status = proxymodel.get("status") or {}
+    if not status.get("phase") or not all(isinstance(a, Log) for a in actions):
+        return actions
+    conditions = with_ready(status, reproduces(proxymodel.get("spec") or {}))
+    return actions if conditions is None else [*actions, PatchStatus({"conditions": conditions})]
+
+
 def _ran(status: dict) -> dict:
     return status.get("pipeline") or {}
 
@@ -252,11 +290,15 @@ def failed(status: dict, kind: str, reason: str, message: str, what: str) -> lis
             Emit("Warning", reason, f"{what} failed: {message}"[:MAX_EVENT])]
 
 
-def create_refused(status: dict, refused: Failure, what: str, error: str) -> list[Action]:
+def create_refused(status: dict, refused: Failure, what: str, error: str, spec: dict | None = None) -> list[Action]:
     """The API server refused the child `what` (its answer: `error`). Permanent: the ProxyModel
     fails at that step. Retried: the step's condition (Unknown, CREATE_REFUSED) and the message
     say what waits and why, one Warning Event for the refusal (none for each try after it),
-    and the `recreate` back-off tries again (`RETRY`)."""
+    and the `recreate` back-off tries again (`RETRY`). `spec`: the ProxyModel's (for Ready)."""
+    return keep_ready(status, _create_refused(status, refused, what, error), spec)
+
+
+def _create_refused(status: dict, refused: Failure, what: str, error: str) -> list[Action]:
     message = f"creating {what}: {error}"
     if not refused.retry:
         return failed(status, refused.kind, "CreateFailed", message, refused.what)
@@ -314,7 +356,7 @@ def decide(proxymodel: dict, observed: Observed, settings: Settings) -> list[Act
     decisions = {ADMITTED: _admitted, VALIDATED: _validated, SPEC_CHANGED: _spec_changed,
                  CHILD_CHANGED: _child_changed, WORKERS_PROGRESS: _workers_progress, RECHECK: _recheck,
                  REJUDGE: _rejudge, RETRY: _retry}
-    return decisions[observed.event](pm, observed)
+    return keep_ready(pm.status, decisions[observed.event](pm, observed), pm.spec)
 
 
 def _admitted(pm: _ProxyModel, observed: Observed) -> list[Action]:
@@ -388,7 +430,7 @@ def _spec_changed(pm: _ProxyModel, observed: Observed) -> list[Action]:
 
     out: dict = {"observedGeneration": generation}
     if pm.spec.get("suspend"):
-        if status.get("phase") not in TERMINAL:
+        if not finished(pm.spec, status):
             out.update(suspended(status, generation))
         return [PatchStatus(out)]
     out["conditions"] = with_condition(status.get("conditions"), condition(
@@ -398,7 +440,7 @@ def _spec_changed(pm: _ProxyModel, observed: Observed) -> list[Action]:
     if status.get("phase") != SUSPENDED:
         return [PatchStatus(out)]
     out["phase"] = REPRODUCING if ran.get("reproductionJob") else (PROXY_READY if status.get("proxy") else TRANSFORMING)
-    if status.get("proxy") and not ran.get("reproductionJob"):
+    if status.get("proxy") and not ran.get("reproductionJob") and reproduces(pm.spec):
         runtime, manifest = _reproduction(pm, status, out)
         return [PatchStatus(out, first=True), *_create_reproduction(runtime, manifest)]
     if not status.get("proxy") and ran.get("transformerStep") not in (None, BUILD, FINALIZE):

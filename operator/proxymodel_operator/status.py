@@ -3,6 +3,11 @@ prints. Pure functions over dicts; `pipeline.decide` says when to write them.
 
 Phases: Pending -> Transforming -> ProxyReady -> Reproducing -> Reproduced | NotReproduced,
 or Failed at any step, or Suspended.
+
+The `Ready` condition summarises them for `kubectl wait --for=condition=Ready` and Argo CD
+(`ready`): True once everything the spec asks for is done (the proxy is built and, when
+a reproduction is asked for, it finished with a verdict), False with a reason otherwise. It is
+derived from the rest of status only, never set on its own (`with_ready`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,20 @@ ACCEPTED = "Accepted"
 PROXY_READY_CONDITION = "ProxyReady"  # the proxy checkpoint is built
 REPRODUCED_CONDITION = "FailureReproduced"  # the reproduction saw the failure signature
 SUSPENDED_CONDITION = "Suspended"
+READY = "Ready"  # everything the spec asks for is done (`ready`)
+
+# Ready's reasons. True: the phase that finished the pipeline.
+READY_PROXY_BUILT = "ProxyBuilt"  # the proxy, and no reproduction asked for (spec.reproduction.enabled false)
+# (and REPRODUCED, NOT_REPRODUCED: the reproduction's verdict either way)
+# False: what it waits for, or why it never will.
+READY_PENDING = "Pending"  # the spec is being validated (before the first Job)
+READY_BUILDING = "Building"  # a transformer step runs (calibrate, fit, build, workers, finalize)
+READY_REPRODUCING = "Reproducing"  # the proxy is built, the reproduction runs (or waits for its Service)
+READY_SUSPENDED = "Suspended"  # spec.suspend holds the next child back
+READY_REFUSED = "Refused"  # the spec is refused (the Accepted condition says why)
+READY_FAILED = "Failed"  # a step failed (status.message and that step's condition say why)
+READY_REASONS = (READY_PROXY_BUILT, REPRODUCED, NOT_REPRODUCED, READY_PENDING, READY_BUILDING, READY_REPRODUCING,
+                 READY_SUSPENDED, READY_REFUSED, READY_FAILED)
 
 MAX_MESSAGE = 1024  # keep status small: the full story is in the child's logs
 
@@ -55,6 +74,71 @@ def with_condition(conditions: list[dict] | None, new: dict) -> list[dict]:
     if not replaced:
         out.append(new)
     return out
+
+
+def _find(status: dict, kind: str) -> dict:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
+
+
+def _said(c: dict) -> str:
+    """A condition as a message: `reason: message`."""
+    return ": ".join(part for part in (c.get("reason"), c.get("message")) if part)
+
+
+def ready(status: dict, reproduce: bool = True) -> dict:
+    """The Ready condition that `status` implies; `reproduce`: whether the spec asks for a
+    reproduction (spec.reproduction.enabled, true by default).
+
+    True: phase Reproduced or NotReproduced (the reproduction finished with a verdict, either
+    way; FailureReproduced says which), or ProxyReady when no reproduction is asked for.
+    False otherwise, with the reason: Refused (the spec is refused: status.refusal, the Accepted
+    condition; also while it waits for a Secret or a source that may appear), Failed, Suspended,
+    Pending (being validated), Building (a transformer step runs), Reproducing. Its message is
+    that of the condition or status field that says more; its observedGeneration the spec
+    generation status describes (status.observedGeneration)."""
+    phase = status.get("phase")
+    generation = status.get("observedGeneration") or (status.get("pipeline") or {}).get("generation") or 1
+    accepted, refusal = _find(status, ACCEPTED), status.get("refusal") or {}
+    if refusal and refusal.get("generation") in (None, generation):  # not an older spec's
+        waits = " (judged again when what it depends on changes)" if refusal.get("temporary") else ""
+        return condition(READY, False, READY_REFUSED, f"the spec is refused: {_said(accepted)}{waits}", generation)
+    if phase == FAILED:
+        return condition(READY, False, READY_FAILED, status.get("message") or "a step failed", generation)
+    if phase == SUSPENDED:
+        return condition(READY, False, READY_SUSPENDED, "spec.suspend is true: no new child is created", generation)
+    if phase in (REPRODUCED, NOT_REPRODUCED):
+        verdict = _find(status, REPRODUCED_CONDITION)
+        return condition(READY, True, phase, f"the reproduction finished: {_said(verdict) or phase}", generation)
+    proxy = _find(status, PROXY_READY_CONDITION)
+    if phase == PROXY_READY and not reproduce:
+        return condition(READY, True, READY_PROXY_BUILT, _said(proxy) or "the proxy is built", generation)
+    if phase in (PROXY_READY, REPRODUCING):
+        running = _find(status, REPRODUCED_CONDITION)
+        return condition(READY, False, READY_REPRODUCING,
+                         status.get("message") or _said(running) or "the proxy is built; the reproduction is next",
+                         generation)
+    if phase == TRANSFORMING:
+        return condition(READY, False, READY_BUILDING,
+                         status.get("message") or _said(proxy) or "building the proxy", generation)
+    return condition(READY, False, READY_PENDING, _said(accepted) or "the spec is being validated", generation)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("status", "reason", "message", "observedGeneration"))
+
+
+def with_ready(status: dict, reproduce: bool = True) -> list[dict] | None:
+    """`status`'s conditions with Ready as the rest of status implies (`ready`), None when it is
+    so already. A changed Ready goes last, after the condition of the step that changed it, so
+    the first False condition (the wide `Reason` column) stays the most specific one; its
+    lastTransitionTime is kept while its status does not change."""
+    conditions = status.get("conditions") or []
+    new, old = ready(status, reproduce), _find(status, READY)
+    if old and _same(old, new):
+        return None
+    if old.get("status") == new["status"]:
+        new["lastTransitionTime"] = old.get("lastTransitionTime", new["lastTransitionTime"])
+    return [*(c for c in conditions if c.get("type") != READY), new]
 
 
 def arrow(before, after) -> str:
