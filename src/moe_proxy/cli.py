@@ -21,6 +21,7 @@ COMMANDS = [
     "moe_proxy.commands.verify",
     "moe_proxy.commands.plan",
     "moe_proxy.commands.repro",
+    "moe_proxy.commands.diagnose",
     "moe_proxy.commands.watch",
     "moe_proxy.commands.compare",
 ]

@@ -56,3 +56,7 @@ class AccessDenied(StorageError):
 
 class EndpointUnreachable(StorageError):
     """The object store did not answer (wrong endpoint URL, network down), even after retries."""
+
+
+class BaselineFailed(RuntimeError):
+    """diagnose / bisect: the failing run itself could not run (not bad input: exit 1)."""

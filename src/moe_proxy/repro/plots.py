@@ -53,3 +53,42 @@ def plot_curves(runs: list[Curves], metrics: list[str], out_dir: Path, name: str
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return [path]
+
+
+# A run's state in a diagnosis matrix, and each candidate's verdict: colours a reader knows.
+STATE_COLOURS = {"failed": "#d62728", "clean": "#2ca02c", "error": "#444444"}
+VERDICT_COLOURS = {"fixed": "#2ca02c", "reproduced": "#d62728", "inconclusive": "#999999", "error": "#444444",
+                   "baseline": "#1f77b4"}
+
+
+def plot_matrix(rows: list[tuple[str, dict[int, tuple[str, str]], str]], seeds: list[int], path: Path,
+                title: str) -> Path:
+    """Candidates x seeds: each cell a run (red: the failure at the step written in it, green:
+    clean, grey: error), each row labelled with its verdict in the verdict's colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(seeds) + 1.6, 0.9 + 0.42 * len(rows)))
+    for r, (name, cells, verdict) in enumerate(rows):
+        y = len(rows) - 1 - r
+        for c, seed in enumerate(seeds):
+            state, text = cells.get(seed, ("error", "-"))
+            ax.add_patch(Rectangle((c, y), 0.95, 0.9, color=STATE_COLOURS[state], alpha=0.85))
+            ax.text(c + 0.475, y + 0.45, text, ha="center", va="center", color="white", fontsize=8)
+        ax.text(len(seeds) + 0.1, y + 0.45, verdict, va="center", fontsize=9, fontweight="bold",
+                color=VERDICT_COLOURS.get(verdict, "black"))
+    ax.set_xlim(0, len(seeds) + 1.5)
+    ax.set_ylim(0, len(rows))
+    ax.set_xticks([c + 0.475 for c in range(len(seeds))], [f"seed {s}" for s in seeds], fontsize=8)
+    ax.set_yticks([len(rows) - 1 - r + 0.45 for r in range(len(rows))], [name for name, _, _ in rows], fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

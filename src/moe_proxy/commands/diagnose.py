@@ -1,0 +1,111 @@
+"""`moe-proxy diagnose PROXY --out DIR --fail-on SIGNATURE [repro options] --candidates LIST`:
+run the failing reproduction (the baseline) and the same run with each candidate fix, on
+`--seeds` sampling seeds, and say which candidates cure the failure (docs/diagnosis.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# repro's options a diagnosis sets itself: the run directory, the failure, the Job's log file.
+OWN = {"checkpoint", "out", "fail_on", "termination_log", "help"}
+
+
+class _ReproFlag(argparse.Action):
+    """A repro option, kept as written: the baseline's flags are passed to every run verbatim
+    (and checked by repro's own parser before anything runs)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        tokens = [] if values is None else [values] if isinstance(values, str) else list(values)
+        namespace.repro_flags = [*(getattr(namespace, "repro_flags", None) or []), option_string, *tokens]
+
+
+def add_parser(sub) -> None:
+    from moe_proxy.commands import repro as repro_command
+    from moe_proxy.repro.catalogue import CATALOGUE
+
+    p = sub.add_parser("diagnose", help="which fix cures a reproduced failure: the run again with each candidate",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="catalogue:\n" + "\n".join(f"  {c.name:<13} {c.what}" for c in CATALOGUE.values()))
+    p.add_argument("proxy", metavar="PROXY", help="the proxy (or any checkpoint repro runs) directory or s3:// prefix")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="report.json, report.md, matrix.png, curves.png and runs/<variant>/seed-<s>/ (a rerun "
+                        "reuses the runs it finds with the same arguments)")
+    p.add_argument("--fail-on", required=True, metavar="SIGNATURE",
+                   help="the failure the baseline reproduces: overflow, underflow, nan, divergence, collapse, or "
+                        "METRIC>VALUE[:STEPS]")
+    p.add_argument("--candidates", metavar="LIST", default="",
+                   help=f"catalogue names, comma-separated: {', '.join(CATALOGUE)}")
+    p.add_argument("--candidate", action="append", default=[], metavar="NAME=FLAGS",
+                   help="a custom candidate: repro flags, e.g. 'slow=--lr 1e-6,--warmup-steps 5' (repeatable)")
+    p.add_argument("--candidates-file", metavar="FILE",
+                   help="custom candidates from YAML or JSON: a list of {name, flags: [...]} or NAME: flags")
+    p.add_argument("--seeds", type=int, default=2, metavar="N",
+                   help="sampling seeds per variant, from repro's --seed on (default 2)")
+    p.add_argument("--parallel", type=int, default=1, metavar="P",
+                   help="runs at a time (local processes; one device each with --device cuda/npu; default 1)")
+    p.set_defaults(func=run, repro_flags=[])
+
+    # Every other repro option, passed through to each run as written.
+    probe = argparse.ArgumentParser(add_help=False)
+    repro_command.add_parser(probe.add_subparsers())
+    repro_parser = next(a for a in probe._actions if isinstance(a, argparse._SubParsersAction)).choices["repro"]
+    group = p.add_argument_group("repro options (the baseline: the failing run's settings; see moe-proxy repro -h)")
+    for action in repro_parser._actions:
+        if action.dest in OWN or not action.option_strings:
+            continue
+        nargs = 0 if action.nargs == 0 else action.nargs
+        group.add_argument(*action.option_strings, action=_ReproFlag, nargs=nargs, dest=f"repro_{action.dest}",
+                           metavar=None if nargs == 0 else action.metavar or action.dest.upper(), help=action.help,
+                           choices=action.choices)
+
+
+def _candidates(args: argparse.Namespace) -> list:
+    from moe_proxy.errors import MoeProxyError
+    from moe_proxy.repro.catalogue import custom, from_file, pick
+
+    names = [n.strip() for n in args.candidates.split(",") if n.strip()]
+    out = pick(names) + [custom(text) for text in args.candidate]
+    if args.candidates_file:
+        path = Path(args.candidates_file)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise MoeProxyError(f"--candidates-file {path}: {exc.strerror or exc}") from None
+        try:
+            data = json.loads(text)
+        except ValueError:
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise MoeProxyError(f"--candidates-file {path}: neither JSON nor YAML ({exc})") from None
+        out += from_file(data, str(path))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from moe_proxy.errors import BaselineFailed, MoeProxyError
+    from moe_proxy.repro.diagnose import diagnose
+
+    if args.parallel < 1:
+        raise MoeProxyError(f"--parallel {args.parallel}: at least 1")
+    try:
+        report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args), seeds=args.seeds,
+                          parallel=args.parallel)
+    except BaselineFailed as exc:
+        print(f"moe-proxy diagnose: error: {exc}", file=sys.stderr)
+        return 1
+    width = max(len(n) for n in ["baseline", *report["candidates"]])
+    seeds = report["baseline"]["seeds"]
+    print(f"{'baseline':<{width}}  " + ", ".join(
+        f"seed {s}: {o['signature']} at step {o['step']}" if o["reproduced"] else f"seed {s}: not reproduced"
+        for s, o in seeds.items()))
+    for name, c in report["candidates"].items():
+        print(f"{name:<{width}}  {c['verdict']}: {c['note']}")
+    print(f"fixed by: {', '.join(report['fixed_by']) or 'none'}\nreport: {Path(args.out) / 'report.md'}")
+    return 0
