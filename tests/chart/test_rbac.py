@@ -11,9 +11,10 @@ import yaml
 
 from proxymodel_operator import rbac
 from proxymodel_operator.runtimes import RUNTIMES
+from proxymodel_operator.settings import from_env
 
 from ..promised import require
-from .conftest import CHART, NAMESPACE, ROOT, by_kind, grants, helm, load_chart, one, render_objects
+from .conftest import CHART, NAMESPACE, ROOT, by_kind, grants, helm, load_chart, one, operator_env, render_objects
 
 CLUSTER_SCOPED = {("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
 SECRET_GET = ("", "secrets", "get")
@@ -87,6 +88,24 @@ def test_namespaced_mode_grants_per_namespace(chart):
         assert bindings[ns]["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
     # Together: exactly PERMISSIONS, nothing more.
     assert cluster | grants(roles["team-a"]["rules"]) == permissions()
+
+
+def test_namespaced_install_reads_secrets_only_in_its_namespaces(chart):
+    """The trade docs/operator.md ("Scope") states: by default the ClusterRole may `get` Secrets
+    in every namespace; with watchNamespaces only the Role of each listed namespace may, and
+    the operator serves those namespaces only."""
+    assert SECRET_GET in grants(one(render_objects(chart), "ClusterRole")["rules"])
+    watched = ["rl-team-a", "rl-team-b"]
+    objects = render_objects(chart, {"watchNamespaces": watched})
+    cluster = grants(one(objects, "ClusterRole")["rules"])
+    assert not {g for g in cluster if g[1] == "secrets"} and all(_is_cluster_scoped(g) for g in cluster)
+    roles = {r["metadata"]["namespace"]: grants(r["rules"]) for r in by_kind(objects, "Role")}
+    assert sorted(roles) == watched
+    for granted in roles.values():
+        assert {g for g in granted if g[1] == "secrets"} == {SECRET_GET}  # get: never list or watch
+    env = operator_env(objects)
+    assert env["MOEPROXY_NAMESPACES"] == "rl-team-a,rl-team-b"
+    assert from_env({k: v for k, v in env.items() if v is not None}).namespaces == tuple(watched)
 
 
 @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
