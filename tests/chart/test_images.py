@@ -21,6 +21,7 @@ DOCKERFILES = {
     "operator": ROOT / "operator" / "Dockerfile",
     "transformer": ROOT / "docker" / "moe-proxy" / "Dockerfile",
     "ascend": ROOT / "docker" / "ascend" / "Dockerfile",
+    "cuda": ROOT / "docker" / "cuda" / "Dockerfile",
 }
 
 
@@ -187,3 +188,42 @@ def test_ascend_wrapper_loads_cann_then_runs_moe_proxy(tmp_path):
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "/usr/local/Ascend/ascend-toolkit/latest|4|repro s3://b/proxy --steps 3"
+
+
+def test_cuda_recipe_takes_its_cuda_version_and_refuses_a_cpu_torch():
+    """docker/cuda/Dockerfile, which no machine here can build (no GPU, no PyTorch index): the
+    index its shell computes from CUDA_VERSION, the torch pinned as the transformer image's,
+    moe-proxy's requirements without torch (the CUDA build stays), and its check, run against
+    this machine's CPU torch, refusing a torch that is not a CUDA build."""
+    steps = instructions(DOCKERFILES["cuda"])
+    args = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)
+    transformer = dict(a.split("=", 1) for w, a in instructions(DOCKERFILES["transformer"]) if w == "ARG" and "=" in a)
+    assert args["TORCH_VERSION"] == transformer["TORCH_VERSION"] and args["CUDA_VERSION"] == "12.8"
+    assert steps[0] == ("ARG", f"PYTHON_IMAGE={transformer['PYTHON_IMAGE']}")  # the same base, before FROM
+    assert ("SHELL", '["/bin/bash", "-o", "pipefail", "-c"]') in steps
+    run = [a for w, a in steps if w == "RUN"]
+    torch_step = next(r for r in run if '"torch==${TORCH_VERSION}"' in r)
+    assert run.index(torch_step) < next(i for i, r in enumerate(run) if "--no-deps ." in r)
+    assert any("requirements.py --extra hf --without torch" in r for r in run)
+
+    index = torch_step.split(" && ")[0]  # the assignment alone: nothing is installed here
+    assert index.startswith('index="${TORCH_INDEX_URL:-') and "pip" not in index
+    def computed(**env: str) -> str:
+        shell = f"{index}; echo \"$index\""
+        return subprocess.run(["bash", "-o", "pipefail", "-c", shell], env={"PATH": os.environ["PATH"], **env},
+                              capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    assert computed(CUDA_VERSION="12.8", TORCH_INDEX_URL="") == "https://download.pytorch.org/whl/cu128"
+    assert computed(CUDA_VERSION="13.0", TORCH_INDEX_URL="") == "https://download.pytorch.org/whl/cu130"
+    assert computed(CUDA_VERSION="12.8", TORCH_INDEX_URL="https://mirror/whl/cu128") == "https://mirror/whl/cu128"
+
+    check = re.search(r'python -W ignore -c "([^"]+)"', torch_step).group(1)
+    refused = subprocess.run([sys.executable, "-W", "ignore", "-c", check], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "is not a CUDA build" in refused.stderr  # the tests' torch is a CPU build
+
+
+def test_the_gpu_values_name_the_cuda_image_as_its_docs_build_it():
+    values = (ROOT / "charts" / "moe-proxy" / "ci" / "gpu-values.yaml").read_text()
+    image = re.search(r"reproductionImage: (\S+)", values).group(1)
+    docs = (ROOT / "docs" / "images.md").read_text()
+    assert "docker/cuda/Dockerfile" in docs and f"-t {image} ." in docs
+    assert image in (ROOT / "examples" / "proxymodel-volcano-gpu.yaml").read_text()
