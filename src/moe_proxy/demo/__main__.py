@@ -52,12 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report.ok and s3_ok else 1
 
 
-# What to try next on the demo's own files: both runs diverge at step 3 (measured), compare puts them side by side.
+# What to try next on the demo's own files: both runs diverge at step 3 (measured), compare puts them side by side;
+# at lr 0.05 the proxy diverges by itself and only lower-lr cures it (measured, 2 seeds).
 NEXT = """
 == next, on these files
   .venv/bin/moe-proxy repro {dst} --out {out}/run-proxy --steps 6 --fault-lr-spike 3:100000 --fail-on divergence
   .venv/bin/moe-proxy repro {src} --out {out}/run-original --steps 6 --fault-lr-spike 3:100000 --fail-on divergence
   .venv/bin/moe-proxy compare {out}/run-original {out}/run-proxy --out {out}/compare
+  .venv/bin/moe-proxy diagnose {dst} --out {out}/diagnosis --fail-on divergence --steps 6 --lr 0.05 \\
+    --candidates lower-lr,warmup,z-loss --seeds 2 --parallel 2   # which fix cures it (docs/diagnosis.md)
   .venv/bin/moe-proxy calibrate {src} --out {out}/stats --experts 8 && \\
     .venv/bin/moe-proxy build {src} {out}/proxy-calibrated --experts 8 --calibration {out}/stats"""
 

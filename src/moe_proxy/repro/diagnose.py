@@ -251,7 +251,7 @@ def verdict(baseline: dict[int, Outcome], candidate: dict[int, Outcome], steps: 
     failed = {s: o.error for s, o in candidate.items() if o.reproduced is None}
     if failed:
         return "error", "; ".join(f"seed {s}: {e}" for s, e in sorted(failed.items()))
-    judged = [s for s, o in baseline.items() if o.reproduced]
+    judged = sorted(s for s, o in baseline.items() if o.reproduced)
     if not judged:
         return "inconclusive", "the baseline did not reproduce on any seed: nothing to cure"
     back = {s: o.step for s, o in candidate.items() if o.reproduced}
