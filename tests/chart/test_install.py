@@ -52,3 +52,18 @@ def test_install_refuses_a_cluster_older_than_the_chart_supports(tmp_path):
     caught, created = asyncio.run(scenario())
     assert "v1.30.9" in str(caught.value)
     assert created == []
+
+
+def test_notes_say_the_default_images_are_not_published(chart):
+    """Until every image points elsewhere, the release notes say the defaults must be built
+    and pushed (they are not published)."""
+    def notes(values=None) -> str:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)["moe-proxy/templates/NOTES.txt"]
+
+    assert "the default images (ghcr.io/moe-proxy/...) are not published" in notes()
+    assert "--for=condition=Ready" in notes()
+    own = {"image": {"repository": "registry.example.com/mp/operator"},
+           "jobs": {"transformerImage": "registry.example.com/mp/moe-proxy:0.1.0",
+                    "reproductionImage": "registry.example.com/mp/moe-proxy-ascend:0.1.0"}}
+    assert "not published" not in notes(own)
+    assert "not published" in notes({**own, "jobs": {**own["jobs"], "reproductionImage": ""}})
