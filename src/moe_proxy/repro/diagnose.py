@@ -24,9 +24,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +31,7 @@ from pathlib import Path
 from moe_proxy.errors import BaselineFailed, MoeProxyError
 from moe_proxy.repro.catalogue import Candidate
 from moe_proxy.repro.config import ReproConfig
+from moe_proxy.repro.processes import run_recorded
 
 log = logging.getLogger(__name__)
 
@@ -189,29 +187,11 @@ def _said(o: Outcome, fail_on: str) -> str:
 def _run(d: Diagnosis, variant: Variant, seed: int, slot: int, threads: int) -> Outcome:
     """One run, or the record of the same run done before (same arguments, it ran to its end)."""
     directory = d.run_dir(variant.name, seed)
-    argv = d.argv(variant, seed)
-    record = directory / RECORD
-    try:
-        old = json.loads(record.read_text()) if record.is_file() else None
-    except (OSError, ValueError):
-        old = None  # unreadable: run again
-    if old and old.get("argv") == argv and old.get("returncode") == 0:
-        return _outcome(directory, 0, None, old.get("wall_s", 0.0))
-    directory.mkdir(parents=True, exist_ok=True)
-    record.unlink(missing_ok=True)
-    env = {**os.environ, **_device_env(d.repro_flags + variant.flags, slot)}
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    started = time.monotonic()
-    with open(directory / "repro.log", "w") as out:
-        code = subprocess.run([sys.executable, "-m", "moe_proxy", *argv], stdout=out, stderr=subprocess.STDOUT,
-                              env=env, check=False).returncode
-    wall = time.monotonic() - started
-    error = _last_error(directory / "repro.log") if code != 0 else None
-    outcome = _outcome(directory, code, error, wall)
-    tmp = record.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"argv": argv, "returncode": code, "error": error, "wall_s": wall}))
-    tmp.replace(record)  # the record says the run ended: written last
-    return outcome
+    env = _device_env(d.repro_flags + variant.flags, slot)
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    ran = run_recorded(d.argv(variant, seed), directory, RECORD, "repro.log", env, done="summary.json")
+    return _outcome(directory, ran.returncode, ran.error, ran.wall_s)
 
 
 def _device_env(flags: list[str], slot: int) -> dict[str, str]:
@@ -222,12 +202,6 @@ def _device_env(flags: list[str], slot: int) -> dict[str, str]:
     if device.startswith("npu"):
         return {"ASCEND_RT_VISIBLE_DEVICES": str(slot)}
     return {}
-
-
-def _last_error(path: Path) -> str:
-    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["no output"])[-1][:500]
 
 
 def _outcome(directory: Path, code: int, error: str | None, wall: float) -> Outcome:
