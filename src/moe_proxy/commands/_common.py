@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from moe_proxy.errors import DestinationExists
 
 # The planner's device options (sizing.SizingOptions fields) that `plan` and `build --experts auto` share.
 DEVICE_OPTIONS = ("precision", "accelerator", "device_memory_gb", "devices_per_node", "max_devices")
@@ -33,14 +36,30 @@ def store_options(args: argparse.Namespace) -> dict:
 def add_device_args(p: argparse.ArgumentParser, max_devices_help: str) -> None:
     from moe_proxy.sizing import ACCELERATORS, BYTES_PER_PARAM
 
-    p.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="bf16")
+    p.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="bf16",
+                   help="the policy's weights and gradients in training (Adam's states are fp32 either way)")
     p.add_argument("--accelerator", default="huawei.com/Ascend910",
                    help=f"resource name; known: {', '.join(ACCELERATORS)}")
     p.add_argument("--device-memory-gb", type=float, help="memory per device (default: the accelerator's)")
-    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--devices-per-node", type=int, default=8,
+                   help="devices on one node: runs are sized in whole nodes")
     p.add_argument("--max-devices", type=int, help=max_devices_help)
 
 
 def device_options(args: argparse.Namespace) -> dict:
     """The device options given, as sizing.SizingOptions keyword arguments."""
     return {k: getattr(args, k) for k in DEVICE_OPTIONS if getattr(args, k, None) is not None}
+
+
+def check_output_dir(location: str, what: str) -> None:
+    """Refuse, before any work, a local output directory that is a file or lies under one
+    (the write at the end would fail). s3:// prefixes have no such case."""
+    if "://" in location:
+        return
+    path = Path(location).expanduser()
+    for there in (path, *path.parents):
+        if there.exists():  # the nearest existing one must be a directory
+            if not there.is_dir():
+                where = "is a file" if there == path else f"is under {there}, a file"
+                raise DestinationExists(f"{what} {location} {where}: it must be a directory (new or existing)")
+            return

@@ -7,7 +7,8 @@ import json
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.options import PruningOptions, add_arguments, from_args
-from moe_proxy.commands._common import add_device_args, add_storage_args, device_options, store_options
+from moe_proxy.commands._common import (add_device_args, add_storage_args, check_output_dir, device_options,
+                                        store_options)
 
 
 def add_parser(sub) -> None:
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             write_termination_log(args.termination_log, payload)
 
     try:
+        check_output_dir(args.dst, "DST")
         manifest = build_proxy(
             args.src, args.dst, options, overwrite=args.overwrite, progress=not args.no_progress,
             store_options=store_options(args), worker=args.worker, workers=args.workers,

@@ -9,7 +9,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from moe_proxy.commands._common import add_storage_args, store_options
+from moe_proxy.commands._common import add_storage_args, check_output_dir, store_options
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.options import SELECTION, PruningOptions, TokenOptions, add_arguments, flag, from_args
 
@@ -48,8 +48,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.calibrate.statistics import calibrate  # torch loads only when it runs
-
     target = None
     if args.one_pass and (args.sequential or args.experts is not None):
         raise MoeProxyError("--one-pass makes statistics for any expert count: drop --sequential/--experts, or drop "
@@ -62,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.sequential:
         raise MoeProxyError("--sequential needs --experts N: the statistics are made for that proxy")
     tokens = from_args(TokenOptions, args)
+    check_output_dir(args.out, "--out")
+    from moe_proxy.calibrate.statistics import calibrate  # torch loads only when it runs, once the options hold
+
     summary = calibrate(args.src, args.out, **asdict(tokens), progress=not args.no_progress,
                         store_options=store_options(args), sequential=target)
     if args.json:

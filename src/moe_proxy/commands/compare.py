@@ -12,7 +12,8 @@ def add_parser(subparsers) -> None:
         "error against the first run, and each run's failure onsets. Writes report.json, report.md "
         "and curves.png into REPORT_DIR.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or metrics.jsonl files); first = reference")
-    p.add_argument("--out", required=True, metavar="REPORT_DIR")
+    p.add_argument("--out", required=True, metavar="REPORT_DIR",
+                   help="directory for report.json, report.md and curves.png")
     p.add_argument("--metrics", help="comma-separated metrics to compare (default: all common ones)")
     p.add_argument("--names", help="comma-separated labels for the runs (default: directory names)")
     p.add_argument("--permutations", type=int, default=100, metavar="N",
@@ -22,12 +23,14 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_proxy.commands._common import check_output_dir
     from moe_proxy.repro.compare import compare_runs, load_run, write_report
     from moe_proxy.errors import MalformedMetrics
 
     names = args.names.split(",") if args.names else [None] * len(args.runs)
     if len(names) != len(args.runs):
         raise MalformedMetrics(f"--names gives {len(names)} labels for {len(args.runs)} runs")
+    check_output_dir(args.out, "--out")
     runs = [load_run(path, name) for path, name in zip(args.runs, names)]
     if args.permutations < 0:
         raise MalformedMetrics(f"--permutations {args.permutations}: must be 0 or more")

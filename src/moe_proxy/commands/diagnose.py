@@ -89,11 +89,13 @@ def _candidates(args: argparse.Namespace) -> list:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BaselineFailed, MoeProxyError
     from moe_proxy.repro.diagnose import diagnose
 
     if args.parallel < 1:
         raise MoeProxyError(f"--parallel {args.parallel}: at least 1")
+    check_output_dir(args.out, "--out")
     try:
         report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args), seeds=args.seeds,
                           parallel=args.parallel)

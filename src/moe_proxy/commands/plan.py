@@ -18,15 +18,18 @@ def add_parser(subparsers) -> None:
         help="accelerators needed for RL on the original and on a proxy (reads config.json only)",
         description=__doc__,
     )
-    p.add_argument("checkpoint", help="checkpoint directory, its config.json, or an s3:// prefix")
+    p.add_argument("checkpoint", help="checkpoint directory, its config.json (a local file of any name), or an "
+                                      "s3:// prefix")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--experts", type=int, help="routed experts per layer to keep")
     size.add_argument("--keep-ratio", type=float, help="fraction of routed experts to keep")
     p.add_argument("--top-k", type=int, help="the proxy's top-k (default: the original's)")
     add_device_args(p, "the proxy's device budget: with --keep-ratio, kept experts are raised to 2 x top-k "
                        "when that fits (default budget: the devices the ratio's proxy needs)")
-    p.add_argument("--micro-batch-tokens", type=int, default=SizingOptions.micro_batch_tokens)
-    p.add_argument("--tokens-per-step", type=int, default=SizingOptions.tokens_per_step)
+    p.add_argument("--micro-batch-tokens", type=int, default=SizingOptions.micro_batch_tokens,
+                   help="tokens per device per micro-batch (sets the activation memory)")
+    p.add_argument("--tokens-per-step", type=int, default=SizingOptions.tokens_per_step,
+                   help="rollout tokens per RL step, all devices together (sets the step time)")
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -35,9 +38,11 @@ def add_parser(subparsers) -> None:
 
 def read_config(location: str, endpoint_url: str | None = None) -> dict:
     """config.json of a checkpoint given as a directory, the file itself, or an s3:// prefix."""
+    from pathlib import Path
+
     from moe_proxy.storage import open_store  # the S3 client only when asked for
 
-    if location.endswith("config.json"):
+    if location.endswith("config.json") or ("://" not in location and Path(location).is_file()):
         location, name = location.rsplit("/", 1) if "/" in location else (".", location)
     else:
         name = "config.json"

@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
     d.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes in the run (default 1)")
     d.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..N-1")
     d.add_argument("--master-addr", metavar="A", help="node 0's address (required with --nnodes > 1)")
-    d.add_argument("--master-port", type=int, default=29500, metavar="Q")
+    d.add_argument("--master-port", type=int, default=29500, metavar="Q",
+                   help="node 0's rendezvous port (with --master-addr)")
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="a collective waiting longer ends the run, naming the rank that is missing (default 600)")
 
@@ -52,7 +53,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--fault-lr-spike", metavar="STEP[:FACTOR]", help="multiply the lr of STEP (default x100)")
     f.add_argument("--fault-router-scale", metavar="STEP[:FACTOR]", help="scale router logits from STEP (default x10)")
     f.add_argument("--fault-op", metavar="MODULE@STEP", help="perturb MODULE's output from STEP, e.g. model.layers.1.mlp@5")
-    f.add_argument("--fault-op-mode", choices=OP_FAULT_MODES, default="scale")
+    f.add_argument("--fault-op-mode", choices=OP_FAULT_MODES, default="scale",
+                   help="scale: output x value; noise: + value x N(0, std(output)); nan: one element made NaN")
     f.add_argument("--fault-op-value", type=float, default=100.0, help="factor (scale) or relative std (noise)")
     f.add_argument("--fault-rank-exit", metavar="RANK@STEP", help="kill rank RANK (SIGKILL) when STEP starts")
     f.add_argument("--fault-rank-hang", metavar="RANK@STEP", help="rank RANK stops answering when STEP starts")
@@ -88,11 +90,14 @@ def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
+    from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import InvalidReproConfig, MoeProxyError
     from moe_proxy.reports import error_report, write_termination_log
     from moe_proxy.repro.source import check_source
 
-    try:  # bad arguments and a checkpoint that cannot run are refused before torch loads, writing nothing
+    # Bad arguments and a checkpoint that cannot run are refused before a run starts, writing
+    # nothing; all but the device and rank-fault checks before torch loads.
+    try:
         try:
             config = config_from_args(args)
         except argparse.ArgumentTypeError as exc:
@@ -102,18 +107,25 @@ def run(args: argparse.Namespace) -> int:
         if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
             raise InvalidReproConfig(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: the node rank must be "
                                      f"in 0..{args.nnodes - 1}")
+        fail_on = Signature.parse(args.fail_on) if args.fail_on else None
+        if args.fault_rank_exit and args.fault_rank_hang:
+            raise InvalidReproConfig("--fault-rank-exit and --fault-rank-hang: one rank fault at a time")
+        check_output_dir(args.out, "--out")
         check_source(args.checkpoint)
+        if args.device:  # whether this torch has the device asked for
+            from moe_proxy.repro.device import pick_device
+
+            pick_device(args.device)
+        from moe_proxy.repro.distributed import RankFault
+
+        rank_fault = (RankFault.parse(args.fault_rank_exit, "exit") if args.fault_rank_exit else
+                      RankFault.parse(args.fault_rank_hang, "hang") if args.fault_rank_hang else None)
     except MoeProxyError as exc:
         if args.termination_log:
             write_termination_log(args.termination_log, error_report(exc))
         raise
 
-    from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, RankFault, launched
-    fail_on = Signature.parse(args.fail_on) if args.fail_on else None
-    if args.fault_rank_exit and args.fault_rank_hang:
-        raise InvalidReproConfig("--fault-rank-exit and --fault-rank-hang: one rank fault at a time")
-    rank_fault = (RankFault.parse(args.fault_rank_exit, "exit") if args.fault_rank_exit else
-                  RankFault.parse(args.fault_rank_hang, "hang") if args.fault_rank_hang else None)
+    from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, launched
     common = dict(device=args.device, termination_log=args.termination_log, prompts=args.prompts,
                   timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S, rank_fault=rank_fault)
     if (args.nproc_per_node or args.nnodes > 1) and not launched():

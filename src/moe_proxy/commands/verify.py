@@ -13,8 +13,8 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("dst", help="proxy directory or s3://bucket/prefix")
     p.add_argument("--no-forward", action="store_true", help="skip loading the model with transformers")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_storage_args(p)
     p.set_defaults(func=run)
 

@@ -158,9 +158,13 @@ def compare_runs(runs: list[Run], metrics: list[str] | None = None, permutations
     if len(runs) < 2:
         raise MalformedMetrics("compare needs at least two runs")
     ref = runs[0]
-    names = metrics or sorted(
-        k for k in set.intersection(*(set().union(*r.rows.values()) for r in runs))
-        if not k.startswith(SKIP_PREFIXES))
+    recorded = [set().union(*r.rows.values()) for r in runs]
+    for run, there in zip(runs, recorded):  # a metric asked for by name must be there to compare
+        if missing := [m for m in metrics or () if m not in there]:
+            shown = sorted(k for k in there if not k.startswith(SKIP_PREFIXES))
+            raise MalformedMetrics(f"metric {', '.join(map(repr, missing))}: not in run {run.name} ({run.path}), "
+                                   f"which records {', '.join(shown[:6])}{', ...' if len(shown) > 6 else ''}")
+    names = metrics or sorted(k for k in set.intersection(*recorded) if not k.startswith(SKIP_PREFIXES))
     out = []
     for run in runs:
         per_metric = {m: metric_stats(ref.rows, run.rows, m) for m in names}

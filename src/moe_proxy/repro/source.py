@@ -10,16 +10,17 @@ from pathlib import Path
 
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.storage.materialize import local_copy
-from moe_proxy.checkpoint.reader import check_finished
+from moe_proxy.checkpoint.reader import check_finished, read_json
 from moe_proxy.storage import Store, open_store
 
 
 def check_source(uri: str) -> Store:
     """The store of a run's checkpoint, refused unless it is a finished Hugging Face checkpoint
-    (checked before a run starts, so that a refused run writes nothing)."""
+    with a readable config.json (checked before a run starts, so that a refused run writes nothing)."""
     store = open_store(uri)
     if not store.exists("config.json"):
         raise CorruptCheckpoint(f"{uri}: no config.json there; expected a Hugging Face checkpoint directory")
+    read_json(store, "config.json")  # a truncated or malformed one: refused as inspect, plan and build do
     check_finished(store)
     return store
 
