@@ -18,7 +18,9 @@ from moe_proxy.repro.config import ReproConfig
 
 
 @dataclass(frozen=True)
-class Candidate:
+class Fix:
+    """A candidate fix: its name, what it changes, the knob it stands for, its repro flags."""
+
     name: str
     what: str
     knobs: str  # where verl / Megatron / TRL set the same thing
@@ -32,34 +34,34 @@ def _fixed(*flags: str) -> Callable[[ReproConfig], list[str]]:
     return lambda _: list(flags)
 
 
-CATALOGUE: dict[str, Candidate] = {c.name: c for c in [
-    Candidate("fp32", "train and sample in fp32", "verl: actor.fsdp_config.mixed_precision param_dtype fp32; "
+CATALOGUE: dict[str, Fix] = {c.name: c for c in [
+    Fix("fp32", "train and sample in fp32", "verl: actor.fsdp_config.mixed_precision param_dtype fp32; "
               "Megatron: no --bf16/--fp16; TRL: bf16=False, fp16=False", _fixed("--precision", "fp32")),
-    Candidate("bf16", "train and sample in bf16 (fp16's range, bf16's precision)",
+    Fix("bf16", "train and sample in bf16 (fp16's range, bf16's precision)",
               "verl: mixed_precision param_dtype bf16; Megatron: --bf16; TRL: bf16=True", _fixed("--precision", "bf16")),
-    Candidate("loss-scaling", "fp16 with dynamic loss scaling (skip and halve on overflow)",
+    Fix("loss-scaling", "fp16 with dynamic loss scaling (skip and halve on overflow)",
               "Megatron: --fp16 with --loss-scale unset (dynamic), --initial-loss-scale; DeepSpeed: fp16.loss_scale 0; "
               "torch: GradScaler", _fixed("--precision", "fp16", "--loss-scaling", "dynamic")),
-    Candidate("lower-lr", "the learning rate / 10", "verl: actor.optim.lr; Megatron: --lr; TRL: learning_rate",
+    Fix("lower-lr", "the learning rate / 10", "verl: actor.optim.lr; Megatron: --lr; TRL: learning_rate",
               lambda c: ["--lr", f"{c.lr / 10:g}"]),
-    Candidate("warmup", "linear warm-up over the first quarter of the steps",
+    Fix("warmup", "linear warm-up over the first quarter of the steps",
               "verl: actor.optim.lr_warmup_steps(_ratio); Megatron: --lr-warmup-iters; TRL: warmup_ratio",
               lambda c: ["--warmup-steps", str(max(1, c.steps // 4))]),
-    Candidate("grad-clip", "clip the gradient norm at 1.0", "verl: actor.grad_clip; Megatron: --clip-grad; "
+    Fix("grad-clip", "clip the gradient norm at 1.0", "verl: actor.grad_clip; Megatron: --clip-grad; "
               "TRL: max_grad_norm", _fixed("--grad-clip", "1.0")),
-    Candidate("z-loss", "router z-loss 1e-3 (ST-MoE): keeps router logits small",
+    Fix("z-loss", "router z-loss 1e-3 (ST-MoE): keeps router logits small",
               "Megatron: --moe-z-loss-coeff; verl (Megatron backend): the same via override_transformer_config",
               _fixed("--router-z-coef", "1e-3")),
-    Candidate("aux-loss-off", "no router load-balancing loss during RL",
+    Fix("aux-loss-off", "no router load-balancing loss during RL",
               "Megatron: --moe-aux-loss-coeff 0; transformers: router_aux_loss_coef 0 / output_router_logits False",
               _fixed("--router-aux-coef", "0")),
-    Candidate("aux-loss", "router load-balancing loss 1e-3 (Switch / Mixtral)",
+    Fix("aux-loss", "router load-balancing loss 1e-3 (Switch / Mixtral)",
               "Megatron: --moe-aux-loss-coeff 1e-3; transformers: output_router_logits True, router_aux_loss_coef",
               _fixed("--router-aux-coef", "1e-3")),
 ]}
 
 
-def custom(text: str) -> Candidate:
+def custom(text: str) -> Fix:
     """`NAME=--flag value,--flag value`: the flags split on commas, then on the first space."""
     name, sep, rest = text.partition("=")
     name = name.strip()
@@ -71,10 +73,10 @@ def custom(text: str) -> Candidate:
         flags += part.strip().split(" ", 1) if part.strip() else []
     if not flags or not flags[0].startswith("--"):
         raise MoeProxyError(f"--candidate {text!r}: the changes are repro flags, e.g. {name}=--lr 1e-6")
-    return Candidate(name, "custom: " + " ".join(flags), "", _fixed(*flags))
+    return Fix(name, "custom: " + " ".join(flags), "", _fixed(*flags))
 
 
-def from_file(data: object, where: str) -> list[Candidate]:
+def from_file(data: object, where: str) -> list[Fix]:
     """A YAML/JSON file's candidates: a list of {name, flags: [..]} (or {name, changes: "--flag v,..."})
     or a mapping NAME -> flags."""
     items = list(data.items()) if isinstance(data, dict) else data
@@ -91,13 +93,13 @@ def from_file(data: object, where: str) -> list[Candidate]:
         if isinstance(flags, str):
             out.append(custom(f"{name}={flags}"))
         elif isinstance(flags, list) and all(isinstance(f, (str, int, float)) for f in flags) and flags:
-            out.append(Candidate(str(name), "custom: " + " ".join(map(str, flags)), "", _fixed(*map(str, flags))))
+            out.append(Fix(str(name), "custom: " + " ".join(map(str, flags)), "", _fixed(*map(str, flags))))
         else:
             raise MoeProxyError(f"{where}: candidate {name!r}: flags must be a list of repro flags or a string")
     return out
 
 
-def pick(names: list[str]) -> list[Candidate]:
+def pick(names: list[str]) -> list[Fix]:
     """Catalogue entries by name; an unknown name lists the known ones."""
     unknown = [n for n in names if n not in CATALOGUE]
     if unknown:

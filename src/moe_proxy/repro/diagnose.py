@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_proxy.errors import BaselineFailed, MoeProxyError
-from moe_proxy.repro.catalogue import Candidate
+from moe_proxy.repro.catalogue import Fix
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.processes import run_recorded
 
@@ -116,7 +116,7 @@ def repro_config(proxy: str, flags: list[str]) -> ReproConfig:
         raise MoeProxyError(str(exc)) from None
 
 
-def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Candidate],
+def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Fix],
                    seeds: int) -> Diagnosis:
     from moe_proxy.repro.detect import Signature
     from moe_proxy.repro.source import check_source
@@ -365,7 +365,7 @@ def _jsonable(value):
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
-def diagnose(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Candidate],
+def diagnose(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Fix],
              seeds: int = 2, parallel: int = 1) -> dict:
     """Plan, run, judge and report; returns report.json's content."""
     d = plan_diagnosis(proxy, out, fail_on, repro_flags, candidates, seeds)
