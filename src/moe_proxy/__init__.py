@@ -36,6 +36,10 @@ TORCH_FREE = (
     "moe_proxy.repro.detect",
     "moe_proxy.repro.metrics_io",
     "moe_proxy.repro.source",  # a run's checkpoint, checked before torch loads
+    "moe_proxy.repro.catalogue",  # diagnose's candidate fixes: repro flags
+    "moe_proxy.repro.diagnose",  # runs are child processes: torch loads in them
+    "moe_proxy.repro.processes",
+    "moe_proxy.repro.bisect",
     "moe_proxy.cli",
     "moe_proxy.commands",
     "moe_proxy.commands._common",
@@ -43,6 +47,8 @@ TORCH_FREE = (
     "moe_proxy.commands.calibrate",
     "moe_proxy.commands.checkpoints",
     "moe_proxy.commands.compare",
+    "moe_proxy.commands.diagnose",
+    "moe_proxy.commands.bisect",
     "moe_proxy.commands.inspect",
     "moe_proxy.commands.plan",
     "moe_proxy.commands.repro",

@@ -24,6 +24,7 @@ COMMANDS = [
     "moe_proxy.commands.plan",
     "moe_proxy.commands.repro",
     "moe_proxy.commands.diagnose",
+    "moe_proxy.commands.bisect",
     "moe_proxy.commands.watch",
     "moe_proxy.commands.compare",
 ]

@@ -398,6 +398,7 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         **dict.fromkeys(("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port"),
                         "the operator places the ranks from spec.reproduction.accelerator"),
         "--dist-timeout": "the operator's default; a hung rank is named in status",
+        "--no-progress": "terminal output (a pod's log has no terminal)",
         **dict.fromkeys(("--fault-fp16-no-scaling", "--fault-lr-spike", "--fault-router-scale", "--fault-op",
                          "--fault-op-mode", "--fault-op-value", "--fault-rank-exit", "--fault-rank-hang"),
                         "fault injection checks a proxy in the fidelity lab; a user's run has its own failure"),

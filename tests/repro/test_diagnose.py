@@ -10,13 +10,13 @@ import pytest
 
 from moe_proxy.cli import main
 from moe_proxy.repro.catalogue import CATALOGUE, custom, from_file
-from moe_proxy.repro.diagnose import BASELINE, Outcome, repro_config, verdict
+from moe_proxy.repro.diagnose import BASELINE, SeedRun, repro_config, verdict
 
 
 def _o(step=None, steps=6, error=None, **others):
     if error:
-        return Outcome(None, error=error)
-    return Outcome(step is not None, "divergence" if step is not None else None, step, step + 1 if step else steps,
+        return SeedRun(None, error=error)
+    return SeedRun(step is not None, "divergence" if step is not None else None, step, step + 1 if step else steps,
                    "completed" if step is None else "divergence", others)
 
 
@@ -28,7 +28,7 @@ def _o(step=None, steps=6, error=None, **others):
     ({0: _o(), 1: _o()}, {0: _o(), 1: _o()}, "inconclusive", "the baseline did not reproduce"),
     # judged only where the baseline reproduced: seed 1's clean baseline does not matter
     ({0: _o(3), 1: _o()}, {0: _o(), 1: _o()}, "fixed", "on seed 0"),
-    ({0: _o(3)}, {0: Outcome(False, None, None, 2, "nan", {"nan": 1})}, "inconclusive", "nan at step 1"),
+    ({0: _o(3)}, {0: SeedRun(False, None, None, 2, "nan", {"nan": 1})}, "inconclusive", "nan at step 1"),
     ({0: _o(3)}, {0: _o(error="moe-proxy repro: error: boom")}, "error", "seed 0: moe-proxy repro: error: boom"),
 ])
 def test_verdict_rules(baseline, candidate, expected, note):

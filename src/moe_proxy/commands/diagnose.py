@@ -9,20 +9,43 @@ import json
 from pathlib import Path
 
 # repro's options a diagnosis sets itself: the run directory, the failure, the Job's log file.
-OWN = {"checkpoint", "out", "fail_on", "termination_log", "help"}
+OWN = {"checkpoint", "out", "fail_on", "termination_log", "no_progress", "help"}
 
 
-class _ReproFlag(argparse.Action):
-    """A repro option, kept as written: the baseline's flags are passed to every run verbatim
-    (and checked by repro's own parser before anything runs)."""
+class _PassThrough(argparse.Action):
+    """An option of another command, kept as written (in the namespace's list `into`): it is
+    passed to that command's runs verbatim, and checked by its own parser before anything runs."""
+
+    into = "repro_flags"
 
     def __call__(self, parser, namespace, values, option_string=None):
         tokens = [] if values is None else [values] if isinstance(values, str) else list(values)
-        namespace.repro_flags = [*(getattr(namespace, "repro_flags", None) or []), option_string, *tokens]
+        setattr(namespace, self.into, [*(getattr(namespace, self.into, None) or []), option_string, *tokens])
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of `moe-proxy NAME`, as the CLI builds it."""
+    import importlib
+
+    probe = argparse.ArgumentParser(add_help=False)
+    importlib.import_module(f"moe_proxy.commands.{name}").add_parser(probe.add_subparsers())
+    return next(a for a in probe._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
+def pass_through(group, command: str, into: str, skip: set[str], only: set[str] | None = None) -> None:
+    """Declare `command`'s options (those with a flag, not in `skip`, within `only`) on `group`,
+    collected as written into the namespace's list `into`."""
+    action = type(f"Into_{into}", (_PassThrough,), {"into": into})
+    for a in command_parser(command)._actions:
+        if a.dest in skip or not a.option_strings or (only is not None and a.dest not in only):
+            continue
+        nargs = 0 if a.nargs == 0 else a.nargs
+        group.add_argument(*a.option_strings, action=action, nargs=nargs, dest=f"{into}_{a.dest}",
+                           metavar=None if nargs == 0 else a.metavar or a.dest.upper(), help=a.help,
+                           choices=a.choices)
 
 
 def add_parser(sub) -> None:
-    from moe_proxy.commands import repro as repro_command
     from moe_proxy.repro.catalogue import CATALOGUE
 
     p = sub.add_parser("diagnose", help="which fix cures a reproduced failure: the run again with each candidate",
@@ -48,17 +71,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run, repro_flags=[])
 
     # Every other repro option, passed through to each run as written.
-    probe = argparse.ArgumentParser(add_help=False)
-    repro_command.add_parser(probe.add_subparsers())
-    repro_parser = next(a for a in probe._actions if isinstance(a, argparse._SubParsersAction)).choices["repro"]
     group = p.add_argument_group("repro options (the baseline: the failing run's settings; see moe-proxy repro -h)")
-    for action in repro_parser._actions:
-        if action.dest in OWN or not action.option_strings:
-            continue
-        nargs = 0 if action.nargs == 0 else action.nargs
-        group.add_argument(*action.option_strings, action=_ReproFlag, nargs=nargs, dest=f"repro_{action.dest}",
-                           metavar=None if nargs == 0 else action.metavar or action.dest.upper(), help=action.help,
-                           choices=action.choices)
+    pass_through(group, "repro", "repro_flags", OWN)
 
 
 def _candidates(args: argparse.Namespace) -> list:

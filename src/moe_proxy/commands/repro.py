@@ -28,6 +28,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--termination-log", metavar="PATH",
                    help="also write {reproduced, signature, step, metrics} JSON here (Kubernetes' "
                    "/dev/termination-log)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (transformers' weight loading; the launched ranks inherit it)")
     p.add_argument("--prompts", metavar="FILE",
                    help="verl RL data (parquet or JSON lines, local or s3://): each row's chat `prompt` and "
                    "`reward_model.ground_truth`, answers scored by exact match (default: the built-in "
@@ -95,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.reports import error_report, write_termination_log
     from moe_proxy.repro.source import check_source
 
+    if args.no_progress:  # read by huggingface_hub when transformers loads (here, or in each rank)
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     # Bad arguments and a checkpoint that cannot run are refused before a run starts, writing
     # nothing; all but the device and rank-fault checks before torch loads.
     try:

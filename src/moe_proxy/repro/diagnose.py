@@ -31,12 +31,12 @@ from pathlib import Path
 from moe_proxy.errors import BaselineFailed, MoeProxyError
 from moe_proxy.repro.catalogue import Fix
 from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.processes import run_recorded
+from moe_proxy.repro.processes import parse_as, run_recorded
 
 log = logging.getLogger(__name__)
 
 BASELINE = "baseline"
-RECORD = "diagnose-run.json"  # a run's arguments and outcome: what a rerun reuses
+RUN_RECORD = "diagnose-run.json"  # a run's arguments and outcome: what a rerun reuses
 VERDICTS = ("fixed", "reproduced", "inconclusive", "error")
 COST_METRICS = {"reward": "critic/rewards/mean", "loss": "actor/pg_loss"}
 
@@ -67,11 +67,11 @@ class Diagnosis:
     def argv(self, variant: Variant, seed: int) -> list[str]:
         """The `moe-proxy repro` arguments of one run (the seed and the failure asked for last)."""
         return ["repro", self.proxy, "--out", str(self.run_dir(variant.name, seed)), *self.repro_flags,
-                *variant.flags, "--seed", str(seed), "--fail-on", self.fail_on]
+                *variant.flags, "--seed", str(seed), "--fail-on", self.fail_on, "--no-progress"]
 
 
 @dataclass
-class Outcome:
+class SeedRun:
     """One run, as its summary.json says (reproduced None: it failed to run)."""
 
     reproduced: bool | None
@@ -96,20 +96,11 @@ class Outcome:
 # --- plan: every variant's flags checked by repro's own parser ------------------------------
 
 
-class _Refusing(argparse.ArgumentParser):
-    """repro's parser, raising instead of exiting: a bad flag is one line naming its variant."""
-
-    def error(self, message: str):
-        raise MoeProxyError(message)
-
-
 def repro_config(proxy: str, flags: list[str]) -> ReproConfig:
     """The settings `moe-proxy repro PROXY <flags>` would run with; bad flags raise MoeProxyError."""
     from moe_proxy.commands import repro as repro_command
 
-    parser = _Refusing(prog="moe-proxy")
-    repro_command.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["repro", proxy, "--out", os.devnull, *flags])
+    args = parse_as("repro", [proxy, "--out", os.devnull, *flags])
     try:
         return repro_command.config_from_args(args)
     except argparse.ArgumentTypeError as exc:
@@ -129,13 +120,17 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
     if dupes := {n for n in names if names.count(n) > 1} | ({BASELINE} & set(names)):
         raise MoeProxyError(f"candidate name(s) {', '.join(map(repr, sorted(dupes)))}: used twice (or reserved)")
     Signature.parse(fail_on)
-    if any(flag in repro_flags for flag in ("--out", "--fail-on", "--termination-log")):
+    if any(flag in repro_flags for flag in ("--out", "--fail-on", "--termination-log", "--no-progress")):
         raise MoeProxyError("--out, --fail-on and --termination-log are diagnose's own: give the repro options only")
     check_source(proxy)
     try:
         baseline = repro_config(proxy, repro_flags)
     except MoeProxyError as exc:
         raise MoeProxyError(f"the baseline's repro options: {exc}") from None
+    if "--device" in repro_flags[:-1]:  # this torch and machine have it (torch loads here, once)
+        from moe_proxy.repro.device import pick_device
+
+        pick_device(repro_flags[repro_flags.index("--device") + 1])
     variants = [Variant(BASELINE, [], "the failing run, as given")]
     for c in candidates:
         flags = c.changes(baseline)
@@ -159,10 +154,10 @@ def _flat(config: ReproConfig) -> dict:
 # --- run: one `moe-proxy repro` process per variant and seed -------------------------------
 
 
-def run_all(d: Diagnosis, parallel: int = 1) -> dict[str, dict[int, Outcome]]:
+def run_all(d: Diagnosis, parallel: int = 1) -> dict[str, dict[int, SeedRun]]:
     """Every variant on every seed, `parallel` processes at a time (the baseline's first)."""
     jobs = [(v, s) for v in d.variants for s in d.seeds]
-    results: dict[str, dict[int, Outcome]] = {v.name: {} for v in d.variants}
+    results: dict[str, dict[int, SeedRun]] = {v.name: {} for v in d.variants}
     threads = max(1, (os.cpu_count() or 1) // parallel)
     log.info("diagnose: %d runs (%d variants x %d seeds), %d at a time, in %s", len(jobs), len(d.variants),
              len(d.seeds), parallel, d.out / "runs")
@@ -176,7 +171,7 @@ def run_all(d: Diagnosis, parallel: int = 1) -> dict[str, dict[int, Outcome]]:
     return results
 
 
-def _said(o: Outcome, fail_on: str) -> str:
+def _said(o: SeedRun, fail_on: str) -> str:
     if o.reproduced is None:
         return f"error: {o.error}"
     if o.reproduced:
@@ -184,13 +179,13 @@ def _said(o: Outcome, fail_on: str) -> str:
     return f"no {fail_on} in {o.steps} steps" + (f" ({o.stopped})" if o.stopped != "completed" else "")
 
 
-def _run(d: Diagnosis, variant: Variant, seed: int, slot: int, threads: int) -> Outcome:
+def _run(d: Diagnosis, variant: Variant, seed: int, slot: int, threads: int) -> SeedRun:
     """One run, or the record of the same run done before (same arguments, it ran to its end)."""
     directory = d.run_dir(variant.name, seed)
     env = _device_env(d.repro_flags + variant.flags, slot)
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
-    ran = run_recorded(d.argv(variant, seed), directory, RECORD, "repro.log", env, done="summary.json")
+    ran = run_recorded(d.argv(variant, seed), directory, RUN_RECORD, "repro.log", env, done="summary.json")
     return _outcome(directory, ran.returncode, ran.error, ran.wall_s)
 
 
@@ -204,23 +199,23 @@ def _device_env(flags: list[str], slot: int) -> dict[str, str]:
     return {}
 
 
-def _outcome(directory: Path, code: int, error: str | None, wall: float) -> Outcome:
+def _outcome(directory: Path, code: int, error: str | None, wall: float) -> SeedRun:
     summary_file = directory / "summary.json"
     if code != 0 or not summary_file.is_file():
-        return Outcome(None, error=error or f"exit code {code}, no summary.json", wall_s=wall)
+        return SeedRun(None, error=error or f"exit code {code}, no summary.json", wall_s=wall)
     s = json.loads(summary_file.read_text())
     first = s.get("first_failure") or {}
     reproduced = bool(s.get("reproduced"))
     asked = first.get("signature") if reproduced else None
     others = {name: onset["step"] for name, onset in (s.get("failures") or {}).items() if name != asked}
-    return Outcome(reproduced, asked, first.get("step") if reproduced else None, int(s.get("steps_completed", 0)),
+    return SeedRun(reproduced, asked, first.get("step") if reproduced else None, int(s.get("steps_completed", 0)),
                    s.get("stopped", ""), others, wall_s=wall)
 
 
 # --- judge: verdicts and what each fix costs (pure) -----------------------------------------
 
 
-def verdict(baseline: dict[int, Outcome], candidate: dict[int, Outcome], steps: int) -> tuple[str, str]:
+def verdict(baseline: dict[int, SeedRun], candidate: dict[int, SeedRun], steps: int) -> tuple[str, str]:
     """(verdict, note) of one candidate against the baseline, seed by seed (module doc)."""
     failed = {s: o.error for s, o in candidate.items() if o.reproduced is None}
     if failed:
@@ -265,7 +260,7 @@ def cost(d: Diagnosis, name: str, horizon: int) -> dict:
     return out
 
 
-def judge(d: Diagnosis, results: dict[str, dict[int, Outcome]]) -> dict:
+def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]]) -> dict:
     """report.json's content."""
     base = results[BASELINE]
     onsets = [o.step for o in base.values() if o.reproduced]

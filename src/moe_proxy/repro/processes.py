@@ -4,6 +4,8 @@ or `bisect` resume). A record is written last, so a run cut short has none and r
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -11,6 +13,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from moe_proxy.errors import MoeProxyError
 
 
 @dataclass(frozen=True)
@@ -50,3 +54,17 @@ def last_error(path: Path) -> str:
     lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
     return (errors or lines or ["no output"])[-1][:500]
+
+
+class _Refusing(argparse.ArgumentParser):
+    """A command's parser that raises instead of exiting: a bad flag is one line naming its run."""
+
+    def error(self, message: str):
+        raise MoeProxyError(message)
+
+
+def parse_as(command: str, argv: list[str]) -> argparse.Namespace:
+    """`moe-proxy <command> <argv>` parsed by that command's own parser, before anything runs."""
+    parser = _Refusing(prog="moe-proxy")
+    importlib.import_module(f"moe_proxy.commands.{command}").add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args([command, *argv])

@@ -1,0 +1,95 @@
+"""`moe-proxy bisect PREFIX --out DIR --fail-on SIGNATURE [build options] [--dataset ...]
+[repro options]`: the earliest checkpoint of a training run whose proxy reproduces the failure,
+in O(log n) proxy builds (docs/diagnosis.md, "Where the failure began")."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from moe_proxy.commands.diagnose import OWN, pass_through
+
+# The build options a probe's build takes (the selection seed and the calibration are bisect's:
+# --seed is repro's here, and each probe is calibrated on its own checkpoint).
+NOT_BUILD = {"seed", "calibration", "max_kl"}
+CALIBRATION = {"dataset", "samples", "seq_len"}  # calibrate's token options a probe uses
+
+
+def add_parser(sub) -> None:
+    from moe_proxy.options import PruningOptions
+
+    p = sub.add_parser("bisect", help="the earliest checkpoint of a run whose proxy reproduces a failure",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prefix", metavar="PREFIX", help="the run's checkpoints: a directory or s3:// prefix "
+                   "(as moe-proxy checkpoints lists them)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="report.json, report.md and probes/step-<N>/ (stats, proxy, run), reused by a rerun")
+    p.add_argument("--fail-on", required=True, metavar="SIGNATURE",
+                   help="the failure: overflow, underflow, nan, divergence, collapse, or METRIC>VALUE[:STEPS]")
+    p.add_argument("--pattern", metavar="GLOB", help="checkpoint directories to consider (as in checkpoints)")
+    p.add_argument("--step-regex", metavar="RE", help="the step in a checkpoint's path (as in checkpoints)")
+    p.add_argument("--good", type=int, metavar="STEP", help="a step known clean: the search starts after it "
+                   "(probed, to confirm)")
+    p.add_argument("--bad", type=int, metavar="STEP", help="a step known to reproduce: the search ends there")
+    p.set_defaults(func=run, build_flags=[], calibrate_flags=[], repro_flags=[])
+    only = {f.name for f in fields(PruningOptions)} - NOT_BUILD | {"pin"}  # --pin: dest pin, field pins
+    pass_through(p.add_argument_group("build options (each probe's proxy; see moe-proxy build -h)"), "build",
+                 "build_flags", set(), only=only)
+    pass_through(p.add_argument_group("calibration (with --dataset each probe is calibrated on its checkpoint, "
+                                      "then built as a calibrated build is)"), "calibrate", "calibrate_flags", set(),
+                 only=CALIBRATION)
+    pass_through(p.add_argument_group("repro options (each probe's reproduction; see moe-proxy repro -h)"), "repro",
+                 "repro_flags", OWN)
+
+
+def settings_of(args: argparse.Namespace):
+    """The probes' settings, every flag checked by its command's parser before anything runs."""
+    from moe_proxy.errors import MoeProxyError
+    from moe_proxy.options import SELECTION, PruningOptions, from_args, to_args
+    from moe_proxy.repro.bisect import ProbeSettings
+    from moe_proxy.repro.detect import Signature
+    from moe_proxy.repro.diagnose import repro_config
+    from moe_proxy.repro.processes import parse_as
+
+    Signature.parse(args.fail_on)
+    try:
+        options = from_args(PruningOptions, parse_as("build", ["SRC", "DST", *args.build_flags])).resolved()
+        options.validate()
+    except MoeProxyError as exc:
+        raise MoeProxyError(f"the build options: {exc}") from None
+    calibrate = []
+    if args.calibrate_flags:
+        if "--dataset" not in args.calibrate_flags:
+            raise MoeProxyError("--samples / --seq-len calibrate each probe: they need --dataset")
+        # as the default calibrated build: sequential statistics for the build's count, else one pass
+        calibrate = args.calibrate_flags + (to_args(options, only=("experts", *SELECTION), always=("experts",))
+                                            if isinstance(options.experts, int) else ["--one-pass"])
+        parse_as("calibrate", ["SRC", "--out", "STATS", *calibrate])
+    try:
+        repro_config("PROXY", args.repro_flags)
+    except MoeProxyError as exc:
+        raise MoeProxyError(f"the repro options: {exc}") from None
+    return ProbeSettings(args.fail_on, list(args.build_flags), calibrate, list(args.repro_flags))
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from moe_proxy.commands._common import check_output_dir
+    from moe_proxy.errors import BaselineFailed
+    from moe_proxy.repro.bisect import bisect, where
+
+    check_output_dir(args.out, "--out")
+    settings = settings_of(args)
+    try:
+        report = bisect(args.prefix, args.out, settings, args.pattern, args.step_regex, args.good, args.bad)
+    except BaselineFailed as exc:
+        print(f"moe-proxy bisect: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"first bad checkpoint: {where(report['first_bad'])}")
+    print(report["boundary"])
+    if not report["monotone"]:
+        print("not monotone: " + "; ".join(report["not_monotone"]))
+    print(f"report: {args.out}/report.md")
+    return 0
+

@@ -1,0 +1,112 @@
+"""bisect (#26 item 3): the binary search and its report, and a real bisection over a run of 8
+checkpoints whose last 3 carry a planted massive activation (a dense MLP's output beyond fp16's
+range): the first of the 3 is found in at most 5 probe builds, the boundary confirmed."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from moe_proxy.cli import main
+from moe_proxy.repro import bisect as bisect_module
+from moe_proxy.repro.bisect import Probe, ProbeSettings, search
+
+
+class _Ckpt:
+    def __init__(self, step):
+        self.step, self.uri, self.source, self.complete = step, f"ckpt-{step}", True, True
+
+
+def _probing(bad_from: int, flips=()):
+    def test(i):
+        return Probe(f"ckpt-{i}", i, (i >= bad_from) != (i in flips), None, None)
+    return test
+
+
+@pytest.mark.parametrize("n, bad_from", [(8, 5), (8, 0), (8, 7), (2, 1), (17, 9), (64, 33)])
+def test_the_search_finds_the_first_bad_in_log_n_probes(n, bad_from):
+    first, probes = search([_Ckpt(i) for i in range(n)], _probing(bad_from), good_given=False)
+    assert first == bad_from
+    assert len(probes) <= math.ceil(math.log2(n)) + 2  # and the one after the first bad
+    if bad_from > 0:  # the checkpoint before was probed clean: the boundary is confirmed
+        assert any(i == bad_from - 1 and not p.reproduced for i, p in probes)
+
+
+def test_a_clean_last_checkpoint_means_nothing_to_find():
+    first, probes = search([_Ckpt(i) for i in range(8)], _probing(99), good_given=False)
+    assert first is None and [i for i, _ in probes] == [7]
+
+
+def test_probes_that_are_not_monotone_are_said(monkeypatch, tmp_path):
+    """Step 5 reproduces, step 6 does not, step 7 does: the probe after the first bad one shows
+    that the probes contradict each other, and the report says so with them."""
+    ckpts = [_Ckpt(i) for i in range(8)]
+    monkeypatch.setattr(bisect_module, "sources", lambda *a, **k: ckpts)
+    monkeypatch.setattr(bisect_module, "probe", lambda c, out, s: _probing(5, flips={6})(c.step))
+    report = bisect_module.bisect("run", tmp_path, ProbeSettings("nan", [], [], []))
+    assert report["first_bad"]["step"] == 5 and [p["step"] for p in report["probes"]] == [7, 3, 5, 4, 6]
+    assert not report["monotone"] and report["not_monotone"] == ["step 6 clean after step 5 reproduced"]
+    assert "**Not monotone**" in (tmp_path / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """verl's layout, 8 checkpoints; steps 60, 70, 80 carry a dense MLP whose output overflows fp16."""
+    from safetensors.torch import load_file, save_file
+
+    from moe_proxy.demo.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("bisect")
+    make_tiny("qwen3_moe", root / "base")
+    for i, step in enumerate(range(10, 90, 10)):
+        ckpt = root / "run" / f"global_step_{step}" / "actor" / "huggingface"
+        shutil.copytree(root / "base", ckpt)
+        if i >= 5:
+            tensors = load_file(ckpt / "model.safetensors")
+            name = next(k for k in tensors if "layers.0.mlp.down_proj" in k)
+            tensors[name] = tensors[name] * 1e6
+            save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    return root / "run"
+
+
+ARGS = ["--fail-on", "overflow", "--experts", "4", "--steps", "1", "--precision", "fp16"]
+
+
+def test_a_bisection_finds_the_first_planted_checkpoint(run, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["bisect", str(run), "--out", str(out), *ARGS]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["first_bad"] == {"checkpoint": str(run / "global_step_60" / "actor" / "huggingface"), "step": 60}
+    assert report["builds"] <= 5 and report["monotone"]  # 80, 40, 60, 50, then 70 after the first bad
+    assert report["boundary"] == "confirmed: step 50, the checkpoint before, ran clean"
+    assert {p["step"]: p["reproduced"] for p in report["probes"]} == {80: True, 40: False, 60: True, 50: False,
+                                                                     70: True}
+    assert "first bad checkpoint: step 60" in printed and (out / "report.md").is_file()
+    # A rerun reuses every probe: nothing is built or run again.
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json") if p.name != "report.json"}
+    assert main(["bisect", str(run), "--out", str(out), *ARGS]) == 0
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*.json") if p.name != "report.json"} == stamps
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--good", "15"], "--good 15: no complete checkpoint at that step"),
+    (["--good", "70", "--bad", "70"], "1 complete checkpoint(s) with a step in the range given"),
+    (["--experts", "0"], "the build options:"),
+    (["--lr", "-1"], "the repro options:"),
+    (["--samples", "4"], "need --dataset"),
+])
+def test_bad_input_is_one_line_and_runs_nothing(run, tmp_path, capsys, extra, message):
+    out = tmp_path / "b"
+    assert main(["bisect", str(run), "--out", str(out), *ARGS, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moe-proxy bisect: error:") and message in err and "\n" not in err, err
+    assert not (out / "probes").exists()
+
+
+def test_a_size_is_required(run, tmp_path, capsys):
+    assert main(["bisect", str(run), "--out", str(tmp_path / "b"), "--fail-on", "nan"]) == 2
+    assert "one of the arguments --experts --keep-ratio is required" in capsys.readouterr().err
