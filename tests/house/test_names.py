@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 
-from .sources import modules
+from .sources import REPO, modules
 
 KNOWN = {  # constant -> why it is still defined twice (remove the entry when it is not)
     "SIGNATURES": "repro/detect.py's detected signatures, and the operator spec's accepted ones (those and "
@@ -80,3 +80,11 @@ def test_renamed_names_keep_one_meaning():
     from .sources import REPO
 
     assert not (REPO / "transformer").exists() and (REPO / "src" / "moe_proxy" / "__init__.py").is_file()
+
+
+def test_every_test_folder_is_collected():
+    """pytest does not descend into folders named as its default norecursedirs: tests there
+    would silently never run (tests/build did, for a while)."""
+    skipped = {"build", "dist", "venv", "node_modules", "CVS", "_darcs", "{arch}"}
+    folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir()}
+    assert not folders & skipped, f"rename tests/{sorted(folders & skipped)[0]}: pytest never collects it"
