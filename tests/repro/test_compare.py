@@ -146,3 +146,41 @@ def test_negative_permutations_is_one_clear_line(tmp_path, capsys):
                  "--permutations", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--permutations -1" in err and "\n" not in err
+
+
+def test_few_steps_and_an_unsupportive_control_are_said(tmp_path):
+    """#32 item 9: 'tracks' on 3 steps is weak, and its shuffled-step control (3 steps have 6
+    orders: the actual one comes up by chance about once in 6) does not support it (p > 0.05);
+    the verdict says both."""
+    a = write_run(tmp_path / "a", curve()[:3])
+    b = write_run(tmp_path / "b", (np.array(curve()[:3]) * 1.1).tolist())
+    proxy = compare_runs([load_run(a), load_run(b)], permutations=100, seed=1)[1]
+    assert proxy.verdict.startswith("tracks (")
+    assert "weak: 3 aligned steps, at least 10 to judge" in proxy.verdict
+    assert proxy.shuffled.p_value > 0.05 and "not supported by the shuffled-step control" in proxy.verdict
+    assert compare_runs([load_run(a), load_run(a, "again")])[0].verdict == "tracks"  # the reference itself
+
+
+def test_load_shares_are_compared_as_multiples_of_uniform(tmp_path):
+    """An original with 32 experts (uniform share 2/32) and a proxy with 8 (2/8) whose busiest
+    expert takes the same multiple of uniform: the same normalised curve, error 0."""
+    multiple = 1.5 + 0.5 * np.sin(np.arange(STEPS) / 3)
+    for name, uniform in (("orig", 2 / 32), ("proxy", 2 / 8)):
+        (tmp_path / name).mkdir()
+        with (tmp_path / name / "metrics.jsonl").open("w") as f:
+            for step, m in enumerate(multiple):
+                f.write(json.dumps({"step": step, "data": {"moe/load_max_share": m * uniform,
+                                                           "moe/load_uniform_share": uniform,
+                                                           "actor/grad_norm": 1.0 + step}}) + "\n")
+    stats = compare_runs([load_run(tmp_path / "orig"), load_run(tmp_path / "proxy")])[1].metrics
+    assert stats["moe/load_max_share"].normalised_error == pytest.approx(0.0, abs=1e-12)
+    assert load_run(tmp_path / "proxy").rows[0]["moe/load_max_share"] == pytest.approx(multiple[0])
+    assert main(["compare", str(tmp_path / "orig"), str(tmp_path / "proxy"), "--out", str(tmp_path / "rep")]) == 0
+    assert "multiples of uniform routing's share" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_curves_spanning_decades_are_drawn_on_a_log_scale():
+    from moe_proxy.repro.plots import log_scale
+
+    assert log_scale([1.0, 10.0, 1e5]) and not log_scale([0.5, 0.7]) and not log_scale([-1.0, 1e5])
+    assert not log_scale([])

@@ -34,6 +34,13 @@ KEY_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_lo
 # Not dynamics: settings echoed per step, and wall-clock timings (compared separately).
 SKIP_PREFIXES = ("timing_s/", "perf/", "training/", "actor/lr", "actor/kl_coef")
 TRACKS_PEARSON = 0.7  # verdict "tracks": median Pearson over the key metrics at least this
+EVIDENCE_STEPS = 10  # fewer aligned steps than this: a correlation says little, the verdict says so
+CONTROL_P = 0.05  # a shuffled-step control p above this does not support a "tracks"
+# Quantities whose scale is set by the expert count (uniform routing gives each expert top_k / E
+# of the tokens: 0.125 with 32 experts, 0.5 with 8): compared as multiples of the uniform share,
+# from repro's `moe/load_uniform_share` in each row.
+COUNT_DEPENDENT = ("moe/load_max_share", "moe/load_min_share")
+UNIFORM = "moe/load_uniform_share"
 
 
 @dataclass
@@ -73,8 +80,26 @@ class RunComparison:
     shuffled: ShuffleControl | None = None
 
 
+def normalised(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """`rows` with the count-dependent metrics as multiples of the run's uniform share (rows
+    without the uniform share are left as they are)."""
+    out = {}
+    for step, row in rows.items():
+        uniform = row.get(UNIFORM)
+        if _finite(uniform) and uniform > 0:
+            row = {k: (v / uniform if k.startswith(COUNT_DEPENDENT) and _finite(v) else v) for k, v in row.items()}
+        out[step] = row
+    return out
+
+
+def plot_notes() -> dict[str, str]:
+    """Titles' notes for the curves compared normalised."""
+    return {m: "x uniform share" for m in KEY_METRICS if m.startswith(COUNT_DEPENDENT)}
+
+
 def load_run(path: str | Path, name: str | None = None) -> Run:
-    rows = read_metrics(path)
+    """A run's metrics (count-dependent ones normalised to uniform routing) and failure onsets."""
+    rows = normalised(read_metrics(path))
     summary = read_summary(path) if Path(path).is_dir() else None
     if summary and isinstance(summary.get("failures"), dict):
         onsets = {sig: int(v["step"]) for sig, v in summary["failures"].items()}
@@ -175,12 +200,14 @@ def compare_runs(runs: list[Run], metrics: list[str] | None = None, permutations
             shift[sig] = None
         ratio = run.step_time / ref.step_time if run.step_time and ref.step_time else None
         control = shuffle_control(ref, run, names, median, permutations, seed) if permutations else None
-        out.append(RunComparison(run.name, median, _verdict(median, ref.onsets, run.onsets), run.onsets, shift,
-                                 ratio, per_metric, control))
+        aligned = max((per_metric[m].steps for m in KEY_METRICS if m in per_metric), default=0)
+        verdict = _verdict(median, ref.onsets, run.onsets, aligned, control, run is ref)
+        out.append(RunComparison(run.name, median, verdict, run.onsets, shift, ratio, per_metric, control))
     return out
 
 
-def _verdict(median: float | None, ref: dict[str, int], run: dict[str, int]) -> str:
+def _verdict(median: float | None, ref: dict[str, int], run: dict[str, int], aligned: int,
+             control: ShuffleControl | None, itself: bool = False) -> str:
     missed = sorted(ref.keys() - run.keys())
     extra = sorted(run.keys() - ref.keys())
     notes = [f"misses {', '.join(missed)}"] if missed else []
@@ -189,6 +216,10 @@ def _verdict(median: float | None, ref: dict[str, int], run: dict[str, int]) -> 
         head = "no comparable curves"
     else:
         head = "tracks" if median >= TRACKS_PEARSON else "does not track"
+        if aligned < EVIDENCE_STEPS and not itself:
+            notes.insert(0, f"weak: {aligned} aligned steps, at least {EVIDENCE_STEPS} to judge")
+        if head == "tracks" and control is not None and control.p_value is not None and control.p_value > CONTROL_P:
+            notes.insert(0, f"not supported by the shuffled-step control: p {control.p_value:.3g} > {CONTROL_P:g}")
     return head + (f" ({'; '.join(notes)})" if notes else "")
 
 
@@ -198,7 +229,7 @@ def write_report(runs: list[Run], results: list[RunComparison], out_dir: str | P
     report = {"reference": runs[0].name, "runs": [{"name": r.name, "path": r.path} for r in runs],
               "tracks_pearson": TRACKS_PEARSON, "comparisons": [_jsonable(asdict(c)) for c in results]}
     (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    plots = plot_curves(runs, [m for m in KEY_METRICS if all(_has(r, m) for r in runs)], out)
+    plots = plot_curves(runs, [m for m in KEY_METRICS if all(_has(r, m) for r in runs)], out, notes=plot_notes())
     (out / "report.md").write_text(_markdown(runs, results, plots))
     return out
 
@@ -207,9 +238,12 @@ def _markdown(runs: list[Run], results: list[RunComparison], plots: list[Path]) 
     ref = runs[0]
     lines = [f"# Training dynamics: {len(runs) - 1} run(s) against `{ref.name}`", "",
              f"Verdict: *tracks* when the median Pearson correlation of the key curves is at least "
-             f"{TRACKS_PEARSON}. Onset shift: the run's failure step minus the reference's. Shuffled steps: "
-             f"the same statistic with the run's steps in random orders (chance level; p = share scoring at "
-             f"least the actual).", "",
+             f"{TRACKS_PEARSON}, called weak on fewer than {EVIDENCE_STEPS} aligned steps, and unsupported when "
+             f"the shuffled-step control's p is above {CONTROL_P:g}. Onset shift: the run's failure step minus the "
+             f"reference's. Shuffled steps: the same statistic with the run's steps in random orders (chance level; "
+             f"p = share scoring at least the actual). {', '.join(COUNT_DEPENDENT)} (and their per-layer values) "
+             f"are compared as multiples of uniform routing's share (top_k / experts), which differs between a "
+             f"proxy and its original.", "",
              "| run | verdict | median Pearson | shuffled steps: mean / p95 / p | failures (step) | onset shift | "
              "step time vs ref |",
              "|---|---|---|---|---|---|---|"]

@@ -294,7 +294,7 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]]) -> dict:
 
 
 def write_report(d: Diagnosis, report: dict) -> list[Path]:
-    from moe_proxy.repro.compare import KEY_METRICS, load_run
+    from moe_proxy.repro.compare import KEY_METRICS, load_run, plot_notes
     from moe_proxy.repro.plots import plot_curves, plot_matrix
 
     d.out.mkdir(parents=True, exist_ok=True)
@@ -309,7 +309,7 @@ def write_report(d: Diagnosis, report: dict) -> list[Path]:
         if (directory / "metrics.jsonl").is_file():
             runs.append(load_run(directory, v.name))
     metrics = [m for m in KEY_METRICS if any(m in row for r in runs for row in r.rows.values())]
-    files += plot_curves(runs, metrics, d.out, "curves.png") if runs else []
+    files += plot_curves(runs, metrics, d.out, "curves.png", notes=plot_notes()) if runs else []
     (d.out / "report.md").write_text(_markdown(report, [f.name for f in files]))
     return [d.out / "report.json", d.out / "report.md", *files]
 

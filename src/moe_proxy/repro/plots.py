@@ -16,7 +16,14 @@ class Curves(Protocol):
     onsets: dict[str, int]
 
 
-def plot_curves(runs: list[Curves], metrics: list[str], out_dir: Path, name: str = "curves.png") -> list[Path]:
+def log_scale(values: list[float]) -> bool:
+    """A curve that spans more than two decades, all positive, reads on a log scale."""
+    return bool(values) and min(values) > 0 and max(values) / min(values) > 100
+
+
+def plot_curves(runs: list[Curves], metrics: list[str], out_dir: Path, name: str = "curves.png",
+                notes: dict[str, str] | None = None) -> list[Path]:
+    """One panel per metric (`notes`: metric -> a word on its title, e.g. its unit)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -26,28 +33,40 @@ def plot_curves(runs: list[Curves], metrics: list[str], out_dir: Path, name: str
         return []
     cols = min(3, len(metrics))
     rows = math.ceil(len(metrics) / cols)
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, metric in zip(axes.flat, metrics):
+        shown: list[float] = []
         for i, run in enumerate(runs):
             steps = [s for s, m in run.rows.items() if metric in m]
             values = [run.rows[s][metric] for s in steps]
+            shown += [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
             colour = colours[i % len(colours)]
             style = ("-", "--", "-.")[(i // len(colours)) % 3]  # more runs than colours: vary the line
             ax.plot(steps, values, label=run.name, color=colour, ls=style, lw=2.2 if i == 0 else 1.2,
                     alpha=1.0 if i == 0 else 0.85)
-            for sig, step in run.onsets.items():  # dotted line at each failure onset
-                ax.axvline(step, color=colour, ls=":", lw=1)
-        ax.set_title(metric, fontsize=10)
+            for sig, step in run.onsets.items():  # dotted line at each failure onset, named in the legend
+                ax.axvline(step, color=colour, ls=":", lw=1, label=f"{sig} onset ({run.name})")
+        ax.set_title(metric + (f" ({notes[metric]})" if metric in (notes or {}) else ""), fontsize=10)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        if log_scale(shown):
+            ax.set_yscale("log")
+        else:
+            ax.ticklabel_format(axis="y", useOffset=False)  # a flat curve reads 0.5, not 1e-9 + 0.4999
         ax.tick_params(labelsize=8)
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    columns = min(len(runs), 4)
-    fig.legend(handles, labels, loc="upper center", ncol=columns, fontsize=8)
-    # Leave the legend its own band: about 0.2 inch per legend row, whatever the number of runs.
-    legend_inches = 0.15 + 0.2 * math.ceil(len(runs) / columns)
+    legend: dict[str, object] = {}  # every run and onset line once, from whichever panel has it
+    for ax in axes.flat[:len(metrics)]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    columns = min(len(legend), 4)
+    fig.legend(list(legend.values()), list(legend), loc="upper center", ncol=columns, fontsize=8)
+    # Leave the legend its own band: about 0.2 inch per legend row, whatever the number of entries.
+    legend_inches = 0.15 + 0.2 * math.ceil(len(legend) / columns)
     fig.tight_layout(rect=(0, 0, 1, 1 - legend_inches / fig.get_figheight()))
     path = out_dir / name
     fig.savefig(path, dpi=90)
