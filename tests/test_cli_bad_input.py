@@ -48,6 +48,7 @@ ROWS = [
     ("repro", "{tiny} --out {out} --nproc-per-node 0", "--nproc-per-node 0"),
     ("repro", "{tiny} --out {out} --node-rank 5 --nnodes 2", "the node rank must be in 0..1"),
     ("repro", "{tiny} --out {file}", "is a file"),
+    ("repro", "{tiny} --out {out} --prompts {missing}", "--prompts"),  # a run that cannot start writes nothing
     ("repro", "{tiny} --out {out} --fail-on garbage", "--fail-on 'garbage'"),
     ("diagnose", "{tiny} --out {out}", "the following arguments are required: --fail-on"),
     ("diagnose", "{tiny} --out {out} --fail-on divergence", "no candidates"),
@@ -117,7 +118,7 @@ def test_every_command_has_rows():
 
 
 @pytest.mark.parametrize("arguments", ["{missing} --lr -1", "{missing}", "{truncated}", "{tiny} --fail-on garbage",
-                                       "{tiny} --out {file}"])
+                                       "{tiny} --out {file}", "{tiny} --fault-rank-exit x"])
 def test_repro_refuses_before_torch_loads(arguments, places, tmp_path):
     """A mistake costs no torch import: the refusal comes from an interpreter that cannot import
     torch, transformers, scikit-learn or scipy."""

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from moe_proxy.options import add_arguments, from_args
-from moe_proxy.repro.config import OP_FAULT_MODES, Faults, ReproConfig
+from moe_proxy.repro.config import OP_FAULT_MODES, Faults, RankFault, ReproConfig
 from moe_proxy.repro.detect import Signature, Thresholds
 
 
@@ -114,16 +114,14 @@ def run(args: argparse.Namespace) -> int:
         fail_on = Signature.parse(args.fail_on) if args.fail_on else None
         if args.fault_rank_exit and args.fault_rank_hang:
             raise InvalidReproConfig("--fault-rank-exit and --fault-rank-hang: one rank fault at a time")
+        rank_fault = (RankFault.parse(args.fault_rank_exit, "exit") if args.fault_rank_exit else
+                      RankFault.parse(args.fault_rank_hang, "hang") if args.fault_rank_hang else None)
         check_output_dir(args.out, "--out")
         check_source(args.checkpoint)
         if args.device:  # whether this torch has the device asked for
             from moe_proxy.repro.device import pick_device
 
             pick_device(args.device)
-        from moe_proxy.repro.distributed import RankFault
-
-        rank_fault = (RankFault.parse(args.fault_rank_exit, "exit") if args.fault_rank_exit else
-                      RankFault.parse(args.fault_rank_hang, "hang") if args.fault_rank_hang else None)
     except MoeProxyError as exc:
         if args.termination_log:
             write_termination_log(args.termination_log, error_report(exc))

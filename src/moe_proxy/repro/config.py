@@ -3,10 +3,17 @@ that can be injected on purpose to check that a proxy reproduces what the origin
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import signal
+import time
 from dataclasses import asdict, dataclass, field
 
+from moe_proxy.errors import InvalidReproConfig
 from moe_proxy.options import option
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_SCALING = ("dynamic", "none")
@@ -35,6 +42,32 @@ class Faults:
     def any(self) -> bool:
         return any(s is not None for s in (self.fp16_no_scaling_step, self.lr_spike_step,
                                            self.router_scale_step, self.op_step))
+
+
+@dataclass
+class RankFault:
+    """Fault injection for the run itself: rank `rank` is killed (`exit`, SIGKILL as the OOM
+    killer does) or stops answering (`hang`) when step `step` starts."""
+
+    rank: int
+    step: int
+    mode: str = "exit"
+
+    @classmethod
+    def parse(cls, text: str, mode: str) -> RankFault:
+        rank, _, step = text.partition("@")
+        if not rank.isdigit() or not step.isdigit():
+            raise InvalidReproConfig(f"--fault-rank-{mode} {text!r}: expected RANK@STEP, e.g. 1@2")
+        return cls(int(rank), int(step), mode)
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        if rank != self.rank or step != self.step:
+            return
+        log.warning("rank %d: injected fault: %s at step %d", rank, self.mode, step)
+        if self.mode == "exit":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: never answer again, until someone kills us
+            time.sleep(60)
 
 
 @dataclass
@@ -76,8 +109,6 @@ class ReproConfig:
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
-        from moe_proxy.errors import InvalidReproConfig
-
         checks = [
             (self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}"),
             (self.loss_scaling in LOSS_SCALING, f"loss scaling must be one of {LOSS_SCALING}"),

@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -31,39 +30,12 @@ log = logging.getLogger(__name__)
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 DEFAULT_TIMEOUT_S = 600.0  # a collective that waits longer than this ends the run
 _KEY = "moe_proxy/repro"
-RANK_FAULT_MODES = ("exit", "hang")
 SURVIVOR_WAIT_S = 2.0  # how long a rank that saw a collective fail waits for the others to say so too
 _NATIVE_PREFIX = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 
 
 class RankFailed(RuntimeError):
     """A rank of a distributed run died, hung or failed: the run is void, there is no verdict."""
-
-
-@dataclass
-class RankFault:
-    """Fault injection for the run itself: rank `rank` is killed (`exit`, SIGKILL as the OOM
-    killer does) or stops answering (`hang`) when step `step` starts."""
-
-    rank: int
-    step: int
-    mode: str = "exit"
-
-    @classmethod
-    def parse(cls, text: str, mode: str) -> RankFault:
-        rank, _, step = text.partition("@")
-        if not rank.isdigit() or not step.isdigit():
-            raise InvalidReproConfig(f"--fault-rank-{mode} {text!r}: expected RANK@STEP, e.g. 1@2")
-        return cls(int(rank), int(step), mode)
-
-    def maybe_fire(self, rank: int, step: int) -> None:
-        if rank != self.rank or step != self.step:
-            return
-        log.warning("rank %d: injected fault: %s at step %d", rank, self.mode, step)
-        if self.mode == "exit":
-            os.kill(os.getpid(), signal.SIGKILL)
-        while True:  # hang: never answer again, until someone kills us
-            time.sleep(60)
 
 
 def launched() -> bool:

@@ -18,9 +18,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.repro.config import Faults, ReproConfig
+from moe_proxy.repro.config import Faults, RankFault, ReproConfig
 from moe_proxy.repro.detect import Signature
-from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, RankFault, check_rows
+from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, check_rows
 
 SPEC_FILE = ".repro-launch.json"  # in RUN_DIR while the ranks run: what they run
 

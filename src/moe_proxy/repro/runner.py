@@ -35,9 +35,9 @@ import torch
 from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.reports import error_report, write_termination_log
-from moe_proxy.repro.config import ReproConfig
+from moe_proxy.repro.config import RankFault, ReproConfig
 from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.repro.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, RankFault, check_rows, full_value, join,
+from moe_proxy.repro.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, check_rows, full_value, join,
                                          local, shard)
 from moe_proxy.repro.faults import FaultInjector
 from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
@@ -75,6 +75,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
     out = Path(out_dir)
     try:  # a run that cannot start writes no summary: only the Job's termination message says why
         store = check_source(checkpoint)
+        rows = load_prompts(prompts) if prompts else None
     except MoeProxyError as exc:
         if termination_log:
             write_termination_log(termination_log, error_report(exc))
@@ -92,8 +93,8 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
             out.mkdir(parents=True, exist_ok=True)
             for stale in (METRICS_FILE, SUMMARY_FILE):  # a rerun into the same directory starts afresh
                 (out / stale).unlink(missing_ok=True)
-        dataset = PromptSet(load_prompts(prompts), config.seed if config.prompt_seed is None else config.prompt_seed) \
-            if prompts else None
+        dataset = PromptSet(rows, config.seed if config.prompt_seed is None else config.prompt_seed) \
+            if rows is not None else None
         with local_checkpoint(store, weights=not comm.distributed) as path:
             loop = _Loop(path, config, comm, dataset, open_checkpoint(checkpoint) if comm.distributed else None)
             for step in range(config.steps):
