@@ -12,9 +12,12 @@ import secrets
 from pathlib import Path
 
 from moe_proxy import cli
-from moe_proxy.storage.s3 import S3Store
-from moe_proxy.demo.seaweed import SeaweedFS
+from moe_proxy.build import build_proxy
 from moe_proxy.checkpoint.summary import human
+from moe_proxy.commands.build import summary as build_summary
+from moe_proxy.demo.seaweed import SeaweedFS
+from moe_proxy.errors import MoeProxyError
+from moe_proxy.storage import open_store
 
 BUCKET = "models"
 
@@ -40,9 +43,16 @@ def run(src: Path, workdir: Path, experts: int) -> bool:
         endpoint = ["--endpoint-url", s3.endpoint_url, "--region", "us-east-1"]
         src_uri, dst_uri = f"s3://{BUCKET}/original", f"s3://{BUCKET}/proxy"
         print(f"$ moe-proxy build {src_uri} {dst_uri} --experts {experts} --endpoint-url {s3.endpoint_url}")
-        before = S3Store.downloaded_total
-        built = cli.main(["build", src_uri, dst_uri, "--experts", str(experts), "--no-progress", *endpoint]) == 0
-        downloaded = S3Store.downloaded_total - before
+        # The library call behind that command, with the source store in hand to count its bytes.
+        source = open_store(src_uri, endpoint_url=s3.endpoint_url, region="us-east-1")
+        try:
+            print(build_summary(build_proxy(source, dst_uri, experts=experts,
+                                            store_options={"endpoint_url": s3.endpoint_url, "region": "us-east-1"})))
+            built = True
+        except MoeProxyError as exc:
+            print(f"moe-proxy build: error: {exc}")
+            built = False
+        downloaded = source.bytes_downloaded
         proxy = sum(o["Size"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="proxy/").get("Contents", []))
         print(f"  bytes downloaded       {human(downloaded, 'B')} of the {human(checkpoint, 'B')} checkpoint "
               f"({downloaded / checkpoint:.1%}); the proxy is {human(proxy, 'B')}")

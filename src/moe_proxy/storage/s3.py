@@ -95,9 +95,6 @@ class S3Store:
     AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN to use instead of boto3's chain).
     """
 
-    downloaded_total = 0  # response-body bytes of all stores in this process (demo summary)
-    _total_lock = threading.Lock()
-
     def __init__(
         self,
         uri: str,
@@ -150,7 +147,8 @@ class S3Store:
         if addressing_style:
             config = config.merge(Config(s3={"addressing_style": addressing_style}))
             self.client = self.session.client("s3", endpoint_url=endpoint_url, config=config)
-        self.bytes_downloaded = 0  # response-body bytes of this store's GETs
+        self.bytes_downloaded = 0  # response-body bytes of this store's GETs (threads read at once)
+        self._count_lock = threading.Lock()
         self._bucket_checked = False
 
     # ------------------------------------------------------------ names and errors
@@ -285,9 +283,8 @@ class S3Store:
                 for chunk in resp["Body"].iter_chunks(READ_CHUNK):
                     chunks.append(chunk)
                     got += len(chunk)
-                    with S3Store._total_lock:
+                    with self._count_lock:
                         self.bytes_downloaded += len(chunk)
-                        S3Store.downloaded_total += len(chunk)
             except S3_RETRYABLE_DOWNLOAD_ERRORS as exc:
                 drops += 1
                 if drops >= self.max_attempts:
