@@ -21,6 +21,9 @@ def main() -> int:
         from . import checkpoint_watch
 
         checkpoint_watch.register(settings.checkpoint_tick)
+    from . import diagnosis
+
+    diagnosis.register(settings.diagnosis_tick)
     kopf.configure(log_format=kopf.LogFormat[settings.log_format.upper()])
     kopf.run(
         standalone=True,  # one replica (Deployment strategy Recreate); no peering objects

@@ -63,8 +63,17 @@ PERMISSIONS: tuple[Permission, ...] = (
     # OwnerReferencesPermissionEnforcement admission plugin (OpenShift) allow only with this.
     Permission("moeproxy.io", "checkpointwatches/finalizers", ("update",),
                "own the ProxyModels it makes (blockOwnerDeletion)", features=("checkpointWatch",)),
+    # Diagnosis (issue 26): kopf's timer on each, its status, and the runs it creates (the
+    # reproduction workloads and Services above, read back with their pods; the ProxyModel with
+    # the `get` above). The runs are owned by the Diagnosis with blockOwnerDeletion.
+    Permission("moeproxy.io", "diagnoses", ("get", "list", "watch", "patch"),
+               "a timer per Diagnosis starts its runs and reads their verdicts"),
+    Permission("moeproxy.io", "diagnoses/status", ("get", "patch"),
+               "write status (runs per candidate and seed, verdicts, fixedBy, conditions)"),
+    Permission("moeproxy.io", "diagnoses/finalizers", ("update",),
+               "own the reproduction workloads it creates (blockOwnerDeletion)"),
     # Events on the ProxyModel (kopf.event) and kopf's own handler warnings (core v1 Events).
-    Permission("", "events", ("create",), "Events on ProxyModels"),
+    Permission("", "events", ("create",), "Events on ProxyModels and Diagnoses"),
     # kopf's runtime discovery: namespaces when MOEPROXY_NAMESPACES holds glob patterns, and
     # CRDs to notice the Volcano/AscendJob resources when they are installed later.
     Permission("", "namespaces", ("list", "watch"), "kopf: follow watched namespaces"),

@@ -23,7 +23,7 @@ from moe_proxy.options import to_args
 
 from .children import (REPRODUCTION, TERMINATION_LOG, child_name, container_basics, labels, merge_env,
                        pod_spec_basics, s3_env)
-from .resources import LABEL_CHILD, SERVICES
+from .resources import KUEUE_QUEUE_LABEL, LABEL_CHILD, SERVICES
 from .runtimes import MASTER_PORT, RUNTIMES, WATCHER, Runtime
 from .spec import ProxyModelSpec
 
@@ -236,22 +236,52 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
     }
 
 
+def name_reserve(spec: ProxyModelSpec, devices: int) -> int:
+    """Characters a reproduction workload's name leaves free: its pods' host names,
+    <name><suffix><index>, are DNS labels too."""
+    runtime = RUNTIMES[spec.reproduction.runtime]
+    where = placement(devices, spec.reproduction.accelerator.devices_per_node)
+    return len(runtime.rendezvous.hostname_suffix) + len(str(where.pods - 1)) if where.pods > 1 else 0
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Another owner's name and labels for a reproduction workload (a Diagnosis run): `labels`
+    go on the workload and its pods (with the ProxyModel's Kueue queue label, where the runtime
+    takes one); `args` are added after the container's own arguments."""
+
+    name: str
+    labels: dict
+    args: tuple[str, ...] = ()
+    env: tuple[dict, ...] = ()  # the container's env, over the operator's (a candidate's patch)
+
+
 def reproduction_workload(proxymodel: str, namespace: str, generation: int, spec: ProxyModelSpec,
                           proxy_uri: str, manifest_sha256: str, devices: int,
-                          experts_per_layer: int | None = None, top_k: int | None = None) -> dict:
+                          experts_per_layer: int | None = None, top_k: int | None = None,
+                          naming: Naming | None = None) -> dict:
     """The manifest for spec.reproduction.runtime, on `devices` accelerators in total (one pod
-    per node); `headless_service` gives the Service it needs, if any."""
+    per node); `headless_service` gives the Service it needs, if any. `naming`: the name, labels
+    and extra arguments of a run that is not the ProxyModel's own (a Diagnosis's)."""
     r = spec.reproduction
     runtime = RUNTIMES[r.runtime]
     where = placement(devices, r.accelerator.devices_per_node)
-    # the pods' host names, <name><suffix><index>, are DNS labels too
-    reserve = len(runtime.rendezvous.hostname_suffix) + len(str(where.pods - 1)) if where.pods > 1 else 0
-    name = child_name(proxymodel, REPRODUCTION, generation, reserve)
-    pod_labels = {**labels(proxymodel, REPRODUCTION, name, generation), **runtime.pod_labels(spec)}
-    workload_labels = {**labels(proxymodel, REPRODUCTION, name, generation, spec, kueue=runtime.kueue),
-                       **runtime.labels(spec)}
+    if naming is None:
+        name = child_name(proxymodel, REPRODUCTION, generation, name_reserve(spec, devices))
+        pod_labels = {**labels(proxymodel, REPRODUCTION, name, generation), **runtime.pod_labels(spec)}
+        workload_labels = {**labels(proxymodel, REPRODUCTION, name, generation, spec, kueue=runtime.kueue),
+                           **runtime.labels(spec)}
+    else:
+        name = naming.name
+        queue = {KUEUE_QUEUE_LABEL: spec.queue_name} if runtime.kueue and spec.queue_name else {}
+        pod_labels = {**naming.labels, **runtime.pod_labels(spec)}
+        workload_labels = {**naming.labels, **queue, **runtime.labels(spec)}
     template = pod_template(spec, proxy_uri, manifest_sha256, where, pod_labels, runtime, name,
                             experts_per_layer, top_k)
+    if naming is not None and (naming.args or naming.env):
+        for container in template["spec"]["containers"][:1]:
+            container["args"] = [*container.get("args", []), *naming.args]
+            container["env"] = merge_env(container.get("env") or [], list(naming.env))
     if runtime.rendezvous.service and where.pods > 1:
         template["spec"]["subdomain"] = name  # the headless Service has the workload's name
     return {"apiVersion": runtime.resource.api_version, "kind": runtime.resource.kind,

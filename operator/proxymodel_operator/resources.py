@@ -31,6 +31,7 @@ class Resource:
 
 
 PROXYMODELS = Resource(GROUP, VERSION, "proxymodels", "ProxyModel")
+DIAGNOSES = Resource(GROUP, VERSION, "diagnoses", "Diagnosis")
 JOBS = Resource("batch", "v1", "jobs", "Job")
 VOLCANO_JOBS = Resource("batch.volcano.sh", "v1alpha1", "jobs", "Job")
 ASCEND_JOBS = Resource("mindxdl.gitee.com", "v1", "ascendjobs", "AscendJob")

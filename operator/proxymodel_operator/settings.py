@@ -26,6 +26,8 @@ ENV_LOG_FORMAT = "MOEPROXY_LOG_FORMAT"  # plain | full | json
 ENV_CHECKPOINT_WATCH = "MOEPROXY_CHECKPOINT_WATCH"  # "true" serves CheckpointWatches (chart: checkpointWatch.enabled)
 # Not set by the chart: how often each CheckpointWatch's timer wakes (seconds; tests shorten it).
 ENV_CHECKPOINT_TICK = "MOEPROXY_CHECKPOINT_TICK"
+# Not set by the chart: how often each Diagnosis's timer looks at its runs (seconds; tests shorten it).
+ENV_DIAGNOSIS_TICK = "MOEPROXY_DIAGNOSIS_TICK"
 # Not set by the chart: how often a refused ProxyModel's dependencies (its Secret, its source's
 # config.json) are looked at again (seconds; tests shorten it).
 ENV_RECHECK_INTERVAL = "MOEPROXY_RECHECK_INTERVAL"
@@ -58,6 +60,7 @@ class Settings:
     log_format: str = "json"
     checkpoint_watch: bool = False  # the chart grants its RBAC only when this is on
     checkpoint_tick: float = 30.0  # the CRD's smallest pollInterval: polls fall on 30 s ticks
+    diagnosis_tick: float = 10.0  # a Diagnosis's runs are looked at this often
     recheck_interval: float = 120.0  # a refusal's Secret and source are looked at again this often
 
     @property
@@ -121,5 +124,6 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         log_format=log_format,
         checkpoint_watch=checkpoint_watch in ("true", "1", "yes"),
         checkpoint_tick=_float(env, ENV_CHECKPOINT_TICK, Settings.checkpoint_tick),
+        diagnosis_tick=_float(env, ENV_DIAGNOSIS_TICK, Settings.diagnosis_tick),
         recheck_interval=_float(env, ENV_RECHECK_INTERVAL, Settings.recheck_interval),
     )

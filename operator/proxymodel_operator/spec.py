@@ -199,6 +199,15 @@ def _fail_on(raw: dict | None) -> FailOn | None:
     return FailOn("threshold", metric, raw.get("operator", ">"), number, int(raw.get("steps", 1)), stop)
 
 
+def parse_fail_on(raw: dict | None, where: str = "spec.reproduction.failOn") -> FailOn | None:
+    """A failOn object as the CRD has it (a ProxyModel's spec.reproduction.failOn, a Diagnosis's
+    spec.failOn); InvalidSpec names `where`."""
+    try:
+        return _fail_on(raw)
+    except InvalidSpec as exc:
+        raise InvalidSpec(str(exc).replace("spec.reproduction.failOn", where)) from None
+
+
 def _repro_config(raw: dict) -> ReproConfig:
     try:
         return from_crd(ReproConfig, raw, "spec.reproduction")

@@ -112,6 +112,8 @@ async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, n
                 subresources={"status"} if resource is PROXYMODELS else set())
         emulator.resources[f"{PROXYMODELS.group}/{PROXYMODELS.version}/checkpointwatches"] = kmock.ResourceInfo(
             kind="CheckpointWatch", namespaced=True, verbs=set(VERBS.values()), subresources={"status"})
+        emulator.resources[f"{PROXYMODELS.group}/{PROXYMODELS.version}/diagnoses"] = kmock.ResourceInfo(
+            kind="Diagnosis", namespaced=True, verbs=set(VERBS.values()), subresources={"status"})
         for ns in (WATCHED, "other"):
             emulator.objects["v1/namespaces", None, ns] = {"apiVersion": "v1", "kind": "Namespace",
                                                            "metadata": {"name": ns}}
@@ -172,6 +174,7 @@ async def test_rendered_deployment_runs_within_its_rbac(chart, tmp_path, mode, n
     assert "proxymodels" in watched
     # CheckpointWatches are served only when the chart enables them.
     assert ("checkpointwatches" in watched) == (mode == "checkpoint-watch")
+    assert "diagnoses" in watched  # Diagnoses are always served
     denied = sorted({c for c in calls if not granted(*c)}, key=str)
     assert denied == [], f"calls the rendered RBAC does not allow: {denied}"
     if mode == "namespaced":

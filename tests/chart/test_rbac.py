@@ -193,7 +193,7 @@ def test_kopf_can_serve_every_registered_handler(chart, values):
     (progress annotations, finalizer) patchable."""
     require("kopf", "kopf")
     import proxymodel_operator.handlers  # noqa: F401 - registers the handlers
-    from proxymodel_operator import checkpoint_watch
+    from proxymodel_operator import checkpoint_watch, diagnosis
 
     from ..operator.harness import registry_copy
 
@@ -203,6 +203,7 @@ def test_kopf_can_serve_every_registered_handler(chart, values):
 
     registry = registry_copy()  # the default registry's handlers, and the watch's timer
     checkpoint_watch.register(30.0, registry)  # as with checkpointWatch.enabled
+    diagnosis.register(10.0, registry)  # always
     default, watching = granted_by(values), granted_by({**values, "checkpointWatch": {"enabled": True}})
     stateful = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
     stateless = [*registry._watching.get_all_handlers(), *registry._indexing.get_all_handlers()]

@@ -152,6 +152,8 @@ async def cluster(tmp_path, monkeypatch) -> AsyncIterator[Api]:
         info = dict(namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"})
         emulator.resources["moeproxy.io/v1alpha1/proxymodels"] = kmock.ResourceInfo(
             kind="ProxyModel", subresources={"status"}, shortnames={"pxm"}, **info)
+        emulator.resources["moeproxy.io/v1alpha1/diagnoses"] = kmock.ResourceInfo(
+            kind="Diagnosis", subresources={"status"}, shortnames={"pxd"}, **info)
         emulator.resources["batch.volcano.sh/v1alpha1/jobs"] = kmock.ResourceInfo(kind="Job", **info)
         emulator.resources["mindxdl.gitee.com/v1/ascendjobs"] = kmock.ResourceInfo(kind="AscendJob", **info)
         kubeconfig = tmp_path / "kubeconfig"

@@ -184,6 +184,23 @@ TRANSFORMER_REPORT = {
 }
 
 
+def tiny_proxy_in(root) -> object:
+    """A tiny Qwen3-MoE (8 experts, top-2) under `root`/original and its proxy at 4 experts
+    (returned: `root`/proxy), in local directories, for runs as local processes."""
+    from moe_proxy.build import build_proxy
+    from moe_proxy.demo.tiny import make_tiny
+
+    make_tiny("qwen3_moe", root / "original")
+    build_proxy(str(root / "original"), str(root / "proxy"), experts=4)
+    return root / "proxy"
+
+
+def tiny_report(proxy) -> str:
+    """The transformer's termination message for the tiny proxy at `proxy`."""
+    return json.dumps({"proxy_uri": str(proxy), "manifest_sha256": "ab" * 32, "architecture": "Qwen3-MoE",
+                       "experts_per_layer": {"before": 8, "after": 4, "top_k": 2}, "params": {}, "bytes": {}})
+
+
 def registry_copy() -> kopf.OperatorRegistry:
     """A registry of its own holding what the default one holds (the handlers that importing
     proxymodel_operator.handlers registers): a test adds to it without touching other tests."""

@@ -31,7 +31,7 @@ from proxymodel_operator.resources import JOBS, PROXYMODELS, SERVICES
 from proxymodel_operator.runtimes import RUNTIMES, WATCHER
 
 from .controllers import ASCEND_MASTER_IP, CONTROLLERS, Started
-from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel
+from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel, tiny_proxy_in, tiny_report
 from .kubelet import Kubelet, Ran
 
 pytestmark = pytest.mark.slow
@@ -44,25 +44,14 @@ UNTIMED = ("timing_s/", "perf/time_per_step", "perf/throughput")
 @pytest.fixture(scope="module")
 def tiny_proxy(tmp_path_factory):
     """A tiny Qwen3-MoE (8 experts, top-2) and its proxy at 4 experts, in local directories."""
-    from moe_proxy.build import build_proxy
-    from moe_proxy.demo.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("e2e")
-    make_tiny("qwen3_moe", root / "original")
-    build_proxy(str(root / "original"), str(root / "proxy"), experts=4)
-    return root / "proxy"
-
-
-def _report(proxy) -> str:
-    return json.dumps({"proxy_uri": str(proxy), "manifest_sha256": "ab" * 32, "architecture": "Qwen3-MoE",
-                       "experts_per_layer": {"before": 8, "after": 4, "top_k": 2}, "params": {}, "bytes": {}})
+    return tiny_proxy_in(tmp_path_factory.mktemp("e2e"))
 
 
 async def _reproduction_of(cluster, name: str, proxy, runtime: str = "Job") -> dict:
     """Create the ProxyModel `name`, let its transformer report `proxy`: its reproduction workload."""
     await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     transformer = await eventually(lambda: cluster.get(JOBS, NS, f"{name}-transform-g1"), 30, "transformer Job")
-    await cluster.finish_pod(NS, transformer, "transformer", 0, _report(proxy))
+    await cluster.finish_pod(NS, transformer, "transformer", 0, tiny_report(proxy))
     await cluster.job_condition(NS, transformer["metadata"]["name"], "Complete")
     resource = RUNTIMES[runtime].resource
     return await eventually(lambda: cluster.get(resource, NS, f"{name}-repro-g1"), 30, f"reproduction {runtime}")

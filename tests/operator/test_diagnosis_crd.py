@@ -1,0 +1,61 @@
+"""The Diagnosis CRD: a valid Kubernetes object with its columns and short name, spec.failOn
+the ProxyModel's own schema, and the example passes it and the operator's own checks."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from proxymodel_operator.diagnosis_decisions import parse_diagnosis
+
+from ..checkpoints.crd_schema import ROOT, errors, load_crd, openapi
+
+EXAMPLE = ROOT / "examples" / "diagnosis.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict:
+    return load_crd("diagnoses.moeproxy.io")
+
+
+def test_crd_basics(crd):
+    kubernetes_validate.validate(crd, "1.31.0", strict=True)
+    spec = crd["spec"]
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"],
+            spec["names"]["shortNames"]) == ("moeproxy.io", "Namespaced", "Diagnosis", "diagnoses", ["pxd"])
+    (version,) = spec["versions"]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Baseline"] == ".status.baseline.verdict" and columns["Fixed by"] == ".status.fixedBy"
+    assert columns["Done/Total"] == ".status.progress" and columns["Age"] == ".metadata.creationTimestamp"
+    assert openapi(crd)["properties"]["status"]["properties"]["kopf"]["x-kubernetes-preserve-unknown-fields"]
+
+
+def test_fail_on_is_the_proxymodels():
+    ours = openapi(load_crd("diagnoses.moeproxy.io"))["properties"]["spec"]["properties"]["failOn"]
+    theirs = openapi(load_crd("proxymodels.moeproxy.io"))["properties"]["spec"]["properties"]["reproduction"][
+        "properties"]["failOn"]
+    assert {k: v for k, v in ours.items() if k != "description"} == \
+        {k: v for k, v in theirs.items() if k != "description"}
+
+
+def test_the_example_is_valid(crd):
+    example = yaml.safe_load(EXAMPLE.read_text())
+    assert errors(crd, example) == []
+    d = parse_diagnosis(example["spec"])
+    assert [c.name for c in d.candidates] == ["bf16", "loss-scaling", "lower-lr", "clip-harder"]
+
+
+@pytest.mark.parametrize("change, text", [
+    (lambda s: s.pop("proxyModel"), "proxyModel"),
+    (lambda s: s.update(candidates=[]), "candidates"),
+    (lambda s: s.update(seeds=0), "seeds"),
+    (lambda s: s.update(parallelism="2"), "parallelism"),
+    (lambda s: s.update(failOn={"signature": "boom"}), "signature"),
+])
+def test_bad_diagnoses_are_rejected_by_the_schema(crd, change, text):
+    example = yaml.safe_load(EXAMPLE.read_text())
+    change(example["spec"])
+    found = errors(crd, example)
+    assert found and any(text in e for e in found), found

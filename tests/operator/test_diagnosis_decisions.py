@@ -1,0 +1,259 @@
+"""The Diagnosis's decisions, without a cluster: parsing and refusals, the baseline from the
+ProxyModel, run names and manifests, at most `parallelism` running, what a restart finds, and
+verdicts by the CLI's rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_proxy.repro.catalogue import CATALOGUE
+from moe_proxy.repro.diagnose import SeedRun, verdict
+from proxymodel_operator.diagnosis_decisions import (DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS,
+                                                     RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING,
+                                                     WAITING_FOR_PROXY, InvalidDiagnosis, decide, parse_diagnosis,
+                                                     recorded_running, run_name, seed_run)
+from proxymodel_operator.outcome import FAILED, RUNNING, SUCCEEDED, Outcome
+from proxymodel_operator.resources import KUEUE_QUEUE_LABEL, LABEL_ROLE
+from proxymodel_operator.settings import Settings
+
+from .harness import proxymodel
+
+NS = "team-d"
+SETTINGS = Settings()
+
+
+def built(name: str = "pm", **reproduction) -> dict:
+    """A ProxyModel whose proxy is built (its reproduction running)."""
+    body = proxymodel(name, reproduction={"runtime": "Job", "maxSteps": 4, "lr": 0.1,
+                                          "failOn": {"signature": "divergence"},
+                                          "accelerator": {"devices": 1, "devicesPerNode": 1}, **reproduction})
+    body["metadata"]["namespace"] = NS
+    body["status"] = {"phase": "Reproducing", "proxy": {
+        "uri": "s3://ckpt/proxies/pm/", "manifestSha256": "ab" * 32, "expertsPerLayer": {"after": 4, "topK": 2}}}
+    return body
+
+
+def diagnosis(spec: dict, status: dict | None = None, name: str = "dx") -> dict:
+    return {"metadata": {"name": name, "namespace": NS, "generation": 1, "uid": "u-1"},
+            "spec": {"proxyModel": "pm", **spec}, "status": status or {}}
+
+
+def apply(body: dict, decision) -> dict:
+    body = json.loads(json.dumps(body))
+    body["status"] = {**body.get("status", {}), **decision.status}
+    return body
+
+
+def args_of(manifest: dict) -> list[str]:
+    return manifest["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_parse_defaults_and_custom_candidates():
+    d = parse_diagnosis({"proxyModel": "pm", "candidates": ["lower-lr", {"name": "mine", "args": ["--lr", "1e-6"]}]})
+    assert (d.seeds, d.parallelism, d.steps, d.fail_on) == (2, 1, None, None)
+    assert [c.name for c in d.candidates] == ["lower-lr", "mine"] and d.candidates[1].args == ("--lr", "1e-6")
+
+
+@pytest.mark.parametrize("spec, reason, text", [
+    ({"candidates": ["lower-lr", "no-such-fix"]}, "UnknownCandidate", "the catalogue has fp32, bf16"),
+    ({"candidates": []}, "InvalidSpec", "at least one"),
+    ({"candidates": ["lower-lr", "lower-lr"]}, "InvalidSpec", "used twice"),
+    ({"candidates": [{"name": "baseline", "args": ["--lr", "1"]}]}, "InvalidSpec", "reserved"),
+    ({"candidates": [{"name": "x", "args": ["--seed", "3"]}]}, "InvalidSpec", "the diagnosis's own"),
+    ({"candidates": [{"name": "x", "args": ["lr", "3"]}]}, "InvalidSpec", "repro flags"),
+    ({"candidates": ["fp32"], "seeds": 0}, "InvalidSpec", "spec.seeds"),
+    ({"candidates": ["fp32"], "failOn": {"signature": "boom"}}, "InvalidSpec", "spec.failOn.signature"),
+])
+def test_bad_specs_are_refused_with_a_reason(spec, reason, text):
+    with pytest.raises(InvalidDiagnosis) as caught:
+        parse_diagnosis({"proxyModel": "pm", **spec})
+    assert caught.value.reason == reason and text in str(caught.value)
+    decision = decide(diagnosis(spec), built(), {}, SETTINGS)
+    assert decision.status["phase"] == DIAGNOSIS_FAILED and not decision.create
+    accepted = next(c for c in decision.status["conditions"] if c["type"] == "Accepted")
+    assert (accepted["status"], accepted["reason"]) == ("False", reason)
+    assert decision.events[0][:2] == ("Warning", reason)
+    # said once: a second look at the same refusal posts no Event
+    assert decide(apply(diagnosis(spec), decision), built(), {}, SETTINGS).events == []
+
+
+def test_a_missing_proxymodel_waits_and_a_template_one_is_refused():
+    missing = decide(diagnosis({"candidates": ["fp32"]}), None, {}, SETTINGS)
+    assert missing.status["phase"] == WAITING_FOR_PROXY and not missing.create
+    assert [c["reason"] for c in missing.status["conditions"]] == ["ProxyModelNotFound"]
+    template = {"spec": {"containers": [{"name": "verl", "image": "verl:test", "command": ["python"]}]}}
+    refused = decide(diagnosis({"candidates": ["fp32"]}), built(template=template), {}, SETTINGS)
+    assert refused.status["phase"] == DIAGNOSIS_FAILED
+    assert refused.events[0][1] == "TemplateUnsupported"
+    failed = built()
+    failed["status"] = {"phase": "Failed", "message": "transformer failed: OOMKilled"}
+    assert decide(diagnosis({"candidates": ["fp32"]}), failed, {}, SETTINGS).events[0][1] == "ProxyModelFailed"
+
+
+def test_waits_while_the_proxy_is_being_built():
+    building = built()
+    building["status"] = {"phase": "Transforming"}
+    decision = decide(diagnosis({"candidates": ["fp32"]}), building, {}, SETTINGS)
+    assert decision.status["phase"] == WAITING_FOR_PROXY and not decision.create
+    running = next(c for c in decision.status["conditions"] if c["type"] == "Running")
+    assert (running["status"], running["reason"]) == ("False", "WaitingForProxy")
+
+
+def test_start_records_every_run_and_creates_parallelism_of_them_baseline_first():
+    pm = built(queueName="team-queue")
+    pm["spec"]["queueName"] = "team-queue"
+    body = diagnosis({"candidates": ["lower-lr", {"name": "mine", "args": ["--warmup-steps", "2"]}],
+                      "parallelism": 2, "steps": 3})
+    decision = decide(body, pm, {}, SETTINGS)
+    s = decision.status
+    assert s["phase"] == DIAGNOSING and s["seeds"] == [0, 1] and s["steps"] == 3 and s["failOn"] == "divergence"
+    assert [r["phase"] for r in s["baseline"]["runs"]] == [RUN_RUNNING, RUN_RUNNING]
+    assert all(r["phase"] == RUN_PENDING for c in s["candidates"] for r in c["runs"])
+    assert s["candidates"][0]["args"] == ["--lr", "0.01"]  # the catalogue's lr / 10 of the ProxyModel's 0.1
+    names = [m["metadata"]["name"] for _, m in decision.create]
+    assert names == ["dx-baseline-s0", "dx-baseline-s1"] == recorded_running(s)
+    job = decision.create[1][1]
+    args = args_of(job)
+    assert args[:2] == ["repro", "s3://ckpt/proxies/pm/"] and args[-2:] == ["--seed", "1"]
+    assert args[args.index("--steps") + 1] == "3" and args[args.index("--fail-on") + 1] == "divergence"
+    labels = job["metadata"]["labels"]
+    assert labels[LABEL_DIAGNOSIS] == "dx" and labels[LABEL_ROLE] == "diagnosis"
+    assert labels[KUEUE_QUEUE_LABEL] == "team-queue"
+    assert "moeproxy.io/proxymodel" not in labels  # never taken for the ProxyModel's own children
+    assert s["progress"] == "0/6"
+
+    # the first baseline run finishes: one candidate run starts (2 at a time), in order
+    body = apply(body, decision)
+    report = {"reproduced": True, "signature": "divergence", "step": 1}
+    nxt = decide(body, pm, {"dx-baseline-s0": Outcome(SUCCEEDED, report=report),
+                            "dx-baseline-s1": Outcome(RUNNING)}, SETTINGS)
+    assert [m["metadata"]["name"] for _, m in nxt.create] == ["dx-lower-lr-s0"]
+    assert args_of(nxt.create[0][1])[-4:] == ["--lr", "0.01", "--seed", "0"]
+    row = nxt.status["baseline"]["runs"][0]
+    assert (row["phase"], row["reproduced"], row["step"]) == (RUN_DONE, True, 1)
+    assert nxt.status["progress"] == "1/6" and nxt.status["running"] == 2
+
+
+def _finish_all(body, pm, outcomes):
+    """Decide until nothing runs, every run finishing with outcomes[(variant, seed)]."""
+    for _ in range(20):
+        running = recorded_running(body["status"])
+        if not running and body["status"].get("phase") in (DIAGNOSED, DIAGNOSIS_FAILED):
+            return body
+        seen = {}
+        for w in running:
+            variant, seed = w.removeprefix("dx-").rsplit("-s", 1)
+            seen[w] = outcomes[(variant, int(seed))]
+        body = apply(body, decide(body, pm, seen, SETTINGS))
+    raise AssertionError("never finished")
+
+
+def _done(step=None, **extra):
+    return Outcome(SUCCEEDED, report={"reproduced": step is not None, "signature": "divergence" if step is not None
+                                      else None, "step": step, **extra})
+
+
+def test_verdicts_are_the_clis():
+    pm = built()
+    body = diagnosis({"candidates": ["lower-lr", "warmup", "z-loss"], "parallelism": 3})
+    outcomes = {("baseline", 0): _done(1), ("baseline", 1): _done(3),
+                ("lower-lr", 0): _done(), ("lower-lr", 1): _done(),
+                ("warmup", 0): _done(2), ("warmup", 1): _done(3),
+                ("z-loss", 0): Outcome(FAILED, "OOMKilled", "container exited with code 137"),
+                ("z-loss", 1): _done()}
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    body = _finish_all(body, pm, outcomes)
+    s = body["status"]
+    assert s["phase"] == DIAGNOSED and s["fixedBy"] == "lower-lr" and s["progress"] == "8/8"
+    assert s["baseline"]["verdict"] == "reproduced"
+    got = {c["name"]: (c["verdict"], c["note"]) for c in s["candidates"]}
+    # the CLI's rule on the same runs
+    base = {0: SeedRun(True, "divergence", 1, 2), 1: SeedRun(True, "divergence", 3, 4)}
+    assert got["lower-lr"] == verdict(base, {0: SeedRun(False, steps=4), 1: SeedRun(False, steps=4)}, 4)
+    assert got["lower-lr"][0] == "fixed"
+    assert got["warmup"] == ("reproduced", "seed 0 step 2, seed 1 step 3")
+    assert got["z-loss"][0] == "error" and "OOMKilled" in got["z-loss"][1]
+    complete = next(c for c in s["conditions"] if c["type"] == "Complete")
+    assert (complete["status"], complete["reason"]) == ("True", "FixFound")
+    # finished: nothing more to do
+    assert decide(body, pm, {}, SETTINGS).status == {}
+
+
+def test_a_baseline_that_never_runs_fails_the_diagnosis():
+    pm = built()
+    body = diagnosis({"candidates": ["fp32"], "seeds": 1, "parallelism": 2})
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    error = Outcome(FAILED, "ImagePullBackOff", "no such image")
+    body = _finish_all(body, pm, {("baseline", 0): error, ("fp32", 0): _done()})
+    assert body["status"]["phase"] == DIAGNOSIS_FAILED and body["status"]["baseline"]["verdict"] == "error"
+    assert next(c for c in body["status"]["conditions"] if c["type"] == "Failed")["reason"] == "BaselineFailed"
+
+
+def test_a_run_recorded_but_never_created_is_created_under_the_same_name():
+    """The operator stopped between writing status and creating the workload."""
+    pm = built()
+    body = diagnosis({"candidates": ["fp32"], "seeds": 1})
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    again = decide(body, pm, {}, SETTINGS)  # the workload is not there
+    assert [m["metadata"]["name"] for _, m in again.create] == ["dx-baseline-s0"]
+    assert not any(r["phase"] == RUN_RUNNING for r in again.status["candidates"][0]["runs"])  # still one at a time
+    # and when it is there, nothing is created
+    assert decide(body, pm, {"dx-baseline-s0": Outcome(RUNNING)}, SETTINGS).create == []
+
+
+def test_a_run_that_reported_no_verdict_is_an_error_and_steps_completed_is_read_when_there():
+    pm = built()
+    body = diagnosis({"candidates": ["fp32"], "seeds": 1, "parallelism": 2})
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    body = _finish_all(body, pm, {("baseline", 0): _done(1),
+                                  ("fp32", 0): _done(None, steps_completed=2, stopped="nan")})
+    fp32 = body["status"]["candidates"][0]
+    assert fp32["verdict"] == "inconclusive" and "stopped at step 2" in fp32["note"]
+    assert seed_run(fp32["runs"][0]).steps == 2
+    no_report = decide(diagnosis({"candidates": ["fp32"]}), pm, {}, SETTINGS)
+    body = apply(diagnosis({"candidates": ["fp32"], "seeds": 1}), no_report)
+    after = decide(body, pm, {"dx-baseline-s0": Outcome(SUCCEEDED)}, SETTINGS)
+    assert after.status["baseline"]["runs"][0]["phase"] == RUN_ERROR
+
+
+def test_run_names_are_dns_labels_of_63_characters_at_most():
+    assert run_name("dx", "lower-lr", 0) == "dx-lower-lr-s0"
+    long = run_name("d" * 60, "Z_Loss", 12)
+    assert len(long) <= 63 and long.endswith("-s12") and long == long.lower()
+    assert run_name("d" * 60, "Z_Loss", 12) != run_name("d" * 60, "Z-Loss", 12)
+    assert len(run_name("d" * 60, "x", 1, reserve=4)) <= 59
+
+
+def test_every_catalogue_candidate_makes_a_run():
+    pm = built()
+    body = diagnosis({"candidates": list(CATALOGUE), "seeds": 1, "parallelism": len(CATALOGUE) + 1})
+    decision = decide(body, pm, {}, SETTINGS)
+    assert len(decision.create) == len(CATALOGUE) + 1
+    for (_, manifest), name in zip(decision.create[1:], CATALOGUE):
+        assert args_of(manifest)[-2:] == ["--seed", "0"]
+        assert manifest["metadata"]["labels"]["moeproxy.io/variant"] == name
+
+
+def test_a_spec_change_after_the_runs_started_is_said_once_and_not_run():
+    pm = built()
+    body = diagnosis({"candidates": ["fp32"], "seeds": 1})
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    body["metadata"]["generation"] = 2
+    body["spec"].update(candidates=["z-loss"], steps=2, parallelism=3)
+    changed = decide(body, pm, {"dx-baseline-s0": Outcome(RUNNING)}, SETTINGS)
+    assert changed.status == {"observedGeneration": 2} and changed.events[0][1] == "SpecChangeIgnored"
+    body = apply(body, changed)
+    after = decide(body, pm, {"dx-baseline-s0": _done(1)}, SETTINGS)
+    assert [m["metadata"]["name"] for _, m in after.create] == ["dx-fp32-s0"]
+    assert args_of(after.create[0][1])[-4:] == ["--precision", "fp32", "--seed", "0"]
+    args = args_of(after.create[0][1])
+    assert args[args.index("--steps") + 1] == "4" and len(after.create) == 1  # the recorded steps and parallelism
+
+
+def test_a_proxymodel_whose_own_reproduction_failed_still_gives_its_proxy():
+    pm = built()
+    pm["status"].update(phase="Failed", conditions=[{"type": "ProxyReady", "status": "True", "reason": "ProxyBuilt"}])
+    decision = decide(diagnosis({"candidates": ["fp32"]}), pm, {}, SETTINGS)
+    assert decision.status["phase"] == DIAGNOSING and len(decision.create) == 1
