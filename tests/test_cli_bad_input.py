@@ -22,7 +22,8 @@ from .house.blocked import run_blocked
 # (command, arguments, a fragment of the error line). Placeholders: {tiny} a real checkpoint,
 # {truncated} its copy with config.json cut short, {file} a regular file, {run} a run directory
 # (metrics.jsonl), {missing} a path that does not exist, {root} their folder, {out} an output
-# path the command must leave unwritten.
+# path the command must leave unwritten, {events_empty} / {events_cut} TensorBoard directories
+# holding an empty and a truncated event file.
 ROWS = [
     ("inspect", "{missing}", "no config.json"),
     ("inspect", "{truncated}", "not valid JSON"),
@@ -67,6 +68,15 @@ ROWS = [
     ("watch", "{run}/metrics.jsonl --fail-on garbage", "--fail-on 'garbage'"),
     ("watch", "{missing}/metrics.jsonl --timeout 0.2 --poll 0.05", "the file never appeared"),
     ("watch", "", "no METRICS_FILE given"),
+    ("watch", "{file}", "not a metrics file of a known format; readable formats: jsonl"),
+    ("watch", "{run} --profile nope", "--profile 'nope': no such profile; one of verl, trl"),
+    ("watch", "{run} --metric kl", "--metric 'kl': expected ROLE=NAME"),
+    ("watch", "{run} --format csv", "--format: invalid choice: 'csv'"),
+    ("compare", "{run} {file} --out {out}", "not a metrics file of a known format; readable formats: jsonl"),
+    ("compare", "{run} {tiny} --out {out}", "no metrics.jsonl, trainer_state.json, checkpoint-N/"),
+    ("compare", "{run} {run} --out {out} --profile nope", "--profile 'nope': no such profile"),
+    ("compare", "{run} {events_empty} --out {out}", "empty event file"),
+    ("compare", "{run} {events_cut} --out {out}", "truncated or corrupt event file"),
 ]
 
 
@@ -81,8 +91,27 @@ def places(tmp_path_factory) -> dict[str, Path]:
     (root / "run").mkdir()
     (root / "run" / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "data": {"actor/pg_loss": s % 3, "actor/grad_norm": s}}) + "\n" for s in range(6)))
+    (root / "tb-empty").mkdir()
+    (root / "tb-empty" / "events.out.tfevents.1.host").touch()
+    (root / "tb-cut").mkdir()
+    (root / "tb-cut" / "events.out.tfevents.1.host").write_bytes(_event_record(0) + _event_record(1)[:-5])
     return {"root": root, "tiny": root / "tiny", "truncated": root / "truncated", "file": root / "a-file",
-            "run": root / "run", "missing": root / "no-such"}
+            "run": root / "run", "missing": root / "no-such", "events_empty": root / "tb-empty",
+            "events_cut": root / "tb-cut"}
+
+
+def _event_record(step: int) -> bytes:
+    """One TFRecord of an Event (a TensorBoard event file is a sequence of them)."""
+    import struct
+
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    event = Event(step=step, wall_time=1.0)
+    event.summary.value.add(tag="train/loss", simple_value=0.5)
+    data = event.SerializeToString()
+    head = struct.pack("<Q", len(data))
+    return head + struct.pack("<I", masked_crc32c(head)) + data + struct.pack("<I", masked_crc32c(data))
 
 
 def one_error_line(stderr: str, command: str) -> str:

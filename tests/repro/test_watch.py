@@ -30,7 +30,7 @@ def test_verl_file_with_nan_at_step_3_as_it_grows(tmp_path, capsys):
                  "--poll", "0.02", "--timeout", "60"])
     writer.join()
     assert code == 0
-    assert capsys.readouterr().out.strip() == "nan at step 3 (reproduced)"
+    assert capsys.readouterr().out.splitlines()[0] == "nan at step 3 (reproduced)"
     report = json.loads(log.read_text())
     assert report == {"reproduced": True, "signature": "nan", "step": 3,
                       "metrics": {"actor/pg_loss": None, "actor/grad_norm": 1.0, "critic/rewards/mean": 0.5}}
@@ -52,8 +52,13 @@ def test_not_json_lines_is_a_clear_error(tmp_path, capsys):
     metrics.write_text("step 1: loss 0.3\n")
     assert main(["watch", str(metrics), "--termination-log", str(log), "--poll", "0.01", "--timeout", "10"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"moe-proxy watch: error: {metrics}:1: not JSON (Expecting value); each line must be one JSON object"
+    assert err.startswith(f"moe-proxy watch: error: {metrics}: not a metrics file of a known format; readable formats: "
+                          "jsonl (") and "tensorboard (" in err and "trainer-state (" in err and "\n" not in err
     assert json.loads(log.read_text())["error"] == "MalformedMetrics"
+    # as JSON lines (--format), the line itself is refused
+    assert main(["watch", str(metrics), "--format", "jsonl", "--poll", "0.01", "--timeout", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"moe-proxy watch: error: {metrics}:1: not JSON (Expecting value); each line must be one JSON object"
 
 
 def test_timeout_without_an_end_is_an_error_not_a_verdict(tmp_path, capsys):
@@ -137,7 +142,7 @@ def test_each_figure_is_shown_with_its_own_step(tmp_path, capsys, caplog):
     caplog.set_level(logging.INFO)
     assert main(["watch", str(metrics), "--fail-on", "divergence", "--until-file", str(done),
                  "--termination-log", str(log), "--poll", "0.01"]) == 0
-    assert capsys.readouterr().out.strip() == "divergence at step 5 (reproduced)"
+    assert capsys.readouterr().out.splitlines()[0] == "divergence at step 5 (reproduced)"
     [line] = [r.getMessage() for r in caplog.records if "divergence detected" in r.getMessage()]
     assert line.startswith("step 5: divergence detected (at step 6: ") and "900" in line, line
     report = json.loads(log.read_text())

@@ -1,5 +1,6 @@
-"""`moe-proxy watch METRICS_FILE`: follow another framework's metrics file (verl's FileLogger)
-and write the same verdict as `repro`. Torch-free: it runs as a sidecar."""
+"""`moe-proxy watch METRICS_FILE`: follow another framework's metrics (verl's FileLogger lines,
+TensorBoard events, an HF Trainer's trainer_state.json) and write the same verdict as `repro`.
+Torch-free: it runs as a sidecar."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "watch", help="follow a training run's metrics file and decide whether a failure came back",
         description="Follow METRICS_FILE as it grows (verl FileLogger lines {step, elapsed_seconds, data} or "
-        "flat {step, metric: value}), apply repro's failure detectors and write the same verdict "
+        "flat {step, metric: value}; a TensorBoard log directory or event file; an HF Trainer trainer_state.json "
+        "or output directory with checkpoint-N/), read its names with the framework's profile (verl, trl, "
+        "openrlhf, mindspeed-rl, megatron), apply repro's failure detectors and write the same verdict "
         "({reproduced, signature, step, metrics}) once the failure is seen or the run ends.")
     p.add_argument("metrics_file", metavar="METRICS_FILE", nargs="?", default=os.environ.get("VERL_FILE_LOGGER_PATH"),
-                   help="the file to follow (default: $VERL_FILE_LOGGER_PATH)")
+                   help="the file or directory to follow (default: $VERL_FILE_LOGGER_PATH)")
+    add_reading_options(p)
     p.add_argument("--fail-on", metavar="SIGNATURE",
                    help="the failure to look for: overflow, underflow, nan, divergence, collapse, or "
                    "METRIC>VALUE[:STEPS]; without it the verdict names the first failure of any kind")
@@ -40,6 +44,29 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def add_reading_options(p) -> None:
+    """--format, --profile, --metric: how a run's metrics are read (watch and compare)."""
+    p.add_argument("--format", choices=("jsonl", "tensorboard", "trainer-state"),
+                   help="the metrics' format (default: detected from the path and its contents)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="whose metric names: verl, trl, openrlhf, mindspeed-rl, megatron (default: detected "
+                   "from the names)")
+    p.add_argument("--metric", action="append", metavar="ROLE=NAME",
+                   help="read NAME as ROLE (policy_loss, kl, entropy, grad_norm, reward, loss_scale, "
+                   "router_logit_max, expert_load, max_activation, ...); repeatable")
+
+
+def reading_options(args: argparse.Namespace):
+    from moe_proxy.repro.profiles import parse_metric_options, profile_for
+    from moe_proxy.repro.readers import ReadOptions, check_format
+
+    check_format(args.format)
+    if args.profile is not None:
+        profile_for([], args.profile)  # refused now, not at the first step
+    parse_metric_options(args.metric)
+    return ReadOptions(args.format, args.profile, tuple(args.metric or ()))
+
+
 def _wait_for_end(ended, until_file: str | None, poll: float) -> None:
     """Until SIGTERM (`ended`) or the done marker."""
     while not ended.wait(poll):
@@ -57,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, ended) -> int:
     from moe_proxy.errors import InvalidReproConfig, MoeProxyError
     from moe_proxy.repro.detect import Signature, Thresholds
+    from moe_proxy.repro.profiles import coverage_lines
     from moe_proxy.repro.verdict import verdict_lines
     from moe_proxy.repro.watch import watch
     from moe_proxy.reports import error_report, write_termination_log
@@ -72,8 +100,10 @@ def _run(args: argparse.Namespace, ended) -> int:
         if not args.metrics_file:
             raise InvalidReproConfig("no METRICS_FILE given and $VERL_FILE_LOGGER_PATH is not set")
         fail_on = Signature.parse(args.fail_on) if args.fail_on else None
+        options = reading_options(args)
         result = watch(args.metrics_file, fail_on=fail_on, thresholds=Thresholds(), until_file=args.until_file,
-                       stop_file=args.stop_file, timeout_s=args.timeout, poll_s=args.poll, ended=ended)
+                       stop_file=args.stop_file, timeout_s=args.timeout, poll_s=args.poll, ended=ended,
+                       options=options)
     except MoeProxyError as exc:
         if args.termination_log:
             write_termination_log(args.termination_log, error_report(exc))
@@ -82,6 +112,7 @@ def _run(args: argparse.Namespace, ended) -> int:
         write_termination_log(args.termination_log, result.report)
     report = result.report
     print("\n".join(verdict_lines(fail_on, report["signature"], report["step"], result.steps, result.failures)))
+    print("\n".join(coverage_lines(result.profile, result.names)))
     if args.hold and not result.run_ended:
         _wait_for_end(ended, args.until_file, args.poll)
     return 0

@@ -1,7 +1,9 @@
 """metrics.jsonl in verl's FileLogger format: one line per step, `{"step": N, "data": {...}}`.
 
-Non-finite values are written as the bare tokens NaN / Infinity, as Python's json (and so
-verl) writes them. Readers accept that format and flat lines (`{"step": N, "metric": value}`)."""
+Non-finite values are written as the bare tokens NaN / Infinity, as Python's json writes them.
+Readers accept that format and flat lines (`{"step": N, "metric": value}`); a `null` value is
+read as NaN (verl's FileLogger serialises with orjson, which writes NaN and Infinity as null).
+read_metrics also reads the other formats readers.py knows (TensorBoard, trainer_state.json)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,15 @@ def metrics_path(run: str | Path) -> Path:
 
 
 def read_metrics(run: str | Path) -> dict[int, dict[str, float]]:
-    """step -> {metric: value}. Later lines for the same step update earlier ones."""
+    """step -> {metric: value} under the detectors' names, from any format readers.py knows
+    (detected, or as readers.reading() asks), renamed by the run's name profile."""
+    from moe_proxy.repro.readers import read_run
+
+    return read_run(run)[0]
+
+
+def read_jsonl(run: str | Path) -> dict[int, dict[str, float]]:
+    """step -> {metric: value} of a JSON-lines file. Later lines for the same step update earlier ones."""
     path = metrics_path(run)
     rows: dict[int, dict[str, float]] = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -46,7 +56,7 @@ def read_metrics(run: str | Path) -> dict[int, dict[str, float]]:
 
 def parse_line(line: str, where: str) -> tuple[int, dict[str, float]] | None:
     """(step, numeric metrics) of one line, verl's `{"step", "data": {...}}` or flat; None for a
-    blank line. Strings and lists are not curves and are left out."""
+    blank line. Strings and lists are not curves and are left out; null is NaN (module doc)."""
     if not line.strip():
         return None
     try:
@@ -60,8 +70,8 @@ def parse_line(line: str, where: str) -> tuple[int, dict[str, float]] | None:
         raise MalformedMetrics(f"{where}: missing or non-integer \"step\"")
     data = record["data"] if isinstance(record.get("data"), dict) else {
         k: v for k, v in record.items() if k != "step"}
-    return int(step), {key: float(value) for key, value in data.items()
-                       if not isinstance(value, bool) and isinstance(value, (int, float))}
+    return int(step), {key: math.nan if value is None else float(value) for key, value in data.items()
+                       if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)))}
 
 
 def read_summary(run: str | Path) -> dict | None:

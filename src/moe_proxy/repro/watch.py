@@ -3,8 +3,10 @@ the failure came back: the same detector (detect.py), the same verdict (verdict.
 to the same termination message. Torch-free: it runs as a sidecar beside the framework.
 
 Lines are verl's FileLogger format (`{"step": N, "elapsed_seconds": s, "data": {...}}`, the
-file $VERL_FILE_LOGGER_PATH names) or flat (`{"step": N, "metric": value}`). Each line is fed
-to the detector as it is complete; a step logged twice is merged, not counted twice.
+file $VERL_FILE_LOGGER_PATH names) or flat (`{"step": N, "metric": value}`); or a TensorBoard
+log directory / event file, or an HF Trainer trainer_state.json (readers.py: the format is
+detected, the names renamed by the framework's profile, profiles.py). Each step is fed to the
+detector as it is complete; a step logged twice is merged, not counted twice.
 
 The watch ends:
 - when the asked-for failure (`fail_on`) is seen, or NaN (later steps mean nothing): the verdict
@@ -28,7 +30,8 @@ from pathlib import Path
 
 from moe_proxy.errors import MalformedMetrics, MoeProxyError
 from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.repro.metrics_io import parse_line
+from moe_proxy.repro.profiles import Profile
+from moe_proxy.repro.readers import ReadOptions, RunFollower
 from moe_proxy.repro.verdict import stop_reason, verdict_report
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,8 @@ class WatchResult:
     stopped: str  # why the watch ended
     failures: dict = field(default_factory=dict)
     run_ended: bool = False  # the run ended (done marker or SIGTERM), not only the watch
+    profile: Profile | None = None  # how the run's names were read (None: no step seen)
+    names: set = field(default_factory=set)  # the detectors' names the run logged
 
 
 class MetricsFollower:
@@ -97,22 +102,19 @@ def sigterm_ends() -> Iterator[threading.Event]:
 def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresholds: Thresholds | None = None,
           until_file: str | Path | None = None, stop_file: str | Path | None = None,
           timeout_s: float | None = None, poll_s: float = 1.0,
-          ended: threading.Event | None = None) -> WatchResult:
+          ended: threading.Event | None = None, options: ReadOptions | None = None) -> WatchResult:
     """Follow `metrics_file` until the verdict is in (see the module docstring). `ended` is the
-    run's end as SIGTERM reports it (`sigterm_ends`); without it none is listened for."""
+    run's end as SIGTERM reports it (`sigterm_ends`); without it none is listened for. `options`:
+    the format, name profile and added names (readers.ReadOptions; default: detected)."""
     path = Path(metrics_file)
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
-    follower = MetricsFollower(path)
+    follower = RunFollower(path, options)
     rows: dict[int, dict[str, float]] = {}
     started = time.monotonic()
     ended = ended or threading.Event()
 
     def feed(final: bool = False) -> str | None:
-        for line, where in follower.lines(final):
-            parsed = parse_line(line, where)
-            if parsed is None:
-                continue
-            step, values = parsed
+        for step, values in follower.rows(final):
             if step in rows:  # the same step again: keep the values, do not count it twice
                 rows[step].update(values)
                 continue
@@ -137,11 +139,12 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
             break
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             raise WatchTimeout(f"{path}: no end of the run within {timeout_s:g}s ({len(rows)} steps seen"
-                               f"{'' if path.is_file() else ', and the file never appeared'}); no verdict")
+                               f"{'' if path.exists() else ', and the file never appeared'}); no verdict")
         ended.wait(poll_s)
-    if not rows and not path.is_file():
+    if not rows and not path.exists():
         raise MalformedMetrics(f"{path}: the run ended and the metrics file never appeared; no verdict")
     if stop_file and stopped.startswith(("reproduced", "loss or weights")):
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
         Path(stop_file).write_text(stopped + "\n")
-    return WatchResult(verdict_report(detector, fail_on, rows), len(rows), stopped, detector.to_dict(), run_ended)
+    return WatchResult(verdict_report(detector, fail_on, rows), len(rows), stopped, detector.to_dict(), run_ended,
+                       follower.profile, set().union(*rows.values()) if rows else set())
