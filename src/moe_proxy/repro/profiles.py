@@ -61,9 +61,10 @@ PROFILES: dict[str, dict[str, str]] = {
     # them as train/<name>.
     "trl": _train({"loss": "policy_loss", "grad_norm": "grad_norm", "kl": "kl", "entropy": "entropy",
                    "reward": "reward", "learning_rate": "learning_rate"}),
-    # OpenRLHF: openrlhf/trainer/ppo_trainer.py logs the actor's status as train/<k> (TensorBoard
-    # and wandb); openrlhf/trainer/ppo_utils/.. / ray/ppo_actor.py: status["policy_loss"],
-    # ["kl"], ["reward"], ["actor_lr"].
+    # OpenRLHF: openrlhf/trainer/ppo_trainer.py, save_logs_and_checkpoints, writes each status
+    # value as train/<k> (TensorBoard add_scalar, and wandb); the PPO training step's status
+    # (same file, and openrlhf/trainer/ray/ppo_actor.py): status["policy_loss"], ["kl"],
+    # ["reward"], ["actor_lr"]. No grad norm is logged.
     "openrlhf": _train({"policy_loss": "policy_loss", "kl": "kl", "reward": "reward", "actor_lr": "learning_rate"}),
     # MindSpeed-RL: mindspeed_rl/trainer/grpo_trainer_hybrid.py writes every metric as
     # train/<k>; its actor's metrics carry verl's names (actor/pg_loss, actor/kl_loss,
