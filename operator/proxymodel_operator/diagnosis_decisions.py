@@ -25,11 +25,11 @@ from dataclasses import dataclass, field, replace
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.repro.catalogue import CATALOGUE, pick
-from moe_proxy.repro.diagnose import BASELINE, SeedRun, verdict
+from moe_proxy.repro.diagnose import BASELINE, SeedRun, repro_config, verdict
 
 from .children import MAX_NAME
 from .outcome import FAILED as OUTCOME_FAILED, RUNNING as OUTCOME_RUNNING, Outcome
-from .reproduction import Naming, headless_service, name_reserve, reproduction_workload
+from .reproduction import Naming, headless_service, name_reserve, repro_args, reproduction_workload
 from .resources import GROUP, LABEL_CHILD, LABEL_ROLE, SERVICES, Resource
 from .runtimes import RUNTIMES
 from .settings import Settings
@@ -243,6 +243,24 @@ def variants(d: DiagnosisSpec, baseline: Baseline) -> list[RunVariant]:
     return out
 
 
+def changes(baseline: Baseline, v: RunVariant) -> dict:
+    """The repro settings a variant changes from the baseline's, as `moe-proxy repro`'s own parser
+    reads the runs' flags (as `moe-proxy diagnose` checks them, before anything runs). Flags repro
+    refuses raise InvalidDiagnosis naming the candidate. A ProxyModel with its own container
+    args (spec.reproduction.workload.args) is not checked: {"unchecked": true}."""
+    spec = baseline.spec
+    if spec.reproduction.workload.args:
+        return {"unchecked": True}
+    flags = repro_args(spec, baseline.proxy_uri)[2:]
+    try:
+        base = repro_config(baseline.proxy_uri, flags).to_dict()
+        mine = repro_config(baseline.proxy_uri, [*flags, *v.args]).to_dict()
+    except MoeProxyError as exc:
+        raise InvalidDiagnosis("CandidateRefused", f"candidate {v.name!r} ({' '.join(v.args)}): repro refuses it: "
+                               f"{exc}") from None
+    return {k: value for k, value in mine.items() if base.get(k) != value}
+
+
 # --- names and manifests ------------------------------------------------------------------------------
 
 
@@ -398,11 +416,15 @@ def _start(status: dict, d: DiagnosisSpec, baseline: Baseline, name: str, namesp
     """The matrix, every run Pending, then the first `parallelism` runs."""
     seeds = list(range(baseline.seeds_from, baseline.seeds_from + d.seeds))
     rows = []
+    try:
+        changed = {v.name: changes(baseline, v) for v in variants(d, baseline)}
+    except InvalidDiagnosis as exc:
+        return refused(status, generation, exc.reason, str(exc), temporary=False)
     for v in variants(d, baseline):
         runs = [{"seed": s, "phase": RUN_PENDING,
                  "workload": run_name(name, v.name, s, name_reserve(baseline.spec, baseline.devices))} for s in seeds]
         rows.append({"name": v.name, "args": list(v.args), **({"env": list(v.env)} if v.env else {}), "what": v.what,
-                     "phase": RUN_PENDING, "verdict": None, "note": None, "runs": runs})
+                     "changes": changed[v.name], "phase": RUN_PENDING, "verdict": None, "note": None, "runs": runs})
     r = baseline.spec.reproduction
     started = {
         "observedGeneration": generation, "message": None,
@@ -499,6 +521,8 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
         row["phase"] = _row_phase(row)
         if base_done and row["phase"] == RUN_DONE and not row.get("verdict"):
             row["verdict"], row["note"] = verdict(base_runs, {r["seed"]: seed_run(r) for r in row["runs"]}, steps)
+            if not row.get("changes") and not row.get("env"):  # the baseline again under another name, as the CLI says
+                row["note"] = f"no change from the baseline's settings; {row['note']}"
             out.events.append(("Normal", "CandidateJudged", f"{row['name']}: {row['verdict']} ({row['note']})"[:1024]))
     all_runs = [r for row in [base, *cands] for r in row["runs"]]
     done = sum(r["phase"] in (RUN_DONE, RUN_ERROR) for r in all_runs)

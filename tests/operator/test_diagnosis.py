@@ -129,6 +129,8 @@ async def test_a_diagnosis_runs_its_matrix_parallelism_at_a_time_with_the_clis_v
     assert (base[0].reproduced, base[0].signature, base[0].step) == (True, "divergence", 1)
     expected = {c: verdict(base, runs[f"dx-{c}-s0"], STEPS) for c in ("lower-lr", "again")}
     assert expected["lower-lr"][0] == "fixed" and expected["again"][0] == "reproduced"
+    # `again` is the baseline under another name: the CLI's report says so (diagnose.judge)
+    expected["again"] = (expected["again"][0], f"no change from the baseline's settings; {expected['again'][1]}")
     assert {c["name"]: (c["verdict"], c["note"]) for c in status["candidates"]} == expected
     assert status["fixedBy"] == "lower-lr" and status["baseline"]["verdict"] == "reproduced"
     assert status["progress"] == "3/3"

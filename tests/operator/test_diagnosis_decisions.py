@@ -257,3 +257,25 @@ def test_a_proxymodel_whose_own_reproduction_failed_still_gives_its_proxy():
     pm["status"].update(phase="Failed", conditions=[{"type": "ProxyReady", "status": "True", "reason": "ProxyBuilt"}])
     decision = decide(diagnosis({"candidates": ["fp32"]}), pm, {}, SETTINGS)
     assert decision.status["phase"] == DIAGNOSING and len(decision.create) == 1
+
+
+def test_candidate_flags_repro_refuses_are_refused_before_anything_runs_as_the_cli_does():
+    decision = decide(diagnosis({"candidates": ["fp32", {"name": "bad", "args": ["--lr", "-1"]}]}), built(), {},
+                      SETTINGS)
+    assert decision.status["phase"] == DIAGNOSIS_FAILED and not decision.create
+    assert decision.events[0][1] == "CandidateRefused"
+    assert "candidate 'bad' (--lr -1): repro refuses it: argument --lr: -1: must be above 0" in decision.events[0][2]
+    unknown = decide(diagnosis({"candidates": [{"name": "typo", "args": ["--learning-rate", "1"]}]}), built(), {},
+                     SETTINGS)
+    assert "unrecognized arguments: --learning-rate 1" in unknown.status["message"]
+
+
+def test_a_candidate_that_changes_nothing_says_so_as_the_cli_does():
+    pm = built()
+    body = diagnosis({"candidates": ["lower-lr", "grad-clip"], "seeds": 1, "parallelism": 3})
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    rows = {c["name"]: c for c in body["status"]["candidates"]}
+    assert rows["lower-lr"]["changes"] == {"lr": pytest.approx(0.01)} and rows["grad-clip"]["changes"] == {}
+    body = _finish_all(body, pm, {("baseline", 0): _done(1), ("lower-lr", 0): _done(), ("grad-clip", 0): _done(1)})
+    note = {c["name"]: c["note"] for c in body["status"]["candidates"]}["grad-clip"]
+    assert note == "no change from the baseline's settings; seed 0 step 1"
