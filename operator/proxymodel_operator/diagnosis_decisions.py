@@ -41,6 +41,7 @@ LABEL_DIAGNOSIS = f"{GROUP}/diagnosis"  # the Diagnosis a run belongs to (on the
 LABEL_VARIANT = f"{GROUP}/variant"  # baseline or the candidate's name
 LABEL_SEED = f"{GROUP}/seed"
 DIAGNOSIS_ROLE = "diagnosis"  # the runs' moeproxy.io/role
+SEED_ENV = "MOEPROXY_SEED"  # every run's seed, in its first container's env
 
 # Diagnosis phases.
 WAITING_FOR_PROXY = "WaitingForProxy"  # the ProxyModel's proxy is not built yet (or it is missing)
@@ -113,14 +114,11 @@ def parse_diagnosis(spec: dict) -> DiagnosisSpec:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
             raise InvalidDiagnosis("InvalidSpec", f"{where}: a catalogue name or {{name, args, env}}")
         args, env = item.get("args"), item.get("env") or []
-        if args is not None and (not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args)
-                                 or not args[0].startswith("--")):
-            raise InvalidDiagnosis("InvalidSpec", f"{where} ({item['name']}): args are repro flags, e.g. [--lr, 1e-6]")
+        if args is not None and (not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args)):
+            raise InvalidDiagnosis("InvalidSpec", f"{where} ({item['name']}): args is a list of strings: repro flags "
+                                   "(e.g. [--lr, 1e-6]), or with a template, the first container's extra args")
         if not isinstance(env, list) or not all(isinstance(e, dict) and e.get("name") for e in env):
             raise InvalidDiagnosis("InvalidSpec", f"{where} ({item['name']}): env is a list of {{name, value}}")
-        if args and (own := [a for a in args if a.split("=")[0] in OWN_FLAGS]):
-            raise InvalidDiagnosis("InvalidSpec", f"{where} ({item['name']}): {', '.join(own)} "
-                                   "are the diagnosis's own (it sets the seed, the failure and where runs write)")
         if args is None and not env:
             try:
                 pick([item["name"]])
@@ -205,10 +203,12 @@ def baseline_of(d: DiagnosisSpec, proxymodel: dict | None, namespace: str, setti
     except InvalidSpec as exc:
         raise NotYet("ProxyModelRefused", f"ProxyModel {d.proxy_model} is refused: {exc}", failed=True) from None
     r = spec.reproduction
-    if r.template is not None:
-        raise InvalidDiagnosis("TemplateUnsupported", f"ProxyModel {d.proxy_model} reproduces with "
-                               "spec.reproduction.template (a user framework): a Diagnosis runs moe-proxy repro "
-                               "only, for now")
+    if r.template is not None and (catalogue := [c.name for c in d.candidates if c.args is None and not c.env]):
+        knobs = "; ".join(f"{n}: {CATALOGUE[n].knobs}" for n in catalogue)
+        raise InvalidDiagnosis("TemplateNeedsPatches", f"ProxyModel {d.proxy_model} runs its own framework "
+                               f"(spec.reproduction.template): the catalogue's {', '.join(catalogue)} are moe-proxy "
+                               "repro flags; give {name, env, args} patches of its first container instead "
+                               f"(where frameworks set them: {knobs})")
     if not proxy_built(proxymodel):
         if status.get("phase") == "Failed" and not status.get("proxy"):
             raise NotYet("ProxyModelFailed", f"ProxyModel {d.proxy_model} failed before its proxy was built: "
@@ -246,11 +246,17 @@ def variants(d: DiagnosisSpec, baseline: Baseline) -> list[RunVariant]:
 def changes(baseline: Baseline, v: RunVariant) -> dict:
     """The repro settings a variant changes from the baseline's, as `moe-proxy repro`'s own parser
     reads the runs' flags (as `moe-proxy diagnose` checks them, before anything runs). Flags repro
-    refuses raise InvalidDiagnosis naming the candidate. A ProxyModel with its own container
-    args (spec.reproduction.workload.args) is not checked: {"unchecked": true}."""
+    refuses raise InvalidDiagnosis naming the candidate. A ProxyModel with a template (its own
+    framework) or its own container args (spec.reproduction.workload.args) is not checked:
+    {"unchecked": true}."""
     spec = baseline.spec
-    if spec.reproduction.workload.args:
+    if spec.reproduction.template is not None or spec.reproduction.workload.args:
         return {"unchecked": True}
+    if v.args and not v.args[0].startswith("--"):
+        raise InvalidDiagnosis("CandidateRefused", f"candidate {v.name!r}: args are repro flags, e.g. [--lr, 1e-6]")
+    if own := [a for a in v.args if a.split("=")[0] in OWN_FLAGS]:
+        raise InvalidDiagnosis("CandidateRefused", f"candidate {v.name!r}: {', '.join(own)} are the diagnosis's own "
+                               "(it sets the seed, the failure and where runs write)")
     flags = repro_args(spec, baseline.proxy_uri)[2:]
     try:
         base = repro_config(baseline.proxy_uri, flags).to_dict()
@@ -278,12 +284,16 @@ def run_name(diagnosis: str, variant: str, seed: int, reserve: int = 0) -> str:
 def run_manifest(diagnosis: str, namespace: str, generation: int, baseline: Baseline, variant: RunVariant,
                  seed: int, proxymodel: str) -> tuple[Resource, dict, dict | None]:
     """(resource, workload, headless Service or None) of one run: the ProxyModel's reproduction
-    with the variant's flags and `--seed` after its own arguments."""
+    with the variant's flags and `--seed` after its own arguments (a template's first container:
+    the variant's args after its own, its env over the operator's, MOEPROXY_SEED)."""
     spec = baseline.spec
     name = run_name(diagnosis, variant.name, seed, name_reserve(spec, baseline.devices))
     labels = {LABEL_DIAGNOSIS: diagnosis, LABEL_ROLE: DIAGNOSIS_ROLE, LABEL_CHILD: name,
               LABEL_VARIANT: variant.name[:63], LABEL_SEED: str(seed)}
-    naming = Naming(name, labels, (*variant.args, "--seed", str(seed)), variant.env)
+    # A user's framework gets the seed as MOEPROXY_SEED (its command may pass $(MOEPROXY_SEED) on)
+    seed_flag = ("--seed", str(seed)) if spec.reproduction.template is None else ()
+    env = ({"name": SEED_ENV, "value": str(seed)}, *variant.env)
+    naming = Naming(name, labels, (*variant.args, *seed_flag), env)
     manifest = reproduction_workload(proxymodel, namespace, generation, spec, baseline.proxy_uri,
                                      baseline.manifest_sha256, baseline.devices, baseline.experts_per_layer,
                                      baseline.top_k, naming=naming)

@@ -197,3 +197,47 @@ async def test_bad_input_is_refused_with_a_reason(cluster, operator):
                                        if e.get("involvedObject", {}).get("name") == "bad"], 10, "its Event")
     assert [(e["type"], e["reason"]) for e in events] == [("Warning", "UnknownCandidate")]
     assert _runs(cluster, "bad") == []
+
+
+FRAMEWORK = """\
+import json, os, time
+with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
+    for step in range(1, 6):
+        nan = step == 3 and os.environ.get("FIX") != "1"
+        f.write(json.dumps({"step": step, "data": {"actor/pg_loss": float("nan") if nan else 1.0 / step,
+                                                   "actor/grad_norm": 1.0}}) + "\\n")
+        f.flush()
+        time.sleep(0.2)
+"""
+
+
+@pytest.mark.slow
+async def test_a_frameworks_diagnosis_runs_env_patches_and_the_sidecar_gives_the_verdicts(cluster, operator, tmp_path):
+    """A ProxyModel with its own framework (spec.reproduction.template): candidates patch its first
+    container, and each run's `moe-proxy watch` sidecar gives its verdict."""
+    script = tmp_path / "framework.py"
+    script.write_text(FRAMEWORK)
+    template = {"spec": {"containers": [{"name": "verl", "image": "verl:test", "command": ["python", str(script)]}]}}
+    await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    await cluster.create(PROXYMODELS, NS, proxymodel("fw", reproduction={
+        "runtime": "Job", "maxSteps": 5, "template": template, "failOn": {"signature": "nan"},
+        "accelerator": {"devices": 1, "devicesPerNode": 1}}))
+    transformer = await eventually(lambda: cluster.get(JOBS, NS, "fw-transform-g1"), 30, "transformer Job")
+    await cluster.finish_pod(NS, transformer, "transformer", 0, tiny_report(tmp_path / "proxy"))
+    await cluster.job_condition(NS, "fw-transform-g1", "Complete")
+    await cluster.create(DIAGNOSES, NS, {"metadata": {"name": "fx"}, "spec": {
+        "proxyModel": "fw", "seeds": 1, "parallelism": 3,
+        "candidates": [{"name": "fix", "env": [{"name": "FIX", "value": "1"}]}, {"name": "noop", "args": ["--x"]}]}})
+    jobs = await eventually(lambda: len(_runs(cluster, "fx")) == 3 and _runs(cluster, "fx"), 20, "the three runs")
+    started = [(job, await CONTROLLERS["Job"].start(cluster, NS, job)) for job in jobs]
+    kubelet = Kubelet(cluster, NS, tmp_path / "node", hosts=[])
+    ran = await asyncio.to_thread(kubelet.run, [p for _, s in started for p in s.pods])
+    for job, s in started:
+        await kubelet.report(s.pods[0], ran[s.pods[0].name])
+        await CONTROLLERS["Job"].finish(cluster, NS, job, True)
+    await eventually(lambda: _status(cluster, "fx").get("phase") == "Complete", 30, "the diagnosis complete")
+    status = _status(cluster, "fx")
+    base = status["baseline"]["runs"][0]
+    assert (status["baseline"]["verdict"], base["signature"], base["step"]) == ("reproduced", "nan", 3)
+    assert {c["name"]: c["verdict"] for c in status["candidates"]} == {"fix": "fixed", "noop": "reproduced"}
+    assert status["fixedBy"] == "fix"

@@ -61,8 +61,7 @@ def test_parse_defaults_and_custom_candidates():
     ({"candidates": []}, "InvalidSpec", "at least one"),
     ({"candidates": ["lower-lr", "lower-lr"]}, "InvalidSpec", "used twice"),
     ({"candidates": [{"name": "baseline", "args": ["--lr", "1"]}]}, "InvalidSpec", "reserved"),
-    ({"candidates": [{"name": "x", "args": ["--seed", "3"]}]}, "InvalidSpec", "the diagnosis's own"),
-    ({"candidates": [{"name": "x", "args": ["lr", "3"]}]}, "InvalidSpec", "repro flags"),
+    ({"candidates": [{"name": "x", "args": "--lr 3"}]}, "InvalidSpec", "a list of strings"),
     ({"candidates": ["fp32"], "seeds": 0}, "InvalidSpec", "spec.seeds"),
     ({"candidates": ["fp32"], "failOn": {"signature": "boom"}}, "InvalidSpec", "spec.failOn.signature"),
 ])
@@ -84,9 +83,11 @@ def test_a_missing_proxymodel_waits_and_a_template_one_is_refused():
     assert missing.status["phase"] == WAITING_FOR_PROXY and not missing.create
     assert [c["reason"] for c in missing.status["conditions"]] == ["ProxyModelNotFound"]
     template = {"spec": {"containers": [{"name": "verl", "image": "verl:test", "command": ["python"]}]}}
-    refused = decide(diagnosis({"candidates": ["fp32"]}), built(template=template), {}, SETTINGS)
+    refused = decide(diagnosis({"candidates": ["fp32", {"name": "mine", "env": [{"name": "X", "value": "1"}]}]}),
+                     built(template=template), {}, SETTINGS)
     assert refused.status["phase"] == DIAGNOSIS_FAILED
-    assert refused.events[0][1] == "TemplateUnsupported"
+    assert refused.events[0][1] == "TemplateNeedsPatches"
+    assert "fp32: verl: actor.fsdp_config.mixed_precision" in refused.events[0][2]  # where frameworks set it
     failed = built()
     failed["status"] = {"phase": "Failed", "message": "transformer failed: OOMKilled"}
     assert decide(diagnosis({"candidates": ["fp32"]}), failed, {}, SETTINGS).events[0][1] == "ProxyModelFailed"
@@ -268,6 +269,29 @@ def test_candidate_flags_repro_refuses_are_refused_before_anything_runs_as_the_c
     unknown = decide(diagnosis({"candidates": [{"name": "typo", "args": ["--learning-rate", "1"]}]}), built(), {},
                      SETTINGS)
     assert "unrecognized arguments: --learning-rate 1" in unknown.status["message"]
+    for args, text in ((["--seed", "3"], "the diagnosis's own"), (["lr", "3"], "args are repro flags")):
+        own = decide(diagnosis({"candidates": [{"name": "x", "args": args}]}), built(), {}, SETTINGS)
+        assert own.events[0][1] == "CandidateRefused" and text in own.events[0][2]
+
+
+def test_a_template_proxymodel_runs_env_and_args_patches_of_its_first_container():
+    template = {"spec": {"containers": [{"name": "verl", "image": "verl:test", "command": ["python", "-m", "verl"],
+                                         "args": ["trainer.total_epochs=1"]}]}}
+    body = diagnosis({"candidates": [{"name": "fix", "env": [{"name": "FIX", "value": "1"}]},
+                                     {"name": "low-lr", "args": ["actor.optim.lr=1e-7"]}], "seeds": 1,
+                      "parallelism": 3})
+    decision = decide(body, built(template=template), {}, SETTINGS)
+    assert decision.status["phase"] == DIAGNOSING and len(decision.create) == 3
+    pods = {m["metadata"]["name"]: m["spec"]["template"]["spec"] for _, m in decision.create}
+    first = {n: p["containers"][0] for n, p in pods.items()}
+    assert first["dx-low-lr-s0"]["args"] == ["trainer.total_epochs=1", "actor.optim.lr=1e-7"]
+    assert first["dx-baseline-s0"]["args"] == ["trainer.total_epochs=1"]  # no --seed: MOEPROXY_SEED instead
+    env = {n: {e["name"]: e.get("value") for e in c["env"]} for n, c in first.items()}
+    assert env["dx-fix-s0"]["FIX"] == "1" and "FIX" not in env["dx-baseline-s0"]
+    assert {e["MOEPROXY_SEED"] for e in env.values()} == {"0"}
+    watcher = pods["dx-fix-s0"]["initContainers"][0]  # the verdict's sidecar, on the Diagnosis's failOn
+    assert watcher["args"][watcher["args"].index("--fail-on") + 1] == "divergence"
+    assert {c["changes"].get("unchecked") for c in decision.status["candidates"]} == {True}
 
 
 def test_a_candidate_that_changes_nothing_says_so_as_the_cli_does():
