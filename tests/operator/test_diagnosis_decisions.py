@@ -16,6 +16,7 @@ from proxymodel_operator.diagnosis_decisions import (DIAGNOSED, DIAGNOSING, DIAG
                                                      recorded_running, run_name, seed_run)
 from proxymodel_operator.outcome import FAILED, RUNNING, SUCCEEDED, Outcome
 from proxymodel_operator.resources import KUEUE_QUEUE_LABEL, LABEL_ROLE
+from proxymodel_operator.runtimes import RUNTIMES
 from proxymodel_operator.settings import Settings
 
 from .harness import proxymodel
@@ -303,3 +304,18 @@ def test_a_candidate_that_changes_nothing_says_so_as_the_cli_does():
     body = _finish_all(body, pm, {("baseline", 0): _done(1), ("lower-lr", 0): _done(), ("grad-clip", 0): _done(1)})
     note = {c["name"]: c["note"] for c in body["status"]["candidates"]}["grad-clip"]
     assert note == "no change from the baseline's settings; seed 0 step 1"
+
+
+@pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob"])
+def test_a_multi_node_run_is_the_proxymodels_workload_with_its_service_first(runtime):
+    pm = built(runtime=runtime, accelerator={"devices": 4, "devicesPerNode": 2})
+    decision = decide(diagnosis({"candidates": ["fp32"], "seeds": 1}, name="d" * 58), pm, {}, SETTINGS)
+    kinds = [(r.kind, m["metadata"]["name"]) for r, m in decision.create]
+    job = kinds[-1][1]
+    assert kinds[0] == (("Service", job) if runtime == "Job" else kinds[-1])  # the pods' host names need it first
+    reserve = {"Job": len("-1"), "VolcanoJob": len("-worker-1"), "AscendJob": len("-worker-1")}[runtime]
+    assert len(job) + reserve <= 63 and job.endswith("-s0")
+    manifest = decision.create[-1][1]
+    container = RUNTIMES[runtime].pod_templates(manifest["spec"])[0]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--nnodes") + 1] == "2" and args[-2:] == ["--seed", "0"]
