@@ -89,12 +89,19 @@ def test_experts_that_dead_exclusion_cannot_fill(planted, tmp_path):
     assert m["layers"]["model.layers.1.mlp"]["kept"] == list(range(16))
 
 
-def test_super_experts_beyond_the_budget(planted, tmp_path):
+def test_super_experts_beyond_the_budget_are_said_not_dropped_silently(planted, tmp_path):
+    """Pins come first; a super expert that no longer fits its routing group is named in the
+    notes and the manifest with its rule and max |output| (issue 30). Pins beyond it still fail."""
     cal.calibrate(str(planted), str(tmp_path / "s"), samples=16, seq_len=32)  # expert 12 routed: alive
-    with pytest.raises(InvalidExpertCount, match="3 experts in routing group 1 must be kept .*super \\[12\\]"
-                                                 ".*--no-keep-super"):
-        build_proxy(str(planted), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"),
-                    pins={1: [8, 10]})
+    m = build_proxy(str(planted), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"),
+                    pins={1: [8, 10]}, reconstruct=False)
+    layer = m["layers"]["model.layers.1.mlp"]
+    assert 12 not in layer["kept"] and set(layer["super_not_kept"]) == {"12"}
+    assert layer["super_not_kept"]["12"]["max_abs"] > 0 and layer["super_not_kept"]["12"]["rule"]
+    assert any(n.startswith("layer 1: super experts not kept") and "12 (" in n for n in m["notes"]), m["notes"]
+    with pytest.raises(InvalidExpertCount, match="3 experts in routing group 1 are pinned"):
+        build_proxy(str(planted), str(tmp_path / "q"), experts=4, calibration=str(tmp_path / "s"),
+                    pins={1: [8, 10, 11]})
 
 
 def test_bad_samples(qwen, tmp_path):

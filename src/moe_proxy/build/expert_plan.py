@@ -102,8 +102,13 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
             raise InvalidExpertCount(f"{len(set(pins))} experts pinned in layer {block.layer} but only {k} kept")
         stats = calibration.layers.get(block.prefix) if calibration is not None else None
         if stats is not None:
-            selections[block.prefix] = usage_select(ckpt, block, stats, calibration.super.get(block.prefix, []),
-                                                    k, n_group, options, sorted(set(pins)))
+            sel = selections[block.prefix] = usage_select(ckpt, block, stats, calibration.super.get(block.prefix, {}),
+                                                          k, n_group, options, sorted(set(pins)))
+            if sel.record.get("super_not_kept"):  # said, never dropped silently (issue 30)
+                notes.append(f"layer {block.layer}: super experts not kept, the layer keeps {k} "
+                             f"({'in ' + str(n_group) + ' routing groups' if n_group > 1 else 'experts'}): " + ", ".join(
+                                 f"{e} ({f['rule']}, max |output| {f['max_abs']:.4g})"
+                                 for e, f in sel.record["super_not_kept"].items()))
             continue
         if calibration is not None:
             notes.append(f"{block.prefix}: no calibration statistics (MTP layer), selected without them")

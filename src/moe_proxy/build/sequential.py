@@ -45,7 +45,7 @@ class SequentialProxy:
         self.plan = proxy_counts(layout.arch, ckpt.config, options)
         self.key = selection_key(self.plan, options)
         self.config = transformers_config(rewrite_config(ckpt.config, self.plan))
-        self.supers: dict[str, list[int]] = {}  # per MoE block selected so far
+        self.supers: dict[str, dict[int, str]] = {}  # per MoE block selected so far: expert -> rule
         self.kept: dict[str, list[int]] = {}
         # MoE layers that get statistics (the MTP layer, index num_hidden_layers, does not):
         # the super-expert rule looks only at the first 75% of them

@@ -25,23 +25,35 @@ from moe_proxy.build.selection import Selection, select
 PROBES = {"routing": "routing_probe", "output": "output_probe"}
 
 
-def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: list[int], k: int, n_group: int,
-                 options, pins: list[int]) -> Selection:
+def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: dict[int, str], k: int,
+                 n_group: int, options, pins: list[int]) -> Selection:
+    """`supers`: this layer's super experts and the rule that made each (statistics.SUPER_RULES).
+    They are pinned (unless keep_super is off) as far as each routing group's share of the kept
+    experts allows, the largest max |output| first; those that do not fit are recorded."""
     n = block.n_experts
     if len(stats.gate_mass) != n:
         raise MoeProxyError(f"{block.prefix}: statistics cover {len(stats.gate_mass)} experts, the checkpoint {n}")
     dead = set(stats.dead(DEAD_SHARE))
-    forced = sorted(set(pins) | (set(supers) if options.keep_super else set()))
     alive = np.array([e not in dead for e in range(n)])
     per, k_per = n // n_group, k // n_group
+    peak = stats.max_abs.tolist()
+    forced, left_out = sorted(set(pins)), []
     for g in range(n_group):
         in_group = [e for e in forced if g * per <= e < (g + 1) * per]
         if len(in_group) > k_per:
             where = f" in routing group {g}" if n_group > 1 else ""
             raise InvalidExpertCount(
-                f"layer {block.layer}: {len(in_group)} experts{where} must be kept (pinned {sorted(set(pins))}, "
-                f"super {supers}) but only {k_per} are kept there; raise --experts or pass --no-keep-super"
+                f"layer {block.layer}: {len(in_group)} experts{where} are pinned ({sorted(set(pins))}) but only "
+                f"{k_per} are kept there; raise --experts or pin fewer"
             )
+        if options.keep_super:
+            room = k_per - len(in_group)
+            candidates = sorted((e for e in supers if g * per <= e < (g + 1) * per and e not in forced),
+                                key=lambda e: -peak[e])
+            forced += candidates[:room]
+            left_out += candidates[room:]
+    forced = sorted(forced)
+    for g in range(n_group):
         usable = [e for e in range(g * per, (g + 1) * per) if alive[e] or e in forced]
         if len(usable) < k_per:
             where = f" in routing group {g} (experts {g * per}..{(g + 1) * per - 1})" if n_group > 1 else ""
@@ -59,10 +71,17 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: l
                  seed=options.seed, pins=forced, scores=scores, alive=alive,
                  representative=options.representative or "saliency", layer=block.layer)
     share = stats.share
+
+    def figures(experts) -> dict:
+        return {str(e): {"rule": supers[e], "max_abs": round(peak[e], 6)} for e in sorted(experts)}
+
     sel.record = {
         "gate_mass_kept": round(float(share[sel.kept].sum()), 6),
-        "super": [e for e in supers if e in sel.kept],
-        "super_dropped": [e for e in supers if e not in sel.kept],
+        "super": sorted(e for e in supers if e in sel.kept),
+        "super_kept_by": figures(e for e in supers if e in sel.kept),
+        "super_dropped": sorted(e for e in supers if e not in sel.kept),
         "dead": sorted(dead),
     }
+    if left_out:  # more super experts than the layer (or its routing group) keeps
+        sel.record["super_not_kept"] = figures(left_out)
     return sel

@@ -39,6 +39,11 @@ Criteria (also applied by `build --calibration`):
   SUPER_LAYERS (75%, int(0.75 x the MoE layer count)) of the MoE layers are flagged, since the
   last layers' large outputs are their normal scale. Two departures: a model with a single MoE
   layer keeps it eligible (REAP's int(0.75) would flag nothing), and a dead expert is never super.
+  That rule is made for pruning to deploy; this project prunes to reproduce failures, and a
+  massive activation is what overflows in half precision (issue 30). So in every MoE layer, the
+  last ones included, a live expert is super too when its max_abs reaches SUPER_RANGE_SHARE (1/8)
+  of fp16's range (65504: "fp16-range"), or SUPER_OUTLIER (100) times its layer's median max_abs
+  over live experts ("layer-outlier"). Each super expert is recorded with the rule that made it.
   (Before, an expert was super at 10x its layer's median and 1/10 of the largest: with 23-29
   of 64 experts dead the median is low, and it flagged 10 ordinary experts in one layer.)
 """
@@ -73,8 +78,17 @@ DEAD_SHARE = 0.01
 SUPER_PERCENTILE = 99.5  # REAP: above this percentile of every routed expert's max |output| ...
 SUPER_GLOBAL = 0.1  # ... and above this share of the largest one
 SUPER_LAYERS = 0.75  # ... in the first 75% of the MoE layers
+# Kept because they can make a failure (issue 30), in every MoE layer, the last ones included:
+FP16_MAX = 65504.0
+SUPER_RANGE_SHARE = 1 / 8  # max |output| at least this share of fp16's range: near overflow in fp16
+SUPER_OUTLIER = 100.0  # max |output| at least this many times its layer's median (live experts); the lab's
+# trained qwen3 has ordinary layers whose largest is 15-40x the median (tests/calibration/test_super.py)
 CRITERIA = {"dead_share_of_uniform": DEAD_SHARE, "super_percentile": SUPER_PERCENTILE,
-            "super_share_of_global_max": SUPER_GLOBAL, "super_first_layers_share": SUPER_LAYERS}
+            "super_share_of_global_max": SUPER_GLOBAL, "super_first_layers_share": SUPER_LAYERS,
+            "super_fp16_range_share": SUPER_RANGE_SHARE, "super_layer_outlier_factor": SUPER_OUTLIER}
+SUPER_RULES = {"reap": "REAP's rule (99.5th percentile and 1/10 of the largest, first 75% of the MoE layers)",
+               "fp16-range": f"max |output| within {SUPER_RANGE_SHARE:g} of fp16's range ({FP16_MAX:g})",
+               "layer-outlier": f"max |output| over {SUPER_OUTLIER:g}x its layer's median"}
 SKETCH_DIM, PROBE_TOKENS, PROBE_DIM, ROUTING_PROBE = 64, 16, 16, 64
 ONE_PASS, SEQUENTIAL = "one-pass", "sequential"
 
@@ -136,18 +150,29 @@ class LayerStats:
         return float(self.tokens.max() / mean) if mean > 0 else 0.0
 
 
-def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None) -> dict[str, list[int]]:
-    """Per layer, its super experts (the module docstring's rule). `moe_layers`: how many MoE
-    layers the model has, where `layers` holds only the first ones (sequential statistics)."""
+def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None) -> dict[str, dict[int, str]]:
+    """Per layer, its super experts and the rules that made each one (SUPER_RULES): REAP's (the
+    module docstring's), and in every layer the experts whose output comes near fp16's range or
+    stands out of its layer's; never a dead expert. `moe_layers`: how many MoE layers the model
+    has, where `layers` holds only the first ones (sequential statistics)."""
     if not layers:
         return {}
     values = torch.cat([s.max_abs.double() for s in layers.values()])
     threshold = max(float(torch.quantile(values, SUPER_PERCENTILE / 100)), SUPER_GLOBAL * float(values.max()))
-    first = sorted(layers, key=lambda p: layers[p].layer)[:max(1, int(SUPER_LAYERS * (moe_layers or len(layers))))]
-    out = {p: [] for p in layers}
-    for p in first:
-        dead = set(layers[p].dead())
-        out[p] = [e for e, v in enumerate(layers[p].max_abs.tolist()) if v > threshold and e not in dead]
+    first = set(sorted(layers, key=lambda p: layers[p].layer)[:max(1, int(SUPER_LAYERS * (moe_layers or len(layers))))])
+    out: dict[str, dict[int, str]] = {}
+    for p, stats in layers.items():
+        dead = set(stats.dead())
+        live = [(e, v) for e, v in enumerate(stats.max_abs.tolist()) if e not in dead]
+        median = float(torch.tensor([v for _, v in live], dtype=torch.float64).quantile(0.5)) if live else 0.0
+        found: dict[int, str] = {}
+        for e, v in live:
+            rules = [rule for rule, hit in (("reap", p in first and v > threshold),
+                                            ("fp16-range", v >= SUPER_RANGE_SHARE * FP16_MAX),
+                                            ("layer-outlier", median > 0 and v >= SUPER_OUTLIER * median)) if hit]
+            if rules:
+                found[e] = "+".join(rules)  # every rule that holds, e.g. "reap+fp16-range"
+        out[p] = found
     return out
 
 
@@ -231,7 +256,7 @@ class CalibrationStatistics:
     layers: dict[str, LayerStats]  # MoE block prefix -> statistics
     token_ids: torch.Tensor
     uri: str = ""
-    super: dict[str, list[int]] = field(default_factory=dict)
+    super: dict[str, dict[int, str]] = field(default_factory=dict)  # prefix -> expert -> rule (SUPER_RULES)
 
     @property
     def identity(self) -> str:
@@ -248,7 +273,7 @@ class CalibrationStatistics:
                 "tokens": self.summary["tokens"],
                 # one-pass statistics' super experts are judged again on load, by today's criteria
                 "criteria": self.summary["criteria"] if self.mode == SEQUENTIAL else CRITERIA,
-                "super": {p: v for p, v in self.super.items() if v}}
+                "super": {p: sorted(v) for p, v in self.super.items() if v}}
 
     def check_target(self, plan, options) -> None:
         """Sequential statistics describe one proxy: refuse a build of another."""
@@ -317,7 +342,8 @@ def load(uri: str | Store, **store_options) -> CalibrationStatistics:
             raise CalibrationError(f"{store.uri}/{TENSORS}: missing tensor {exc}") from None
     # Sequential statistics judged each layer's super experts when it was selected (against the
     # layers scored so far): the build keeps the same ones.
-    supers = ({p: info["super"] for p, info in summary["layers"].items()} if summary.get("mode") == SEQUENTIAL
+    supers = ({p: {int(e): (info.get("super_rules") or {}).get(str(e), "reap") for e in info["super"]}
+               for p, info in summary["layers"].items()} if summary.get("mode") == SEQUENTIAL
               else super_experts(layers))
     return CalibrationStatistics(summary, layers, tensors["tokens"], store.uri, supers)
 
@@ -385,7 +411,8 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
         "criteria": CRITERIA,
         "experts": expert_count(layout.arch, ckpt.config),
         "layers": {
-            p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": supers[p],
+            p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": sorted(supers[p]),
+                "super_rules": {str(e): rule for e, rule in sorted(supers[p].items())},
                 "load_imbalance": round(s.load_imbalance(), 4)}
             | ({"kept": proxy.kept[p]} if proxy is not None else {})
             for p, s in layers.items()
