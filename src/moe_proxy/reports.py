@@ -45,9 +45,14 @@ def error_report(exc: BaseException) -> dict:
     return {"error": type(exc).__name__, "message": str(exc)[:ERROR_MESSAGE_LIMIT]}
 
 
-def repro_report(reproduced: bool, signature: str | None, step: int | None, metrics: dict) -> dict:
-    """A reproduction's verdict and its headline metrics (finite floats or None)."""
-    return {"reproduced": reproduced, "signature": signature, "step": step, "metrics": metrics}
+def repro_report(reproduced: bool, signature: str | None, step: int | None, metrics: dict,
+                 steps_completed: int | None = None, stopped: str | None = None) -> dict:
+    """A reproduction's verdict and its headline metrics (finite floats or None); with how many
+    steps ran and why it stopped, where known (a run stopped early by another failure is no cure:
+    the operator's Diagnosis judges with it)."""
+    return {"reproduced": reproduced, "signature": signature, "step": step, "metrics": metrics,
+            **({"steps_completed": steps_completed} if steps_completed is not None else {}),
+            **({"stopped": stopped[:200]} if stopped else {})}
 
 
 def encode(payload: dict) -> str:

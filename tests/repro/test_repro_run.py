@@ -77,7 +77,8 @@ def test_cli_not_reproduced_is_reported(tiny_qwen3, tmp_path):
     main(["repro", str(tiny_qwen3), "--out", str(tmp_path / "run"), "--steps", "2", "--lr", "1e-4",
           "--fail-on", "nan", "--termination-log", str(log)])
     assert json.loads(log.read_text()) | {"metrics": None} == {
-        "reproduced": False, "signature": None, "step": None, "metrics": None}
+        "reproduced": False, "signature": None, "step": None, "metrics": None,
+        "steps_completed": 2, "stopped": "completed"}  # all it was asked to run: a clean run, not a cut-short one
 
 
 @pytest.mark.parametrize("bad", ["grad_norm", "actor/grad_norm>", "actor/grad_norm>x", "actor/grad_norm>1:0"])

@@ -130,7 +130,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
     finally:
         result = _result(detector, fail_on, steps_done, last)
         if comm.is_main:
-            _write_outputs(out, termination_log, verdict_report(detector, fail_on, history), error, {
+            _write_outputs(out, termination_log, verdict_report(detector, fail_on, history, stop_reason), error, {
                 "checkpoint": checkpoint, "device": device_used, "ranks": comm.world, "prompts": prompts,
                 "steps_requested": config.steps, "steps_completed": steps_done, "stopped": stop_reason,
                 "wall_s": round(time.time() - started, 3), "failures": result.failures,

@@ -31,7 +31,8 @@ def stop_reason(detector: FailureDetector, fail_on: Signature | None) -> str | N
     return None
 
 
-def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: dict[int, dict[str, float]]) -> dict:
+def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: dict[int, dict[str, float]],
+                   stopped: str | None = None) -> dict:
     """The termination message of a finished run (reports.repro_report): the verdict's step with
     that step's headline metrics (the last step's when nothing was found)."""
     signature, step = first_failure(detector, fail_on)
@@ -39,7 +40,7 @@ def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: d
     if shown is None:
         shown = rows[max(rows)] if rows else {}
     headline = {k: finite_or_none(shown.get(k)) for k in HEADLINE if k in shown}
-    return repro_report(signature is not None, signature, step, headline)
+    return repro_report(signature is not None, signature, step, headline, len(rows), stopped)
 
 
 def verdict_lines(fail_on: Signature | None, signature: str | None, step: int | None, steps: int,
