@@ -119,8 +119,10 @@ def test_auto_picks_the_smallest_count_meeting_the_target(source):
     (note,) = [n for n in manifest["notes"] if n.startswith("--experts auto")]
     assert f"chose {expected}; tried" in note
     print(note)  # docs/calibration.md quotes it (pytest -s)
-    assert [int(t.split(" ->")[0]) for t in note.split("tried ")[1].split(", ")] == \
-        [c for c in counts if c <= expected]
+    # a search, not a scan (#31): the largest count first, then halves; each count measured once
+    tried = [int(t.split(" ->")[0]) for t in note.split("tried ")[1].split(" (")[0].split(", ")]
+    assert tried[0] == max(counts) and len(tried) == len(set(tried)) <= math.ceil(math.log2(len(counts))) + 1
+    assert expected in tried
 
 
 def test_auto_refuses_an_unreachable_target_with_the_best_figure_and_writes_nothing(source, capsys):
@@ -130,7 +132,9 @@ def test_auto_refuses_an_unreachable_target_with_the_best_figure_and_writes_noth
                "--no-reconstruct", "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "no expert count reaches KL <= 1e-12" in err and "best KL" in err and "tried 3 -> kl" in err
+    # the largest count misses it: nothing smaller is tried (#31)
+    assert "no expert count reaches KL <= 1e-12" in err and "best KL" in err and "tried 4 -> kl" in err
+    assert "3 -> kl" not in err
     with capsys.disabled():
         print(err.strip())  # docs/calibration.md quotes it (pytest -s)
     assert not dst.exists() or not any(dst.iterdir())

@@ -240,7 +240,10 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
                    progress: bool = False) -> tuple[int, dict, list[str], object]:
     """The smallest of `counts` (ascending) whose proxy has KL <= options.max_kl, its fidelity
     figure, a note saying what was tried, and its ExpertPlan (built as measured: not planned and
-    fitted again)."""
+    fitted again). A search, not a scan (each count is a build with its fits, hours on a real
+    model): the largest count first (if even it misses the target, nothing smaller is tried),
+    then halves, on the rule that more experts give a proxy closer to its original; the note says
+    where the measured figures break that rule."""
     from moe_proxy.build.expert_plan import plan_experts
     from moe_proxy.build.steps import output_tensors
     from moe_proxy.calibrate.statistics import CalibrationError
@@ -250,24 +253,49 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
         raise InvalidExpertCount("--experts auto: no expert count to try (valid counts above top-k and below all the "
                                  "experts, within the device budget and --max-experts)")
     tried: list[str] = []
-    best: tuple[float, int] | None = None
-    for count in counts:
-        try:
-            plan = plan_experts(ckpt, layout, replace(options, experts=count, keep_ratio=None), progress,
-                                calibration=calibration)
-        except (InvalidExpertCount, CalibrationError) as exc:  # e.g. fewer alive experts than the count
-            tried.append(f"{count} -> not possible ({exc})")
-            continue
-        figure = measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
-        tried.append(f"{count} -> kl {figure['kl']:.4g}")
-        log.info("--experts auto: %d experts per layer, KL %.4g (target %g)", count, figure["kl"], max_kl)
-        if best is None or figure["kl"] < best[0]:
-            best = (figure["kl"], count)
-        if figure["kl"] <= max_kl:
-            return count, figure, [f"--experts auto --max-kl {max_kl:g}: chose {count}; tried " + ", ".join(tried)], plan
-    reached = f"best KL {best[0]:.4g} with {best[1]} experts" if best else "no count could be measured"
-    raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {max_kl:g} ({reached}); tried "
-                               f"{', '.join(tried)}; raise --max-kl or the device budget")
+    measured: dict[int, tuple[dict, object]] = {}  # count -> (figure, plan)
+
+    def kl_of(count: int) -> float | None:
+        """The count's KL, measured once (None: that count cannot be built)."""
+        if count not in measured:
+            try:
+                plan = plan_experts(ckpt, layout, replace(options, experts=count, keep_ratio=None), progress,
+                                    calibration=calibration)
+            except (InvalidExpertCount, CalibrationError) as exc:  # e.g. fewer alive experts than the count
+                tried.append(f"{count} -> not possible ({exc})")
+                measured[count] = (None, None)
+                return None
+            figure = measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
+            tried.append(f"{count} -> kl {figure['kl']:.4g}")
+            log.info("--experts auto: %d experts per layer, KL %.4g (target %g)", count, figure["kl"], max_kl)
+            measured[count] = (figure, plan)
+        figure = measured[count][0]
+        return None if figure is None else figure["kl"]
+
+    hi = len(counts) - 1
+    while hi >= 0 and kl_of(counts[hi]) is None:  # the largest counts may not be buildable (too few alive)
+        hi -= 1
+    if hi < 0 or kl_of(counts[hi]) > max_kl:
+        best = min(((f["kl"], c) for c, (f, _) in measured.items() if f is not None), default=None)
+        reached = f"best KL {best[0]:.4g} with {best[1]} experts" if best else "no count could be measured"
+        raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {max_kl:g} ({reached}); tried "
+                                   f"{', '.join(tried)}; raise --max-kl or the device budget")
+    lo = -1  # the largest index known to miss the target (-1: none measured below hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        kl = kl_of(counts[mid])
+        if kl is not None and kl <= max_kl:
+            hi = mid
+        else:
+            lo = mid
+    count = counts[hi]
+    figures = sorted((c, f["kl"]) for c, (f, _) in measured.items() if f is not None)
+    broken = [f"{a} -> {ka:.4g} below {b} -> {kb:.4g}" for (a, ka), (b, kb) in zip(figures, figures[1:]) if ka < kb]
+    note = f"--experts auto --max-kl {max_kl:g}: chose {count}; tried " + ", ".join(tried)
+    if broken:
+        note += f" (more experts measured farther from the original: {'; '.join(broken)}: a smaller count may meet it)"
+    figure, plan = measured[count]
+    return count, figure, [note], plan
 
 
 def figure_lines(figure: dict | None, width: int = 23) -> list[str]:
