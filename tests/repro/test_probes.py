@@ -1,0 +1,166 @@
+"""moe_proxy.probes: forward hooks in the user's framework give repro's MoE and numerics
+metrics, the same figures as repro's own taps on the same forward pass; the Trainer callback
+puts them into the Trainer's logs and log_history."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from moe_proxy import probes
+from moe_proxy.demo.tiny import make_tiny
+from moe_proxy.repro.metrics_io import read_jsonl
+from moe_proxy.repro.routers import RouterTap
+from moe_proxy.repro.runner import ActivationWatch
+
+ARCHS = ("qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    return request.param, tmp_path_factory.mktemp("probes") / request.param
+
+
+def _model(tiny):
+    model_type, path = tiny
+    return make_tiny(model_type, path)
+
+
+def _batch(model, rows=3, tokens=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (rows, tokens), generator=g)
+    mask = torch.ones(rows, tokens, dtype=torch.long)
+    mask[0, :4] = 0  # left padding in one row: those positions are not counted
+    return ids, mask
+
+
+def test_probes_equal_repro_metrics_on_a_forward_pass(tiny):
+    model = _model(tiny)
+    top_k = model.config.num_experts_per_tok
+    tap, watch = RouterTap(model, top_k), ActivationWatch(model)
+    probe = probes.attach(model)
+    ids, mask = _batch(model)
+    tap.start(mask)
+    watch.start()
+    model(input_ids=ids, attention_mask=mask)
+    tap.stop()
+    watch.stop()
+    ours = probe.step()
+    comm = types.SimpleNamespace(max=lambda v: v, sum=lambda v: v)
+    theirs = {**tap.metrics(), **watch.metrics(comm)}
+    moe_keys = [k for k in theirs if k.startswith("moe/")]
+    assert moe_keys and set(theirs) == set(ours)
+    for key in theirs:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    experts = tap.routers[0].module.weight.shape[0]
+    assert ours["moe/load_uniform_share"] == pytest.approx(top_k / experts)
+    # Shares of the top_k slots per token: the busiest expert has at least the uniform share,
+    # the idlest at most; entropy of a softmax over E experts lies in [0, log E].
+    assert ours["moe/load_min_share"] <= ours["moe/load_uniform_share"] <= ours["moe/load_max_share"] <= 1.0
+    for key in (k for k in ours if k.startswith("moe/router_entropy/")):
+        assert 0.0 <= ours[key] <= math.log(experts) + 1e-6
+    assert math.isfinite(ours["numerics/max_activation"]) and ours["numerics/max_activation"] > 0
+    assert ours["numerics/nonfinite_activations"] == 0
+    probe.detach()
+
+
+def test_a_step_sums_its_forward_passes_and_detach_removes_the_hooks(tiny):
+    model = _model(tiny)
+    probe = probes.attach(model)
+    ids, mask = _batch(model, seed=1)
+    model(input_ids=ids, attention_mask=mask)
+    one = probe.step()
+    model(input_ids=ids, attention_mask=mask)
+    model(input_ids=ids, attention_mask=mask)
+    two = probe.step()
+    # The same tokens twice: the same shares and entropies (sums over twice the tokens).
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    with torch.no_grad():  # generation / reference passes: not counted by default
+        model(input_ids=ids, attention_mask=mask)
+    assert probe.step() == {}
+    probe.detach()
+    model(input_ids=ids, attention_mask=mask)
+    assert probe.step() == {}
+
+
+def test_a_planted_router_preference_raises_load_max_share(tiny):
+    model = _model(tiny)
+    probe = probes.attach(model)
+    ids, mask = _batch(model, seed=2)
+    model(input_ids=ids, attention_mask=mask)
+    before = probe.step()
+    # Plant expert 0's row along the mean router input: most tokens now pick it.
+    inputs = {}
+    hooks = [r.module.register_forward_pre_hook(lambda m, a, r=r: inputs.setdefault(r.layer, a[0].detach()))
+             for r in probe.routers]
+    model(input_ids=ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    probe.step()
+    with torch.no_grad():
+        for r in probe.routers:
+            x = inputs[r.layer].reshape(-1, inputs[r.layer].shape[-1]).mean(0)
+            r.module.weight[0] += 100 * x / x.norm()
+    model(input_ids=ids, attention_mask=mask)
+    after = probe.step()
+    assert after["moe/load_max_share"] > before["moe/load_max_share"]
+    assert after["moe/load_max_share"] >= 2 * after["moe/load_uniform_share"]
+    assert after["moe/router_logit_max"] > before["moe/router_logit_max"]
+    probe.detach()
+
+
+def test_jsonl_writer_lines_are_read_by_watch_readers(tmp_path, tiny):
+    model = _model(tiny)
+    path = tmp_path / "probes.jsonl"
+    probe = probes.attach(model, jsonl=path)
+    ids, mask = _batch(model)
+    for step in (1, 2):
+        model(input_ids=ids, attention_mask=mask)
+        probe.step(step)
+    probe.detach()
+    rows = read_jsonl(path)
+    assert sorted(rows) == [1, 2]
+    assert rows[2]["moe/load_uniform_share"] == pytest.approx(0.25)
+    assert "moe/load_max_share/layer_1" in rows[1]
+
+
+def test_aggregate_means_sums_counts_and_maxes_magnitudes():
+    steps = [{"moe/load_max_share": 0.5, "numerics/nonfinite_activations": 0.0, "numerics/max_activation": 3.0},
+             {"moe/load_max_share": 0.7, "numerics/nonfinite_activations": 2.0, "numerics/max_activation": math.inf}]
+    out = probes.aggregate(steps)
+    assert out == {"moe/load_max_share": pytest.approx(0.6), "numerics/nonfinite_activations": 2.0,
+                   "numerics/max_activation": math.inf}
+
+
+def test_trainer_callback_writes_moe_keys_into_logs_and_log_history(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model = make_tiny("qwen3_moe", tmp_path / "model")
+    seen = []
+
+    class ProbeLogsSeen(TrainerCallback):  # stands in for a reporter (TensorBoard) before ours
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+            for ids in torch.randint(0, model.config.vocab_size, (16, 16), generator=g)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=4,
+                             logging_steps=2, per_device_train_batch_size=2, save_strategy="no",
+                             learning_rate=1e-3, disable_tqdm=True)
+    callback = probes.MoEProbeCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ProbeLogsSeen(), callback])
+    trainer.train()
+    logged = [row for row in trainer.state.log_history if "moe/load_max_share" in row]
+    assert [row["step"] for row in logged] == [2, 4]
+    for row in logged:
+        assert row["moe/load_uniform_share"] == pytest.approx(0.25)
+        assert "moe/load_max_share/layer_1" in row and "moe/router_entropy/mean" in row
+        assert math.isfinite(row["numerics/max_activation"]) and row["numerics/nonfinite_activations"] == 0
+        assert "loss" in row  # beside the Trainer's own
+    assert sum("moe/load_max_share" in logs for logs in seen) == 2  # the reporters saw them too
+    assert callback.probes is None  # detached at the end of training
