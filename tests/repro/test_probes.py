@@ -16,7 +16,7 @@ from moe_proxy.repro.metrics_io import read_jsonl
 from moe_proxy.repro.routers import RouterTap
 from moe_proxy.repro.runner import ActivationWatch
 
-ARCHS = ("qwen3_moe", "deepseek_v3")
+ARCHS = ("qwen3_moe", "deepseek_v3", "mixtral")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -111,6 +111,19 @@ def test_a_planted_router_preference_raises_load_max_share(tiny):
     assert after["moe/load_max_share"] >= 2 * after["moe/load_uniform_share"]
     assert after["moe/router_logit_max"] > before["moe/router_logit_max"]
     probe.detach()
+
+
+def test_a_non_finite_activation_is_counted_and_max_activation_is_inf(tiny):
+    model = _model(tiny)
+    probe = probes.attach(model)
+    ids, mask = _batch(model, seed=3)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[ids[1, 5]] = math.inf  # one token's embedding overflows
+    model(input_ids=ids, attention_mask=mask)
+    metrics = probe.step()
+    probe.detach()
+    assert metrics["numerics/nonfinite_activations"] > 0
+    assert metrics["numerics/max_activation"] == math.inf
 
 
 def test_jsonl_writer_lines_are_read_by_watch_readers(tmp_path, tiny):
