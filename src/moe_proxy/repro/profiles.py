@@ -80,6 +80,10 @@ PROFILES: dict[str, dict[str, str]] = {
 }
 
 
+TRAIN = "train/"  # transformers' TensorBoard callback prefixes every logged name with it
+OWN_PREFIXES = ("moe/", "numerics/")  # moe-proxy's own names (repro, moe_proxy.probes)
+
+
 @dataclass
 class Profile:
     name: str
@@ -92,7 +96,9 @@ class Profile:
         that is already the detectors' own wins over a framework name for the same role."""
         out = {}
         for key, value in row.items():
-            target = self.mapping.get(key, key)
+            # the probes' names as a Trainer's TensorBoard writes them (train/moe/..., train/numerics/...)
+            plain = key.removeprefix(TRAIN)
+            target = self.mapping.get(key, plain if plain.startswith(OWN_PREFIXES) else key)
             if target != key and target in row:
                 out[key] = value
                 continue
