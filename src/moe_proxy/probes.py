@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_proxy.repro.routers import find_routers
+from moe_proxy.repro.routers import find_routers, moe_metrics
 
 # The decoder layers whose output (the residual stream) is watched: runner.ActivationWatch's rule.
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
@@ -153,25 +153,13 @@ class Probes:
         device = parts[0].device
         values = torch.cat([t.to(device) for t in parts]).tolist()
         if layers:
-            entropies, max_shares, min_shares, logit_max = [], [], [], []
+            per_layer = {}
             for i, layer in enumerate(layers):
                 tokens = max(1.0, float(self._layers[layer].tokens))
                 entropy, load_max, load_min, largest = values[4 * i:4 * i + 4]
-                # Share of tokens routed to each expert; uniform routing gives top_k / experts.
-                row = {"router_entropy": entropy / tokens, "load_max_share": load_max / tokens,
-                       "load_min_share": load_min / tokens, "router_logit_max": largest}
-                for key, value in row.items():
-                    out[f"moe/{key}/layer_{layer}"] = value
-                entropies.append(row["router_entropy"])
-                max_shares.append(row["load_max_share"])
-                min_shares.append(row["load_min_share"])
-                logit_max.append(row["router_logit_max"])
-            out["moe/router_entropy/mean"] = sum(entropies) / len(entropies)
-            out["moe/load_max_share"] = max(max_shares)
-            out["moe/load_max_share/mean"] = sum(max_shares) / len(max_shares)
-            out["moe/load_min_share"] = min(min_shares)
-            out["moe/router_logit_max"] = max(logit_max)
-            out["moe/load_uniform_share"] = self.top_k / self._layers[layers[0]].load.numel()
+                per_layer[layer] = {"router_entropy": entropy / tokens, "load_max_share": load_max / tokens,
+                                    "load_min_share": load_min / tokens, "router_logit_max": largest}
+            out.update(moe_metrics(per_layer, self.top_k / self._layers[layers[0]].load.numel()))
         if self._act_max is not None:
             largest, nonfinite = values[-2:]
             out["numerics/max_activation"] = math.inf if nonfinite else largest

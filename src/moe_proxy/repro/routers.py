@@ -47,6 +47,23 @@ def find_routers(model: nn.Module) -> list[Router]:
     return routers
 
 
+def moe_metrics(per_layer: dict[int, dict[str, float]], uniform_share: float) -> dict[str, float]:
+    """The moe/ metrics from each layer's router_entropy (per token), load_max_share and
+    load_min_share (share of tokens routed to an expert; uniform routing gives top_k / experts,
+    `uniform_share`) and router_logit_max: per layer, and summed up over the layers."""
+    out = {f"moe/{key}/layer_{layer}": value for layer, row in per_layer.items() for key, value in row.items()}
+    rows = list(per_layer.values())
+    max_shares = [r["load_max_share"] for r in rows]
+    out["moe/router_entropy/mean"] = sum(r["router_entropy"] for r in rows) / len(rows)
+    out["moe/load_max_share"] = max(max_shares)
+    # The busiest layer saturates first; the mean shows routing narrowing in every layer.
+    out["moe/load_max_share/mean"] = sum(max_shares) / len(max_shares)
+    out["moe/load_min_share"] = min(r["load_min_share"] for r in rows)
+    out["moe/router_logit_max"] = max(r["router_logit_max"] for r in rows)
+    out["moe/load_uniform_share"] = uniform_share
+    return out
+
+
 class RouterTap:
     """Records each router's logits (and chosen experts when the router returns them) while
     `recording` is on. `token_mask` (flattened attention mask) drops padding positions."""
@@ -133,26 +150,13 @@ class RouterTap:
             logit_max.append(logits.abs().max().item())
         stats = _sum_over_ranks(comm, torch.cat(stats)).split([s.numel() for s in stats])
         logit_max = comm.max(logit_max) if comm is not None else logit_max
-        entropies, max_shares, min_shares = [], [], []
+        per_layer = {}
         for layer, stat, largest in zip(layers, stats, logit_max):
             tokens = max(1.0, stat[1].item())
-            # Share of tokens routed to each expert; uniform routing gives top_k / experts.
             share = stat[2:] / tokens
-            values = {"router_entropy": stat[0].item() / tokens, "load_max_share": share.max().item(),
-                      "load_min_share": share.min().item(), "router_logit_max": largest}
-            for key, value in values.items():
-                out[f"moe/{key}/layer_{layer}"] = value
-            entropies.append(values["router_entropy"])
-            max_shares.append(values["load_max_share"])
-            min_shares.append(values["load_min_share"])
-        out["moe/router_entropy/mean"] = sum(entropies) / len(entropies)
-        out["moe/load_max_share"] = max(max_shares)
-        # The busiest layer saturates first; the mean shows routing narrowing in every layer.
-        out["moe/load_max_share/mean"] = sum(max_shares) / len(max_shares)
-        out["moe/load_min_share"] = min(min_shares)
-        out["moe/router_logit_max"] = max(logit_max)
-        out["moe/load_uniform_share"] = self.top_k / stats[0][2:].numel()
-        return out
+            per_layer[layer] = {"router_entropy": stat[0].item() / tokens, "load_max_share": share.max().item(),
+                                "load_min_share": share.min().item(), "router_logit_max": largest}
+        return moe_metrics(per_layer, self.top_k / stats[0][2:].numel())
 
     def chosen_experts(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
         # Routers that return their choice (Qwen, Mixtral) are exact; for the others (grouped or
