@@ -132,13 +132,14 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
 
         pick_device(repro_flags[repro_flags.index("--device") + 1])
     variants = [Variant(BASELINE, [], "the failing run, as given")]
+    base = _flat(baseline)
     for c in candidates:
         flags = c.changes(baseline)
         try:
             config = repro_config(proxy, [*repro_flags, *flags])
         except MoeProxyError as exc:
             raise MoeProxyError(f"candidate {c.name!r} ({' '.join(flags)}): repro refuses it: {exc}") from None
-        changes = {k: v for k, v in _flat(config).items() if _flat(baseline).get(k) != v}
+        changes = {k: v for k, v in _flat(config).items() if base.get(k) != v}
         variants.append(Variant(c.name, flags, c.what, changes))
     first = baseline.seed
     return Diagnosis(proxy, Path(out), fail_on, list(repro_flags), list(range(first, first + seeds)), baseline,
@@ -248,8 +249,10 @@ def _rows(directory: Path) -> dict[int, dict[str, float]]:
 def cost(d: Diagnosis, name: str, horizon: int) -> dict:
     """Mean reward and loss over the steps before `horizon` (the baseline's first onset), and
     mean time per step, over the seeds."""
+    runs = [_rows(d.run_dir(name, s)) for s in d.seeds]  # each metrics file read once
+
     def mean_of(metric: str, before: int | None) -> float | None:
-        values = [v for s in d.seeds for step, row in _rows(d.run_dir(name, s)).items()
+        values = [v for rows in runs for step, row in rows.items()
                   if (before is None or step < before) and isinstance(v := row.get(metric), (int, float))
                   and v == v]
         return statistics.fmean(values) if values else None
