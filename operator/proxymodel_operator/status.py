@@ -166,6 +166,11 @@ def proxy_summary(report: dict) -> dict:
     }
 
 
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
 def plan_summary(plan, notes: tuple[str, ...] = ()) -> dict:
     """A moe_proxy.sizing.Sizing, in status's camelCase; `notes`: the spec's own (Pruning.notes)
     after the plan's."""
@@ -181,6 +186,10 @@ def plan_summary(plan, notes: tuple[str, ...] = ()) -> dict:
         "precision": plan.precision, "original": side(plan.original), "proxy": side(plan.proxy),
         "deviceReduction": f"{plan.device_reduction:.1%}",
         "deviceHoursRatio": f"{plan.device_hours_ratio:.3f}",
+        # by phase of an RL step (moe_proxy.step_cost): rolloutDecode, optimizer, allToAll, ..., total
+        "deviceHoursPerStep": {_camel(name): {"original": f"{row['original']:.4g}", "proxy": f"{row['proxy']:.4g}",
+                                              "ratio": "-" if row["ratio"] is None else f"{row['ratio']:.3f}"}
+                               for name, row in plan.phase_table().items()},
         # e.g. kept experts raised to 2 x top-k; one-pass statistics where sequential cannot serve
         **({"notes": [*plan.notes, *notes]} if plan.notes or notes else {}),
     }

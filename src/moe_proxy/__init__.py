@@ -19,6 +19,7 @@ TORCH_FREE = (
     "moe_proxy.architectures",  # the one place that knows model types
     "moe_proxy.checkpoint.params",  # parameter counts from config.json or from headers
     "moe_proxy.sizing",  # accelerators for RL on the original and the proxy
+    "moe_proxy.step_cost",  # an RL step's time by phase
     "moe_proxy.storage",
     "moe_proxy.storage.s3",  # boto3, not torch
     "moe_proxy.storage.materialize",

@@ -22,10 +22,10 @@ the devices the ratio's proxy needs anyway, i.e. no extra node): with kept <= to
 token uses every kept expert, so load imbalance and routing collapse cannot show. An explicit
 expert count is kept as given. Either way the plan's `notes` say what was decided and why.
 
-Step time, for the device-hours ratio: compute time = 12 * active params * tokens per step
-(rollout 2 + reference forward 2 + old-logprob forward 2 + train 6 FLOPs per parameter per token)
-over (devices * peak FLOP/s * MFU), plus optimizer time = the sharded static bytes read and
-written once over HBM bandwidth. Device-hours per step = devices * step time.
+Step time, for the device-hours ratio: the phases of one RL step (rollout prefill and decode,
+old-log-prob and reference passes, training, optimizer, weight sync, expert-parallel
+all-to-all), each timed on the side's devices by step_cost.py, whose docstring states the
+model; device-hours per step = devices * the phases' sum.
 """
 
 from __future__ import annotations
@@ -36,25 +36,26 @@ from typing import Callable
 
 from moe_proxy.architectures import Arch, detect, expert_count, groups, top_k
 from moe_proxy.errors import InvalidExpertCount
+from moe_proxy.step_cost import Accelerator, ModelShape, Phases, Workload, phases
 from moe_proxy.checkpoint.params import Params, config_int, config_params, expert_width, moe_layer_indices, text_config
 
 GIB = 1 << 30
 GB = 10**9
 
 
-@dataclass(frozen=True)
-class Accelerator:
-    resource: str  # Kubernetes extended resource name
-    memory_gb: float  # per device, decimal GB as vendors state it
-    peak_tflops: float  # dense 16-bit
-    hbm_tbps: float  # memory bandwidth, TB/s
-
-
-# Known accelerators; memory is overridable per plan. Unknown names use the Ascend figures.
+# Known accelerators (sources: docs/performance.md); memory is overridable per plan. Kubernetes
+# resource names first; product names select the same or another device. Unknown names use the
+# Ascend figures. Links: per device, one direction.
+ASCEND_910B = Accelerator("huawei.com/Ascend910", 64, 313, 1.6, 196, 25, "Ascend 910B")
+H100 = Accelerator("nvidia.com/gpu", 80, 989, 3.35, 450, 50, "H100 SXM")
+H200 = Accelerator("nvidia.com/gpu", 141, 989, 4.8, 450, 50, "H200 SXM")
 ACCELERATORS: dict[str, Accelerator] = {
-    "huawei.com/Ascend910": Accelerator("huawei.com/Ascend910", 64, 313, 1.6),  # 910B
-    "huawei.com/npu": Accelerator("huawei.com/npu", 64, 313, 1.6),
-    "nvidia.com/gpu": Accelerator("nvidia.com/gpu", 80, 989, 3.35),  # H100 SXM
+    "huawei.com/Ascend910": ASCEND_910B,
+    "huawei.com/npu": replace(ASCEND_910B, resource="huawei.com/npu"),
+    "nvidia.com/gpu": H100,
+    "Ascend910B": ASCEND_910B,
+    "H100": H100,
+    "H200": H200,
 }
 
 BYTES_PER_PARAM = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -70,11 +71,10 @@ class SizingOptions:
     device_memory_gb: float | None = None  # default: the accelerator's
     devices_per_node: int = 8
     micro_batch_tokens: int = 4096  # tokens per device per micro-batch
-    tokens_per_step: int = 512 * 2048  # rollout tokens per RL step (all devices)
+    workload: Workload = Workload()  # the RL step's shape, for its time (step_cost.py)
     reference: bool = True  # a frozen reference policy is resident (KL term)
     utilization: float = 0.9  # usable fraction of device memory
     reserve_gb: float = 4.0  # runtime, communication buffers, fragmentation, per device
-    mfu: float = 0.3
     max_devices: int | None = None  # the proxy's device budget (default: what the keep ratio's proxy needs)
 
 
@@ -101,11 +101,19 @@ class Side:
     memory: Memory
     devices: int  # smallest whole-node count that holds it
     nodes: int
-    step_seconds: float  # estimated, see module docstring
+    phases: Phases  # seconds per RL step, by phase (step_cost.py)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.phases.total
 
     @property
     def device_hours_per_step(self) -> float:
         return self.devices * self.step_seconds / 3600
+
+    def device_hours(self) -> dict[str, float]:
+        """Device-hours per RL step, by phase."""
+        return {name: self.devices * seconds / 3600 for name, seconds in self.phases.items()}
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,7 @@ class Sizing:
     devices_per_node: int
     original: Side
     proxy: Side
+    workload: Workload = Workload()  # the RL step timed
     notes: tuple[str, ...] = ()  # decisions a person should see (kept experts raised or not, and why)
 
     @property
@@ -135,7 +144,15 @@ class Sizing:
         out = asdict(self)
         out["device_reduction"] = round(self.device_reduction, 4)
         out["device_hours_ratio"] = round(self.device_hours_ratio, 4)
+        out["device_hours_per_step"] = self.phase_table()
         return out
+
+    def phase_table(self) -> dict[str, dict[str, float | None]]:
+        """Device-hours per RL step by phase (and "total"): original, proxy, proxy/original."""
+        o, x = self.original.device_hours(), self.proxy.device_hours()
+        o["total"], x["total"] = self.original.device_hours_per_step, self.proxy.device_hours_per_step
+        return {name: {"original": o[name], "proxy": x[name], "ratio": x[name] / o[name] if o[name] else None}
+                for name in o}
 
 
 # --- the expert target ---------------------------------------------------------------------
@@ -242,10 +259,19 @@ def devices_needed(memory: Memory, device_bytes: float, opts: SizingOptions) -> 
     return nodes * opts.devices_per_node
 
 
-def _step_seconds(params: Params, memory: Memory, devices: int, acc: Accelerator, opts: SizingOptions) -> float:
-    compute = 12 * params.active * opts.tokens_per_step / (devices * acc.peak_tflops * 1e12 * opts.mfu)
-    optimizer = 2 * memory.static / devices / (acc.hbm_tbps * 1e12)
-    return compute + optimizer
+def model_shape(c: dict, params: Params, experts: int, k: int, n_moe: int, precision: str) -> ModelShape:
+    """What step_cost needs of one side; an expert's parameters are what one more expert adds."""
+    heads, w = config_int(c, "num_attention_heads"), BYTES_PER_PARAM[precision]
+    if c.get("kv_lora_rank"):  # multi-head latent attention caches the latent and the rope key
+        qk, v = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
+        kv = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    else:
+        qk = v = c.get("head_dim") or c["hidden_size"] // heads
+        kv = 2 * (c.get("num_key_value_heads") or heads) * qk
+    one_more = config_params(c, experts + 1, k).total - params.total
+    return ModelShape(params.total, params.active, one_more // max(1, n_moe), experts, k, n_moe,
+                      config_int(c, "num_hidden_layers"), c["hidden_size"], heads * (qk + v), kv, w,
+                      12 if w < 4 else 8)
 
 
 def estimate(config: dict, opts: SizingOptions) -> Sizing:
@@ -263,16 +289,20 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
         raise InvalidExpertCount(f"top-k {opts.top_k} must be between 1 and the kept experts ({kept})")
     if opts.max_devices is not None and opts.max_devices < 1:
         raise InvalidExpertCount(f"device budget must be at least 1 device, got {opts.max_devices}")
-    acc = ACCELERATORS.get(opts.accelerator, Accelerator(opts.accelerator, 64, 313, 1.6))
+    acc = ACCELERATORS.get(opts.accelerator, replace(ASCEND_910B, resource=opts.accelerator, name=""))
     device_gb = opts.device_memory_gb or acc.memory_gb
     n_moe = len(moe_layer_indices(c, arch))
+
+    workload = replace(opts.workload, reference=opts.reference)
+    usable = device_gb * GB * opts.utilization - opts.reserve_gb * GB
 
     def side(experts: int, top: int) -> Side:
         params = config_params(c, experts, top)
         memory = _memory(c, params, top, n_moe, opts)
         devices = devices_needed(memory, device_gb * GB, opts)
+        shape = model_shape(c, params, experts, top, n_moe, opts.precision)
         return Side(experts, top, params, memory, devices, devices // opts.devices_per_node,
-                    _step_seconds(params, memory, devices, acc, opts))
+                    phases(shape, workload, acc, devices, opts.devices_per_node, usable))
 
     wanted_k = opts.top_k or k  # the proxy's top-k before it is capped at the kept experts
     proxy = side(kept, min(wanted_k, kept))
@@ -285,7 +315,7 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
                      f"neither samples nor trains with {'them' if mtp > 1 else 'it'}; the proxy keeps "
                      f"{'them' if mtp > 1 else 'it'}, pruned alike")
     return Sizing(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
-                original=side(n, k), proxy=proxy, notes=tuple(notes))
+                original=side(n, k), proxy=proxy, workload=workload, notes=tuple(notes))
 
 
 def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: SizingOptions, preferred: int | None,
@@ -310,6 +340,12 @@ def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: Siz
     why = (f"kept experts stay {kept} (keep ratio {opts.keep_ratio:g}): {goal} would need {raised.devices} "
            f"devices, over {budget_text}")
     return proxy, [f"{why}; {trivial}" if kept <= k else why]
+
+
+def _workload_text(w: Workload) -> str:
+    return (f"{w.sequences} sequences of {w.prompt_tokens} prompt + {w.response_tokens} response tokens, "
+            f"{w.updates} optimizer update{'s' * (w.updates != 1)}, {'' if w.recompute else 'no '}recomputation, "
+            f"{'' if w.reference else 'no '}reference pass; MFU {w.mfu:g}, HBM efficiency {w.hbm_efficiency:g}")
 
 
 def format_sizing(p: Sizing) -> str:
@@ -340,8 +376,11 @@ def format_sizing(p: Sizing) -> str:
         row("activations per device", gib(o.memory.activations_per_device), gib(x.memory.activations_per_device)),
         row("devices (whole nodes)", f"{o.devices} ({o.nodes} node{'s' * (o.nodes != 1)})",
             f"{x.devices} ({x.nodes} node{'s' * (x.nodes != 1)})"),
-        row("device-hours per step", f"{o.device_hours_per_step:.4g}", f"{x.device_hours_per_step:.4g}"),
+        f"  device-hours per RL step{'':<4}{'original':>18}{'proxy':>18}{'proxy/original':>16}",
+        *(f"    {name.replace('_', ' '):<26}{r['original']:>18.4g}{r['proxy']:>18.4g}"
+          f"{'-' if r['ratio'] is None else format(r['ratio'], '.3f'):>16}" for name, r in p.phase_table().items()),
         f"  devices saved: {p.device_reduction:.1%}; device-hours per step, proxy/original: "
         f"{p.device_hours_ratio:.3f}",
+        f"  step: {_workload_text(p.workload)}",
     ]
     return "\n".join(lines + [f"  note: {note}" for note in p.notes])

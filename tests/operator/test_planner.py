@@ -10,6 +10,7 @@ import pytest
 
 from moe_proxy.errors import InvalidExpertCount, NotMoE, UnsupportedArchitecture
 from moe_proxy.checkpoint.params import config_params, moe_layer_indices
+from moe_proxy.demo.published import DEEPSEEK_V3
 from moe_proxy.sizing import GB, SizingOptions, format_sizing, estimate
 
 # A tiny Qwen3-MoE: H=64, vocab 256, 2 layers (layer 0 dense), 4 heads of 16, 2 KV heads,
@@ -63,13 +64,7 @@ def test_params_match_what_transformers_stores(model_type, extra):
 
 
 def test_deepseek_v3_full_size_is_671b_with_37b_active():
-    config = {
-        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-        "n_group": 8, "topk_group": 4, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128, "v_head_dim": 128, "tie_word_embeddings": False,
-    }
+    config = DEEPSEEK_V3
     params = config_params(config)
     assert round(params.total / 1e9) == 671 and round(params.active / 1e9) == 38  # 37.55B
     p = estimate(config, SizingOptions(experts=32))

@@ -10,6 +10,16 @@ from dataclasses import fields
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.commands._common import add_device_args
 from moe_proxy.sizing import SizingOptions, format_sizing, estimate
+from moe_proxy.step_cost import Workload
+
+WORKLOAD_HELP = {
+    "sequences": "rollouts per RL step, all devices together (prompts x group size)",
+    "prompt_tokens": "tokens per prompt",
+    "response_tokens": "tokens generated per rollout",
+    "updates": "optimizer updates per RL step (PPO mini-batches)",
+    "mfu": "achieved fraction of peak FLOP/s in compute-bound phases",
+    "hbm_efficiency": "achieved fraction of memory bandwidth in memory-bound phases",
+}
 
 
 def add_parser(subparsers) -> None:
@@ -28,8 +38,12 @@ def add_parser(subparsers) -> None:
                        "when that fits (default budget: the devices the ratio's proxy needs)")
     p.add_argument("--micro-batch-tokens", type=int, default=SizingOptions.micro_batch_tokens,
                    help="tokens per device per micro-batch (sets the activation memory)")
-    p.add_argument("--tokens-per-step", type=int, default=SizingOptions.tokens_per_step,
-                   help="rollout tokens per RL step, all devices together (sets the step time)")
+    step = p.add_argument_group("the RL step, for its time by phase (defaults: a typical GRPO step)")
+    for name, help_text in WORKLOAD_HELP.items():
+        default = getattr(Workload, name)
+        step.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, metavar="N",
+                          help=f"{help_text} (default {default})")
+    step.add_argument("--no-recompute", action="store_true", help="no activation recomputation in training")
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -60,8 +74,9 @@ def read_config(location: str, endpoint_url: str | None = None) -> dict:
 def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
     known = {f.name for f in fields(SizingOptions)}
+    workload = Workload(**{k: getattr(args, k) for k in WORKLOAD_HELP}, recompute=not args.no_recompute)
     opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
-                       reference=not args.no_reference)
+                         reference=not args.no_reference, workload=workload)
     result = estimate(config, opts)
     print(json.dumps(result.summary(), indent=2) if args.json else format_sizing(result))
     return 0

@@ -1,0 +1,137 @@
+"""The RL step's cost by phase (moe_proxy.step_cost), by hand and on the real models' configs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from moe_proxy.sizing import SizingOptions, estimate, model_shape
+from moe_proxy.step_cost import Accelerator, Phases, Workload, phases, touched_experts
+from moe_proxy.checkpoint.params import config_params
+from moe_proxy.demo.published import DEEPSEEK_V3, QWEN3_235B, QWEN3_30B
+from proxymodel_operator.status import plan_summary
+
+from .test_planner import QWEN3
+
+ONE = Accelerator("test", 1e6, 1.0, 1.0)  # 1 TFLOP/s, 1 TB/s, no links: one device
+EXACT = Workload(sequences=4, prompt_tokens=8, response_tokens=6, updates=2, recompute=False, mfu=1.0,
+                 hbm_efficiency=1.0)
+
+
+def test_touched_experts_goes_from_top_k_to_all():
+    assert touched_experts(64, 4, 1) == pytest.approx(4)
+    assert touched_experts(64, 4, 10_000) == pytest.approx(64)
+    assert 4 < touched_experts(64, 4, 8) < 8 * 4  # overlaps: fewer than batch x k
+
+
+def test_shape_of_the_tiny_qwen3_by_hand():
+    params = config_params(QWEN3)
+    m = model_shape(QWEN3, params, 8, 2, 1, "fp32")
+    assert m.expert_params == 3 * 64 * 32 + 64  # an expert's projections and its router row
+    assert m.attention_width == 4 * (16 + 16) and m.kv_elements == 2 * 2 * 16  # 4 heads; k and v of 2 KV heads
+    assert (m.bytes_per_param, m.optimizer_bytes, m.layers, m.moe_layers) == (4, 8, 2, 1)
+
+
+def test_phases_by_hand_on_one_device():
+    m = model_shape(QWEN3, config_params(QWEN3), 8, 2, 1, "fp32")
+    p = phases(m, EXACT, ONE, devices=1, per_node=1, usable_bytes=1e12)
+    attention = 2 * 2 * 128  # 2 layers x 2 x attention width, per token per context token
+    prefill = 4 * (2 * 88960 * 8 + attention * 8 ** 2 / 2)
+    assert p.rollout_prefill == pytest.approx(prefill / 1e12)
+    full = 4 * (2 * 88960 * 14 + attention * 14 ** 2 / 2)
+    assert p.old_log_prob == p.reference == pytest.approx(full / 1e12)
+    assert p.train == pytest.approx(3 * full / 1e12)
+    # decode: 6 steps, each reading the non-expert weights, the experts 4 rows touch, the KV cache
+    backbone = 125824 - 8 * m.expert_params
+    read = 4 * (backbone + touched_experts(8, 2, 4) * m.expert_params) + 4 * (8 + 3) * 2 * 64 * 4
+    flops = 4 * (2 * 88960 + attention * (8 + 3))
+    assert p.rollout_decode == pytest.approx(6 * max(read / 1e12, flops / 1e12))
+    assert p.optimizer == pytest.approx(2 * 125824 * (3 * 4 + 2 * 8) / 1e12)  # read w, g, m, v; write w, m, v
+    assert p.weight_sync == p.all_to_all == 0  # one device: nothing moves
+    assert p.total == pytest.approx(sum(seconds for _, seconds in p.items()))
+    assert phases(m, replace(EXACT, recompute=True), ONE, 1, 1, 1e12).train == pytest.approx(4 * full / 1e12)
+    assert phases(m, replace(EXACT, reference=False), ONE, 1, 1, 1e12).reference == 0
+
+
+def test_links_cost_only_across_devices_and_nodes():
+    m = model_shape(QWEN3, config_params(QWEN3), 8, 2, 1, "bf16")
+    linked = replace(ONE, intra_gbps=100.0, inter_gbps=10.0)
+    p = phases(m, EXACT, linked, devices=16, per_node=8, usable_bytes=1e12)
+    # 8 experts on 8 of the 16 devices, one node: 7/8 of the traffic leaves a device, none the node
+    volume = 5 * 4 * 14 * 1 * 2 * 2 * 64 * 2 / 16  # passes x tokens x layers x 2k x H x bytes / devices
+    assert p.all_to_all == pytest.approx(volume * (1 - 1 / 8) / 100e9)
+    # a rollout replica is one device (the weights fit): it receives all weights, half from the other node
+    assert p.weight_sync == pytest.approx(125824 * 2 * (0.5 / 100e9 + 0.5 / 10e9))
+
+
+def test_expert_parallel_spans_nodes_only_when_experts_outnumber_a_node():
+    m = model_shape(QWEN3, config_params(QWEN3), 8, 2, 1, "bf16")
+    linked = replace(ONE, intra_gbps=100.0, inter_gbps=10.0)
+    wide = replace(m, experts=32)  # 32 experts over 16 devices: 2 nodes
+    p = phases(wide, EXACT, linked, devices=16, per_node=8, usable_bytes=1e12)
+    volume = 5 * 4 * 14 * 1 * 2 * 2 * 64 * 2 / 16
+    assert p.all_to_all == pytest.approx(volume * (0.5 / 10e9 + (0.5 - 1 / 16) / 100e9))
+
+
+def test_deepseek_v3_proxy_saves_where_total_parameters_cost():
+    p = estimate(DEEPSEEK_V3, SizingOptions(keep_ratio=0.125))
+    table = p.phase_table()
+    for phase in ("rollout_prefill", "old_log_prob", "reference", "train"):  # active parameters: about the same
+        assert 0.99 < table[phase]["ratio"] < 1.0
+    for phase in ("rollout_decode", "optimizer", "weight_sync"):  # total parameters: far less
+        assert table[phase]["ratio"] < 0.3, phase
+    assert table["total"]["ratio"] == pytest.approx(p.device_hours_ratio) and p.device_hours_ratio < 0.6
+    assert table["total"]["original"] == pytest.approx(sum(table[f]["original"] for f in table if f != "total"))
+
+
+def test_published_configs_have_their_published_sizes():
+    sizes = {name: config_params(c) for name, c in (("v3", DEEPSEEK_V3), ("235b", QWEN3_235B), ("30b", QWEN3_30B))}
+    assert {n: (round(p.total / 1e9, 1), round(p.active / 1e9, 1)) for n, p in sizes.items()} == {
+        "v3": (671.0, 37.6), "235b": (235.1, 22.2), "30b": (30.5, 3.4)}
+
+
+def test_qwen3_30b_proxy_on_one_node_sends_no_expert_traffic_between_nodes():
+    ascend = estimate(QWEN3_30B, SizingOptions(keep_ratio=0.125))
+    assert ascend.proxy.devices == 8 and ascend.original.devices == 16
+    no_inter = estimate(QWEN3_30B, SizingOptions(keep_ratio=0.125, accelerator="H100"))
+    assert no_inter.proxy.phases.all_to_all < ascend.proxy.phases.all_to_all  # H100's NVLink is faster
+    # H200 differs from H100 only in memory and bandwidth: decode (memory-bound) is faster
+    h200 = estimate(QWEN3_30B, SizingOptions(keep_ratio=0.125, accelerator="H200"))
+    assert h200.original.phases.rollout_decode < no_inter.original.phases.rollout_decode
+
+
+def test_plan_command_prints_and_carries_every_phase(tmp_path, capsys):
+    from moe_proxy.commands import plan as plan_command
+
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    parser = argparse.ArgumentParser()
+    plan_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", str(tmp_path), "--keep-ratio", "0.125", "--sequences", "64",
+                              "--response-tokens", "512", "--no-recompute", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = [name for name, _ in Phases(*[0.0] * 8).items()]
+    assert list(out["device_hours_per_step"]) == [*names, "total"]
+    assert set(out["original"]["phases"]) == set(names)
+    assert (out["workload"]["sequences"], out["workload"]["response_tokens"], out["workload"]["recompute"]) == (
+        64, 512, False)
+    assert out["device_hours_ratio"] == pytest.approx(out["device_hours_per_step"]["total"]["ratio"], abs=1e-4)
+    args = parser.parse_args(["plan", str(tmp_path), "--keep-ratio", "0.125"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "rollout decode" in text and "all to all" in text and "proxy/original" in text
+    assert "512 sequences of 512 prompt + 1536 response tokens" in text  # the defaults, stated
+
+
+def test_operator_status_plan_has_device_hours_by_phase():
+    plan = estimate(DEEPSEEK_V3, SizingOptions(keep_ratio=0.125))
+    status = plan_summary(plan)["deviceHoursPerStep"]
+    assert list(status) == ["rolloutPrefill", "rolloutDecode", "oldLogProb", "reference", "train", "optimizer",
+                            "weightSync", "allToAll", "total"]
+    assert float(status["total"]["ratio"]) == pytest.approx(plan.device_hours_ratio, abs=1e-3)
+    assert math.isclose(float(status["rolloutDecode"]["original"]), plan.phase_table()["rollout_decode"]["original"],
+                        rel_tol=1e-3)
