@@ -35,7 +35,7 @@ _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
 # Summed, not averaged, over the steps of a logging window; and maxed (runner._aggregate's rule,
 # so that one bad step is not averaged away).
 _SUMMED = ("numerics/nonfinite_activations",)
-_MAXED = ("numerics/max_activation", "moe/router_logit_max")
+_MAXED = ("numerics/max_activation", "moe/router_logit_max", "numerics/params_nonfinite")
 
 
 class _Layer:
@@ -63,8 +63,12 @@ class Probes:
     the last call (and writes them to `jsonl` when given); `detach()` removes the hooks."""
 
     def __init__(self, model: nn.Module, *, top_k: int | None = None, grad_only: bool = True,
-                 jsonl: str | Path | None = None):
+                 jsonl: str | Path | None = None, check_params: bool = True):
         self.routers = find_routers(model)
+        # step() also counts the parameters holding a non-finite value (after the update): a NaN
+        # update often crashes the next step's sampling before any logged loss is NaN, and
+        # transformers' logging_nan_inf_filter and TRL hide NaN losses anyway.
+        self.params = list(model.parameters()) if check_params else []
         self.top_k = top_k or getattr(model.config, "num_experts_per_tok", None) or 1
         self.grad_only = grad_only
         self.writer = JsonlWriter(jsonl) if jsonl is not None else None
@@ -138,7 +142,8 @@ class Probes:
 
     def peek(self) -> dict[str, float]:
         """The metrics recorded since the last `step()`, without starting a new step: the names
-        and formulas of routers.RouterTap.metrics and runner.ActivationWatch.metrics."""
+        and formulas of routers.RouterTap.metrics and runner.ActivationWatch.metrics, and (with
+        `check_params`) the runner's numerics/params_nonfinite over the weights as they are now."""
         out: dict[str, float] = {}
         layers = sorted(self._layers)
         parts = []  # read back in one transfer: one sync with the device per step
@@ -150,6 +155,8 @@ class Probes:
             parts += [self._act_max.reshape(1), self._nonfinite.float().reshape(1)]
         if not parts:
             return out
+        if self.params:
+            parts.append(nonfinite_params(self.params).reshape(1))
         device = parts[0].device
         values = torch.cat([t.to(device) for t in parts]).tolist()
         if layers:
@@ -160,6 +167,8 @@ class Probes:
                 per_layer[layer] = {"router_entropy": entropy / tokens, "load_max_share": load_max / tokens,
                                     "load_min_share": load_min / tokens, "router_logit_max": largest}
             out.update(moe_metrics(per_layer, self.top_k / self._layers[layers[0]].load.numel()))
+        if self.params:
+            out["numerics/params_nonfinite"] = values.pop()
         if self._act_max is not None:
             largest, nonfinite = values[-2:]
             out["numerics/max_activation"] = math.inf if nonfinite else largest
@@ -188,6 +197,13 @@ class Probes:
 
     def __exit__(self, *_exc) -> None:
         self.detach()
+
+
+def nonfinite_params(params: list[torch.Tensor]) -> torch.Tensor:
+    """How many of `params` hold a NaN or inf (repro's numerics/params_nonfinite), as a 0-d
+    tensor on the parameters' device: one pass over the weights, no sync per tensor."""
+    device = params[0].device
+    return torch.stack([(~torch.isfinite(p.detach())).any().to(device) for p in params]).sum().float()
 
 
 def attach(model: nn.Module, **kwargs) -> Probes:

@@ -16,6 +16,8 @@ from moe_proxy.repro.metrics_io import read_jsonl
 from moe_proxy.repro.routers import RouterTap
 from moe_proxy.repro.runner import ActivationWatch
 
+from .trl_grpo import char_tokenizer
+
 ARCHS = ("qwen3_moe", "deepseek_v3", "mixtral")
 
 
@@ -52,7 +54,9 @@ def test_probes_equal_repro_metrics_on_a_forward_pass(tiny):
     comm = types.SimpleNamespace(max=lambda v: v, sum=lambda v: v)
     theirs = {**tap.metrics(), **watch.metrics(comm)}
     moe_keys = [k for k in theirs if k.startswith("moe/")]
-    assert moe_keys and set(theirs) == set(ours)
+    # besides the tap's and the watch's: the runner's weight check, over the weights as they are
+    assert moe_keys and set(theirs) | {"numerics/params_nonfinite"} == set(ours)
+    assert ours["numerics/params_nonfinite"] == 0
     for key in theirs:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
     experts = tap.routers[0].module.weight.shape[0]
@@ -124,6 +128,7 @@ def test_a_non_finite_activation_is_counted_and_max_activation_is_inf(tiny):
     probe.detach()
     assert metrics["numerics/nonfinite_activations"] > 0
     assert metrics["numerics/max_activation"] == math.inf
+    assert metrics["numerics/params_nonfinite"] == 1  # the embedding: one tensor holds the inf
 
 
 def test_jsonl_writer_lines_are_read_by_watch_readers(tmp_path, tiny):
@@ -179,19 +184,6 @@ def test_trainer_callback_writes_moe_keys_into_logs_and_log_history(tmp_path):
     assert callback.probes is None  # detached at the end of training
 
 
-def _char_tokenizer():
-    """A character-level tokenizer (a-z, pad 0, eos 1) for the tiny model, which has no vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{chr(97 + i): 2 + i for i in range(26)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
-    fast.padding_side = "left"
-    return fast
-
-
 def test_trl_grpo_with_the_callback_reaches_tensorboard_and_watch(tmp_path, monkeypatch, capsys):
     """TRL's GRPOTrainer trains a tiny Qwen3-MoE 3 steps on CPU with the callback and
     report_to="tensorboard"; `moe-proxy watch` reads the moe/ and numerics/ roles from the
@@ -210,7 +202,7 @@ def test_trl_grpo_with_the_callback_reaches_tensorboard_and_watch(tmp_path, monk
                       learning_rate=1e-3, save_strategy="no", disable_tqdm=True, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["abc", "hello", "xyz", "moe"] * 4}),
-                          processing_class=_char_tokenizer(), callbacks=[probes.MoEProbeCallback()])
+                          processing_class=char_tokenizer(), callbacks=[probes.MoEProbeCallback()])
     trainer.train()
     assert [row["step"] for row in trainer.state.log_history if "moe/load_max_share/layer_1" in row] == [1, 2, 3]
     done = tmp_path / "done"
