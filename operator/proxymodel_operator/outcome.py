@@ -5,6 +5,12 @@ A Job's own condition only says `BackoffLimitExceeded`; the pods say why: the co
 termination message (our JSON, e.g. {"error": "S3AccessDenied", ...}), a terminated reason
 (`OOMKilled`), or a waiting reason that will never resolve by itself (`ImagePullBackOff`).
 The most specific one wins, so status names the real cause.
+
+A user's framework that crashes (a container of the template ending with a non-zero exit code)
+after its `moe-proxy watch` sidecar wrote a verdict is a finding, not a failure of the
+operator's: the watcher's verdict, with the crash (which container, its exit code and reason,
+the last lines of its log as the pod has them, the last step logged) added. A non-finite
+signature the watcher saw before the crash comes first.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ from dataclasses import dataclass, field
 from moe_proxy.reports import parse_termination_log
 
 from .resources import Resource
-from .runtimes import Conditions, runtime_of
+from .runtimes import WATCHER, Conditions, runtime_of
 
 RUNNING, SUCCEEDED, FAILED = "Running", "Succeeded", "Failed"
 # Waiting reasons that never resolve without a change to the spec: fail instead of hanging.
 STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
                  "CreateContainerError")
+CRASHED = "crashed"  # the signature of a framework that ended with an error before any failure was seen
+NON_FINITE = ("nan", "overflow")  # seen before a crash, they are the verdict: the crash followed from them
+LOG_TAIL = 2048  # characters of a crashed container's log kept (the kubelet's own limit for it)
 
 
 @dataclass(frozen=True)
@@ -63,9 +72,25 @@ def workload_state(resource: Resource, obj: dict) -> Outcome:
     return Outcome(RUNNING)
 
 
+@dataclass(frozen=True)
+class Crash:
+    """A framework container that ended with a non-zero exit code."""
+
+    pod: str
+    container: str
+    exit_code: int
+    reason: str  # the kubelet's: Error, OOMKilled, ...
+    log: str = ""  # its log's last lines: the termination message under FallbackToLogsOnError
+
+    def what(self) -> str:
+        return f"container {self.container} of pod {self.pod} exited with code {self.exit_code} ({self.reason})"
+
+
 @dataclass
 class PodFindings:
     success_report: dict = field(default_factory=dict)
+    watch_report: dict = field(default_factory=dict)  # the moe-proxy watch sidecar's verdict
+    crash: Crash | None = None  # the first framework container to end with an error
     error_report: dict = field(default_factory=dict)
     terminated_reason: str = ""  # e.g. OOMKilled
     terminated_message: str = ""
@@ -97,7 +122,36 @@ def examine_pods(pods: list[dict]) -> PodFindings:
             if waiting and waiting.get("reason") in STUCK_WAITING:
                 found.stuck_reason = waiting["reason"]
                 found.stuck_message = (waiting.get("message") or "")[:500]
+        for cs in status.get("initContainerStatuses") or []:
+            terminated = (cs.get("state") or {}).get("terminated") or {}
+            if cs.get("name") == WATCHER and terminated.get("exitCode") == 0:
+                found.watch_report = parse_termination_log(terminated.get("message")) or found.watch_report
+        for cs in status.get("containerStatuses") or []:
+            terminated = (cs.get("state") or {}).get("terminated") or {}
+            if found.crash is None and terminated.get("exitCode") not in (None, 0):
+                message = terminated.get("message") or ""
+                found.crash = Crash(pod.get("metadata", {}).get("name", ""), cs.get("name", ""),
+                                    int(terminated["exitCode"]), terminated.get("reason") or "Error",
+                                    "" if parse_termination_log(message) else message[-LOG_TAIL:])
     return found
+
+
+def with_crash(report: dict, crash: Crash) -> dict:
+    """The watcher's verdict on a run whose framework then crashed: unchanged when it reproduced
+    the failure; else the first non-finite signature it saw, or `crashed` at the last step
+    logged. Either way with the crash (`crash`, and `stopped`, which says what happened)."""
+    last = report.get("last_step")
+    after = f"after step {last}" if last is not None else "before logging a step"
+    what = f"{crash.what()} {after}"
+    seen = sorted(((step, name) for name, step in (report.get("also_seen") or {}).items() if name in NON_FINITE))
+    out = {**report, "crash": {"pod": crash.pod, "container": crash.container, "exitCode": crash.exit_code,
+                               "reason": crash.reason, "lastStep": last, "log": crash.log}}
+    if report.get("reproduced"):
+        return {**out, "stopped": f"{report.get('signature')} at step {report.get('step')}, then {what}"[:200]}
+    if seen:
+        step, name = seen[0]
+        return {**out, "signature": name, "step": step, "stopped": f"{name} at step {step}, then {what}"[:200]}
+    return {**out, "signature": CRASHED, "step": last, "stopped": f"crashed: {what}"[:200]}
 
 
 def outcome(resource: Resource, obj: dict, pods: list[dict]) -> Outcome:
@@ -106,6 +160,9 @@ def outcome(resource: Resource, obj: dict, pods: list[dict]) -> Outcome:
     found = examine_pods(pods)
     if verdict.state == SUCCEEDED:
         return Outcome(SUCCEEDED, report=found.success_report)
+    if verdict.state == FAILED and found.watch_report and found.crash:
+        # The framework crashed after the watcher judged what it logged: that is the answer.
+        return Outcome(SUCCEEDED, report=with_crash(found.watch_report, found.crash))
     if verdict.state == FAILED and found.success_report.get("reproduced") is True:
         # The failure came back (the watcher's verdict) and then broke the framework: that is the answer.
         return Outcome(SUCCEEDED, report=found.success_report)

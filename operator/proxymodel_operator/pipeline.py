@@ -35,6 +35,7 @@ from .transformer_job import BUILD, STEP_TEXT, WORKERS, next_step, step_job, ste
 # Spec fields that change how the pipeline runs, not what it builds: no restart for them.
 RUN_CONTROL_FIELDS = ("suspend", "ttlSecondsAfterFinished")
 MAX_EVENT = 1024  # characters of an Event's message
+CRASHED_REASON = "Crashed"  # the user's framework crashed before the failure asked for was seen
 
 # What a handler observed happen (Observed.event).
 ADMITTED = "admitted"  # the ProxyModel was created, or seen again after a restart
@@ -566,18 +567,23 @@ def _reproduction_verdict(pm: _ProxyModel, verdict: Outcome) -> list[Action]:
     if not verdict.report:
         phase, ok, reason = NOT_REPRODUCED, False, "NoReport"
         message = "the reproduction finished without a termination message; see its logs"
+    elif "crash" in result and not result["reproduced"]:
+        phase, ok, reason = NOT_REPRODUCED, False, CRASHED_REASON
+        log = [line for line in result["crash"]["log"].splitlines() if line.strip()][-3:]
+        message = verdict.report["stopped"] + ("; its log ends: " + " | ".join(log) if log else "")
     elif result["reproduced"]:
         signature = str(result["signature"] or "")
         phase, ok = REPRODUCED, True
         reason = SIGNATURE_REASONS.get(signature, "MetricThreshold" if signature else "FailureReproduced")
-        message = f"{signature} at step {result['step']}"
+        message = verdict.report["stopped"] if "crash" in result else f"{signature} at step {result['step']}"
     else:
         phase, ok, reason = NOT_REPRODUCED, False, "NotObserved"
         message = "the failure signature was not seen within the run"
     conditions = with_condition(status.get("conditions"),
                                 condition(REPRODUCED_CONDITION, ok, reason, message, _generation(status)))
     return [PatchStatus({"phase": phase, "reproduction": result, "conditions": conditions}),
-            Emit("Normal" if ok else "Warning", reason if ok else "NotReproduced", message),
+            Emit("Normal" if ok else "Warning", reason if ok or reason == CRASHED_REASON else "NotReproduced",
+                 message[:MAX_EVENT]),
             Log(f"reproduction: {phase} ({message})")]
 
 

@@ -10,7 +10,8 @@ By default the container runs `moe-proxy repro --nnodes N --node-rank R --nproc-
 pod) writes the verdict as its termination message. A user's own pod template (verl,
 MindSpeed-RL...) keeps its containers and gets the same environment, the proxy's facts, and a
 `moe-proxy watch` native sidecar (an init container that restarts Always) that follows the
-framework's metrics file on a shared volume and writes the verdict as its termination message.
+framework's metrics (a verl FileLogger file, or TensorBoard events: `watched_path`) on a shared
+volume and writes the verdict as its termination message.
 """
 
 from __future__ import annotations
@@ -163,6 +164,14 @@ def _env_value(env: list[dict], name: str) -> str | None:
     return next((e.get("value") for e in env if e["name"] == name), None)
 
 
+def watched_path(env: list[dict], verl: str) -> str:
+    """What the watcher follows: the framework's first container's MOEPROXY_METRICS_PATH, else its
+    verl FileLogger file (`verl`, set by the template or ours), unless only TENSORBOARD_LOGGING_DIR
+    is set (transformers' Trainer and TRL write their event files there)."""
+    chosen = _env_value(env, "MOEPROXY_METRICS_PATH") or _env_value(env, "VERL_FILE_LOGGER_PATH")
+    return chosen or _env_value(env, "TENSORBOARD_LOGGING_DIR") or verl
+
+
 def watcher(spec: ProxyModelSpec, runtime: Runtime, where: Placement, env: list[dict], metrics: str,
             mounts: list[dict]) -> dict:
     """The native sidecar: `moe-proxy watch` on the framework's metrics file. It writes the
@@ -199,8 +208,9 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
         pod = template["spec"]
         pod.setdefault("restartPolicy", "Never")
         first = pod["containers"][0]
-        metrics = _env_value(first.get("env") or [], "VERL_FILE_LOGGER_PATH") or METRICS_PATH
-        env = merge_env(env, [{"name": "VERL_FILE_LOGGER_PATH", "value": metrics}])
+        verl = _env_value(first.get("env") or [], "VERL_FILE_LOGGER_PATH") or METRICS_PATH
+        env = merge_env(env, [{"name": "VERL_FILE_LOGGER_PATH", "value": verl}])
+        metrics = watched_path(first.get("env") or [], verl)
         shared = {"name": RUN_VOLUME, "mountPath": RUN_DIR}
         prelude = node_rank_prelude(runtime, where)
         stoppable = bool(r.fail_on and r.fail_on.stop_on_reproduce)
@@ -209,6 +219,8 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
             mounts = c.setdefault("volumeMounts", [])
             if not any(m.get("mountPath") == RUN_DIR for m in mounts):
                 mounts.append(shared)
+            # A crash's last log lines reach the pod's status (outcome.Crash) unless the template says otherwise.
+            c.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
             _wrapped(c, prelude, stoppable and i == 0)
             if i == 0:
                 c["resources"] = _accelerator_resources(c.get("resources"), r.accelerator.resource, where.per_pod)

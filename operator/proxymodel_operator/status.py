@@ -203,4 +203,6 @@ def reproduction_summary(report: dict) -> dict:
         "signature": report.get("signature"),
         "step": report.get("step"),
         "metrics": {str(k): str(v) for k, v in list(metrics.items())[:32]} if isinstance(metrics, dict) else {},
+        # a user's framework that crashed after the watcher's verdict (outcome.with_crash)
+        **({"crash": report["crash"]} if isinstance(report.get("crash"), dict) else {}),
     }

@@ -5,6 +5,7 @@ made it from the workload: `controllers.py`), as far as the reproduction's wirin
 the container's env resolved as the pod spec says (values, `$(VAR)` references to earlier
 variables, secretKeyRef and configMapKeyRef from the emulator's Secrets and ConfigMaps,
 downward-API fields and annotations such as the completion index), configMap volumes as files,
+a failed container's log tail as its termination message under FallbackToLogsOnError,
 `$(VAR)` expanded in command and args,
 native sidecars (init containers with `restartPolicy: Always`) started first (their startupProbe
 passed) and sent SIGTERM once the main containers have exited, and each container's termination
@@ -35,6 +36,9 @@ CONFIGMAPS = Resource("", "v1", "configmaps", "ConfigMap")
 _REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _FIELD = re.compile(r"metadata\.(annotations|labels)\['([^']+)'\]")
 MOE_PROXY = str(Path(sys.executable).with_name("moe-proxy"))
+# kubelet: pkg/kubelet/kuberuntime/kuberuntime_container.go, FallbackToLogsOnError's tail
+# (kubecontainer.MaxContainerTerminationMessageLogLines, ...LogLength)
+LOG_TAIL_LINES, LOG_TAIL_BYTES = 80, 2048
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -156,6 +160,9 @@ class Kubelet:
         file = self._termination_file(pod, container)
         message = file.read_text() if file.is_file() else ""
         output = (self.root / pod.name / f"{container['name']}.log").read_text()
+        if not message and process.returncode != 0 and container.get("terminationMessagePolicy") == \
+                "FallbackToLogsOnError":  # the kubelet's log tail: at most 80 lines and 2048 bytes
+            message = "\n".join(output.splitlines()[-LOG_TAIL_LINES:]).encode()[-LOG_TAIL_BYTES:].decode(errors="ignore")
         return Ran(container["name"], process.returncode, message, output)
 
     def _wait_started(self, pod: Pod, container: dict, process: subprocess.Popen) -> None:

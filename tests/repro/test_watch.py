@@ -33,6 +33,7 @@ def test_verl_file_with_nan_at_step_3_as_it_grows(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == "nan at step 3 (reproduced)"
     report = json.loads(log.read_text())
     assert report.pop("steps_completed") == 3  # steps 1..3 read when it stopped
+    assert report.pop("last_step") == 3  # what the operator reports should the framework crash after it
     assert report == {"reproduced": True, "signature": "nan", "step": 3,
                       "metrics": {"actor/pg_loss": None, "actor/grad_norm": 1.0, "critic/rewards/mean": 0.5}}
     assert stop.exists()

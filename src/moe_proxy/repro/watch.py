@@ -15,6 +15,10 @@ The watch ends:
   or the process is told to stop (SIGTERM: Kubernetes ends a native sidecar so once the main
   container has exited); the rest of the file is read first;
 - after `timeout_s` without either: an error, no verdict (the run did not finish).
+
+The verdict also gives the last step logged and the failures seen besides its own: when the
+framework has crashed, the operator adds the crash to it (its exit code and reason, the end of
+its log, from the pod's status) and a NaN seen before the crash comes first.
 """
 
 from __future__ import annotations
@@ -146,5 +150,13 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
     if stop_file and stopped.startswith(("reproduced", "loss or weights")):
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
         Path(stop_file).write_text(stopped + "\n")
-    return WatchResult(verdict_report(detector, fail_on, rows), len(rows), stopped, detector.to_dict(), run_ended,
-                       follower.profile, set().union(*rows.values()) if rows else set())
+    return WatchResult(ending(verdict_report(detector, fail_on, rows), detector, rows), len(rows), stopped,
+                       detector.to_dict(), run_ended, follower.profile, set().union(*rows.values()) if rows else set())
+
+
+def ending(report: dict, detector: FailureDetector, rows: dict) -> dict:
+    """The verdict with what the operator needs should the framework crash after it: the last
+    step logged and the failures seen besides the verdict's own, each at its onset (a NaN
+    before a crash is the finding, outcome.with_crash)."""
+    seen = {name: onset.step for name, onset in detector.onsets.items() if name != report.get("signature")}
+    return {**report, "last_step": max(rows) if rows else None, **({"also_seen": seen} if seen else {})}
