@@ -3,7 +3,8 @@ with the last step logged, its container's exit code and reason and the end of i
 from the pod's status; a non-finite signature the watcher saw before the crash comes first.
 
 - outcome.outcome on pods as the kubelet reports them (the watcher's verdict in its init
-  container's status, the framework's exit code and log tail in its container's);
+  container's status, the framework's exit code and log tail in its container's); a Diagnosis
+  run that crashed is inconclusive (it stopped early), as the CLI's rule has it;
 - end to end (kopf, the API emulator, the test kubelet running the pods as local processes):
   a framework that logs 3 verl steps and dies on an exception; and TRL's GRPOTrainer
   (`tests/repro/trl_grpo.py`) as the template's framework, its TensorBoard events followed by the
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import pytest
 
+from proxymodel_operator.diagnosis_decisions import decide
 from proxymodel_operator.outcome import FAILED, SUCCEEDED, outcome
 from proxymodel_operator.reproduction import RUN_DIR
 from proxymodel_operator.resources import JOBS, PROXYMODELS
 from proxymodel_operator.runtimes import WATCHER
 
 from .harness import eventually, proxymodel, tiny_proxy_in
+from .test_diagnosis_decisions import SETTINGS, _done, _finish_all, apply, built, diagnosis
 from .test_rendezvous_e2e import NS, _reproduction_of, _run_and_report
 
 FAILED_JOB = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}
@@ -70,6 +73,17 @@ def test_non_finite_values_before_the_crash_come_first():
     reproduced = outcome(JOBS, FAILED_JOB, [_pod(_watched(True, "nan", 2, last=2), 1, LOG)]).report
     assert (reproduced["reproduced"], reproduced["signature"], reproduced["step"]) == (True, "nan", 2)
     assert reproduced["crash"]["exitCode"] == 1
+
+
+def test_a_diagnosis_run_that_crashed_is_inconclusive_not_fixed():
+    crashed = outcome(JOBS, FAILED_JOB, [_pod(_watched(last=2, steps_completed=2), 1, LOG)])
+    pm = built()
+    body = diagnosis({"candidates": ["fp32"], "seeds": 1})
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    body = _finish_all(body, pm, {("baseline", 0): _done(1), ("fp32", 0): crashed})
+    fp32 = body["status"]["candidates"][0]
+    assert fp32["verdict"] == "inconclusive", fp32
+    assert "stopped at step 2 (crashed: container verl of pod r-0 exited with code 1" in fp32["note"]
 
 
 def test_without_a_watchers_verdict_or_a_crash_the_failure_is_the_workloads_as_before():
