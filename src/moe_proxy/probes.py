@@ -35,7 +35,9 @@ _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
 # Summed, not averaged, over the steps of a logging window; and maxed (runner._aggregate's rule,
 # so that one bad step is not averaged away).
 _SUMMED = ("numerics/nonfinite_activations",)
-_MAXED = ("numerics/max_activation", "moe/router_logit_max", "numerics/params_nonfinite")
+_MAXED = ("numerics/max_activation", "moe/router_logit_max", "numerics/params_nonfinite",
+          "numerics/half_precision")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class _Layer:
@@ -130,6 +132,9 @@ class Probes:
         finite = torch.isfinite(h)
         largest = torch.where(finite, h, torch.zeros((), dtype=h.dtype, device=h.device)).abs().max().float()
         nonfinite = (~finite).sum()
+        # repro's numerics/half_precision: the detector calls non-finite hidden states an
+        # overflow only in a half-precision step (in fp32 they are a broken op's NaN)
+        self._half = self._half or h.dtype in _HALF or torch.is_autocast_enabled(h.device.type)
         self._act_max = largest if self._act_max is None else torch.maximum(self._act_max, largest)
         self._nonfinite = nonfinite if self._nonfinite is None else self._nonfinite + nonfinite
 
@@ -139,6 +144,7 @@ class Probes:
         self._layers: dict[int, _Layer] = {}
         self._act_max = None
         self._nonfinite = None
+        self._half = False
 
     def peek(self) -> dict[str, float]:
         """The metrics recorded since the last `step()`, without starting a new step: the names
@@ -173,6 +179,7 @@ class Probes:
             largest, nonfinite = values[-2:]
             out["numerics/max_activation"] = math.inf if nonfinite else largest
             out["numerics/nonfinite_activations"] = float(nonfinite)
+            out["numerics/half_precision"] = float(self._half)
         return out
 
     def step(self, step: int | None = None) -> dict[str, float]:

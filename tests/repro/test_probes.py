@@ -55,8 +55,8 @@ def test_probes_equal_repro_metrics_on_a_forward_pass(tiny):
     theirs = {**tap.metrics(), **watch.metrics(comm)}
     moe_keys = [k for k in theirs if k.startswith("moe/")]
     # besides the tap's and the watch's: the runner's weight check, over the weights as they are
-    assert moe_keys and set(theirs) | {"numerics/params_nonfinite"} == set(ours)
-    assert ours["numerics/params_nonfinite"] == 0
+    assert moe_keys and set(theirs) | {"numerics/params_nonfinite", "numerics/half_precision"} == set(ours)
+    assert ours["numerics/params_nonfinite"] == 0 and ours["numerics/half_precision"] == 0  # fp32
     for key in theirs:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
     experts = tap.routers[0].module.weight.shape[0]
@@ -129,6 +129,24 @@ def test_a_non_finite_activation_is_counted_and_max_activation_is_inf(tiny):
     assert metrics["numerics/nonfinite_activations"] > 0
     assert metrics["numerics/max_activation"] == math.inf
     assert metrics["numerics/params_nonfinite"] == 1  # the embedding: one tensor holds the inf
+
+
+def test_in_half_precision_a_non_finite_activation_is_the_detectors_overflow(tiny):
+    from moe_proxy.repro.detect import FailureDetector
+
+    found = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _model(tiny).to(dtype)
+        ids, mask = _batch(model, seed=3)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[ids[1, 5]] = math.inf
+        with probes.attach(model) as probe:
+            model(input_ids=ids, attention_mask=mask)
+            metrics = probe.step()
+        assert metrics["numerics/half_precision"] == float(dtype == torch.bfloat16)
+        found[dtype] = FailureDetector().update(0, metrics)
+    # fp32: a broken op's NaN, judged by the loss or the weight check (here the inf weight), never an overflow
+    assert found == {torch.float32: ["nan"], torch.bfloat16: ["nan", "overflow"]}
 
 
 def test_jsonl_writer_lines_are_read_by_watch_readers(tmp_path, tiny):
