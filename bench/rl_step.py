@@ -1,0 +1,239 @@
+"""`moe-proxy repro`'s RL step against TRL's GRPOTrainer, side by side in one run, on the same
+proxy (bench/rl_cost.py's lab-like Qwen3-MoE, built to 50% of its experts by `moe-proxy build`'s
+code): the same prompts per step (repro's arithmetic task, byte-level on both sides), group
+size, completion length, precision (fp32), one optimizer update per step, KL to a frozen
+reference on both (TRL: beta > 0), no activation recomputation on either (TRL's default
+gradient checkpointing is turned off: the same work), one thread each.
+
+Per step (the mean over steps 2..N) and per generated token, and by phase where both report it:
+repro's `timing_s/*` metrics; TRL's own profiling (`profiling/Time taken: ...`, captured from
+its ProfilingContext): `transformers.generate`, the reference pass (a log-prob pass inside
+`_prepare_inputs`), and the rest of the step (forward, backward, optimizer) from a callback.
+TRL computes no old-log-prob pass when each batch gets one update (it uses the policy's own
+log-probs, detached); repro always does. A third run is repro with a fused AdamW (patched in
+this benchmark only, as TRL's Trainer runs by default), and repro's rows give the time of its
+gradient statistics (numerics/*, inside the update).
+
+    .venv/bin/python bench/rl_step.py [--quick] [--width 128] [--steps 4] [--batch 8] [--group 4] [--tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rl_cost import make_models  # noqa: E402  (the same lab-like original and proxies)
+
+PHASES = ("gen", "old_log_prob", "ref", "update", "grad_stats")  # grad_stats: part of update
+
+
+@dataclass
+class Timing:
+    """One loop's figures: seconds per step (and by phase), generated tokens per step."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=dict)
+
+    def mean(self, values: list[float]) -> float:
+        later = values[1:] or values  # the first step pays one-off costs
+        return sum(later) / len(later)
+
+    def summary(self) -> dict:
+        step = self.mean(self.step_s)
+        return {"step_s": step, "tokens_per_step": self.mean(self.tokens),
+                "s_per_token": step / max(self.mean(self.tokens), 1e-9),
+                "phases": {k: self.mean(v) for k, v in self.phases.items()}}
+
+
+def byte_tokenizer():
+    """repro's byte codec as a tokenizer: id = byte value, pad 0, newline ends an answer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=chr(0)))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=chr(0), eos_token="\n")
+    fast.padding_side = "left"
+    return fast
+
+
+@contextlib.contextmanager
+def timed_grad_stats(spent: list[float]):
+    """Time repro's gradient statistics (numerics/*: counts and per-layer norms), one entry per update."""
+    from moe_proxy.repro import runner
+
+    original = runner._Loop._grad_stats
+
+    def timed(self):
+        start = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    runner._Loop._grad_stats = timed
+    try:
+        yield
+    finally:
+        runner._Loop._grad_stats = original
+
+
+@contextlib.contextmanager
+def fused_adamw():
+    """repro's AdamW as the fused kernel (one pass over each parameter's states, as the
+    Trainer's default "adamw_torch_fused" that TRL uses), patched for this run only."""
+    import torch
+
+    plain = torch.optim.AdamW
+
+    class Fused(plain):
+        def __init__(self, params, **kwargs):
+            super().__init__(params, fused=True, **kwargs)
+
+    torch.optim.AdamW = Fused
+    try:
+        yield
+    finally:
+        torch.optim.AdamW = plain
+
+
+def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, tokens: int,
+                   fused: bool = False) -> Timing:
+    from moe_proxy.repro.config import ReproConfig
+    from moe_proxy.repro.metrics_io import read_metrics
+    from moe_proxy.repro.runner import run_repro
+
+    config = ReproConfig(steps=steps, batch_size=batch, group_size=group, max_new_tokens=tokens, precision="fp32",
+                         mini_batches=1, kl_coef=0.04, lr=1e-5)
+    spent: list[float] = []
+    with timed_grad_stats(spent), (fused_adamw() if fused else contextlib.nullcontext()):
+        run_repro(str(model), out, config)
+    t = Timing("moe-proxy repro" + (", fused AdamW (patched here)" if fused else ""))
+    for _, m in sorted(read_metrics(out).items()):
+        t.step_s.append(m["perf/time_per_step"])
+        t.tokens.append(m["response_length/mean"] * batch * group)
+        for phase, key in zip(PHASES, ("gen", "old_log_prob", "ref", "update_actor")):
+            t.phases.setdefault(phase, []).append(m[f"timing_s/{key}"])
+    t.phases["grad_stats"] = spent  # one update per step
+    return t
+
+
+def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tokens: int) -> Timing:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    from moe_proxy.repro.task import make_prompts
+
+    prompts = [p for step in range(steps) for p in make_prompts("arithmetic", 0, step, batch)]
+    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
+    events: list[tuple[str, float, float]] = []  # (name, start, end) of every profiled block
+    record = profiling.ProfilingContext._log_metrics
+
+    def log_metrics(self, duration):
+        events.append((self.name, time.perf_counter() - duration, time.perf_counter()))
+        return record(self, duration)
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            events.append(("step", time.perf_counter(), 0.0))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            name, start, _ = events.pop(next(i for i in range(len(events) - 1, -1, -1) if events[i][0] == "step"))
+            events.append(("step", start, time.perf_counter()))
+
+    def reward(completions, answer, **_):
+        return [float(c.split("\n")[0].strip() == a) for c, a in zip(completions, answer)]
+
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    policy.config.pad_token_id = policy.generation_config.pad_token_id = 0
+    policy.config.eos_token_id = policy.generation_config.eos_token_id = ord("\n")
+    args = GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+                      report_to="none", max_steps=steps, logging_steps=1, per_device_train_batch_size=batch * group,
+                      num_generations=group, gradient_accumulation_steps=1, max_completion_length=tokens,
+                      temperature=1.0, beta=0.04, learning_rate=1e-5, shuffle_dataset=False, save_strategy="no",
+                      disable_tqdm=True, seed=0)
+    profiling.ProfilingContext._log_metrics = log_metrics
+    try:
+        trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=dataset,
+                              processing_class=byte_tokenizer(), callbacks=[Steps()])
+        trainer.train()
+    finally:
+        profiling.ProfilingContext._log_metrics = record
+    t = Timing("TRL GRPOTrainer")
+    lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
+    for (_, start, end), length in zip([e for e in events if e[0] == "step"], lengths):
+        inside = [(n, s, e) for n, s, e in events if start <= s and e <= end and n != "step"]
+        prepare = sum(e - s for n, s, e in inside if n.endswith("_prepare_inputs"))
+        [(_, p0, p1)] = [(n, s, e) for n, s, e in inside if n.endswith("_prepare_inputs")]
+        ref = sum(e - s for n, s, e in inside if n.endswith("_get_per_token_logps_and_entropies") and p0 <= s <= p1)
+        t.step_s.append(end - start)
+        t.tokens.append(length * batch * group)
+        for phase, value in (("gen", sum(e - s for n, s, e in inside if n.endswith("transformers.generate"))),
+                             ("ref", ref), ("update", end - start - prepare)):
+            t.phases.setdefault(phase, []).append(value)
+    return t
+
+
+def table(timings: list[Timing]) -> str:
+    rows = [t.summary() for t in timings]
+    lines = ["| loop | s per step | generated tokens per step | ms per generated token | "
+             + " | ".join(f"{p} s" for p in PHASES) + " |", "|" + "---|" * (4 + len(PHASES))]
+    for t, r in zip(timings, rows):
+        cells = [f"{r['phases'][p]:.3f}" if p in r["phases"] else "-" for p in PHASES]
+        lines.append(f"| {t.name} | {r['step_s']:.3f} | {r['tokens_per_step']:.1f} | {r['s_per_token'] * 1e3:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--width", type=int, default=None, help="hidden size of the lab original (default 128; quick 64)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="prompts per step")
+    ap.add_argument("--group", type=int, default=None, help="answers per prompt")
+    ap.add_argument("--tokens", type=int, default=None, help="completion length, at most")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "rl_step")
+    args = ap.parse_args()
+    quick = args.quick
+    width = args.width or (64 if quick else 128)
+    steps, batch = args.steps or (2 if quick else 5), args.batch or (2 if quick else 8)
+    group, tokens = args.group or (2 if quick else 4), args.tokens or (4 if quick else 16)
+
+    import torch
+
+    torch.set_num_threads(1)
+    proxy = make_models(args.out / "models", width)["proxy 0.5"]
+    timings = [run_repro_loop(proxy, args.out / "repro", steps, batch, group, tokens),
+               run_trl_loop(proxy, args.out / "trl", steps, batch, group, tokens),
+               run_repro_loop(proxy, args.out / "repro-fused", steps, batch, group, tokens, fused=True)]
+    print(f"\nproxy {proxy} (width {width}); {batch} prompts x {group} answers, up to {tokens} new tokens, "
+          f"fp32, 1 update per step, 1 thread; mean of steps 2-{steps}\n")
+    print(table(timings))
+    ours, trl, fused = (t.summary() for t in timings)
+    print(f"\nours / TRL per generated token: {ours['s_per_token'] / trl['s_per_token']:.2f}; with a fused AdamW "
+          f"{fused['s_per_token'] / trl['s_per_token']:.2f}; and without the old-log-prob pass (TRL skips it with one "
+          f"update per batch) {(fused['step_s'] - fused['phases']['old_log_prob']) / fused['tokens_per_step'] / trl['s_per_token']:.2f}")
+    (args.out / "rl_step.json").write_text(json.dumps(
+        {"quick": quick, "width": width, "steps": steps, "batch": batch, "group": group, "tokens": tokens,
+         "loops": {t.name: t.summary() for t in timings}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

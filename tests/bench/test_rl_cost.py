@@ -1,0 +1,44 @@
+"""bench/rl_cost.py (the RL step's cost model against measured repro steps) and bench/rl_step.py
+(repro against TRL's GRPOTrainer): their --quick modes run to the end and report every figure.
+The figures of a quick run mean nothing; that each phase is predicted and measured, does."""
+
+from __future__ import annotations
+
+import json
+
+from .test_bench_quick import run_bench
+
+MEASURED = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor")
+
+
+def test_quick_rl_cost_predicts_and_measures_every_phase(tmp_path):
+    text = run_bench("rl_cost.py", "--out", str(tmp_path))
+    for model in ("DeepSeek-V3", "Qwen3-235B-A22B", "Qwen3-30B-A3B"):  # the published models' plan table
+        assert sum(line.startswith(f"| {model} |") for line in text.splitlines()) == 2 * 3, model
+    result = json.loads((tmp_path / "rl_cost.json").read_text())
+    assert result["quick"] and result["cpu"]["gflops"] > 0 and result["cpu"]["gbps"] > 0
+    rows = {r["model"]: r for r in result["rows"]}
+    assert {name: r["experts"] for name, r in rows.items()} == {"original": 64, "proxy 0.5": 32, "proxy 0.125": 8}
+    for r in rows.values():
+        assert all(r["predicted"][k] > 0 and r["measured"][k] > 0 for k in MEASURED), r
+    # fewer experts: fewer bytes for the optimizer to touch, the same active compute
+    update = [rows[n]["predicted"]["timing_s/update_actor"] for n in ("original", "proxy 0.5", "proxy 0.125")]
+    assert update == sorted(update, reverse=True) and update[0] > update[-1]
+    assert "predicted / measured" in text
+
+
+def test_quick_rl_step_times_repro_and_trl_side_by_side(tmp_path):
+    text = run_bench("rl_step.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "rl_step.json").read_text())
+    loops = result["loops"]
+    ours, trl, fused = (loops[n] for n in ("moe-proxy repro", "TRL GRPOTrainer",
+                                           "moe-proxy repro, fused AdamW (patched here)"))
+    for loop in (ours, trl, fused):
+        assert loop["step_s"] > 0 and loop["tokens_per_step"] > 0 and loop["s_per_token"] > 0
+        assert all(loop["phases"][p] > 0 for p in ("gen", "ref", "update")), loop
+        parts = sum(v for p, v in loop["phases"].items() if p != "grad_stats")  # grad_stats: inside update
+        assert parts <= loop["step_s"] * 1.01
+    for loop in (ours, fused):
+        assert loop["phases"]["old_log_prob"] > 0 and 0 < loop["phases"]["grad_stats"] < loop["phases"]["update"]
+    assert "old_log_prob" not in trl["phases"] and "grad_stats" not in trl["phases"]
+    assert "| moe-proxy repro |" in text and "| TRL GRPOTrainer |" in text and "ours / TRL per generated token" in text
