@@ -158,6 +158,20 @@ def comparison_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def ratio_table(rows: list[Row]) -> str:
+    """Proxy over original, per phase, predicted and measured: what `plan` reports is this ratio."""
+    lines = ["| width | proxy | " + " | ".join(f"{k.split('/')[1]} predicted / measured" for k in MEASURED) + " |",
+             "|" + "---|" * (2 + len(MEASURED))]
+    originals = {r.width: r for r in rows if r.model == "original"}
+    for r in rows:
+        o = originals[r.width]
+        if r is o:
+            continue
+        cells = [f"{r.predicted[k] / o.predicted[k]:.2f} / {r.measured[k] / o.measured[k]:.2f}" for k in MEASURED]
+        lines.append(f"| {r.width} | {r.model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -184,6 +198,8 @@ def main() -> int:
     print(f"\n{config.batch_size} prompts x {config.group_size} answers, up to {config.max_new_tokens} new tokens, "
           f"{config.mini_batches} updates per step, fp32; mean of steps 2-{steps}\n")
     print(comparison_table(rows))
+    print("\nproxy / original:\n")
+    print(ratio_table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rl_cost.json").write_text(json.dumps(
         {"cpu": {"gflops": cpu.peak_tflops * 1e3, "gbps": cpu.hbm_tbps * 1e3}, "quick": args.quick,

@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rl_cost import make_models  # noqa: E402  (the same lab-like original and proxies)
 
-PHASES = ("gen", "old_log_prob", "ref", "update", "grad_stats")  # grad_stats: part of update
+# grad_stats (numerics/* of the gradient) and metrics (those, plus the router and activation
+# hooks and their moe/ and numerics/ figures): repro's own metrics, timed inside its phases
+PHASES = ("gen", "old_log_prob", "ref", "update", "grad_stats", "metrics")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Timing:
 
     name: str
     step_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # this process's CPU seconds per step: robust to other jobs
     tokens: list[float] = field(default_factory=list)
     phases: dict[str, list[float]] = field(default_factory=dict)
 
@@ -51,8 +54,9 @@ class Timing:
 
     def summary(self) -> dict:
         step = self.mean(self.step_s)
-        return {"step_s": step, "tokens_per_step": self.mean(self.tokens),
+        return {"step_s": step, "cpu_s": self.mean(self.cpu_s), "tokens_per_step": self.mean(self.tokens),
                 "s_per_token": step / max(self.mean(self.tokens), 1e-9),
+                "cpu_s_per_token": self.mean(self.cpu_s) / max(self.mean(self.tokens), 1e-9),
                 "phases": {k: self.mean(v) for k, v in self.phases.items()}}
 
 
@@ -70,24 +74,45 @@ def byte_tokenizer():
 
 
 @contextlib.contextmanager
-def timed_grad_stats(spent: list[float]):
-    """Time repro's gradient statistics (numerics/*: counts and per-layer norms), one entry per update."""
-    from moe_proxy.repro import runner
+def timed(cls, method: str, spent: list[float], clock=time.perf_counter):
+    """Record the `clock` seconds of every call of cls.method, for one run."""
+    original = getattr(cls, method)
 
-    original = runner._Loop._grad_stats
-
-    def timed(self):
-        start = time.perf_counter()
+    def wrapper(*args, **kwargs):
+        start = clock()
         try:
-            return original(self)
+            return original(*args, **kwargs)
         finally:
-            spent.append(time.perf_counter() - start)
+            spent.append(clock() - start)
 
-    runner._Loop._grad_stats = timed
+    setattr(cls, method, wrapper)
     try:
         yield
     finally:
-        runner._Loop._grad_stats = original
+        setattr(cls, method, original)
+
+
+@contextlib.contextmanager
+def timed_hooks(cls, factory: str, spent: list[float]):
+    """Like `timed`, for the hooks that cls.factory makes (RouterTap registers closures)."""
+    original = getattr(cls, factory)
+
+    def make(self, *args):
+        hook = original(self, *args)
+
+        def timed_hook(*hook_args):
+            start = time.perf_counter()
+            try:
+                return hook(*hook_args)
+            finally:
+                spent.append(time.perf_counter() - start)
+        return timed_hook
+
+    setattr(cls, factory, make)
+    try:
+        yield
+    finally:
+        setattr(cls, factory, original)
 
 
 @contextlib.contextmanager
@@ -113,12 +138,21 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
                    fused: bool = False) -> Timing:
     from moe_proxy.repro.config import ReproConfig
     from moe_proxy.repro.metrics_io import read_metrics
-    from moe_proxy.repro.runner import run_repro
+    from moe_proxy.repro.routers import RouterTap
+    from moe_proxy.repro.runner import ActivationWatch, _Loop, run_repro
 
     config = ReproConfig(steps=steps, batch_size=batch, group_size=group, max_new_tokens=tokens, precision="fp32",
                          mini_batches=1, kl_coef=0.04, lr=1e-5)
-    spent: list[float] = []
-    with timed_grad_stats(spent), (fused_adamw() if fused else contextlib.nullcontext()):
+    spent: list[float] = []  # gradient statistics (numerics/*: counts and per-layer norms), one per update
+    other: list[float] = []  # the other metrics: hooks in every forward, and their figures
+    cpu: list[float] = []
+    with contextlib.ExitStack() as patches:
+        for patch in (timed(_Loop, "_grad_stats", spent), timed(_Loop, "step", cpu, time.process_time),
+                      timed_hooks(RouterTap, "_hook", other), timed(RouterTap, "metrics", other),
+                      timed(ActivationWatch, "_hook", other), timed(ActivationWatch, "metrics", other)):
+            patches.enter_context(patch)
+        if fused:
+            patches.enter_context(fused_adamw())
         run_repro(str(model), out, config)
     t = Timing("moe-proxy repro" + (", fused AdamW (patched here)" if fused else ""))
     for _, m in sorted(read_metrics(out).items()):
@@ -127,6 +161,8 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
         for phase, key in zip(PHASES, ("gen", "old_log_prob", "ref", "update_actor")):
             t.phases.setdefault(phase, []).append(m[f"timing_s/{key}"])
     t.phases["grad_stats"] = spent  # one update per step
+    t.phases["metrics"] = [sum(spent + other) / steps] * steps  # hooks run in every phase: their mean per step
+    t.cpu_s = cpu
     return t
 
 
@@ -142,6 +178,7 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
     prompts = [p for step in range(steps) for p in make_prompts("arithmetic", 0, step, batch)]
     dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
     events: list[tuple[str, float, float]] = []  # (name, start, end) of every profiled block
+    cpu: list[float] = []  # CPU seconds per step
     record = profiling.ProfilingContext._log_metrics
 
     def log_metrics(self, duration):
@@ -151,10 +188,12 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
     class Steps(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             events.append(("step", time.perf_counter(), 0.0))
+            cpu.append(time.process_time())
 
         def on_step_end(self, args, state, control, **kwargs):
             name, start, _ = events.pop(next(i for i in range(len(events) - 1, -1, -1) if events[i][0] == "step"))
             events.append(("step", start, time.perf_counter()))
+            cpu[-1] = time.process_time() - cpu[-1]
 
     def reward(completions, answer, **_):
         return [float(c.split("\n")[0].strip() == a) for c, a in zip(completions, answer)]
@@ -174,7 +213,7 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
         trainer.train()
     finally:
         profiling.ProfilingContext._log_metrics = record
-    t = Timing("TRL GRPOTrainer")
+    t = Timing("TRL GRPOTrainer", cpu_s=cpu)
     lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
     for (_, start, end), length in zip([e for e in events if e[0] == "step"], lengths):
         inside = [(n, s, e) for n, s, e in events if start <= s and e <= end and n != "step"]
@@ -191,11 +230,12 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
 
 def table(timings: list[Timing]) -> str:
     rows = [t.summary() for t in timings]
-    lines = ["| loop | s per step | generated tokens per step | ms per generated token | "
-             + " | ".join(f"{p} s" for p in PHASES) + " |", "|" + "---|" * (4 + len(PHASES))]
+    lines = ["| loop | s per step | CPU s per step | generated tokens per step | ms per generated token | CPU ms per "
+             "generated token | " + " | ".join(f"{p} s" for p in PHASES) + " |", "|" + "---|" * (6 + len(PHASES))]
     for t, r in zip(timings, rows):
         cells = [f"{r['phases'][p]:.3f}" if p in r["phases"] else "-" for p in PHASES]
-        lines.append(f"| {t.name} | {r['step_s']:.3f} | {r['tokens_per_step']:.1f} | {r['s_per_token'] * 1e3:.2f} | "
+        lines.append(f"| {t.name} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_step']:.1f} | "
+                     f"{r['s_per_token'] * 1e3:.2f} | {r['cpu_s_per_token'] * 1e3:.2f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -208,6 +248,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="prompts per step")
     ap.add_argument("--group", type=int, default=None, help="answers per prompt")
     ap.add_argument("--tokens", type=int, default=None, help="completion length, at most")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each loop, in alternating order; the one with the fewest CPU s per step is kept "
+                         "(default 2; quick 1)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "rl_step")
     args = ap.parse_args()
     quick = args.quick
@@ -219,16 +262,24 @@ def main() -> int:
 
     torch.set_num_threads(1)
     proxy = make_models(args.out / "models", width)["proxy 0.5"]
-    timings = [run_repro_loop(proxy, args.out / "repro", steps, batch, group, tokens),
-               run_trl_loop(proxy, args.out / "trl", steps, batch, group, tokens),
-               run_repro_loop(proxy, args.out / "repro-fused", steps, batch, group, tokens, fused=True)]
+    loops = [lambda: run_repro_loop(proxy, args.out / "repro", steps, batch, group, tokens),
+             lambda: run_trl_loop(proxy, args.out / "trl", steps, batch, group, tokens),
+             lambda: run_repro_loop(proxy, args.out / "repro-fused", steps, batch, group, tokens, fused=True)]
+    runs: list[list[Timing]] = [[] for _ in loops]
+    for repeat in range(args.repeats or (1 if quick else 2)):  # other jobs' load drifts: alternate the order
+        for i in (range(len(loops)) if repeat % 2 == 0 else reversed(range(len(loops)))):
+            runs[i].append(loops[i]())
+    timings = [min(r, key=lambda t: t.summary()["cpu_s"]) for r in runs]
     print(f"\nproxy {proxy} (width {width}); {batch} prompts x {group} answers, up to {tokens} new tokens, "
-          f"fp32, 1 update per step, 1 thread; mean of steps 2-{steps}\n")
+          f"fp32, 1 update per step, 1 thread; mean of steps 2-{steps}, the run of fewest CPU s per step of "
+          f"{len(runs[0])}\n")
     print(table(timings))
     ours, trl, fused = (t.summary() for t in timings)
-    print(f"\nours / TRL per generated token: {ours['s_per_token'] / trl['s_per_token']:.2f}; with a fused AdamW "
-          f"{fused['s_per_token'] / trl['s_per_token']:.2f}; and without the old-log-prob pass (TRL skips it with one "
-          f"update per batch) {(fused['step_s'] - fused['phases']['old_log_prob']) / fused['tokens_per_step'] / trl['s_per_token']:.2f}")
+    # the old-log-prob pass's share of the step's wall time, of its CPU time
+    without_old = fused["cpu_s"] * (1 - fused["phases"]["old_log_prob"] / fused["step_s"]) / fused["tokens_per_step"]
+    print(f"\nours / TRL, CPU s per generated token: {ours['cpu_s_per_token'] / trl['cpu_s_per_token']:.2f}; with a "
+          f"fused AdamW {fused['cpu_s_per_token'] / trl['cpu_s_per_token']:.2f}; and without the old-log-prob pass "
+          f"(TRL skips it with one update per batch) {without_old / trl['cpu_s_per_token']:.2f}")
     (args.out / "rl_step.json").write_text(json.dumps(
         {"quick": quick, "width": width, "steps": steps, "batch": batch, "group": group, "tokens": tokens,
          "loops": {t.name: t.summary() for t in timings}}, indent=2))

@@ -24,7 +24,7 @@ def test_quick_rl_cost_predicts_and_measures_every_phase(tmp_path):
     # fewer experts: fewer bytes for the optimizer to touch, the same active compute
     update = [rows[n]["predicted"]["timing_s/update_actor"] for n in ("original", "proxy 0.5", "proxy 0.125")]
     assert update == sorted(update, reverse=True) and update[0] > update[-1]
-    assert "predicted / measured" in text
+    assert "predicted / measured" in text and sum(line.startswith("| 64 | proxy") for line in text.splitlines()) == 4
 
 
 def test_quick_rl_step_times_repro_and_trl_side_by_side(tmp_path):
@@ -35,10 +35,12 @@ def test_quick_rl_step_times_repro_and_trl_side_by_side(tmp_path):
                                            "moe-proxy repro, fused AdamW (patched here)"))
     for loop in (ours, trl, fused):
         assert loop["step_s"] > 0 and loop["tokens_per_step"] > 0 and loop["s_per_token"] > 0
+        assert 0 < loop["cpu_s"] <= loop["step_s"] * 1.05  # one thread: CPU time within the wall time
         assert all(loop["phases"][p] > 0 for p in ("gen", "ref", "update")), loop
-        parts = sum(v for p, v in loop["phases"].items() if p != "grad_stats")  # grad_stats: inside update
+        parts = sum(v for p, v in loop["phases"].items() if p not in ("grad_stats", "metrics"))  # inside the phases
         assert parts <= loop["step_s"] * 1.01
     for loop in (ours, fused):
         assert loop["phases"]["old_log_prob"] > 0 and 0 < loop["phases"]["grad_stats"] < loop["phases"]["update"]
-    assert "old_log_prob" not in trl["phases"] and "grad_stats" not in trl["phases"]
-    assert "| moe-proxy repro |" in text and "| TRL GRPOTrainer |" in text and "ours / TRL per generated token" in text
+        assert loop["phases"]["grad_stats"] < loop["phases"]["metrics"] < loop["step_s"]
+    assert not {"old_log_prob", "grad_stats", "metrics"} & set(trl["phases"])
+    assert "| moe-proxy repro |" in text and "| TRL GRPOTrainer |" in text and "ours / TRL, CPU s per generated token" in text
