@@ -73,65 +73,49 @@ def byte_tokenizer():
     return fast
 
 
-@contextlib.contextmanager
-def timed(cls, method: str, spent: list[float], clock=time.perf_counter):
-    """Record the `clock` seconds of every call of cls.method, for one run."""
-    original = getattr(cls, method)
-
+def timing(fn, spent: list[float], clock=time.perf_counter):
+    """fn, recording the `clock` seconds of every call in `spent`."""
     def wrapper(*args, **kwargs):
         start = clock()
         try:
-            return original(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             spent.append(clock() - start)
-
-    setattr(cls, method, wrapper)
-    try:
-        yield
-    finally:
-        setattr(cls, method, original)
+    return wrapper
 
 
 @contextlib.contextmanager
+def patched(owner, name: str, replace):
+    """owner.name = replace(owner.name), for one run."""
+    original = getattr(owner, name)
+    setattr(owner, name, replace(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def timed(cls, method: str, spent: list[float], clock=time.perf_counter):
+    return patched(cls, method, lambda fn: timing(fn, spent, clock))
+
+
 def timed_hooks(cls, factory: str, spent: list[float]):
     """Like `timed`, for the hooks that cls.factory makes (RouterTap registers closures)."""
-    original = getattr(cls, factory)
-
-    def make(self, *args):
-        hook = original(self, *args)
-
-        def timed_hook(*hook_args):
-            start = time.perf_counter()
-            try:
-                return hook(*hook_args)
-            finally:
-                spent.append(time.perf_counter() - start)
-        return timed_hook
-
-    setattr(cls, factory, make)
-    try:
-        yield
-    finally:
-        setattr(cls, factory, original)
+    return patched(cls, factory, lambda make: lambda self, *args: timing(make(self, *args), spent))
 
 
-@contextlib.contextmanager
 def fused_adamw():
     """repro's AdamW as the fused kernel (one pass over each parameter's states, as the
     Trainer's default "adamw_torch_fused" that TRL uses), patched for this run only."""
     import torch
 
-    plain = torch.optim.AdamW
+    def fused(plain):
+        class Fused(plain):
+            def __init__(self, params, **kwargs):
+                super().__init__(params, fused=True, **kwargs)
+        return Fused
 
-    class Fused(plain):
-        def __init__(self, params, **kwargs):
-            super().__init__(params, fused=True, **kwargs)
-
-    torch.optim.AdamW = Fused
-    try:
-        yield
-    finally:
-        torch.optim.AdamW = plain
+    return patched(torch.optim, "AdamW", fused)
 
 
 def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, tokens: int,
