@@ -127,6 +127,14 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
     if k <= new_top_k:
         notes.append(f"{k} experts kept with top-k {new_top_k}: every token uses every kept expert, so load "
                      f"imbalance and routing collapse cannot show; keep at least {2 * k0} experts if you can")
+    return fit_plan(ckpt, layout, plan, options, calibration, progress)
+
+
+def fit_plan(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: PruningOptions, calibration,
+             progress: bool = False) -> ExpertPlan:
+    """The fitted tensors `options` ask for (--heal, --merge, --reconstruct) on top of the plan's
+    selection: apart from selecting, so that `--experts auto` fits only the counts it must."""
+    notes = plan.notes
     if options.heal:
         from moe_proxy.build.heal import heal_routers  # torch-heavy, only when asked
 

@@ -5,7 +5,9 @@ held-out calibration tokens: one layer of the original and the same layer of the
 resident, each model's hidden states go through its own layer, and both layers are freed
 before the next. The proxy is the one the plan describes, read through its output tensors
 (steps.output_tensors: sliced routers, healed rows, kept experts) without writing it, so
-`--experts auto` can measure several counts and write only the chosen one.
+`--experts auto` (build/auto.py) can measure several counts and write only the chosen one.
+Several proxies are measured in one walk (measure_many): the original's layer is loaded and
+run once, then each proxy's layer in turn.
 
 Recorded per decoder layer (relative squared errors, heal.py's objective, so the figures
 compare with its before/after):
@@ -28,14 +30,12 @@ the measurement imports torch when it runs.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from moe_proxy.checkpoint.reads import read_coalesced
 from moe_proxy.errors import InvalidExpertCount
 from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
 
-log = logging.getLogger(__name__)
 FIDELITY_SAMPLES = 16  # held-out calibration sequences measured, at most
 HEAD_CHUNK = 512  # tokens per LM-head matmul (bounds the [tokens, vocab] logits)
 
@@ -88,7 +88,7 @@ class _Ratio:
 
 @dataclass
 class Compared:
-    """The two models side by side: per decoder layer its errors, then the head's figures."""
+    """One proxy beside the original: per decoder layer its errors, then the head's figures."""
 
     layers: list[dict]  # {"layer", "hidden_error"} and, in MoE layers, {"block", "block_error"}
     kl: float
@@ -96,64 +96,75 @@ class Compared:
     loss_proxy: float
 
 
-class FidelityPass(LayerPass[Compared]):
-    """Walks the original; each layer of the proxy (`source`, its hidden states of `token_ids`)
-    is loaded beside the original's and advanced with it."""
+class FidelityPass(LayerPass[list[Compared]]):
+    """Walks the original once for several proxies (`sources`, e.g. every count `--experts auto`
+    screens): each original layer is loaded and run once, its MoE block's inputs and outputs kept,
+    then each proxy's layer is loaded in turn, scored on those inputs and advanced on its own
+    hidden states (forked from the original's: same embedding and position inputs)."""
 
     desc = "measuring fidelity"
     dense = True  # every layer's hidden-state error
 
-    def __init__(self, source: PlannedProxy, token_ids):
-        self.source, self.token_ids = source, token_ids
-        self.layers: list[dict] = []
+    def __init__(self, sources: list[PlannedProxy], token_ids):
+        self.sources, self.token_ids = sources, token_ids
+        self.layers: list[list[dict]] = [[] for _ in sources]
 
     def begin(self, model, states) -> None:
-        from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel
+        from moe_proxy.layerwise.model import LayerwiseModel
 
         self.original, self.ho = model, states
-        self.proxy = LayerwiseModel(self.source, dtype=model.dtype)
-        self.hp = HiddenStates(self.proxy, self.token_ids, BATCH)
+        self.proxies = [LayerwiseModel(s, dtype=model.dtype) for s in self.sources]
+        self.hp = [states.fork() for _ in self.sources]
 
     def visit(self, layer: Layer) -> None:
-        from moe_proxy.layerwise.model import moe_modules
-
-        i = layer.index
-        with self.proxy.layer(i) as lp:
-            mp = moe_modules(lp)
-            record: dict = {"layer": i}
-            hook, block = None, _Ratio()
-            if layer.moe is not None and mp is not None:
-                def compare(module, args, out, proxy_block=mp.block) -> None:  # same input X, both blocks
-                    z = proxy_block(args[0])
-                    block.add(z[0] if isinstance(z, tuple) else z, out[0] if isinstance(out, tuple) else out)
-
-                hook = layer.moe.block.register_forward_hook(compare)
-                record["block"] = layer.block.prefix
-            try:
-                self.ho.advance(layer.module, i)
-            finally:
-                if hook is not None:
-                    hook.remove()
-            self.hp.advance(lp, i)
-        if hook is not None:
-            record["block_error"] = block.value
-        hidden = _Ratio()
-        for a, b in zip(self.hp.hidden, self.ho.hidden):
-            hidden.add(a, b)
-        record["hidden_error"] = hidden.value
-        self.layers.append(record)
-
-    def result(self) -> Compared:
         import torch
 
-        kl, loss_o, loss_p = _head_figures(self.original, self.ho.hidden, self.hp.hidden,
-                                           self.token_ids.split(BATCH), torch)
-        return Compared(self.layers, kl, loss_o, loss_p)
+        from moe_proxy.layerwise.model import moe_modules
+
+        i, seen = layer.index, []  # the original MoE block's (input, output) per batch
+        hook = None if layer.moe is None else layer.moe.block.register_forward_hook(
+            lambda module, args, out: seen.append((args[0], _first(out))))
+        try:
+            self.ho.advance(layer.module, i)
+        finally:
+            if hook is not None:
+                hook.remove()
+        for proxy, hp, records in zip(self.proxies, self.hp, self.layers):
+            record: dict = {"layer": i}
+            with proxy.layer(i) as lp:
+                mp = moe_modules(lp)
+                if hook is not None and mp is not None:
+                    block = _Ratio()
+                    with torch.no_grad():
+                        for x, y in seen:
+                            block.add(_first(mp.block(x)), y)
+                    record |= {"block": layer.block.prefix, "block_error": block.value}
+                hp.advance(lp, i)
+            hidden = _Ratio()
+            for a, b in zip(hp.hidden, self.ho.hidden):
+                hidden.add(a, b)
+            records.append(record | {"hidden_error": hidden.value})
+
+    def result(self) -> list[Compared]:
+        import torch
+
+        heads = _head_figures(self.original, self.ho.hidden, [hp.hidden for hp in self.hp],
+                              self.token_ids.split(BATCH), torch)
+        return [Compared(layers, *head) for layers, head in zip(self.layers, heads)]
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 def measure(ckpt, layout, plan, calibration, shards: dict, progress: bool = False) -> dict:
     """The fidelity figure of the proxy `plan` describes (its output tensors `shards`), on the
     held-out calibration tokens of `calibration` (see the module docstring)."""
+    return measure_many(ckpt, layout, [(plan, shards)], calibration, progress)[0]
+
+
+def measure_many(ckpt, layout, proxies: list[tuple], calibration, progress: bool = False) -> list[dict]:
+    """The figures of several proxies, (plan, its output tensors) each, in one walk of the original."""
     from moe_proxy.build.config import rewrite_config
     from moe_proxy.build.heal import HEAL_SAMPLES
     from moe_proxy.layerwise.model import release_freed_memory
@@ -162,140 +173,42 @@ def measure(ckpt, layout, plan, calibration, shards: dict, progress: bool = Fals
     # goes back to the OS before two models load (docs/performance.md, memory against depth).
     release_freed_memory()
     ids, rows = held_out(calibration.token_ids)
-    proxy = PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards)
-    found = walk(ckpt, layout, FidelityPass(proxy, ids), ids, BATCH, progress)
-    return {
-        "tokens": {"sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "rows": rows,
-                   "of": int(calibration.token_ids.shape[0]),
-                   "sha256": calibration.summary.get("tokens", {}).get("sha256"),
-                   "held_out_from_heal": rows[0] >= HEAL_SAMPLES},
-        "layers": found.layers,
-        "kl": _round(found.kl), "loss_original": _round(found.loss_original), "loss_proxy": _round(found.loss_proxy),
-        "loss_delta": _round(found.loss_proxy - found.loss_original),
-    }
+    sources = [PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards) for plan, shards in proxies]
+    tokens = {"sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "rows": rows,
+              "of": int(calibration.token_ids.shape[0]), "sha256": calibration.summary.get("tokens", {}).get("sha256"),
+              "held_out_from_heal": rows[0] >= HEAL_SAMPLES}
+    return [{"tokens": tokens, "layers": found.layers, "kl": _round(found.kl),
+             "loss_original": _round(found.loss_original), "loss_proxy": _round(found.loss_proxy),
+             "loss_delta": _round(found.loss_proxy - found.loss_original)}
+            for found in walk(ckpt, layout, FidelityPass(sources, ids), ids, BATCH, progress)]
 
 
-def _head_figures(model, original: list, proxy: list, ids: tuple, torch) -> tuple[float, float, float]:
-    """KL(original || proxy) per token and each model's next-token cross-entropy, through the
-    original's final norm and LM head (tied to the embedding when the checkpoint has no head)."""
+def _head_figures(model, original: list, proxies: list[list], ids: tuple, torch) -> list[tuple[float, float, float]]:
+    """Per proxy: KL(original || proxy) per token and each model's next-token cross-entropy,
+    through the original's final norm and LM head (tied to the embedding when the checkpoint has
+    no head); the original's logits computed once for all."""
     norm = model.base.norm
     model.load(norm, "model.norm.")
     name = "lm_head.weight" if "lm_head.weight" in model.ckpt.tensors else "model.embed_tokens.weight"
     weight = model.tensors.read(name).to(model.dtype)
-    kl = ce_o = ce_p = 0.0
-    tokens = predicted = 0
+    kl, ce_p = [0.0] * len(proxies), [0.0] * len(proxies)
+    ce_o, tokens, predicted = 0.0, 0, 0
+    log_probs = lambda h, sel: (norm(h.reshape(-1, h.shape[-1])[sel]) @ weight.T).double().log_softmax(-1)  # noqa: E731
+    nll = lambda lp, t: float(torch.nn.functional.nll_loss(lp, t, ignore_index=-100, reduction="sum"))  # noqa: E731
     with torch.no_grad():
-        for ho, hp, x in zip(original, proxy, ids):
+        for b, x in enumerate(ids):
             targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1).reshape(-1)
             for sel in torch.arange(targets.numel()).split(HEAD_CHUNK):
-                lo = (norm(ho.reshape(-1, ho.shape[-1])[sel]) @ weight.T).double().log_softmax(-1)
-                lp = (norm(hp.reshape(-1, hp.shape[-1])[sel]) @ weight.T).double().log_softmax(-1)
-                kl += float((lo.exp() * (lo - lp)).sum())
-                t = targets[sel]
-                ce_o += float(torch.nn.functional.nll_loss(lo, t, ignore_index=-100, reduction="sum"))
-                ce_p += float(torch.nn.functional.nll_loss(lp, t, ignore_index=-100, reduction="sum"))
+                lo, t = log_probs(original[b], sel), targets[sel]
+                ce_o += nll(lo, t)
+                for p, hidden in enumerate(proxies):
+                    lp = log_probs(hidden[b], sel)
+                    kl[p] += float((lo.exp() * (lo - lp)).sum())
+                    ce_p[p] += nll(lp, t)
                 tokens += len(sel)
                 predicted += int((t != -100).sum())
     norm.to("meta")
-    return kl / tokens, ce_o / max(predicted, 1), ce_p / max(predicted, 1)
-
-
-# --- --experts auto ------------------------------------------------------------------------------
-
-
-def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool, store_options: dict | None = None,
-                 progress: bool = False):
-    """`--experts auto --max-kl X`: `options` with the chosen count, and (its fidelity figure,
-    notes saying what was tried, its ExpertPlan). Counts (sizing.auto_counts) are tried in increasing order,
-    each planned and measured without writing anything; the first whose KL(original || proxy)
-    is at most X is chosen. FidelityTargetNotMet says the best figure reached."""
-    from moe_proxy.build.steps import open_source
-    from moe_proxy.sizing import SizingOptions, auto_counts
-
-    if options.experts != "auto" or options.max_kl is None:
-        raise InvalidExpertCount("--experts auto and --max-kl X go together: the build picks the smallest expert count "
-                                 "whose KL(original || proxy) per token is at most X")
-    if not options.max_kl > 0:
-        raise InvalidExpertCount(f"--max-kl {options.max_kl:g}: must be above 0 (only keeping every expert gives 0)")
-    if not options.calibration:
-        raise InvalidExpertCount("--experts auto needs --calibration STATS: the fidelity figure is measured on its tokens")
-    if scale_out:
-        raise InvalidExpertCount("--experts auto runs as a single build (it measures counts before writing); choose "
-                                 "the count with it, then give the workers --experts N")
-    ckpt, layout, _, calibration = open_source(src, options, store_options)
-    if calibration.mode != "one-pass":  # made behind one proxy's pruned layers: that count only
-        raise InvalidExpertCount(f"--experts auto tries several expert counts, and {options.calibration} holds "
-                                 f"sequential statistics made for {calibration.summary['made_for']['experts']} "
-                                 f"experts only: calibrate without --experts (one-pass statistics, usable for any "
-                                 f"count), or build --experts {calibration.summary['made_for']['experts']}")
-    budget = replace(sizing or SizingOptions(), experts=None, keep_ratio=None, top_k=options.top_k)
-    counts = [c for c in auto_counts(ckpt.config, budget) if max_experts is None or c <= max_experts]
-    count, figure, notes, plan = choose_experts(ckpt, layout, calibration, options, counts, progress)
-    notes.append("one-pass statistics, as --experts auto needs (sequential ones are made for one count, known "
-                 "before the build)" + ("; each count tried was reconstructed" if options.reconstruct else ""))
-    return replace(options, experts=count), (figure, notes, plan)
-
-
-def choose_experts(ckpt, layout, calibration, options, counts: list[int],
-                   progress: bool = False) -> tuple[int, dict, list[str], object]:
-    """The smallest of `counts` (ascending) whose proxy has KL <= options.max_kl, its fidelity
-    figure, a note saying what was tried, and its ExpertPlan (built as measured: not planned and
-    fitted again). A search, not a scan (each count is a build with its fits, hours on a real
-    model): the largest count first (if even it misses the target, nothing smaller is tried),
-    then halves, on the rule that more experts give a proxy closer to its original; the note says
-    where the measured figures break that rule."""
-    from moe_proxy.build.expert_plan import plan_experts
-    from moe_proxy.build.steps import output_tensors
-    from moe_proxy.calibrate.statistics import CalibrationError
-
-    max_kl = options.max_kl
-    if not counts:
-        raise InvalidExpertCount("--experts auto: no expert count to try (valid counts above top-k and below all the "
-                                 "experts, within the device budget and --max-experts)")
-    tried: list[str] = []
-    measured: dict[int, tuple[dict, object]] = {}  # count -> (figure, plan)
-
-    def kl_of(count: int) -> float | None:
-        """The count's KL, measured once (None: that count cannot be built)."""
-        if count not in measured:
-            try:
-                plan = plan_experts(ckpt, layout, replace(options, experts=count, keep_ratio=None), progress,
-                                    calibration=calibration)
-            except (InvalidExpertCount, CalibrationError) as exc:  # e.g. fewer alive experts than the count
-                tried.append(f"{count} -> not possible ({exc})")
-                measured[count] = (None, None)
-                return None
-            figure = measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
-            tried.append(f"{count} -> kl {figure['kl']:.4g}")
-            log.info("--experts auto: %d experts per layer, KL %.4g (target %g)", count, figure["kl"], max_kl)
-            measured[count] = (figure, plan)
-        figure = measured[count][0]
-        return None if figure is None else figure["kl"]
-
-    hi = len(counts) - 1
-    while hi >= 0 and kl_of(counts[hi]) is None:  # the largest counts may not be buildable (too few alive)
-        hi -= 1
-    if hi < 0 or kl_of(counts[hi]) > max_kl:
-        best = min(((f["kl"], c) for c, (f, _) in measured.items() if f is not None), default=None)
-        reached = f"best KL {best[0]:.4g} with {best[1]} experts" if best else "no count could be measured"
-        raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {max_kl:g} ({reached}); tried "
-                                   f"{', '.join(tried)}; raise --max-kl or the device budget")
-    lo = -1  # the largest index known to miss the target (-1: none measured below hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        kl = kl_of(counts[mid])
-        if kl is not None and kl <= max_kl:
-            hi = mid
-        else:
-            lo = mid
-    count = counts[hi]
-    figures = sorted((c, f["kl"]) for c, (f, _) in measured.items() if f is not None)
-    broken = [f"{a} -> {ka:.4g} below {b} -> {kb:.4g}" for (a, ka), (b, kb) in zip(figures, figures[1:]) if ka < kb]
-    note = f"--experts auto --max-kl {max_kl:g}: chose {count}; tried " + ", ".join(tried)
-    if broken:
-        note += f" (more experts measured farther from the original: {'; '.join(broken)}: a smaller count may meet it)"
-    figure, plan = measured[count]
-    return count, figure, [note], plan
+    return [(k / tokens, ce_o / max(predicted, 1), c / max(predicted, 1)) for k, c in zip(kl, ce_p)]
 
 
 def figure_lines(figure: dict | None, width: int = 23) -> list[str]:

@@ -546,12 +546,12 @@ def build_proxy(
     "workers", "files"}; with `fit_only`, only select and fit (once, for all workers and finalize,
     see prepare) and return {"fits", "workers"}. `experts="auto"` with `max_kl`: the smallest count whose fidelity
     figure meets it, within `max_experts` and the device budget of `sizing` (a
-    sizing.SizingOptions), see fidelity.py."""
+    sizing.SizingOptions), see auto.py."""
     options = replace(options or PruningOptions(), **pruning).resolved()
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     chosen = None
     if options.auto or options.max_kl is not None:  # counts measured without writing; the chosen one is built
-        from moe_proxy.build.fidelity import resolve_auto
+        from moe_proxy.build.auto import resolve_auto
 
         options, chosen = resolve_auto(src, options, max_experts, sizing, worker is not None or finalize_only,
                                        store_options, progress)

@@ -189,6 +189,13 @@ class HiddenStates:
             self.hidden.append(h)
             self.extras.append(extra)
 
+    def fork(self) -> "HiddenStates":
+        """A copy of these states to carry through another model of the same attention (a proxy):
+        its own hidden states, the same per-layer position and mask inputs."""
+        other = object.__new__(HiddenStates)
+        other.hidden, other.extras = [h.clone() for h in self.hidden], self.extras
+        return other
+
     def advance(self, layer: torch.nn.Module, index: int) -> None:
         """Push every batch through decoder layer `index`."""
         for b, h in enumerate(self.hidden):
