@@ -36,6 +36,7 @@ from rl_cost import make_models  # noqa: E402  (the same lab-like original and p
 # grad_stats (numerics/* of the gradient) and metrics (those, plus the router and activation
 # hooks and their moe/ and numerics/ figures): repro's own metrics, timed inside its phases
 PHASES = ("gen", "old_log_prob", "ref", "update", "grad_stats", "metrics")
+CPU_PHASES = ("gen", "log_probs", "update")  # log_probs: old + ref for repro, ref for TRL
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Timing:
     cpu_s: list[float] = field(default_factory=list)  # this process's CPU seconds per step: robust to other jobs
     tokens: list[float] = field(default_factory=list)
     phases: dict[str, list[float]] = field(default_factory=dict)
+    cpu_phases: dict[str, list[float]] = field(default_factory=dict)  # CPU seconds: gen, log_probs, update
 
     def mean(self, values: list[float]) -> float:
         later = values[1:] or values  # the first step pays one-off costs
@@ -57,7 +59,8 @@ class Timing:
         return {"step_s": step, "cpu_s": self.mean(self.cpu_s), "tokens_per_step": self.mean(self.tokens),
                 "s_per_token": step / max(self.mean(self.tokens), 1e-9),
                 "cpu_s_per_token": self.mean(self.cpu_s) / max(self.mean(self.tokens), 1e-9),
-                "phases": {k: self.mean(v) for k, v in self.phases.items()}}
+                "phases": {k: self.mean(v) for k, v in self.phases.items()},
+                "cpu_phases": {k: self.mean(v) for k, v in self.cpu_phases.items()}}
 
 
 def byte_tokenizer():
@@ -129,9 +132,11 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
                          mini_batches=1, kl_coef=0.04, lr=1e-5)
     spent: list[float] = []  # gradient statistics (numerics/*: counts and per-layer norms), one per update
     other: list[float] = []  # the other metrics: hooks in every forward, and their figures
-    cpu: list[float] = []
+    cpu, gen_cpu, update_cpu = [], [], []
     with contextlib.ExitStack() as patches:
         for patch in (timed(_Loop, "_grad_stats", spent), timed(_Loop, "step", cpu, time.process_time),
+                      timed(_Loop, "_rollout", gen_cpu, time.process_time),
+                      timed(_Loop, "_update", update_cpu, time.process_time),
                       timed_hooks(RouterTap, "_hook", other), timed(RouterTap, "metrics", other),
                       timed(ActivationWatch, "_hook", other), timed(ActivationWatch, "metrics", other)):
             patches.enter_context(patch)
@@ -147,6 +152,8 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
     t.phases["grad_stats"] = spent  # one update per step
     t.phases["metrics"] = [sum(spent + other) / steps] * steps  # hooks run in every phase: their mean per step
     t.cpu_s = cpu
+    t.cpu_phases = {"gen": gen_cpu, "log_probs": [c - g - u for c, g, u in zip(cpu, gen_cpu, update_cpu)],
+                    "update": update_cpu}  # one update per step
     return t
 
 
@@ -163,10 +170,17 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
     dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
     events: list[tuple[str, float, float]] = []  # (name, start, end) of every profiled block
     cpu: list[float] = []  # CPU seconds per step
-    record = profiling.ProfilingContext._log_metrics
+    record, enter = profiling.ProfilingContext._log_metrics, profiling.ProfilingContext.__enter__
+    cpu_of: dict[tuple[str, float], float] = {}  # (name, start) -> CPU seconds
+
+    def enter_with_cpu(self):
+        self.cpu_start = time.process_time()
+        return enter(self)
 
     def log_metrics(self, duration):
-        events.append((self.name, time.perf_counter() - duration, time.perf_counter()))
+        start = time.perf_counter() - duration
+        events.append((self.name, start, time.perf_counter()))
+        cpu_of[self.name, start] = time.process_time() - self.cpu_start
         return record(self, duration)
 
     class Steps(TrainerCallback):
@@ -191,36 +205,43 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
                       temperature=1.0, beta=0.04, learning_rate=1e-5, shuffle_dataset=False, save_strategy="no",
                       disable_tqdm=True, seed=0)
     profiling.ProfilingContext._log_metrics = log_metrics
+    profiling.ProfilingContext.__enter__ = enter_with_cpu
     try:
         trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=dataset,
                               processing_class=byte_tokenizer(), callbacks=[Steps()])
         trainer.train()
     finally:
-        profiling.ProfilingContext._log_metrics = record
+        profiling.ProfilingContext._log_metrics, profiling.ProfilingContext.__enter__ = record, enter
     t = Timing("TRL GRPOTrainer", cpu_s=cpu)
     lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
-    for (_, start, end), length in zip([e for e in events if e[0] == "step"], lengths):
+    for (_, start, end), length, step_cpu in zip([e for e in events if e[0] == "step"], lengths, cpu):
         inside = [(n, s, e) for n, s, e in events if start <= s and e <= end and n != "step"]
-        prepare = sum(e - s for n, s, e in inside if n.endswith("_prepare_inputs"))
         [(_, p0, p1)] = [(n, s, e) for n, s, e in inside if n.endswith("_prepare_inputs")]
-        ref = sum(e - s for n, s, e in inside if n.endswith("_get_per_token_logps_and_entropies") and p0 <= s <= p1)
+        blocks = {"gen": [(n, s, e) for n, s, e in inside if n.endswith("transformers.generate")],
+                  "ref": [(n, s, e) for n, s, e in inside  # the log-prob pass inside _prepare_inputs
+                          if n.endswith("_get_per_token_logps_and_entropies") and p0 <= s <= p1],
+                  "prepare": [(n, s, e) for n, s, e in inside if n.endswith("_prepare_inputs")]}
+        wall = {k: sum(e - s for _, s, e in v) for k, v in blocks.items()}
+        used = {k: sum(cpu_of[n, s] for n, s, _ in v) for k, v in blocks.items()}
         t.step_s.append(end - start)
         t.tokens.append(length * batch * group)
-        for phase, value in (("gen", sum(e - s for n, s, e in inside if n.endswith("transformers.generate"))),
-                             ("ref", ref), ("update", end - start - prepare)):
+        for phase, value in (("gen", wall["gen"]), ("ref", wall["ref"]), ("update", end - start - wall["prepare"])):
             t.phases.setdefault(phase, []).append(value)
+        for phase, value in (("gen", used["gen"]), ("log_probs", used["ref"]), ("update", step_cpu - used["prepare"])):
+            t.cpu_phases.setdefault(phase, []).append(value)
     return t
 
 
 def table(timings: list[Timing]) -> str:
     rows = [t.summary() for t in timings]
     lines = ["| loop | s per step | CPU s per step | generated tokens per step | ms per generated token | CPU ms per "
-             "generated token | " + " | ".join(f"{p} s" for p in PHASES) + " |", "|" + "---|" * (6 + len(PHASES))]
+             "generated token | " + " | ".join(f"{p} s" for p in PHASES) + " | CPU s: gen / log-prob passes / update |",
+             "|" + "---|" * (7 + len(PHASES))]
     for t, r in zip(timings, rows):
         cells = [f"{r['phases'][p]:.3f}" if p in r["phases"] else "-" for p in PHASES]
         lines.append(f"| {t.name} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_step']:.1f} | "
                      f"{r['s_per_token'] * 1e3:.2f} | {r['cpu_s_per_token'] * 1e3:.2f} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cells) + " | " + " / ".join(f"{r['cpu_phases'][p]:.3f}" for p in CPU_PHASES) + " |")
     return "\n".join(lines)
 
 
