@@ -33,7 +33,7 @@ from moe_proxy.architectures import detect, expert_count, top_k  # noqa: E402
 from moe_proxy.checkpoint.params import config_params, moe_layer_indices  # noqa: E402
 from moe_proxy.demo.published import PUBLISHED  # noqa: E402
 from moe_proxy.sizing import ACCELERATORS, SizingOptions, estimate, model_shape  # noqa: E402
-from moe_proxy.step_cost import Accelerator, Phases, Workload, phases  # noqa: E402
+from moe_proxy.step_cost import Accelerator, Phases, StepShape, phases  # noqa: E402
 
 # The fidelity lab's Qwen3-MoE (bench/fidelity.py MODEL) with the hidden and expert widths scaled.
 LAB = dict(vocab_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=64,
@@ -120,7 +120,7 @@ def predict(path: Path, cpu: Accelerator, sequences: int, prompt: int, response:
     arch = detect(config)
     shape = model_shape(config, params, expert_count(arch, config), top_k(arch, config),
                         len(moe_layer_indices(config)), "fp32")
-    w = Workload(sequences=sequences, prompt_tokens=prompt, response_tokens=response, updates=updates,
+    w = StepShape(sequences=sequences, prompt_tokens=prompt, response_tokens=response, updates=updates,
                  recompute=False, mfu=1.0, hbm_efficiency=1.0)
     p: Phases = phases(shape, w, cpu, devices=1, per_node=1, usable_bytes=1e15)
     return {"timing_s/gen": p.rollout_prefill + p.rollout_decode, "timing_s/old_log_prob": p.old_log_prob,

@@ -36,7 +36,7 @@ from typing import Callable
 
 from moe_proxy.architectures import Arch, detect, expert_count, groups, top_k
 from moe_proxy.errors import InvalidExpertCount
-from moe_proxy.step_cost import Accelerator, ModelShape, Phases, Workload, phases
+from moe_proxy.step_cost import Accelerator, ModelShape, Phases, StepShape, phases
 from moe_proxy.checkpoint.params import Params, config_int, config_params, expert_width, moe_layer_indices, text_config
 
 GIB = 1 << 30
@@ -71,7 +71,7 @@ class SizingOptions:
     device_memory_gb: float | None = None  # default: the accelerator's
     devices_per_node: int = 8
     micro_batch_tokens: int = 4096  # tokens per device per micro-batch
-    workload: Workload = Workload()  # the RL step's shape, for its time (step_cost.py)
+    workload: StepShape = StepShape()  # the RL step's shape, for its time (step_cost.py)
     reference: bool = True  # a frozen reference policy is resident (KL term)
     utilization: float = 0.9  # usable fraction of device memory
     reserve_gb: float = 4.0  # runtime, communication buffers, fragmentation, per device
@@ -126,7 +126,7 @@ class Sizing:
     devices_per_node: int
     original: Side
     proxy: Side
-    workload: Workload = Workload()  # the RL step timed
+    workload: StepShape = StepShape()  # the RL step timed
     notes: tuple[str, ...] = ()  # decisions a person should see (kept experts raised or not, and why)
 
     @property
@@ -342,7 +342,7 @@ def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: Siz
     return proxy, [f"{why}; {trivial}" if kept <= k else why]
 
 
-def _workload_text(w: Workload) -> str:
+def _workload_text(w: StepShape) -> str:
     return (f"{w.sequences} sequences of {w.prompt_tokens} prompt + {w.response_tokens} response tokens, "
             f"{w.updates} optimizer update{'s' * (w.updates != 1)}, {'' if w.recompute else 'no '}recomputation, "
             f"{'' if w.reference else 'no '}reference pass; MFU {w.mfu:g}, HBM efficiency {w.hbm_efficiency:g}")

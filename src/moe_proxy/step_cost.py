@@ -45,7 +45,7 @@ class Accelerator:
 
 
 @dataclass(frozen=True)
-class Workload:
+class StepShape:
     """The shape of one RL step (defaults: a typical GRPO step, e.g. 64 prompts x 8 answers)."""
 
     sequences: int = 512  # rollouts per step (prompts x group size)
@@ -115,7 +115,7 @@ def rollout_devices(m: ModelShape, acc: Accelerator, devices: int, per_node: int
     return min(devices, need)
 
 
-def phases(m: ModelShape, w: Workload, acc: Accelerator, devices: int, per_node: int, usable_bytes: float) -> Phases:
+def phases(m: ModelShape, w: StepShape, acc: Accelerator, devices: int, per_node: int, usable_bytes: float) -> Phases:
     flops = devices * acc.peak_tflops * 1e12 * w.mfu  # all devices, FLOP/s
     hbm = acc.hbm_tbps * 1e12 * w.hbm_efficiency  # one device, B/s
     p, r = w.prompt_tokens, w.response_tokens

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from moe_proxy.sizing import SizingOptions, estimate, model_shape
-from moe_proxy.step_cost import Accelerator, Phases, Workload, phases, touched_experts
+from moe_proxy.step_cost import Accelerator, Phases, StepShape, phases, touched_experts
 from moe_proxy.checkpoint.params import config_params
 from moe_proxy.demo.published import DEEPSEEK_V3, QWEN3_235B, QWEN3_30B
 from proxymodel_operator.status import plan_summary
@@ -18,7 +18,7 @@ from proxymodel_operator.status import plan_summary
 from .test_planner import QWEN3
 
 ONE = Accelerator("test", 1e6, 1.0, 1.0)  # 1 TFLOP/s, 1 TB/s, no links: one device
-EXACT = Workload(sequences=4, prompt_tokens=8, response_tokens=6, updates=2, recompute=False, mfu=1.0,
+EXACT = StepShape(sequences=4, prompt_tokens=8, response_tokens=6, updates=2, recompute=False, mfu=1.0,
                  hbm_efficiency=1.0)
 
 

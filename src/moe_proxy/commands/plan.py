@@ -10,7 +10,7 @@ from dataclasses import fields
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.commands._common import add_device_args
 from moe_proxy.sizing import SizingOptions, format_sizing, estimate
-from moe_proxy.step_cost import Workload
+from moe_proxy.step_cost import StepShape
 
 WORKLOAD_HELP = {
     "sequences": "rollouts per RL step, all devices together (prompts x group size)",
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
                    help="tokens per device per micro-batch (sets the activation memory)")
     step = p.add_argument_group("the RL step, for its time by phase (defaults: a typical GRPO step)")
     for name, help_text in WORKLOAD_HELP.items():
-        default = getattr(Workload, name)
+        default = getattr(StepShape, name)
         step.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, metavar="N",
                           help=f"{help_text} (default {default})")
     step.add_argument("--no-recompute", action="store_true", help="no activation recomputation in training")
@@ -74,7 +74,7 @@ def read_config(location: str, endpoint_url: str | None = None) -> dict:
 def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
     known = {f.name for f in fields(SizingOptions)}
-    workload = Workload(**{k: getattr(args, k) for k in WORKLOAD_HELP}, recompute=not args.no_recompute)
+    workload = StepShape(**{k: getattr(args, k) for k in WORKLOAD_HELP}, recompute=not args.no_recompute)
     opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
                          reference=not args.no_reference, workload=workload)
     result = estimate(config, opts)
