@@ -58,6 +58,33 @@ CATALOGUE: dict[str, Fix] = {c.name: c for c in [
     Fix("aux-loss", "router load-balancing loss 1e-3 (Switch / Mixtral)",
               "Megatron: --moe-aux-loss-coeff 1e-3; transformers: output_router_logits True, router_aux_loss_coef",
               _fixed("--router-aux-coef", "1e-3")),
+    # The rollout/training mismatch class (docs/repro.md, "Rollout and trainer apart").
+    Fix("routing-replay", "R3: the trainer routes every token as the rollout engine did",
+              "verl: actor_rollout_ref.actor.router_replay.mode=R3; slime: --use-rollout-routing-replay; "
+              "NeMo-RL: policy.router_replay.enabled; Megatron (SkyRL): moe_enable_routing_replay",
+              _fixed("--routing-replay", "R3")),
+    Fix("rollout-is-token", "truncated importance sampling per token (TIS, threshold 2)",
+              "verl: algorithm.rollout_correction.rollout_is=token, rollout_is_threshold=2.0; TRL: "
+              "vllm_importance_sampling_correction=True; slime: --use-tis --tis-clip 2.0",
+              _fixed("--old-logprobs", "trainer", "--rollout-is", "token", "--rollout-is-threshold", "2",
+                     "--rollout-is-mode", "truncate")),
+    Fix("rollout-is-sequence", "truncated importance sampling per sequence (threshold 2)",
+              "verl: algorithm.rollout_correction.rollout_is=sequence, rollout_is_threshold=2.0",
+              _fixed("--old-logprobs", "trainer", "--rollout-is", "sequence", "--rollout-is-threshold", "2",
+                     "--rollout-is-mode", "truncate")),
+    Fix("gspo", "one importance ratio per sequence (GSPO), clipped at 4e-4",
+              "TRL: importance_sampling_level=\"sequence\", epsilon=3e-4, epsilon_high=4e-4; verl: "
+              "actor.policy_loss.loss_mode=gspo, clip_ratio_low=3e-4, clip_ratio_high=4e-4",
+              _fixed("--ratio-level", "sequence", "--clip-ratio", "4e-4")),
+    Fix("fp32-router", "the routers' matmul and softmax/sigmoid in fp32",
+              "Megatron: --moe-router-dtype fp32 (verl Megatron backend: override_transformer_config); "
+              "NeMo-RL: policy.megatron_cfg.moe_router_dtype", _fixed("--router-dtype", "fp32")),
+    Fix("fp32-lm-head", "the LM head in fp32",
+              "TRL: cast_lm_head_to_fp32=True; MiniMax-M1 and ScaleRL keep the head in fp32",
+              _fixed("--lm-head-dtype", "fp32")),
+    Fix("bypass", "the rollout's own log-probs as the PPO ratio's old log-probs (no recompute)",
+              "verl: algorithm.rollout_correction.bypass_mode=True", _fixed("--old-logprobs", "rollout",
+                                                                            "--rollout-is", "off")),
 ]}
 
 

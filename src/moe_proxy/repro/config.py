@@ -19,6 +19,15 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_SCALING = ("dynamic", "none")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 OP_FAULT_MODES = ("scale", "noise", "nan")
+# The rollout engine and the policy loss as RL frameworks run them (docs/repro.md, "Rollout and
+# trainer apart"): each value is named after the framework setting it stands for.
+ROLLOUT_KERNELS = ("eager", "grouped")  # transformers' experts kernels: eager, grouped_mm
+OLD_LOGPROBS = ("trainer", "rollout")  # rollout: verl's bypass mode
+ROLLOUT_IS = ("off", "token", "sequence")  # verl algorithm.rollout_correction.rollout_is
+ROLLOUT_IS_MODES = ("truncate", "mask")  # TIS truncates the weights; mask drops the tokens / sequences
+RATIO_LEVELS = ("token", "sequence")  # sequence: GSPO (TRL importance_sampling_level)
+ROUTING_REPLAY = ("off", "R2", "R3")  # verl actor.router_replay.mode
+HEAD_DTYPES = ("auto", "fp32")
 
 
 @dataclass
@@ -106,6 +115,38 @@ class ReproConfig:
     loss_scaling: str = option("dynamic", "str", "fp16 loss scaling (with fp16 only)", crd="lossScaling",
                                choices=LOSS_SCALING)
     init_loss_scale: float = 2.0**16
+    adam_eps: float = option(1e-8, "float", "AdamW epsilon (Megatron --adam-eps)", crd="adamEps", above=0)
+    skip_nonfinite: bool | None = option(
+        None, "tristate", "skip the optimizer step when gradients are not finite, counted in "
+        "numerics/skipped_steps (verl's FSDP actor; the default); --no-skip-nonfinite steps anyway",
+        crd="skipNonfinite")
+    router_dtype: str = option("auto", "str", "fp32: the routers' matmul and softmax/sigmoid in fp32 under "
+                               "half-precision autocast (Megatron moe_router_dtype)", crd="routerDtype",
+                               choices=HEAD_DTYPES)
+    lm_head_dtype: str = option("auto", "str", "fp32: the LM head in fp32 under half-precision autocast "
+                                "(TRL cast_lm_head_to_fp32)", crd="lmHeadDtype", choices=HEAD_DTYPES)
+    # The rollout engine: its own copy of the weights, in its own numerics, synced after every update.
+    rollout_precision: str | None = option(None, "str", "precision of the rollout engine's own weight copy "
+                                           "(default: sample with the trainer's model and precision)",
+                                           crd="rolloutPrecision", choices=PRECISIONS)
+    rollout_kernels: str | None = option(None, "str", "experts kernel of the rollout engine's copy (default: "
+                                         "the trainer's)", crd="rolloutKernels", choices=ROLLOUT_KERNELS)
+    # The policy loss.
+    old_logprobs: str = option("trainer", "str", "old log-probabilities: recomputed by the trainer before the "
+                               "update, or the rollout's own (verl's bypass mode)", crd="oldLogprobs",
+                               choices=OLD_LOGPROBS)
+    rollout_is: str = option("off", "str", "importance-sampling correction of the rollout/trainer gap, per "
+                             "token or per sequence (verl rollout_correction.rollout_is)", crd="rolloutIs",
+                             choices=ROLLOUT_IS)
+    rollout_is_threshold: float = option(2.0, "float", "IS weights above it are truncated (or masked); with "
+                                         "mask, those below its inverse too", crd="rolloutIsThreshold", above=0)
+    rollout_is_mode: str = option("truncate", "str", "truncate the IS weights at the threshold (TIS) or mask "
+                                  "the tokens / sequences past it", crd="rolloutIsMode", choices=ROLLOUT_IS_MODES)
+    ratio_level: str = option("token", "str", "the PPO ratio per token, or one per sequence (GSPO)",
+                              crd="ratioLevel", choices=RATIO_LEVELS)
+    routing_replay: str = option("off", "str", "R3: the trainer's forwards route as the rollout did; R2: the "
+                                 "updates route as the trainer's old-log-prob pass did", crd="routingReplay",
+                                 choices=ROUTING_REPLAY)
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
@@ -121,6 +162,20 @@ class ReproConfig:
             (self.max_new_tokens >= 1, "max new tokens must be at least 1"),
             ((self.faults.op_step is None) == (self.faults.op_module is None),
              "a faulty-op fault needs both a module and a step"),
+            (self.rollout_precision in (None, *PRECISIONS), f"rollout precision must be one of {PRECISIONS}"),
+            (self.rollout_kernels in (None, *ROLLOUT_KERNELS), f"rollout kernels must be one of {ROLLOUT_KERNELS}"),
+            (self.old_logprobs in OLD_LOGPROBS, f"old log-probs must be one of {OLD_LOGPROBS}"),
+            (self.rollout_is in ROLLOUT_IS, f"rollout IS must be one of {ROLLOUT_IS}"),
+            (self.rollout_is_mode in ROLLOUT_IS_MODES, f"rollout IS mode must be one of {ROLLOUT_IS_MODES}"),
+            (self.rollout_is_threshold > 0, "the rollout IS threshold must be above 0"),
+            (self.ratio_level in RATIO_LEVELS, f"ratio level must be one of {RATIO_LEVELS}"),
+            (self.routing_replay in ROUTING_REPLAY, f"routing replay must be one of {ROUTING_REPLAY}"),
+            (self.router_dtype in HEAD_DTYPES and self.lm_head_dtype in HEAD_DTYPES,
+             f"router and LM-head dtypes must be one of {HEAD_DTYPES}"),
+            (self.adam_eps > 0, "adam eps must be above 0"),
+            (self.rollout_is == "off" or self.old_logprobs == "trainer",
+             "--rollout-is corrects the trainer's old log-probs for the rollout's; with --old-logprobs rollout the "
+             "ratio is against the rollout already: choose one"),
         ]
         for ok, message in checks:
             if not ok:
@@ -151,6 +206,10 @@ class ReproConfig:
     def uses_half_precision(self) -> bool:
         """Whether any step computes in fp16/bf16 (set or injected)."""
         return self.precision != "fp32" or self.faults.fp16_no_scaling_step is not None
+
+    def separate_rollout(self) -> bool:
+        """Whether the rollout engine holds its own copy of the weights (own precision or kernels)."""
+        return self.rollout_precision is not None or self.rollout_kernels is not None
 
     def to_dict(self) -> dict:
         return asdict(self)

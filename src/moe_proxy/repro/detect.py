@@ -5,7 +5,8 @@ It reads nothing but the metric rows, so `compare` runs the same detector over a
 metrics.jsonl (including runs recorded elsewhere) and gets the same onsets as `repro`.
 
 Definitions (thresholds in `Thresholds`):
-- nan: the loss or the updated parameters are not finite (the forward pass or an update broke).
+- nan: the loss or the updated parameters are not finite (the forward pass or an update broke), or
+  in an fp32 step a hidden state is (fp32 does not overflow: an op broke).
 - overflow: in a half-precision step (`numerics/half_precision`) the forward pass's hidden
   states are not finite (`numerics/nonfinite_activations`): a value went beyond the dtype's
   range, e.g. a super expert's massive activation in fp16. Loss scaling cannot help; detected
@@ -28,6 +29,16 @@ Definitions (thresholds in `Thresholds`):
   gives top_k / experts; layers where that is already above the threshold are skipped) for
   `collapse_patience` steps in a row, when it did not in the baseline steps (a model that routes the task's narrow data to one expert
   from the start is its normal state, not a failure of the run).
+- mismatch: the rollout engine's probabilities and the trainer's have come apart, for
+  `mismatch_patience` steps in a row: the mismatch KL (`training/rollout_kl`, k3 of
+  KL(rollout || trainer) per token) above `mismatch_kl`, or the Pearson correlation of their token
+  probabilities (`training/rollout_actor_probs_pearson_corr`) below `mismatch_min_corr`, or more
+  than `mismatch_is_share` of the importance weights trainer/rollout outside
+  [1/threshold, threshold] (`rollout_corr/rollout_is_ratio_fraction_high` + `_low`, the run's
+  --rollout-is-threshold). Healthy, as the field reports it: a mismatch KL of 1e-3 to 2e-3 on
+  Qwen3-30B-A3B with a bf16 vLLM rollout (2e-4 to 5e-4 with routing replay, prime-rl #2808), a
+  correlation near 1 (verl #5392 reports 0.6 on a run that failed); the defaults sit 5x to 10x
+  past healthy.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 
 from moe_proxy.errors import InvalidReproConfig
 
-SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse")
+SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse", "mismatch")
 DIVERGENCE_METRICS = ("actor/grad_norm", "moe/router_logit_max", "numerics/max_activation")
 BASELINE_METRICS = DIVERGENCE_METRICS + ("moe/load_max_share",)
 NAN_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
@@ -57,6 +68,10 @@ class Thresholds:
     collapse_share: float = 0.9
     collapse_patience: int = 2
     underflow_frac: float = 0.0
+    mismatch_kl: float = 0.01
+    mismatch_min_corr: float = 0.9
+    mismatch_is_share: float = 0.05
+    mismatch_patience: int = 2
 
 
 @dataclass
@@ -140,6 +155,10 @@ class FailureDetector:
         bad = [k for k in NAN_METRICS if k in m and not _finite(m[k])]
         if m.get("numerics/params_nonfinite", 0) > 0:
             bad.append("numerics/params_nonfinite")
+        if m.get("numerics/nonfinite_activations", 0) > 0 and m.get("numerics/half_precision", 0) == 0:
+            # fp32 cannot overflow a hidden state: a broken op made it, which a framework's loss may hide
+            # (TRL drops NaN metrics, transformers' logging_nan_inf_filter averages a NaN loss away).
+            bad.append("numerics/nonfinite_activations")
         checks["nan"] = (bool(bad), f"not finite: {', '.join(bad)}", 1)
 
         grads_bad = m.get("numerics/grad_overflow", 0) > 0 and not bad
@@ -181,6 +200,8 @@ class FailureDetector:
                      and uniform < t.collapse_share <= share and statistics.median(start) < t.collapse_share)
         checks["collapse"] = (collapsed, f"one expert takes {share} of a layer's tokens", t.collapse_patience)
 
+        checks["mismatch"] = self._mismatch(m)
+
         for sig in self.extra:
             value = m.get(sig.metric)
             hit = value is not None and (value > sig.value if sig.op == ">" else value < sig.value)
@@ -188,6 +209,20 @@ class FailureDetector:
                 hit = True  # a metric gone non-finite is past any threshold
             checks[sig.name] = (hit, f"{sig.metric}={value}", sig.patience)
         return checks
+
+    def _mismatch(self, m: dict[str, float]) -> tuple[bool, str, int]:
+        t = self.thresholds
+        kl, corr = m.get("training/rollout_kl"), m.get("training/rollout_actor_probs_pearson_corr")
+        past = [m[k] for k in ("rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_is_ratio_fraction_low")
+                if k in m]
+        why = []
+        if kl is not None and (not _finite(kl) or kl > t.mismatch_kl):
+            why.append(f"rollout/trainer KL {kl:.3g} > {t.mismatch_kl:g}")
+        if corr is not None and (not _finite(corr) or corr < t.mismatch_min_corr):
+            why.append(f"probs correlation {corr:.3g} < {t.mismatch_min_corr:g}")
+        if past and sum(past) > t.mismatch_is_share:
+            why.append(f"{sum(past):.3g} of IS weights past the threshold (> {t.mismatch_is_share:g})")
+        return bool(why), "; ".join(why), t.mismatch_patience
 
     def _record_baseline(self, m: dict[str, float]) -> None:
         for key in BASELINE_METRICS:

@@ -291,6 +291,14 @@ def shard(model: torch.nn.Module, comm: Comm) -> torch.nn.Module:
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters a forward-only pass left behind (FSDP2 keeps the root unit's
+    unsharded after forward, for the backward that a generate never has)."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):  # an FSDPModule
+            module.reshard()
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     for name, module in model.named_modules():
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):

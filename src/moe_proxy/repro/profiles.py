@@ -31,6 +31,9 @@ ROLES = {
     "nonfinite_activations": "numerics/nonfinite_activations",
     "params_nonfinite": "numerics/params_nonfinite",
     "dense_grad_zero_frac": "numerics/dense_grad_zero_frac",
+    "rollout_kl": "training/rollout_kl",  # rollout/trainer gap (prime-rl mismatch_kl)
+    "rollout_probs_corr": "training/rollout_actor_probs_pearson_corr",
+    "rollout_is_high": "rollout_corr/rollout_is_ratio_fraction_high",
 }
 
 # signature -> the roles any one of which lets it be judged, and what is missing when none is there.
@@ -42,6 +45,8 @@ NEEDS = {
     "divergence": (("grad_norm", "kl", "router_logit_max", "max_activation"),
                    "no grad norm, KL, router logit max or max activation"),
     "collapse": (("expert_load",), "no per-expert load (moe/load_max_share: the probes write it)"),
+    "mismatch": (("rollout_kl", "rollout_probs_corr", "rollout_is_high"),
+                 "no rollout/trainer gap (training/rollout_kl, rollout probs correlation or IS weights)"),
 }
 
 

@@ -19,7 +19,6 @@ answer does not depend on which rows share its rank.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -41,7 +40,11 @@ from moe_proxy.repro.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, ch
                                          local, shard)
 from moe_proxy.repro.faults import FaultInjector
 from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
-from moe_proxy.repro.routers import RouterTap
+from moe_proxy.repro.policy_loss import gap_metrics, gap_sums, importance_ratio, rollout_is_weights
+from moe_proxy.repro.precision import autocast, compute_in_fp32, fp32_modules
+from moe_proxy.repro.rollout import RolloutEngine
+from moe_proxy.repro.routers import RouterTap, find_routers
+from moe_proxy.repro.routing import RoutingRecorder, RoutingReplay, mismatch_counts, replay_choices
 from moe_proxy.repro.sharded_load import load_shards, meta_model
 from moe_proxy.repro.source import check_source, local_checkpoint
 from moe_proxy.repro.task import Codec, PromptSet, load_prompts, make_prompts
@@ -49,7 +52,6 @@ from moe_proxy.repro.verdict import first_failure, stop_reason as stop_reason_of
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
@@ -184,8 +186,10 @@ def _aggregate(updates: list[dict[str, float]]) -> dict[str, float]:
     for key in ("numerics/nonfinite_grads", "numerics/nonfinite_activations", "numerics/skipped_steps",
                 "numerics/loss_scale_backoffs"):
         m[key] = float(sum(u[key] for u in updates))
-    for key in ("numerics/max_activation", "numerics/max_logit", "moe/router_logit_max"):
-        m[key] = float(max(u[key] for u in updates))
+    for key in ("numerics/max_activation", "numerics/max_logit", "moe/router_logit_max",
+                "rollout_corr/rollout_is_applied_max"):
+        if key in m:
+            m[key] = float(max(u[key] for u in updates))
     m["numerics/grad_overflow"] = float(m["numerics/nonfinite_grads"] > 0)
     return m
 
@@ -288,14 +292,21 @@ class _Loop:
         self.tap = RouterTap(self.policy, top_k)
         self.faults = FaultInjector(self.policy, self.tap.routers, config.faults, config.seed)
         self.activations = ActivationWatch(self.policy)
+        # Routing replay goes ahead of the tap's hooks (prepend), so the tap sees the routing used.
+        self.replay = RoutingReplay(self.tap.routers) if config.routing_replay != "off" else None
+        self.routing = RoutingRecorder(self.tap.routers)  # the trainer's own old-log-prob pass
         sharded(self.policy)  # hooks stay; parameters become this rank's shards (DTensors)
         self.reference = sharded(load().eval().requires_grad_(False))
+        for model in (self.policy, self.reference):
+            for module in fp32_modules(model, find_routers(model), config.router_dtype, config.lm_head_dtype):
+                compute_in_fp32(module)
+        self.engine = RolloutEngine(self.policy, path, config, comm, config.seed)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in self.policy.named_parameters()}
         # Router weights are not dense in the underflow sense: with a renormalised top-k, the row
         # of an expert no token chose gets no gradient (exactly 0 in fp16, rounding noise in fp32).
         self.router_params = {id(p) for r in self.tap.routers for p in r.module.parameters()}
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0, eps=config.adam_eps)
         if comm.distributed:  # found-inf agreed over ranks, so all skip the same steps
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -316,15 +327,14 @@ class _Loop:
             model.set_experts_implementation(wanted)
 
     def _autocast(self, precision: str):
-        if precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[precision])
+        return autocast(precision, self.device)
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.config
         self.faults.step = step
         precision, scaled = cfg.precision_at(step)
         self._experts_kernel(precision)
+        self.engine.set_kernels(self.fp32_experts and self.policy.config._experts_implementation)
         lr = cfg.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -338,20 +348,36 @@ class _Loop:
         parts = [rows.tensor_split(world)[rank] for rows in torch.arange(batch["seq"].shape[0]).tensor_split(
             cfg.mini_batches)]
         mine = torch.cat(parts)
+        positions = batch["seq"].shape[1]
         with torch.no_grad(), self._autocast(precision):
+            self.routing.start(len(mine))
+            self._replay(cfg.routing_replay == "R3", batch["rollout_routing"], mine, positions)
             old_logp = self._logp(self.policy, batch, mine)[0]
+            self._replay(False)
+            trainer_routing = self.routing.stop()
             t_old = time.perf_counter()
             ref_logp = self._logp(self.reference, batch, mine)[0]
         t_ref = time.perf_counter()
+        rollout_logp, mask = batch["rollout_logp"][mine], batch["resp_mask"][mine]
+        gap = self._gap(old_logp, rollout_logp, mask, batch["rollout_routing"], trainer_routing,
+                        batch["attn"][mine][:, :-1], mine)
+        # The PPO ratio's denominator: the trainer's recompute, or the rollout's own (verl's bypass).
+        behaviour = rollout_logp if cfg.old_logprobs == "rollout" else old_logp
+        weights = (rollout_is_weights(old_logp, rollout_logp, mask, cfg.rollout_is, cfg.rollout_is_threshold,
+                                      cfg.rollout_is_mode) if cfg.rollout_is != "off" else None)
 
         updates, start = [], 0
         for idx in parts:
             at = slice(start, start + len(idx))
-            updates.append(self._update(batch, idx, old_logp[at], ref_logp[at], precision, scaled))
+            replayed = {"R3": (batch["rollout_routing"], idx),
+                        "R2": (trainer_routing, torch.arange(at.start, at.stop))}.get(cfg.routing_replay)
+            updates.append(self._update(batch, idx, behaviour[at], ref_logp[at], precision, scaled,
+                                        None if weights is None else weights[at], replayed))
             start += len(idx)
         t_end = time.perf_counter()
 
         m = _aggregate(updates)
+        m.update(gap)
         m["numerics/half_precision"] = float(precision != "fp32")
         if scaled:
             m["numerics/loss_scale"] = float(self.scaler.get_scale())
@@ -373,8 +399,6 @@ class _Loop:
     def _rollout(self, step: int, precision: str) -> dict[str, torch.Tensor]:
         """The global batch's rollouts, on every rank: each rank samples its block of rows, and
         the answers are gathered."""
-        from transformers import LogitsProcessorList
-
         cfg, codec, comm = self.config, self.codec, self.comm
         prompt_seed = cfg.seed if cfg.prompt_seed is None else cfg.prompt_seed
         prompts = make_prompts(cfg.task, prompt_seed, step, cfg.batch_size, self.dataset)
@@ -389,20 +413,9 @@ class _Loop:
             prompt_attn[row, width - len(ids):] = 1
         input_ids, prompt_attn = input_ids.to(self.device), prompt_attn.to(self.device)
         blocks = torch.arange(rows).tensor_split(comm.world)
-        mine = blocks[comm.rank]
-        seeds = [((cfg.seed * 1_000_003 + step) * 1_000_033 + int(row)) % 2**63 for row in mine]
-        self.policy.eval()
-        with torch.no_grad(), self._autocast(precision):
-            out = self.policy.generate(
-                input_ids=input_ids[mine], attention_mask=prompt_attn[mine], do_sample=False,
-                logits_processor=LogitsProcessorList([_RowSampler(seeds, cfg.temperature)]),
-                max_new_tokens=cfg.max_new_tokens, min_new_tokens=1, eos_token_id=codec.eos_id,
-                pad_token_id=codec.pad_id, remove_invalid_values=True,
-                synced_gpus=comm.distributed)  # every rank runs forward until all have finished
-        self.policy.train()
-        response = out[:, width:]
-        response = torch.nn.functional.pad(response, (0, cfg.max_new_tokens - response.shape[1]), value=codec.pad_id)
-        response = comm.gather_rows(response, [len(block) for block in blocks])
+        seeds = [((cfg.seed * 1_000_003 + step) * 1_000_033 + int(row)) % 2**63 for row in blocks[comm.rank]]
+        rollout = self.engine.generate(input_ids, prompt_attn, blocks, seeds, _RowSampler, codec, precision, step)
+        response = rollout.response
         # The answer runs up to and including the first end-of-sequence token.
         is_eos = (response == codec.eos_id).long()
         resp_mask = ((is_eos.cumsum(-1) - is_eos) == 0).long()
@@ -410,6 +423,7 @@ class _Loop:
         # As wide as the longest answer, as generation on one rank stops when all rows have ended.
         keep = int(lengths.max())
         response, resp_mask = response[:, :keep], resp_mask[:, :keep]
+        rollout_logp = rollout.logp[:, :keep].to(self.device)
         scores = torch.tensor([prompts[i // cfg.group_size].score(codec.decode(response[i, : lengths[i]].tolist()))
                                for i in range(rows)])
         grouped = scores.view(cfg.batch_size, cfg.group_size)
@@ -418,7 +432,8 @@ class _Loop:
         return {"seq": torch.cat([input_ids, response], dim=-1), "attn": attn,
                 "positions": (attn.cumsum(-1) - 1).clamp_min(0),
                 "resp_mask": resp_mask.float(), "prompt_len": torch.tensor(width), "lengths": lengths,
-                "scores": scores, "adv": adv.to(self.device)}
+                "scores": scores, "adv": adv.to(self.device),
+                "rollout_logp": rollout_logp, "rollout_routing": rollout.routing}
 
     def _logp(self, model, batch, idx=None, **kwargs):
         """Log-probabilities of the answer tokens (and the forward output)."""
@@ -430,9 +445,36 @@ class _Loop:
         logp = torch.log_softmax(logits, -1).gather(-1, seq[:, width:].unsqueeze(-1)).squeeze(-1)
         return logp, logits, out
 
-    def _update(self, batch, idx, old_logp, ref_logp, precision: str, scaled: bool) -> dict[str, float]:
+    def _replay(self, on: bool, choices: dict | None = None, rows: torch.Tensor | None = None,
+                positions: int = 0) -> None:
+        """Route the policy's next forwards as `choices` did for `rows` (off: as it chooses)."""
+        if self.replay is not None:
+            self.replay.use(replay_choices(choices, rows, positions) if on else None)
+
+    def _gap(self, old_logp, rollout_logp, mask, rollout_routing, trainer_routing, valid, mine) -> dict[str, float]:
+        """The rollout/trainer gap of this step, over the global batch: verl's probs-diff figures,
+        the mismatch KL, the raw IS weights' figures, and the share of tokens whose routed expert
+        set differs between the rollout's forwards and the trainer's recompute, per layer."""
+        cfg, comm = self.config, self.comm
+        sums, maxes = gap_sums(old_logp, rollout_logp, mask, cfg.rollout_is if cfg.rollout_is != "off" else "token",
+                               cfg.rollout_is_threshold)
+        out = gap_metrics(comm.sum(sums), comm.max(maxes))
+        counts = mismatch_counts({layer: idx[mine] for layer, idx in rollout_routing.items()}, trainer_routing, valid)
+        layers = sorted(counts)
+        totals = comm.sum([v for layer in layers for v in counts[layer]])
+        differ, seen = totals[0::2], totals[1::2]
+        for layer, d, n in zip(layers, differ, seen):
+            out[f"moe/routing_mismatch/layer_{layer}"] = d / max(n, 1.0)
+        if layers:
+            out["moe/routing_mismatch"] = sum(differ) / max(sum(seen), 1.0)
+        return out
+
+    def _update(self, batch, idx, old_logp, ref_logp, precision: str, scaled: bool,
+                is_weights: torch.Tensor | None = None, replayed: tuple | None = None) -> dict[str, float]:
         """One optimizer update on this rank's rows `idx` of a mini-batch. Token means are over
-        the whole mini-batch (all ranks): each rank's share is its sum over the global count."""
+        the whole mini-batch (all ranks): each rank's share is its sum over the global count.
+        `is_weights`: the rollout IS correction of each token's loss; `replayed`: (recorded
+        routing, its rows for `idx`) to replay in the forward."""
         cfg, comm = self.config, self.comm
         mask, adv = batch["resp_mask"][idx].to(self.device), batch["adv"][idx].unsqueeze(-1)
         tokens = max(1.0, comm.sum([mask.sum().item()])[0])
@@ -440,16 +482,20 @@ class _Loop:
         def share(values: torch.Tensor) -> torch.Tensor:
             return (values * mask).sum() / tokens
         self.tap.start(batch["attn"][idx])
+        if replayed is not None:
+            self._replay(True, *replayed, batch["seq"].shape[1])
         with self._autocast(precision):
             self.activations.start()
             logp, logits, _ = self._logp(self.policy, batch, idx)
             self.activations.stop()
+        self._replay(False)
         self.tap.stop()
 
-        ratio = torch.exp(logp - old_logp)
+        ratio = importance_ratio(logp, old_logp, mask, cfg.ratio_level)
         pg_losses = -adv * ratio
         pg_clipped = -adv * ratio.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio)
-        pg_loss = share(torch.maximum(pg_losses, pg_clipped))
+        pg_token = torch.maximum(pg_losses, pg_clipped)
+        pg_loss = share(pg_token if is_weights is None else pg_token * is_weights)
         log_ratio = (ref_logp - logp).clamp(-20, 20)
         kl_loss = share((log_ratio.exp() - log_ratio - 1).clamp(-10, 10))  # k3 estimator
         aux_loss, z_loss = self.tap.aux_losses(comm)
@@ -464,6 +510,12 @@ class _Loop:
                                 "actor/pg_clipfrac", "moe/aux_loss", "moe/z_loss"), shares))
             metrics.update(self.activations.metrics(comm))
             metrics["numerics/max_logit"] = comm.max([logits.abs().max().item()])[0]
+            if is_weights is not None:
+                applied = is_weights[mask.bool()]
+                (metrics["rollout_corr/rollout_is_applied_mean"],) = [
+                    v / tokens for v in comm.sum([applied.sum().item()])]
+                metrics["rollout_corr/rollout_is_applied_max"] = comm.max(
+                    [applied.max().item() if applied.numel() else 0.0])[0]
             metrics.update(self.tap.metrics(comm))
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -484,10 +536,10 @@ class _Loop:
             self.scaler.step(self.optimizer)  # skips the update when gradients overflowed
             self.scaler.update()
             backoff = float(self.scaler.get_scale() < before)
-        elif not found_inf:
+        elif not found_inf or cfg.skip_nonfinite is False:
             self.optimizer.step()
         # Otherwise skip the update, as verl's actor does when grad_norm is not finite.
-        metrics["numerics/skipped_steps"] = float(found_inf)
+        metrics["numerics/skipped_steps"] = float(found_inf and cfg.skip_nonfinite is not False)
         metrics["numerics/loss_scale_backoffs"] = backoff
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
