@@ -65,6 +65,8 @@ async def test_apply_to_reproduced(cluster, operator, caplog):
     assert status["experts"] == "128->16"
     assert status["plan"]["original"]["paramsTotal"] == 30_532_122_624
     assert status["plan"]["proxy"]["devices"] < status["plan"]["original"]["devices"]
+    hours = status["plan"]["deviceHoursPerStep"]  # by phase of an RL step, through the API server
+    assert float(hours["rolloutDecode"]["ratio"]) < float(hours["train"]["ratio"]) and "allToAll" in hours
     assert cluster.condition(NS, "q3", "Accepted")["status"] == "True"
 
     # The transformer succeeds: ProxyReady with its summary, then the reproduction Job.
