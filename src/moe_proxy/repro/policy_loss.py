@@ -62,7 +62,7 @@ def gap_sums(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch
     x, y = r.exp(), t.exp()  # verl: rollout probs, actor probs
     d = (y - x).abs()
     log_ratio = (t - r).clamp(-LOG_CLAMP, LOG_CLAMP)
-    kl = log_ratio.exp() - log_ratio - 1  # k3 of KL(rollout || trainer), sampled from the rollout
+    kl = (log_ratio.exp() - log_ratio - 1).clamp_min(0)  # k3 of KL(rollout || trainer), from the rollout
     w = is_log_weights(trainer_logp.detach().float(), rollout_logp.detach().float(), mask, level).exp()
     w = w[:, 0][mask.sum(-1) > 0] if level == "sequence" else w[keep]
     sums = [t.numel(), d.sum(), d.pow(2).sum(), x.sum(), y.sum(), (x * y).sum(), x.pow(2).sum(), y.pow(2).sum(),
