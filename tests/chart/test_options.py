@@ -109,3 +109,11 @@ def test_the_reproductions_rl_settings_reach_its_job():
     assert (default.max_steps, default.precision) == (50, "bf16")  # the ProxyModel's defaults, not the CLI's
     with pytest.raises(ValueError, match="spec.reproduction.lr -1"):
         parse({**SPEC, "pruning": {"experts": 8}, "reproduction": {"lr": -1}}, "ns", "pm", Settings())
+    mismatch = {"rolloutPrecision": "bf16", "rolloutKernels": "grouped", "routingReplay": "R3", "rolloutIs": "sequence",
+                "rolloutIsThreshold": 3.0, "rolloutIsMode": "mask", "ratioLevel": "sequence", "routerDtype": "fp32",
+                "lmHeadDtype": "fp32", "adamEps": 1e-6, "skipNonfinite": False}
+    spec = parse({**SPEC, "pruning": {"experts": 8}, "reproduction": mismatch}, "ns", "pm", Settings())
+    assert from_args(ReproConfig, _cli(repro_args(spec, "s3://b/proxy")), faults=Faults()) == spec.reproduction.config
+    assert spec.reproduction.config.routing_replay == "R3" and spec.reproduction.config.skip_nonfinite is False
+    with pytest.raises(ValueError, match="spec.reproduction.routingReplay 'R9'"):
+        parse({**SPEC, "pruning": {"experts": 8}, "reproduction": {"routingReplay": "R9"}}, "ns", "pm", Settings())
