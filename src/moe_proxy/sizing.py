@@ -280,6 +280,11 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
         raise InvalidExpertCount(f"precision {opts.precision!r}: expected one of {', '.join(BYTES_PER_PARAM)}")
     if opts.devices_per_node < 1:
         raise InvalidExpertCount(f"devices per node must be at least 1, got {opts.devices_per_node}")
+    w = opts.workload
+    if min(w.sequences, w.prompt_tokens) < 1 or min(w.response_tokens, w.updates) < 0 \
+            or not (0 < w.mfu <= 1 and 0 < w.hbm_efficiency <= 1):
+        raise InvalidExpertCount(f"RL step: sequences and prompt tokens must be at least 1, response tokens and "
+                                 f"updates at least 0, MFU and HBM efficiency in (0, 1]; got {w}")
     c = text_config(config)
     arch = detect(c)
     n, k = expert_count(arch, c), top_k(arch, c)

@@ -12,7 +12,7 @@ from moe_proxy.commands._common import add_device_args
 from moe_proxy.sizing import SizingOptions, format_sizing, estimate
 from moe_proxy.step_cost import StepShape
 
-WORKLOAD_HELP = {
+STEP_HELP = {
     "sequences": "rollouts per RL step, all devices together (prompts x group size)",
     "prompt_tokens": "tokens per prompt",
     "response_tokens": "tokens generated per rollout",
@@ -39,9 +39,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=SizingOptions.micro_batch_tokens,
                    help="tokens per device per micro-batch (sets the activation memory)")
     step = p.add_argument_group("the RL step, for its time by phase (defaults: a typical GRPO step)")
-    for name, help_text in WORKLOAD_HELP.items():
+    for name, help_text in STEP_HELP.items():
         default = getattr(StepShape, name)
-        step.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, metavar="N",
+        step.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                          metavar="N" if isinstance(default, int) else "X",
                           help=f"{help_text} (default {default})")
     step.add_argument("--no-recompute", action="store_true", help="no activation recomputation in training")
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
@@ -74,7 +75,7 @@ def read_config(location: str, endpoint_url: str | None = None) -> dict:
 def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
     known = {f.name for f in fields(SizingOptions)}
-    workload = StepShape(**{k: getattr(args, k) for k in WORKLOAD_HELP}, recompute=not args.no_recompute)
+    workload = StepShape(**{k: getattr(args, k) for k in STEP_HELP}, recompute=not args.no_recompute)
     opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
                          reference=not args.no_reference, workload=workload)
     result = estimate(config, opts)
