@@ -106,7 +106,7 @@ def touched_experts(experts: int, k: int, batch: int) -> float:
     return experts * (1 - (1 - min(k, experts) / experts) ** batch)
 
 
-def rollout_devices(m: ModelShape, acc: Accelerator, devices: int, per_node: int, usable_bytes: float) -> int:
+def rollout_devices(m: ModelShape, devices: int, per_node: int, usable_bytes: float) -> int:
     """Devices of one rollout replica: the fewest whole nodes (or devices, under one node) whose
     usable memory holds the weights, at most all `devices`."""
     need = max(1, math.ceil(m.params_total * m.bytes_per_param / usable_bytes))
@@ -124,15 +124,15 @@ def phases(m: ModelShape, w: StepShape, acc: Accelerator, devices: int, per_node
         return seqs * (2 * m.params_active * tokens_per_seq + 2 * m.layers * m.attention_width * tokens_per_seq ** 2 / 2)
 
     # decode: replicas of `d_r` devices, each with its share of the sequences and its own weights
-    d_r = rollout_devices(m, acc, devices, per_node, usable_bytes)
+    d_r = rollout_devices(m, devices, per_node, usable_bytes)
     batch = math.ceil(w.sequences / max(1, devices // d_r))
     context = p + r / 2  # the mean over the decode steps
     backbone = m.params_total - m.moe_layers * m.experts * m.expert_params
     read = (backbone + m.moe_layers * touched_experts(m.experts, m.top_k, batch) * m.expert_params) * m.bytes_per_param
     read += batch * context * m.layers * m.kv_elements * m.bytes_per_param
     step_flops = batch * (2 * m.params_active + 2 * m.layers * m.attention_width * context)
-    per_device = d_r * acc.peak_tflops * 1e12 * w.mfu
-    decode = r * max(read / (d_r * hbm), step_flops / per_device)
+    replica_flops = d_r * acc.peak_tflops * 1e12 * w.mfu
+    decode = r * max(read / (d_r * hbm), step_flops / replica_flops)
 
     full = forward(p + r, w.sequences)
     optimizer_bytes = m.params_total * (3 * m.bytes_per_param + 2 * m.optimizer_bytes)
