@@ -82,6 +82,12 @@ CATALOGUE: dict[str, Fix] = {c.name: c for c in [
     Fix("fp32-lm-head", "the LM head in fp32",
               "TRL: cast_lm_head_to_fp32=True; MiniMax-M1 and ScaleRL keep the head in fp32",
               _fixed("--lm-head-dtype", "fp32")),
+    Fix("adam-eps", "AdamW epsilon 1e-15: the update keeps its size when gradients are tiny (Wortsman et al., "
+              "arXiv 2309.14322)", "Megatron: --adam-eps; verl: actor.optim.eps (FSDP), TRL: adam_epsilon",
+              _fixed("--adam-eps", "1e-15")),
+    Fix("skip-nonfinite", "skip the optimizer step when gradients are not finite (repro's default: a change only "
+              "against a baseline run with --no-skip-nonfinite)", "verl's FSDP actor (always); Megatron: "
+              "--check-for-nan-in-loss-and-grad with its skip; OLMo-core SkipStepOptimizer", _fixed("--skip-nonfinite")),
     Fix("bypass", "the rollout's own log-probs as the PPO ratio's old log-probs (no recompute)",
               "verl: algorithm.rollout_correction.bypass_mode=True", _fixed("--old-logprobs", "rollout",
                                                                             "--rollout-is", "off")),
