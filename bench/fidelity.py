@@ -18,7 +18,10 @@ build makes the proxy that does?
    tokens: its held-out loss beside ours.
 4. Run the same RL steps (`moe-proxy repro` settings, same seed) on every model: the clean
    scenario with 4 seeds, each injected fault, a high learning rate with the router balance
-   losses off and on; with --super-study also the planted super expert family in fp16.
+   losses off and on; with --super-study also the planted super expert family: the original's
+   natural super expert scaled past fp16's range in the first, a middle and the last MoE layer
+   (--super-layers), each original and proxy run in fp16 and bf16 (--super-precisions);
+   --super-only runs that study alone (on the trained qwen3 original and its one-pass statistics).
 5. Compare every proxy run with the original's run of the same scenario and seed (`moe-proxy
    compare` statistics, each against its shuffled-step-order control); rank-correlate the
    fidelity figure with the clean Pearson (does KL predict RL tracking?), derive the
@@ -26,7 +29,8 @@ build makes the proxy that does?
    summary.md and plots under bench/out/fidelity/.
 
     .venv/bin/python bench/fidelity.py [--models qwen3 deepseek-v3] [--variants ...] [--scenarios ...]
-                                       [--steps 16] [--super-study] [--quick] [--out DIR]
+                                       [--steps 16] [--super-study [--super-only] [--super-layers first middle last]
+                                       [--super-precisions fp16 bf16]] [--quick] [--out DIR]
 
 Every calibration, build and run is cached under bench/out/fidelity/ by its settings and the
 code's version (the lab's source and that of every moe_proxy module it imports), so an
@@ -112,10 +116,12 @@ SCENARIOS = {  # on the trained original and its proxies; RL's router aux and z 
     "high-lr-balanced": dict(lr=1e-3, router_aux_coef=0.01, router_z_coef=1e-3),
 }
 SEEDS = [0, 1, 2, 3]  # the clean scenario's prompt/sampling seeds: each proxy's "mean of 4 seeds"
-SUPER_SCENARIOS = {  # on the planted original and its proxies (--super-study)
-    "fp16-super": dict(precision="fp16", steps=8),  # fp16 done right (dynamic loss scaling)
-    "fp32-super": dict(steps=8),  # the same model in fp32: no overflow, but the activation shows
+SUPER_SCENARIOS = {  # on the planted original and its proxies (--super-study), by --super-precisions
+    "fp16": dict(precision="fp16", steps=8),  # fp16 done right (dynamic loss scaling)
+    "bf16": dict(precision="bf16", steps=8),  # bf16's range is fp32's: the activation must not overflow
+    "fp32": dict(steps=8),  # the same model in fp32: no overflow, but the activation shows
 }
+SUPER_LAYERS = ("first", "middle", "last")  # where the super expert is planted, of the MoE layers
 ORIGINALS = {"qwen3": MODEL, "deepseek-v3": DS_MODEL}  # the lab's two trained originals
 RATIOS_OF = {"qwen3": RATIOS, "deepseek-v3": RATIOS}  # the keep ratios built from each
 # (name, build_proxy options), every one with the lab's calibration statistics (`--calibration`)
@@ -140,8 +146,12 @@ DEFAULT = "seq-recon"  # the variant the targets are checked on: the build's def
 # With build/merge.py (`build --merge`): cluster members merged into their representative.
 MERGE_VARIANTS = [("merge", ONE_PASS | dict(reconstruct=False, merge=True)),
                   ("seq-merge-recon", SEQ | dict(merge=True, reconstruct=True))]
-# Also built in the super-expert family: `plain` without pinning super experts.
-SUPER_VARIANTS = [v for v in VARIANTS if v[0] == "plain-nosuper"]
+# Also built in the super-expert family: `plain` without pinning super experts, and selection by
+# gate mass with and without the super-expert rules (it ranks a rarely routed expert low, where
+# saliency-chosen representatives may pick a massive expert anyway).
+SUPER_VARIANTS = [v for v in VARIANTS if v[0] == "plain-nosuper"] + [
+    ("frequency-plain", ONE_PASS | dict(method="frequency", reconstruct=False)),
+    ("frequency-plain-nosuper", ONE_PASS | dict(method="frequency", reconstruct=False, keep_super=False))]
 CONTROL = "original-reseeded"  # the original again, same prompts, other samples: the noise floor
 LOSS_MARGIN = 0.203  # the 12.5% target: 1.70 on the 1.497 original of the issue, as a margin over the original
 TRACKING = 0.6  # a proxy "tracks" when its 4-seed mean clean Pearson reaches this (the recommended maxKL's rule)
@@ -462,11 +472,11 @@ def build_family(original: Path, stats: Path, out: Path, variants: list, n_exper
 # ---------------------------------------------------------------- 5. runs and comparison
 
 def run_scenarios(models: dict[str, Model], scenarios: dict, out: Path, steps: int,
-                  seed: int = 0) -> dict[str, dict[str, Path]]:
+                  seed: int = 0, control: bool = True) -> dict[str, dict[str, Path]]:
     """scenario -> model name -> run directory; the control is the original with seed + 1."""
     runs: dict[str, dict[str, Path]] = {}
     for scenario, settings in scenarios.items():
-        for name, model in {**models, CONTROL: models["original"]}.items():
+        for name, model in {**models, **({CONTROL: models["original"]} if control else {})}.items():
             run_seed = seed + 1 if name == CONTROL else seed
             config = ReproConfig(**({"steps": steps, "seed": run_seed, "prompt_seed": seed} | RL | settings))
             runs.setdefault(scenario, {})[name] = cached_run(model.path, out / scenario / name, config)
@@ -655,14 +665,13 @@ def tracking_table(at: dict, family: str, names: list[str], quality: dict[str, d
 
 
 def fault_table(rows: list[dict], at: dict, names: list[str], family: str) -> list[str]:
-    """Per proxy: the original's failures reproduced or not, false alarms, load shifts, and the
-    planted super expert kept or not (--super-study); first the original's own onsets."""
+    """Per proxy: the original's failures reproduced or not, false alarms, load shifts; first the
+    original's own onsets. (The planted super expert has its own table: super_table.)"""
     lines = ["| proxy | lr-spike | faulty-op | fp16-no-scaling | router-scale | "
              "high-lr, balance losses off: divergence / collapse / load shift | same, losses on: collapse / "
-             "load shift | fp16 super expert: keeps it / overflow |",
-             "|---|---|---|---|---|---|---|---|"]
+             "load shift |",
+             "|---|---|---|---|---|---|---|"]
     reference = {(r["family"], r["scenario"]): r for r in rows}
-    planted = f"{family}-super"
 
     def onset(fam: str, scenario: str, signature: str) -> str:
         r = reference.get((fam, scenario))
@@ -679,11 +688,9 @@ def fault_table(rows: list[dict], at: dict, names: list[str], family: str) -> li
                  f"{failures_text(router['original_failures']) if router else 'n/a'} | "
                  f"{onset(family, 'high-lr', 'divergence')} / {onset(family, 'high-lr', 'collapse')} / "
                  f"{original_shift('high-lr')} | {onset(family, 'high-lr-balanced', 'collapse')} / "
-                 f"{original_shift('high-lr-balanced')} | yes / {onset(planted, 'fp16-super', 'overflow')} |")
+                 f"{original_shift('high-lr-balanced')} |")
     for name in names:
         off, on = at.get((family, "high-lr", name)), at.get((family, "high-lr-balanced", name))
-        sup = at.get((planted, "fp16-super", name))
-        keeps = "n/a" if sup is None or sup["keeps_super"] is None else ("yes" if sup["keeps_super"] else "no")
         lines.append(
             f"| {name} | {fault_cell(at.get((family, 'lr-spike', name)), 'divergence')} | "
             f"{fault_cell(at.get((family, 'faulty-op', name)), 'divergence')} | "
@@ -691,8 +698,7 @@ def fault_table(rows: list[dict], at: dict, names: list[str], family: str) -> li
             f"{alarm_cell(at.get((family, 'router-scale', name)))} | "
             f"{fault_cell(off, 'divergence')} / {fault_cell(off, 'collapse')} / "
             f"{fmt(off['load_shift']) if off else 'n/a'} | "
-            f"{fault_cell(on, 'collapse')} / {fmt(on['load_shift']) if on else 'n/a'} | "
-            f"{keeps} / {fault_cell(sup, 'overflow')} |")
+            f"{fault_cell(on, 'collapse')} / {fmt(on['load_shift']) if on else 'n/a'} |")
     return lines
 
 
@@ -803,15 +809,23 @@ def reap_baseline(original: Path, out: Path, k: int) -> dict:
 
 # ---------------------------------------------------------------- 8. the lab
 
-def lab_model(family: str, config: dict, variants: list, scenarios: dict, steps: int, ratios: tuple,
-              super_study: bool) -> dict:
-    """Train (or reuse) one original, build its proxies, run and compare them; REAP beside them."""
+def trained(family: str, config: dict) -> tuple[Path, Path, dict]:
+    """One original, trained (or reused), and its one-pass statistics: (original, stats, training info)."""
     root = OUT / family
     original = root / "original"
     info = train_original(original, config)
     log.info("%s original: held-out loss %.3f, trained in %ss", family, info["held_out_loss"], info["train_seconds"])
     stats = root / "calibration"
     code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids(), sequential=None))
+    return original, stats, info
+
+
+def lab_model(family: str, config: dict, variants: list, scenarios: dict, steps: int, ratios: tuple,
+              super_study: dict | None) -> dict:
+    """Train (or reuse) one original, build its proxies, run and compare them; REAP beside them.
+    `super_study`: super_study's layers and precisions, to run it too."""
+    root = OUT / family
+    original, stats, info = trained(family, config)
     n = expert_total(config)
     models = build_family(original, stats, root / "proxies", variants, n, ratios)
     reap = {ratio: reap_baseline(original, root / "reap" / f"reap-{ratio:g}", int(n * ratio)) for ratio in ratios}
@@ -823,19 +837,71 @@ def lab_model(family: str, config: dict, variants: list, scenarios: dict, steps:
     seeds = seed_scores(models, steps, root / "seeds")
     quality = quality_of(models, runs["clean"])
     plots(runs, ratios, prefix=f"{family}-")
-    if super_study:
-        planted = root / "original-super"
-        super_info = plant_super_expert(original, stats, planted)
-        super_stats = root / "calibration-super"
-        code_checked(super_stats, lambda: calibrate(str(planted), str(super_stats), token_ids=calibration_ids()))
-        supers = build_family(planted, super_stats, root / "proxies-super",
-                              variants + [v for v in SUPER_VARIANTS if v not in variants], n, ratios,
-                              super_info)
-        super_runs = run_scenarios(supers, SUPER_SCENARIOS, root / "runs-super", steps)
-        rows += compare_scenarios(super_runs, supers, f"{family}-super")
-        plots(super_runs, ratios, prefix=f"{family}-")
+    supers = super_study_rows(family, config, original, stats, variants, ratios, steps, **super_study) \
+        if super_study else []
     return {"train": {k: v for k, v in info.items() if k != "key"}, "rows": rows, "seeds": seeds,
-            "quality": quality, "reap": reap, "models": models}
+            "quality": quality, "reap": reap, "models": models, "super": supers}
+
+
+# ---------------------------------------------------------------- 9. the planted super expert
+
+def moe_layer(config: dict, where: str) -> int:
+    """The first, a middle or the last MoE layer of a lab original."""
+    moe = [i for i in range(config["num_hidden_layers"]) if i not in config.get("mlp_only_layers", [])
+           and i >= config.get("first_k_dense_replace", 0)]
+    return {"first": moe[0], "middle": moe[(len(moe) - 1) // 2], "last": moe[-1]}[where]
+
+
+def super_study_rows(family: str, config: dict, original: Path, stats: Path, variants: list, ratios: tuple,
+                     steps: int, layers: tuple[str, ...] = SUPER_LAYERS,
+                     precisions: tuple[str, ...] = ("fp16", "bf16")) -> list[dict]:
+    """The super expert planted in each of `layers` (plant_super_expert), its original calibrated
+    (one pass), its proxies built (`variants` and SUPER_VARIANTS at `ratios`) and every model run
+    in each of `precisions`. One row per (layer, model): the rules that flag the planted expert
+    and its max |output| in the statistics, whether the model keeps it, and each run's failures."""
+    rows = []
+    for layer in sorted({moe_layer(config, where) for where in layers}):
+        root = OUT / family / f"super-L{layer}"
+        planted = root / "original"
+        info = plant_super_expert(original, stats, planted, layer)
+        planted_stats = root / "calibration"
+        code_checked(planted_stats, lambda: calibrate(str(planted), str(planted_stats), token_ids=calibration_ids()))
+        cal = load_calibration(str(planted_stats))
+        prefix = next(p for p, s in cal.layers.items() if s.layer == layer)
+        flagged = {"layer": layer, "expert": info["expert"], "max_abs": float(cal.layers[prefix].max_abs[info["expert"]]),
+                   "rules": cal.summary["layers"][prefix]["super_rules"].get(str(info["expert"]), "none")}
+        models = build_family(planted, planted_stats, root / "proxies",
+                              variants + [v for v in SUPER_VARIANTS if v not in variants], expert_total(config),
+                              ratios, info)
+        runs = run_scenarios(models, {p: SUPER_SCENARIOS[p] for p in precisions}, root / "runs", steps, control=False)
+        for name, model in models.items():
+            loaded = {p: load_run(runs[p][name]) for p in precisions}
+            rows.append(flagged | {"proxy": name, "keeps_super": model.keeps_super, "kl": model.kl, "runs": {
+                p: {"failures": run.onsets, "max_activation": max((r["numerics/max_activation"] for r in run.rows.values()
+                                                                    if "numerics/max_activation" in r), default=None)}
+                for p, run in loaded.items()}})
+        rows += [flagged | {"proxy": Path(where).name, "refused": why} for where, why in REFUSED.items()
+                 if Path(where).parent == root / "proxies"]
+    return rows
+
+
+def super_table(rows: list[dict]) -> str:
+    """super_study_rows as the markdown table of docs/fidelity.md."""
+    precisions = list(next((r["runs"] for r in rows if "runs" in r), {}))
+    lines = ["| planted in MoE layer (expert) | rules that flag it (max abs output) | model | keeps it | KL | "
+             + " | ".join(f"{p}: failures (max activation)" for p in precisions) + " |",
+             "|---" * (5 + len(precisions)) + "|"]
+    for r in rows:
+        head = f"| {r['layer']} ({r['expert']}) | {r['rules']} ({r['max_abs']:.3g}) | {r['proxy']} |"
+        if "refused" in r:
+            lines.append(f"{head} refused by the build: {r['refused']} |" + " |" * (1 + len(precisions)))
+            continue
+        cells = [f"{failures_text(run['failures']) if run['failures'] else 'clean'} "
+                 f"({'n/a' if run['max_activation'] is None else format(run['max_activation'], '.3g')})"
+                 for run in r["runs"].values()]  # an overflowed run's is inf or nan
+        keeps = "n/a" if r["keeps_super"] is None else "yes" if r["keeps_super"] else "no"
+        lines.append(f"{head} {keeps} | {fmt_kl(r['kl'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def targets(results: dict, prediction: dict) -> list[str]:
@@ -904,7 +970,15 @@ def main() -> int:
                         "ratio only; repeat for several) (default: all of VARIANTS, and MERGE_VARIANTS where "
                         "build_proxy can merge)")
     parser.add_argument("--super-study", action="store_true",
-                        help="also the planted super expert family in fp16 and fp32 (qwen3)")
+                        help="also the planted super expert family (qwen3): its own table")
+    parser.add_argument("--super-only", action="store_true", help="only the super-expert study (and the qwen3 "
+                        "original and one-pass statistics it needs); implies --super-study")
+    parser.add_argument("--super-layers", nargs="+", choices=SUPER_LAYERS, default=list(SUPER_LAYERS),
+                        help="the MoE layers the super expert is planted in, one study each")
+    parser.add_argument("--super-precisions", nargs="+", choices=list(SUPER_SCENARIOS), default=["fp16", "bf16"],
+                        help="the precisions every planted original and proxy is run in")
+    parser.add_argument("--super-steps", type=int, help="RL steps of each super-expert run (default: "
+                        f"{SUPER_SCENARIOS['fp16']['steps']}; the overflow shows at the first steps)")
     parser.add_argument("--out", type=Path, help="where to write (default: bench/out/fidelity, with --quick "
                         "bench/out/fidelity-quick)")
     args = parser.parse_args()
@@ -942,16 +1016,29 @@ def main() -> int:
         SEEDS[:] = SEEDS[:2]
         OUT = OUT.with_name("fidelity-quick")
         scenarios = {name: SCENARIOS[name] for name in ("clean", "router-scale")}
-        for settings in SUPER_SCENARIOS.values():
-            settings["steps"] = args.steps
+        args.super_steps = args.super_steps or args.steps
         variants = [v for v in variants if v[0] in QUICK_VARIANTS]
     if args.ratios:
         RATIOS_OF.update({name: tuple(args.ratios) for name in RATIOS_OF})
     OUT = args.out or OUT
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    for settings in SUPER_SCENARIOS.values():
+        settings["steps"] = args.super_steps or settings["steps"]
+    study = dict(layers=tuple(args.super_layers), precisions=tuple(args.super_precisions))
+    if args.super_only:  # the super-expert study alone: planted in qwen3 (plant_super_expert's layout)
+        original, stats, _ = trained("qwen3", ORIGINALS["qwen3"])
+        rows = super_study_rows("qwen3", ORIGINALS["qwen3"], original, stats, variants, RATIOS_OF["qwen3"],
+                                args.steps, **study)
+        (OUT / "super.md").write_text(table := super_table(rows))
+        (OUT / "super.json").write_text(json.dumps({"rows": rows, "scenarios": SUPER_SCENARIOS, "rl": RL,
+                                                    "code_version": lab_code_version(),
+                                                    "wall_s": round(time.time() - started, 1)}, indent=2, default=str))
+        print(table)
+        log.info("done in %.0fs; results in %s", time.time() - started, OUT / "super.md")
+        return 0
     results = {family: lab_model(family, ORIGINALS[family], variants, scenarios, args.steps, RATIOS_OF[family],
-                                 args.super_study and family == "qwen3")
+                                 study if args.super_study and family == "qwen3" else None)
                for family in args.models}
     proxies = []
     for family, res in results.items():
@@ -965,7 +1052,9 @@ def main() -> int:
                          for family, res in results.items()]
                         + ["### Does the fidelity figure predict RL tracking?", ""] + prediction_lines
                         + ["", "### Winners", ""] + winners(results) + ["", "### Targets", ""]
-                        + targets(results, prediction)) + "\n"
+                        + targets(results, prediction)
+                        + [line for res in results.values() if res["super"]
+                           for line in ("", "### The planted super expert", "", super_table(res["super"]))]) + "\n"
     (OUT / "summary.md").write_text(summary)
     (OUT / "table.md").write_text(full_table(rows))
     (OUT / "results.json").write_text(json.dumps(
@@ -977,6 +1066,7 @@ def main() -> int:
          "quality": {f: res["quality"] for f, res in results.items()},
          "seed_scores": {f: res["seeds"] for f, res in results.items()},
          "reap": {f: {str(k): v for k, v in res["reap"].items()} for f, res in results.items()},
+         "super": {f: res["super"] for f, res in results.items() if res["super"]},
          "prediction": prediction, "code_version": lab_code_version(), "rows": rows, "wall_s": round(time.time() - started, 1)}, indent=2, default=str))
     print(summary)
     log.info("done in %.0fs; results in %s", time.time() - started, OUT)

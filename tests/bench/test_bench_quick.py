@@ -87,6 +87,26 @@ def test_quick_fidelity_lab_prints_its_tables_and_figures(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_super_expert_study_prints_its_table(tmp_path):
+    """bench/fidelity.py --super-only (issue 30): the planted super expert in the first and the
+    last MoE layer, every model run in fp16 and bf16, one table row per layer and model."""
+    text = run_bench("fidelity.py", "--super-only", "--super-layers", "first", "last", "--variants", "plain",
+                     "--out", str(tmp_path), timeout=800)
+    assert "| planted in MoE layer (expert) | rules that flag it (max abs output) | model | keeps it | KL | " \
+           "fp16: failures (max activation) | bf16: failures (max activation) |" in text
+    rows = json.loads((tmp_path / "super.json").read_text())["rows"]
+    assert {r["layer"] for r in rows} == {0, 1}  # the quick originals' two MoE layers
+    for layer in (0, 1):
+        models = {r["proxy"]: r for r in rows if r["layer"] == layer}
+        assert set(models) == {"original", "plain-0.5", "plain-nosuper-0.5", "frequency-plain-0.5",
+                               "frequency-plain-nosuper-0.5"}
+        assert models["original"]["keeps_super"] is True and models["plain-0.5"]["kl"] is not None
+        assert all(set(r["runs"]) == {"fp16", "bf16"} for r in models.values())
+    assert (tmp_path / "super.md").read_text() in text
+
+
+@pytest.mark.slow
 def test_quick_repro_memory_bench_prints_a_row_per_rank_count():
     text = run_bench("repro_memory.py", timeout=900)  # 4 launches of 1-2 ranks, each importing torch
     assert "MiB per rank (the largest over the ranks):" in text and "largest FSDP units" in text
