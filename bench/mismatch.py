@@ -52,7 +52,9 @@ def _lab():
 
 GAP = {"matched": {}, "bf16 rollout": dict(rollout_precision="bf16")}
 FIXES = {"baseline": {}, "R3": dict(routing_replay="R3"),
-         "TIS (token, 2)": dict(rollout_is="token", rollout_is_threshold=2.0)}
+         "TIS (token, 2)": dict(rollout_is="token", rollout_is_threshold=2.0),
+         # controls: the same run without the gap (rollout in the trainer's numerics), with and without R3
+         "no gap": dict(rollout_precision=None), "no gap, R3": dict(rollout_precision=None, routing_replay="R3")}
 GAP_METRICS = ("moe/routing_mismatch", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max",
                "training/rollout_kl")
 log = logging.getLogger("mismatch")
@@ -79,23 +81,30 @@ def gap_table(models: dict, root: Path, steps: int, rl: dict) -> tuple[list[str]
     return lines, rows
 
 
-def fix_table(models: dict, root: Path, steps: int, rl: dict, lr: float) -> tuple[list[str], list[dict]]:
+def fix_table(models: dict, root: Path, steps: int, rl: dict, lr: float,
+              seeds: list[int]) -> tuple[list[str], list[dict]]:
+    """Per model and fix, each seed's failures ("divergence@1 collapse@7", "-" for none)."""
     lab = _lab()
     lines = ["| model | " + " | ".join(FIXES) + " |", "|---|" + "---|" * len(FIXES)]
     rows = []
     for name, model in models.items():
         cells = []
         for fix, change in FIXES.items():
-            config = ReproConfig(**{"steps": steps, "seed": 0} | rl | {"lr": lr, "rollout_precision": "bf16"} | change)
-            out = lab.cached_run(model.path, root / "fixes" / fix.split()[0] / name, config)
-            summary = json.loads((out / "summary.json").read_text())
-            run = read_metrics(out)
-            onsets = {sig: f["step"] for sig, f in summary["failures"].items()}
-            kl = [run[s].get("training/rollout_kl", float("nan")) for s in sorted(run)]
-            rows.append({"model": name, "fix": fix, "onsets": onsets, "rollout_kl": kl,
-                         "routing_mismatch": [run[s].get("moe/routing_mismatch") for s in sorted(run)]})
-            failed = ", ".join(f"{sig} at {step}" for sig, step in sorted(onsets.items(), key=lambda i: i[1]))
-            cells.append(f"{failed or 'none'} (KL max {max(kl):.2g})")
+            per_seed = []
+            for seed in seeds:
+                config = ReproConfig(**{"steps": steps, "seed": seed} | rl | {"lr": lr, "rollout_precision": "bf16"}
+                                     | change)
+                where = fix.replace(",", "").split(" (")[0].replace(" ", "-") + ("" if seed == 0 else f"-seed{seed}")
+                out = lab.cached_run(model.path, root / "fixes" / f"lr{lr:g}" / where / name, config)
+                summary = json.loads((out / "summary.json").read_text())
+                run = read_metrics(out)
+                onsets = {sig: f["step"] for sig, f in summary["failures"].items()}
+                kl = [run[s].get("training/rollout_kl", float("nan")) for s in sorted(run)]
+                rows.append({"model": name, "fix": fix, "seed": seed, "onsets": onsets, "rollout_kl": kl,
+                             "routing_mismatch": [run[s].get("moe/routing_mismatch") for s in sorted(run)]})
+                per_seed.append(" ".join(f"{sig}@{step}" for sig, step in sorted(onsets.items(), key=lambda i: i[1]))
+                                or "-")
+            cells.append(" / ".join(per_seed))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines, rows
 
@@ -107,6 +116,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12, help="RL steps of each fix run (default 12)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the fix runs (default 1e-3, the "
                         "lab's high-lr scenario)")
+    parser.add_argument("--seeds", type=int, default=3, help="sampling seeds of each fix run (default 3)")
     parser.add_argument("--out", type=Path, help="default: bench/out/fidelity (quick: bench/out/fidelity-quick)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -120,6 +130,7 @@ def main() -> int:
         lab.TRAIN.update(lab.QUICK_BATCH)
         lab.RL.update(lab.QUICK_RL)
         args.gap_steps = args.steps = 2
+        args.seeds = 1
         ratios = (0.5,)
         lab.OUT = lab.OUT.with_name("fidelity-quick")
     lab.OUT = args.out or lab.OUT
@@ -130,12 +141,13 @@ def main() -> int:
                               lab.expert_total(lab.MODEL), ratios)
     root = lab.OUT / "qwen3" / "mismatch"
     gap_lines, gap_rows = gap_table(models, root, args.gap_steps, lab.RL)
-    fix_lines, fix_rows = fix_table(models, root, args.steps, lab.RL, args.lr)
+    fix_lines, fix_rows = fix_table(models, root, args.steps, lab.RL, args.lr, list(range(args.seeds)))
     text = "\n".join([f"Gap, mean over {args.gap_steps} steps at the lab's RL settings (lr {lab.RL['lr']:g}):", "",
-                      *gap_lines, "", f"First failure step, bf16 rollout, lr {args.lr:g}, {args.steps} steps:", "",
+                      *gap_lines, "", f"Failures (signature@first step) per seed, bf16 rollout unless 'no gap', lr {args.lr:g}, "
+                      f"{args.steps} steps, seeds {' / '.join(map(str, range(args.seeds)))}:", "",
                       *fix_lines])
     print(text)
-    (root / "mismatch.json").write_text(json.dumps({"gap": gap_rows, "fixes": fix_rows, "rl": lab.RL, "lr": args.lr,
+    (root / f"mismatch-lr{args.lr:g}.json").write_text(json.dumps({"gap": gap_rows, "fixes": fix_rows, "rl": lab.RL, "lr": args.lr,
                                                     "code_version": lab.lab_code_version(),
                                                     "wall_s": round(time.time() - started, 1)}, indent=2))
     return 0
