@@ -24,7 +24,6 @@ settings and code version). Prints markdown tables (docs/fidelity.md) and writes
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import statistics
@@ -41,13 +40,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def _lab():
-    """bench/fidelity.py, loaded from its file (bench/ is scripts, not a package)."""
-    if "fidelity" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fidelity", HERE / "fidelity.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fidelity"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fidelity"]
+    """bench/fidelity.py: bench/ is a folder of scripts, so the lab is imported from its folder."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import fidelity
+
+    return fidelity
 
 
 GAP = {"matched": {}, "bf16 rollout": dict(rollout_precision="bf16")}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -47,13 +46,12 @@ log = logging.getLogger("verdicts")
 
 
 def _lab():
-    """bench/fidelity.py, loaded from its file (bench/ is scripts, not a package)."""
-    if "fidelity" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fidelity", HERE / "fidelity.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fidelity"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fidelity"]
+    """bench/fidelity.py: bench/ is a folder of scripts, so the lab is imported from its folder."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import fidelity
+
+    return fidelity
 
 
 @dataclasses.dataclass(frozen=True)
