@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_proxy.repro.routers import find_routers, moe_metrics
+from moe_proxy.repro.routers import find_routers, moe_metrics, router_output
 
 # The decoder layers whose output (the residual stream) is watched: runner.ActivationWatch's rule.
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
@@ -100,11 +100,7 @@ class Probes:
         def hook(_module, _inputs, output):
             if not self._recording():
                 return
-            # As routers.RouterTap's hook: logits first; the chosen experts third when returned.
-            logits = output[0] if isinstance(output, tuple) else output
-            chosen = None
-            if isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point():
-                chosen = output[2]
+            logits, chosen = router_output(output)
             logits = logits.detach().reshape(-1, logits.shape[-1]).float()
             if self._mask is not None and self._mask.numel() == logits.shape[0]:
                 mask = self._mask.to(logits.device)

@@ -47,6 +47,15 @@ def find_routers(model: nn.Module) -> list[Router]:
     return routers
 
 
+def router_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, chosen experts or None) of a router's forward output: transformers' routers return
+    the logits alone or first, and the top-k indices third when they choose themselves."""
+    if not isinstance(output, tuple):
+        return output, None
+    chosen = output[2] if len(output) >= 3 and not output[2].is_floating_point() else None
+    return output[0], chosen
+
+
 def moe_metrics(per_layer: dict[int, dict[str, float]], uniform_share: float) -> dict[str, float]:
     """The moe/ metrics from each layer's router_entropy (per token), load_max_share and
     load_min_share (share of tokens routed to an expert; uniform routing gives top_k / experts,
@@ -82,10 +91,7 @@ class RouterTap:
         def hook(_module, _inputs, output):
             if not self.recording:
                 return
-            logits = output[0] if isinstance(output, tuple) else output
-            chosen = None
-            if isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point():
-                chosen = output[2]
+            logits, chosen = router_output(output)
             logits = logits.reshape(-1, logits.shape[-1])
             if self.token_mask is not None and self.token_mask.numel() == logits.shape[0]:
                 logits = logits[self.token_mask]

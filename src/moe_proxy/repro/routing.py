@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.routers import Router
+from moe_proxy.repro.routers import Router, router_output
 
 
 def _softmax_topk(router, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -53,12 +53,6 @@ WEIGHT_RULES: dict[str, Callable] = {
 }
 
 
-def _indices(output) -> torch.Tensor | None:
-    if isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point():
-        return output[2]
-    return None
-
-
 class RoutingRecorder:
     """Records every router's chosen experts while `recording`: per layer, a [rows, positions, k]
     tensor, the forward passes' chunks (a prefill, then one position per decode step) joined in
@@ -74,7 +68,7 @@ class RoutingRecorder:
         def hook(_module, _inputs, output):
             if not self.recording:
                 return
-            idx = _indices(output)
+            idx = router_output(output)[1]
             if idx is None:
                 raise InvalidReproConfig(f"{router.name} ({type(router.module).__name__}) does not return its chosen "
                                          "experts: its routing cannot be recorded")
