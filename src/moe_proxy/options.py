@@ -25,6 +25,11 @@ GROUPED_METHODS = ("cluster", *SCORED_METHODS)  # methods that group the other e
 # The selection a build makes without flags. `calibrate --experts N` makes its sequential
 # statistics for this very selection, so the two match without further flags.
 DEFAULT_METHOD, DEFAULT_FEATURES = "cluster", "router"
+# Super experts kept because they can make a failure (issue 30; calibrate/statistics.py): a live
+# expert whose max |output| reaches this share of fp16's range, or this many times its layer's median.
+FP16_MAX = 65504.0
+SUPER_RANGE_SHARE = 1 / 8
+SUPER_OUTLIER = 100.0  # the lab's trained qwen3 has ordinary layers whose largest is 15-40x the median
 PIN = re.compile(r"^[0-9]+:[0-9]+$")
 S3_URI = r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$"  # what a ProxyModel's locations must be
 
@@ -102,6 +107,13 @@ class PruningOptions:
                                      "and the operator passes their location")
     keep_super: bool = option(True, "bool", "force super experts (massive output activations) into the proxy, with "
                               "calibration", crd="keepSuper")
+    super_range_share: float = option(SUPER_RANGE_SHARE, "float", "with calibration: in every MoE layer, an expert "
+                                      f"whose max |output| on the calibration tokens reaches this share of fp16's "
+                                      f"range ({FP16_MAX:g}) is super: it can overflow in half precision (above 1: "
+                                      f"rule off)", crd="superRangeShare", metavar="S", above=0)
+    super_outlier: float = option(SUPER_OUTLIER, "float", "with calibration: in every MoE layer, an expert whose max "
+                                  "|output| is this many times its layer's median (over live experts) is super",
+                                  crd="superOutlier", metavar="X", above=1)
     representative: str | None = option(None, "str", "each cluster's kept expert: saliency (default with "
                                         "calibration) or medoid", crd="representative", choices=REPRESENTATIVES)
     heal: bool = option(False, "bool", "re-fit the kept router rows so each proxy MoE block matches the original's "
@@ -156,7 +168,7 @@ class PruningOptions:
 
 # The build's options `moe-proxy calibrate --experts N` takes besides the count, to make sequential
 # statistics for the very proxy a build with them makes (not seed: calibrate's --seed is the tokens').
-SELECTION = ("method", "features", "clustering", "representative", "keep_super")
+SELECTION = ("method", "features", "clustering", "representative", "keep_super", "super_range_share", "super_outlier")
 
 
 def reconstructs(calibrated: bool, heal: bool, reconstruct: bool | None = None) -> bool:

@@ -87,3 +87,43 @@ def test_a_dead_expert_stays_out_however_large(tmp_path):
     src = _deepseek(tmp_path / "ds", bias=-10.0)  # never routed on the calibration tokens
     info = cal.calibrate(str(src), str(tmp_path / "s"), samples=16, seq_len=32)["layers"]["model.layers.2.mlp"]
     assert 12 in info["dead"] and 12 not in info["super"]
+
+
+def test_the_thresholds_are_the_builds_options(tmp_path):
+    """--super-range-share / --super-outlier decide which experts are super: one-pass statistics
+    are judged again by each build's thresholds, and the manifest records them."""
+    src = _qwen(tmp_path / "m", 2)
+    cal.calibrate(str(src), str(tmp_path / "s"), samples=16, seq_len=32)
+    prefix, stats = "model.layers.2.mlp", str(tmp_path / "s")
+    default = build_proxy(str(src), str(tmp_path / "p0"), experts=4, calibration=stats, reconstruct=False)
+    peak = default["layers"][prefix]["super_kept_by"][str(PLANT)]["max_abs"]
+    assert default["calibration"]["criteria"]["super_fp16_range_share"] == SUPER_RANGE_SHARE
+
+    # a margin the planted output does not reach, and an outlier factor no expert reaches: not super
+    off = build_proxy(str(src), str(tmp_path / "p1"), experts=4, calibration=stats, reconstruct=False,
+                      super_range_share=2 * peak / FP16_MAX, super_outlier=1e12)
+    assert PLANT not in off["layers"][prefix]["super"] + off["layers"][prefix].get("super_dropped", [])
+    assert off["calibration"]["criteria"]["super_fp16_range_share"] == pytest.approx(2 * peak / FP16_MAX)
+    assert off["calibration"]["criteria"]["super_layer_outlier_factor"] == 1e12
+    # a margin it reaches, the outlier rule still off: kept by the range rule alone
+    near = build_proxy(str(src), str(tmp_path / "p2"), experts=4, calibration=stats, reconstruct=False,
+                       super_range_share=0.5 * peak / FP16_MAX, super_outlier=1e12)
+    assert near["layers"][prefix]["super_kept_by"][str(PLANT)]["rule"] == "fp16-range"
+
+
+def test_sequential_statistics_carry_their_thresholds(tmp_path):
+    """Sequential statistics judge super experts as each layer is selected: made with other
+    thresholds, a build with the defaults is refused, naming the flags that match."""
+    from moe_proxy.options import PruningOptions
+
+    src = _qwen(tmp_path / "m", 2)
+    target = PruningOptions(experts=4, super_outlier=1e12, super_range_share=1e3)
+    summary = cal.calibrate(str(src), str(tmp_path / "s"), samples=16, seq_len=32, sequential=target)
+    assert summary["made_for"]["super_outlier"] == 1e12 and summary["made_for"]["super_range_share"] == 1e3
+    assert summary["layers"]["model.layers.2.mlp"]["super"] == []  # both rules off, REAP's never judges layer 2
+    assert summary["criteria"]["super_layer_outlier_factor"] == 1e12
+    with pytest.raises(cal.CalibrationError, match="--super-outlier 1e\\+12"):
+        build_proxy(str(src), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"))
+    m = build_proxy(str(src), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"), reconstruct=False,
+                    super_outlier=1e12, super_range_share=1e3)
+    assert m["layers"]["model.layers.2.mlp"]["super"] == []

@@ -68,7 +68,8 @@ def _cli(argv: list[str]):
 
 @pytest.mark.parametrize("pruning", [
     {"experts": 16, "method": "saliency", "representative": "medoid", "keepSuper": False, "merge": True,
-     "pin": ["3:17", "3:2", "10:5"], "topK": 4, "seed": 3, "clustering": "agglomerative", "features": "weights"},
+     "pin": ["3:17", "3:2", "10:5"], "topK": 4, "seed": 3, "clustering": "agglomerative", "features": "weights",
+     "superRangeShare": 0.25, "superOutlier": 40},
     {"keepRatio": 0.25, "heal": True, "reconstruct": False},
     {"experts": "auto", "maxKL": 0.05},
     {"experts": 8},

@@ -86,6 +86,7 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
     n_group, topk_group, notes = plan.n_group, plan.topk_group, plan.notes
     if calibration is not None:  # sequential statistics: only for the proxy they were made for
         calibration.check_target(plan, options)
+        calibration = calibration.judged(options)  # super experts by this build's thresholds
     unknown = set(options.pins) - {b.layer for b in layout.blocks}
     if unknown:
         raise InvalidExpertCount(

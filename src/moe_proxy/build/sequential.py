@@ -46,6 +46,7 @@ class SequentialProxy:
         self.key = selection_key(self.plan, options)
         self.config = transformers_config(rewrite_config(ckpt.config, self.plan))
         self.supers: dict[str, dict[int, str]] = {}  # per MoE block selected so far: expert -> rule
+        self.super_rule = dict(range_share=options.super_range_share, outlier=options.super_outlier)
         self.kept: dict[str, list[int]] = {}
         # MoE layers that get statistics (the MTP layer, index num_hidden_layers, does not):
         # the super-expert rule looks only at the first 75% of them
@@ -54,7 +55,7 @@ class SequentialProxy:
 
     def select(self, block: MoeBlock, scored: dict[str, LayerStats]) -> list[int]:
         """Block's kept experts from its statistics (`scored`: every layer scored so far)."""
-        self.supers[block.prefix] = super_experts(scored, self.moe_layers)[block.prefix]
+        self.supers[block.prefix] = super_experts(scored, self.moe_layers, **self.super_rule)[block.prefix]
         pins = sorted(set(self.options.pins.get(block.layer, [])))
         sel = usage_select(self.ckpt, block, scored[block.prefix], self.supers[block.prefix],
                            self.plan.experts_after, self.plan.n_group, self.options, pins)

@@ -41,9 +41,10 @@ Criteria (also applied by `build --calibration`):
   layer keeps it eligible (REAP's int(0.75) would flag nothing), and a dead expert is never super.
   That rule is made for pruning to deploy; this project prunes to reproduce failures, and a
   massive activation is what overflows in half precision (issue 30). So in every MoE layer, the
-  last ones included, a live expert is super too when its max_abs reaches SUPER_RANGE_SHARE (1/8)
-  of fp16's range (65504: "fp16-range"), or SUPER_OUTLIER (100) times its layer's median max_abs
-  over live experts ("layer-outlier"). Each super expert is recorded with the rule that made it.
+  last ones included, a live expert is super too when its max_abs reaches a share of fp16's range
+  (65504; `--super-range-share`, default 1/8: "fp16-range"), or a factor of its layer's median
+  max_abs over live experts (`--super-outlier`, default 100: "layer-outlier"). Each super expert
+  is recorded with the rule that made it.
   (Before, an expert was super at 10x its layer's median and 1/10 of the largest: with 23-29
   of 64 experts dead the median is low, and it flagged 10 ordinary experts in one layer.)
 """
@@ -53,7 +54,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -69,6 +70,7 @@ from moe_proxy.errors import MoeProxyError
 from moe_proxy.layerwise.blocks import swapped
 from moe_proxy.layerwise.driver import Layer, LayerPass, walk
 from moe_proxy.layerwise.model import MoeModules
+from moe_proxy.options import FP16_MAX, SUPER_OUTLIER, SUPER_RANGE_SHARE
 from moe_proxy.storage import Store, open_store, write_bytes
 
 log = logging.getLogger(__name__)
@@ -78,17 +80,17 @@ DEAD_SHARE = 0.01
 SUPER_PERCENTILE = 99.5  # REAP: above this percentile of every routed expert's max |output| ...
 SUPER_GLOBAL = 0.1  # ... and above this share of the largest one
 SUPER_LAYERS = 0.75  # ... in the first 75% of the MoE layers
-# Kept because they can make a failure (issue 30), in every MoE layer, the last ones included:
-FP16_MAX = 65504.0
-SUPER_RANGE_SHARE = 1 / 8  # max |output| at least this share of fp16's range: near overflow in fp16
-SUPER_OUTLIER = 100.0  # max |output| at least this many times its layer's median (live experts); the lab's
-# trained qwen3 has ordinary layers whose largest is 15-40x the median (tests/calibration/test_super.py)
-CRITERIA = {"dead_share_of_uniform": DEAD_SHARE, "super_percentile": SUPER_PERCENTILE,
+# Kept because they can make a failure (issue 30), in every MoE layer, the last ones included; the
+# thresholds are the build's options (--super-range-share, --super-outlier), defaults in options.py.
+
+
+def thresholds(range_share: float = SUPER_RANGE_SHARE, outlier: float = SUPER_OUTLIER) -> dict:
+    """The thresholds statistics are judged by, as the artifact and the manifest record them."""
+    return {"dead_share_of_uniform": DEAD_SHARE, "super_percentile": SUPER_PERCENTILE,
             "super_share_of_global_max": SUPER_GLOBAL, "super_first_layers_share": SUPER_LAYERS,
-            "super_fp16_range_share": SUPER_RANGE_SHARE, "super_layer_outlier_factor": SUPER_OUTLIER}
-SUPER_RULES = {"reap": "REAP's rule (99.5th percentile and 1/10 of the largest, first 75% of the MoE layers)",
-               "fp16-range": f"max |output| within {SUPER_RANGE_SHARE:g} of fp16's range ({FP16_MAX:g})",
-               "layer-outlier": f"max |output| over {SUPER_OUTLIER:g}x its layer's median"}
+            "super_fp16_range_share": range_share, "super_layer_outlier_factor": outlier}
+
+
 SKETCH_DIM, PROBE_TOKENS, PROBE_DIM, ROUTING_PROBE = 64, 16, 16, 64
 ONE_PASS, SEQUENTIAL = "one-pass", "sequential"
 
@@ -98,6 +100,11 @@ def selection_key(plan, options) -> dict:
     for builds with the same key. `plan`: an ExpertPlan (counts), `options`: PruningOptions."""
     key = {"experts": plan.experts_after, "top_k": plan.top_k_after, "method": options.method,
            "keep_super": options.keep_super}
+    # the super-expert thresholds only where they differ from the defaults (keys made before they
+    # were options stay valid)
+    key |= {name: getattr(options, name) for name, default in (("super_range_share", SUPER_RANGE_SHARE),
+                                                                 ("super_outlier", SUPER_OUTLIER))
+            if getattr(options, name) != default}
     if options.method == "cluster":
         key |= {"features": options.features, "representative": options.representative or "saliency",
                 "clustering": options.clustering, "seed": options.seed}
@@ -108,6 +115,7 @@ def selection_flags(key: dict) -> str:
     """The options of `moe-proxy calibrate --sequential` / `build` that give this key."""
     flags = [f"--experts {key['experts']}", f"--method {key['method']}"]
     flags += [f"--{name} {key[name]}" for name in ("features", "representative") if name in key]
+    flags += [f"--{name.replace('_', '-')} {key[name]:g}" for name in ("super_range_share", "super_outlier") if name in key]
     return " ".join(flags + ([] if key["keep_super"] else ["--no-keep-super"]))
 
 
@@ -150,11 +158,13 @@ class LayerStats:
         return float(self.tokens.max() / mean) if mean > 0 else 0.0
 
 
-def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None) -> dict[str, dict[int, str]]:
-    """Per layer, its super experts and the rules that made each one (SUPER_RULES): REAP's (the
-    module docstring's), and in every layer the experts whose output comes near fp16's range or
-    stands out of its layer's; never a dead expert. `moe_layers`: how many MoE layers the model
-    has, where `layers` holds only the first ones (sequential statistics)."""
+def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None,
+                  range_share: float = SUPER_RANGE_SHARE, outlier: float = SUPER_OUTLIER) -> dict[str, dict[int, str]]:
+    """Per layer, its super experts and the rules that made each one: REAP's ("reap", the module
+    docstring's), and in every layer the experts whose output comes within `range_share` of fp16's
+    range ("fp16-range") or is `outlier` times its layer's median ("layer-outlier"); never a dead
+    expert. `moe_layers`: how many MoE layers the model has, where `layers` holds only the first
+    ones (sequential statistics)."""
     if not layers:
         return {}
     values = torch.cat([s.max_abs.double() for s in layers.values()])
@@ -168,8 +178,8 @@ def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None) 
         found: dict[int, str] = {}
         for e, v in live:
             rules = [rule for rule, hit in (("reap", p in first and v > threshold),
-                                            ("fp16-range", v >= SUPER_RANGE_SHARE * FP16_MAX),
-                                            ("layer-outlier", median > 0 and v >= SUPER_OUTLIER * median)) if hit]
+                                            ("fp16-range", v >= range_share * FP16_MAX),
+                                            ("layer-outlier", median > 0 and v >= outlier * median)) if hit]
             if rules:
                 found[e] = "+".join(rules)  # every rule that holds, e.g. "reap+fp16-range"
         out[p] = found
@@ -256,7 +266,8 @@ class CalibrationStatistics:
     layers: dict[str, LayerStats]  # MoE block prefix -> statistics
     token_ids: torch.Tensor
     uri: str = ""
-    super: dict[str, dict[int, str]] = field(default_factory=dict)  # prefix -> expert -> rule (SUPER_RULES)
+    super: dict[str, dict[int, str]] = field(default_factory=dict)  # prefix -> expert -> rule(s), super_experts
+    criteria: dict = field(default_factory=thresholds)  # what `super` was judged by
 
     @property
     def identity(self) -> str:
@@ -271,8 +282,7 @@ class CalibrationStatistics:
         return {"uri": self.uri, "format": self.summary["format"], "mode": self.mode,
                 **({"made_for": self.summary["made_for"]} if self.mode == SEQUENTIAL else {}),
                 "tokens": self.summary["tokens"],
-                # one-pass statistics' super experts are judged again on load, by today's criteria
-                "criteria": self.summary["criteria"] if self.mode == SEQUENTIAL else CRITERIA,
+                "criteria": self.criteria,
                 "super": {p: sorted(v) for p, v in self.super.items() if v}}
 
     def check_target(self, plan, options) -> None:
@@ -290,6 +300,15 @@ class CalibrationStatistics:
                 f"{selection_flags(want)} for this proxy, or moe-proxy calibrate SRC --out STATS --one-pass "
                 f"for statistics any build can use"
             )
+
+    def judged(self, options) -> "CalibrationStatistics":
+        """These statistics with their super experts judged by the build's thresholds (PruningOptions).
+        Sequential statistics keep the ones judged when each layer was selected: check_target has
+        made sure they were made with the same thresholds."""
+        if self.mode == SEQUENTIAL:
+            return self
+        rule = dict(range_share=options.super_range_share, outlier=options.super_outlier)
+        return replace(self, super=super_experts(self.layers, **rule), criteria=thresholds(**rule))
 
     def selection_notes(self, selections: dict) -> list[str]:
         """Notes where a build keeps other experts than sequential statistics were made behind (pins)."""
@@ -345,7 +364,8 @@ def load(uri: str | Store, **store_options) -> CalibrationStatistics:
     supers = ({p: {int(e): (info.get("super_rules") or {}).get(str(e), "reap") for e in info["super"]}
                for p, info in summary["layers"].items()} if summary.get("mode") == SEQUENTIAL
               else super_experts(layers))
-    return CalibrationStatistics(summary, layers, tensors["tokens"], store.uri, supers)
+    return CalibrationStatistics(summary, layers, tensors["tokens"], store.uri, supers,
+                                 summary["criteria"] if summary.get("mode") == SEQUENTIAL else thresholds())
 
 
 # ---------------------------------------------------------------- the pass
@@ -400,6 +420,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
 
     layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress, proxy)
     supers = proxy.supers if proxy is not None else super_experts(layers)
+    rule = proxy.super_rule if proxy is not None else {}
     summary = {
         "format": FORMAT,
         "tool_version": __version__,
@@ -408,7 +429,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
                    "model_type": ckpt.config.get("model_type")},
         "tokens": {"samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
                    "sha256": tokens.sha256, "origin": tokens.origin, "random": tokens.random, "seed": seed},
-        "criteria": CRITERIA,
+        "criteria": thresholds(**rule),
         "experts": expert_count(layout.arch, ckpt.config),
         "layers": {
             p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": sorted(supers[p]),
