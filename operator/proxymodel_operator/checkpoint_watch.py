@@ -34,12 +34,12 @@ from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the 
 from .preflight import PreflightError, read_credentials, redact
 from .resources import GROUP, PROXYMODELS, VERSION, Resource
 from .status import ACCEPTED, SUSPENDED_CONDITION, condition, now, with_condition
-from .watch_decisions import LABEL_STEP, LABEL_WATCH, MadeProxyModel, considered, decide, proxymodel_for, watch_label
+from .watch_decisions import (LABEL_STEP, LABEL_WATCH, MadeProxyModel, children_status, considered, decide,
+                              newly_skipped, proxymodel_for, status_after, watch_label)
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
 SOURCE_REACHABLE = "SourceReachable"  # condition: the checkpoint prefix can be listed
-MAX_LISTED = 20  # waiting/skipped entries kept in status
 REASONS = {AccessDenied: "S3AccessDenied", EndpointUnreachable: "EndpointUnreachable",
            ObjectNotFound: "S3NoSuchBucket"}
 
@@ -123,7 +123,7 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
     if watch.suspend:
         _condition(patch, status, SUSPENDED_CONDITION, True, "SuspendedBySpec",
                    "spec.suspend is true: the prefix is not listed and no ProxyModel is made", generation)
-        _record_children(patch, children)
+        patch.status.update(children_status(children))
         return
     _condition(patch, status, SUSPENDED_CONDITION, False, "Polling", f"listing every {watch.poll_interval}s",
                generation)
@@ -140,7 +140,7 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
         if _condition(patch, status, SOURCE_REACHABLE, False, reason, message, generation):
             kopf.warn(body, reason=reason, message=message)
         logger.warning("listing %s failed: %s: %s", watch.source.uri, reason, message)
-        _record_children(patch, children)
+        patch.status.update(children_status(children))
         return
     failing = next((c for c in status.get("conditions") or [] if c.get("type") == SOURCE_REACHABLE
                     and c.get("status") == "False"), None)
@@ -187,26 +187,12 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[MadePr
     else:
         _condition(patch, status, ACCEPTED, True, "SpecValid", "the template makes valid ProxyModels",
                    watch_generation(body))
-
     warned.update(s.get("step") for s in status.get("skipped") or [])
-    for checkpoint in decision.skipped:
-        if checkpoint.step not in warned:
-            warned.add(checkpoint.step)
-            kopf.warn(body, reason="CheckpointSkipped",
-                      message=f"step {checkpoint.step} ({checkpoint.uri}) is no source: {checkpoint.reason}")
-    skipped = {s["step"]: s for s in status.get("skipped") or []}
-    skipped.update({c.step: {"step": c.step, "kind": c.kind, "reason": (c.reason or "")[:256]}
-                    for c in decision.skipped})
-
-    _record_children(patch, kept)
-    patch.status.update(
-        lastSeenStep=max(decision.last_seen_step or 0, status.get("lastSeenStep") or 0) or None,
-        pending=not_made + decision.pending,
-        pendingSummary=",".join(map(str, not_made + decision.pending)),
-        waiting=[{"step": c.step, "reason": (c.reason or "")[:256]} for c in decision.waiting[:MAX_LISTED]],
-        skipped=[skipped[k] for k in sorted(skipped)][-MAX_LISTED:],
-        retiredThrough=decision.retired_through,
-    )
+    for checkpoint in newly_skipped(decision, warned):
+        warned.add(checkpoint.step)
+        kopf.warn(body, reason="CheckpointSkipped",
+                  message=f"step {checkpoint.step} ({checkpoint.uri}) is no source: {checkpoint.reason}")
+    patch.status.update(status_after(status, decision, kept, not_made))
 
 
 # --- status ----------------------------------------------------------------------------------------
@@ -214,13 +200,6 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[MadePr
 
 def watch_generation(body: kopf.Body) -> int:
     return body.get("metadata", {}).get("generation") or 1
-
-
-def _record_children(patch: kopf.Patch, children: list[MadeProxyModel]) -> None:
-    ordered = sorted(children, key=lambda c: c.step)
-    patch.status["proxies"] = len(ordered)
-    patch.status["proxyModels"] = [{"name": c.name, "step": c.step, "phase": c.phase or "Pending", "uri": c.uri}
-                                   for c in ordered][-200:]
 
 
 def _condition(patch: kopf.Patch, status: dict, kind: str, ok: bool, reason: str, message: str,

@@ -40,9 +40,7 @@ from .resources import (GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYM
                         VERSION, Resource)
 from .runtimes import CHILDREN, WORKLOADS, runtime_of
 from .settings import Settings, from_env
-from .spec import InvalidSpec, ProxyModelSpec, parse
-from .status import (ACCEPTED, FAILED as PHASE_FAILED, PENDING, READY, arrow, condition, plan_summary, with_condition,
-                     with_ready)
+from .spec import InvalidSpec, parse
 
 PXM = (GROUP, VERSION, "proxymodels")
 # Set: a refused ProxyModel is judged again. (Not under moeproxy.io/: kopf keeps its own records
@@ -314,38 +312,14 @@ async def rejudge(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: l
     await _act(decide(dict(body), Observed(REJUDGE), memo.settings), _Context(dict(body), memo, logger, patch))
 
 
-def _parse(spec: kopf.Spec | dict, namespace: str, name: str, settings: Settings) -> ProxyModelSpec:
-    return parse(dict(spec), namespace, name, settings)
-
-
-def _set_condition(patch: kopf.Patch, status: dict, new: dict) -> None:
-    """A condition over status as it will be after this handler (the pending patch wins)."""
-    current = patch.status["conditions"] if "conditions" in patch.status else status.get("conditions")
-    patch.status["conditions"] = with_condition(current, new)
-
-
-def _set_ready(patch: kopf.Patch, status: dict, spec: kopf.Spec | dict) -> None:
-    """The Ready condition as status will be after this handler implies (`status.ready`): the
-    validate step writes phase itself, not through `pipeline.decide`, so it keeps Ready itself."""
-    after = {**status, **patch.status}
-    conditions = with_ready(after, pipeline.reproduces(dict(spec)))
-    if conditions is not None:
-        patch.status["conditions"] = conditions
-
-
 def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict, generation: int, reason: str, message: str,
             depended: dict, logger: logging.Logger, temporary: bool = False) -> None:
-    """Refuse the spec: say so in status (Failed; Pending while the cause may pass by itself,
-    e.g. a Secret not created yet), record what the judgment depended on, and post one Warning
-    Event (a judgment again to the same reason posts none)."""
+    """Refuse the spec (`pipeline.refused`), with one Warning Event per new reason."""
     meta = body["metadata"]
-    before = pipeline.refusal_of(status, generation)
-    _set_condition(patch, status, condition(ACCEPTED, False, reason, message, generation))
-    patch.status["phase"] = PENDING if temporary else PHASE_FAILED
-    patch.status["message"] = message
-    patch.status["refusal"] = pipeline.refusal(reason, generation, depended, temporary)
-    _set_ready(patch, status, body.get("spec") or {})
-    if before is None or before.get("reason") != reason:
+    refusal, news = pipeline.refused(status, dict(body.get("spec") or {}), generation, reason, message, depended,
+                                     temporary)
+    patch.status.update(refusal)
+    if news:
         kopf.warn(body, reason=reason, message=message)
     REFUSALS.refusing[(meta["namespace"], meta["name"])] = reason
     logger.info("refused%s: %s: %s", " until that changes" if temporary else "", reason, message)
@@ -356,10 +330,9 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
     """Step 1: the spec beyond the schema, then the source checkpoint's config.json and a plan."""
     config: Settings = memo.settings
     generation = meta.get("generation") or 1
-    patch.status["observedGeneration"] = generation
     depended = {"settings": settings_fingerprint(config)}  # and, from the preflight, the Secret and source
     try:
-        parsed = _parse(spec, namespace, name, config)
+        parsed = parse(dict(spec), namespace, name, config)
     except InvalidSpec as exc:
         return _refuse(body, patch, dict(status), generation, "InvalidSpec", str(exc), depended, logger)
     if parsed.reproduction.enabled and parsed.reproduction.accelerator.devices is None and not config.preflight:
@@ -376,25 +349,8 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
                            temporary=exc.retry)
 
     REFUSALS.refusing.pop((namespace, name), None)
-    patch.status["refusal"] = None
-    patch.status["pipeline"] = {"specHash": spec_hash(dict(spec)), "generation": generation, "transformerJob": None,
-                                "transformerStep": None, "reproductionJob": None, "reproductionKind": None}
-    patch.status.update(phase=PENDING, message=None, proxy=None, reproduction=None, workers=None,
-                        plan=plan_summary(plan, parsed.pruning.notes) if plan else None)
-    # The steps' conditions belong to the spec before: Accepted and Ready stay (each keeps its
-    # lastTransitionTime while its status does not change).
-    patch.status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") in (ACCEPTED, READY)]
-    if plan:
-        patch.status["experts"] = arrow(plan.original.experts_per_layer, plan.proxy.experts_per_layer)
-        devices = parsed.reproduction.accelerator.devices or plan.proxy.devices
-        patch.status["accelerators"] = arrow(plan.original.devices, devices)
-        message = (f"{plan.architecture}: {plan.original.experts_per_layer} -> {plan.proxy.experts_per_layer} experts "
-                   f"per layer; {plan.original.devices} -> {devices} x {plan.accelerator}"
-                   + "".join(f"; {note}" for note in [*plan.notes, *parsed.pruning.notes]))
-    else:
-        message = "spec accepted (preflight disabled)" + "".join(f"; {note}" for note in parsed.pruning.notes)
-    _set_condition(patch, status, condition(ACCEPTED, True, "SpecValid", message, generation))
-    _set_ready(patch, status, spec)
+    accepted, message = pipeline.accepted(dict(status), dict(spec), generation, parsed, plan)
+    patch.status.update(accepted)
     logger.info(message)
 
 
@@ -539,7 +495,7 @@ async def delete_proxy(spec: kopf.Spec, namespace: str, name: str, retry: int, m
     effort: after the last retry the finalizer goes anyway, so deletion never hangs."""
     from .cleanup import delete_prefix
 
-    parsed = _parse(spec, namespace, name, memo.settings)
+    parsed = parse(dict(spec), namespace, name, memo.settings)
     try:
         count = await delete_prefix(namespace, parsed)
         logger.info("deleted %d objects under %s", count, parsed.destination)

@@ -27,9 +27,10 @@ from .resources import JOBS, SERVICES, Resource
 from .runtimes import RUNTIMES, Runtime
 from .settings import Settings
 from .spec import SIGNATURE_REASONS, ProxyModelSpec, parse
-from .status import (FAILED as PHASE_FAILED, NOT_REPRODUCED, PROXY_READY, PROXY_READY_CONDITION, REPRODUCED,
-                     REPRODUCED_CONDITION, REPRODUCING, SUSPENDED, SUSPENDED_CONDITION, TERMINAL, TRANSFORMING, arrow,
-                     condition, proxy_summary, reproduction_summary, with_condition, with_ready)
+from .status import (ACCEPTED, FAILED as PHASE_FAILED, NOT_REPRODUCED, PENDING, PROXY_READY, PROXY_READY_CONDITION,
+                     READY, REPRODUCED, REPRODUCED_CONDITION, REPRODUCING, SUSPENDED, SUSPENDED_CONDITION, TERMINAL,
+                     TRANSFORMING, arrow, condition, plan_summary, proxy_summary, reproduction_summary, with_condition,
+                     with_ready)
 from .transformer_job import BUILD, STEP_TEXT, WORKERS, next_step, step_job, step_message, steps
 
 # Spec fields that change how the pipeline runs, not what it builds: no restart for them.
@@ -222,6 +223,50 @@ def refusal_of(status: dict, generation: int) -> dict | None:
     """The refusal that stands for this spec generation (None: not refused)."""
     refused = status.get("refusal")
     return refused if refused and refused.get("generation") == generation else None
+
+
+def refused(status: dict, spec: dict, generation: int, reason: str, message: str, dependencies: dict,
+            temporary: bool = False) -> tuple[dict, bool]:
+    """The status a refusal of the spec writes (Failed; Pending while the cause may pass by itself,
+    e.g. a Secret not created yet), recording what the judgment depended on; and whether it is
+    news (a Warning Event): judged again to the same reason, it is not."""
+    before = refusal_of(status, generation)
+    patch = {"observedGeneration": generation,
+             "conditions": with_condition(status.get("conditions"),
+                                          condition(ACCEPTED, False, reason, message, generation)),
+             "phase": PENDING if temporary else PHASE_FAILED, "message": message,
+             "refusal": refusal(reason, generation, dependencies, temporary)}
+    return _ready_kept(status, patch, spec), before is None or before.get("reason") != reason
+
+
+def accepted(status: dict, spec: dict, generation: int, parsed: ProxyModelSpec, plan) -> tuple[dict, str]:
+    """The status an accepted spec starts its pipeline with, and the Accepted condition's message.
+    `plan`: the preflight's sizing.Sizing (None when the preflight is off). The steps' conditions
+    belong to the spec before: only Accepted and Ready stay (each keeps its lastTransitionTime
+    while its status does not change)."""
+    notes = parsed.pruning.notes
+    patch = {"observedGeneration": generation, "refusal": None, "phase": PENDING, "message": None, "proxy": None, "reproduction": None,
+             "workers": None, "plan": plan_summary(plan, notes) if plan else None,
+             "pipeline": {"specHash": spec_hash(spec), "generation": generation, "transformerJob": None,
+                          "transformerStep": None, "reproductionJob": None, "reproductionKind": None}}
+    if plan:
+        devices = parsed.reproduction.accelerator.devices or plan.proxy.devices
+        patch["experts"] = arrow(plan.original.experts_per_layer, plan.proxy.experts_per_layer)
+        patch["accelerators"] = arrow(plan.original.devices, devices)
+        message = (f"{plan.architecture}: {plan.original.experts_per_layer} -> {plan.proxy.experts_per_layer} experts "
+                   f"per layer; {plan.original.devices} -> {devices} x {plan.accelerator}"
+                   + "".join(f"; {note}" for note in [*plan.notes, *notes]))
+    else:
+        message = "spec accepted (preflight disabled)" + "".join(f"; {note}" for note in notes)
+    kept = [c for c in status.get("conditions") or [] if c.get("type") in (ACCEPTED, READY)]
+    patch["conditions"] = with_condition(kept, condition(ACCEPTED, True, "SpecValid", message, generation))
+    return _ready_kept(status, patch, spec), message
+
+
+def _ready_kept(status: dict, patch: dict, spec: dict) -> dict:
+    """`patch` with the Ready condition that status after it implies."""
+    conditions = with_ready({**status, **patch}, reproduces(spec))
+    return patch | ({"conditions": conditions} if conditions is not None else {})
 
 
 def _changed(refused: dict, now: dict | None) -> list[str]:

@@ -24,6 +24,8 @@ ANNOTATION_CHECKPOINT = f"{GROUP}/checkpoint-uri"
 # ProxyModel phases that hold a transformation slot (maxConcurrent): not started or building.
 ACTIVE_PHASES = (None, "", PENDING, TRANSFORMING)
 CONFIG_MISSING = "config.json missing"
+MAX_LISTED = 20  # waiting/skipped entries kept in status
+MAX_PROXYMODELS = 200  # entries of status.proxyModels
 
 
 def short_name(base: str, suffix: str = "") -> str:
@@ -147,3 +149,38 @@ def decide(watch: WatchSpec, children: list[MadeProxyModel], found: list[ListedC
     else:
         out.create = chosen
     return out
+
+
+# --- what a poll writes to status ------------------------------------------------------------------
+
+
+def children_status(children: list[MadeProxyModel]) -> dict:
+    """status.proxies and status.proxyModels: the ProxyModels the watch made, oldest step first."""
+    ordered = sorted(children, key=lambda c: c.step)
+    return {"proxies": len(ordered),
+            "proxyModels": [{"name": c.name, "step": c.step, "phase": c.phase or "Pending", "uri": c.uri}
+                            for c in ordered][-MAX_PROXYMODELS:]}
+
+
+def status_after(status: dict, decision: Decision, kept: list[MadeProxyModel], not_made: list[int]) -> dict:
+    """The status a poll writes once `decision` is carried out: `kept`, the ProxyModels that exist
+    now; `not_made`, the steps whose ProxyModel the API server refused (pending again). Skipped
+    steps accumulate over polls (the newest MAX_LISTED)."""
+    skipped = {s["step"]: s for s in status.get("skipped") or []}
+    skipped.update({c.step: {"step": c.step, "kind": c.kind, "reason": (c.reason or "")[:256]}
+                    for c in decision.skipped})
+    pending = not_made + decision.pending
+    return children_status(kept) | {
+        "lastSeenStep": max(decision.last_seen_step or 0, status.get("lastSeenStep") or 0) or None,
+        "pending": pending,
+        "pendingSummary": ",".join(map(str, pending)),
+        "waiting": [{"step": c.step, "reason": (c.reason or "")[:256]} for c in decision.waiting[:MAX_LISTED]],
+        "skipped": [skipped[k] for k in sorted(skipped)][-MAX_LISTED:],
+        "retiredThrough": decision.retired_through,
+    }
+
+
+def newly_skipped(decision: Decision, warned: set[int]) -> list[ListedCheckpoint]:
+    """The skipped checkpoints not reported yet (one Event each); `warned`: the steps reported,
+    by this process or in status (which keeps only the newest few)."""
+    return [c for c in decision.skipped if c.step not in warned]

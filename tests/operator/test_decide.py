@@ -535,3 +535,45 @@ def test_asking_again_leaves_a_running_pipeline_alone():
     assert isinstance(log, Log) and "not refused" in log.message
     # Accepted by the judgment asked for, before its first Job: the transformer step follows.
     assert decide(accepted(pxm()), Observed(REJUDGE), SETTINGS) == [StartPipeline()]
+
+
+# --- the validate step's status (pipeline.refused / pipeline.accepted) -------------------------------
+
+
+def test_a_refusal_is_news_once_per_reason_and_ready_follows_it():
+    from proxymodel_operator.pipeline import refused
+
+    spec = pxm()["spec"]
+    patch, news = refused({}, spec, 2, "InvalidSpec", "spec.pruning.experts: 0", {"settings": "s1"})
+    assert news and patch["phase"] == "Failed" and patch["observedGeneration"] == 2
+    assert patch["refusal"] == refusal("InvalidSpec", 2, {"settings": "s1"}, False)
+    kinds = {c["type"]: (c["status"], c["reason"]) for c in patch["conditions"]}
+    assert kinds == {"Accepted": ("False", "InvalidSpec"), "Ready": ("False", "Refused")}
+    again, news = refused(patch, spec, 2, "InvalidSpec", "spec.pruning.experts: 0", {"settings": "s1"})
+    assert not news and again["conditions"] == patch["conditions"]  # judged again: no second Event
+    other, news = refused(patch, spec, 2, "SecretNotFound", "no Secret creds", {}, temporary=True)
+    assert news and other["phase"] == "Pending" and other["refusal"]["temporary"]
+
+
+def test_acceptance_starts_the_pipeline_and_keeps_only_accepted_and_ready():
+    from moe_proxy.sizing import SizingOptions, estimate
+    from proxymodel_operator.pipeline import accepted as accept
+    from proxymodel_operator.spec import parse
+
+    from .test_planner import QWEN3
+
+    body = pxm()
+    parsed = parse(body["spec"], NS, NAME, SETTINGS)
+    plan = estimate(QWEN3, SizingOptions(experts=4))
+    before = {"phase": "Failed", "refusal": refusal("InvalidSpec", 1, {}, False),
+              "conditions": [{"type": "Accepted", "status": "False", "reason": "InvalidSpec"},
+                             {"type": "ProxyReady", "status": "True", "reason": "Built"}]}
+    patch, message = accept(before, body["spec"], 1, parsed, plan)
+    assert patch["refusal"] is None and patch["phase"] == "Pending"
+    assert patch["plan"]["proxy"]["expertsPerLayer"] == 4
+    assert patch["pipeline"]["specHash"] == spec_hash(body["spec"]) and patch["pipeline"]["generation"] == 1
+    assert patch["experts"] == "8->4" and message.startswith("Qwen3-MoE: 8 -> 4 experts per layer; 8 -> ")
+    kinds = {c["type"]: (c["status"], c["reason"]) for c in patch["conditions"]}
+    assert kinds == {"Accepted": ("True", "SpecValid"), "Ready": ("False", "Pending")}  # ProxyReady: the old spec's
+    patch, message = accept({}, body["spec"], 1, parsed, None)
+    assert patch["plan"] is None and message.startswith("spec accepted (preflight disabled)")

@@ -108,3 +108,22 @@ def test_a_template_the_proxymodel_would_refuse_is_refused_by_the_watch():
         parse_watch({"source": SOURCE, "template": {"spec": {"pruning": {"experts": 8, "keepRatio": 0.5}}}})
     with pytest.raises(InvalidWatch, match="spec.stepRegex"):
         parse_watch({"source": SOURCE, "stepRegex": "step_(", "template": {"spec": {"pruning": {"experts": 8}}}})
+
+
+def test_the_status_a_poll_writes():
+    """status_after: the ProxyModels that exist, steps the API server refused pending again, and
+    skipped steps accumulated over polls (the newest few)."""
+    from proxymodel_operator.watch_decisions import MAX_LISTED, newly_skipped, status_after
+
+    found = [ckpt(100), ckpt(200, complete=False, reason="1 of 2 shards missing"), ckpt(300, kind=DENSE,
+                                                                                        reason="dense")]
+    d = decide(watch(maxConcurrent=1), [], found, None)
+    before = {"lastSeenStep": 50, "skipped": [{"step": s, "kind": DENSE, "reason": "dense"} for s in range(MAX_LISTED)]}
+    out = status_after(before, d, [child(100, None)], not_made=[])
+    assert out["proxies"] == 1 and out["proxyModels"][0]["phase"] == "Pending"
+    assert out["lastSeenStep"] == 100 and out["pending"] == [] and out["pendingSummary"] == ""
+    assert out["waiting"] == [{"step": 200, "reason": "1 of 2 shards missing"}]
+    assert len(out["skipped"]) == MAX_LISTED and out["skipped"][-1]["step"] == 300  # the newest kept
+    refused = status_after({}, d, [], not_made=[100])
+    assert refused["pending"] == [100] and refused["pendingSummary"] == "100" and refused["proxies"] == 0
+    assert steps(newly_skipped(d, set())) == [300] and newly_skipped(d, {300}) == []
