@@ -9,10 +9,10 @@ Per step (the mean over steps 2..N) and per generated token, and by phase where 
 repro's `timing_s/*` metrics; TRL's own profiling (`profiling/Time taken: ...`, captured from
 its ProfilingContext): `transformers.generate`, the reference pass (a log-prob pass inside
 `_prepare_inputs`), and the rest of the step (forward, backward, optimizer) from a callback.
-TRL computes no old-log-prob pass when each batch gets one update (it uses the policy's own
-log-probs, detached); repro always does. A third run is repro with a fused AdamW (patched in
-this benchmark only, as TRL's Trainer runs by default), and repro's rows give the time of its
-gradient statistics (numerics/*, inside the update).
+Neither runs an old-log-prob pass when each batch gets one update: both take the update's own
+log-probs, detached (repro's `timing_s/old_log_prob` is then 0). A third run is repro with a
+fused AdamW (patched in this benchmark only, as TRL's Trainer runs by default), and repro's rows
+give the time of its gradient statistics (numerics/*, inside the update).
 
     .venv/bin/python bench/rl_step.py [--quick] [--width 128] [--steps 4] [--batch 8] [--group 4] [--tokens 16]
 """
@@ -280,11 +280,8 @@ def main() -> int:
           f"{len(runs[0])}\n")
     print(table(timings))
     ours, trl, fused = (t.summary() for t in timings)
-    # the old-log-prob pass's share of the step's wall time, of its CPU time
-    without_old = fused["cpu_s"] * (1 - fused["phases"]["old_log_prob"] / fused["step_s"]) / fused["tokens_per_step"]
     print(f"\nours / TRL, CPU s per generated token: {ours['cpu_s_per_token'] / trl['cpu_s_per_token']:.2f}; with a "
-          f"fused AdamW {fused['cpu_s_per_token'] / trl['cpu_s_per_token']:.2f}; and without the old-log-prob pass "
-          f"(TRL skips it with one update per batch) {without_old / trl['cpu_s_per_token']:.2f}")
+          f"fused AdamW {fused['cpu_s_per_token'] / trl['cpu_s_per_token']:.2f}")
     (args.out / "rl_step.json").write_text(json.dumps(
         {"quick": quick, "width": width, "steps": steps, "batch": batch, "group": group, "tokens": tokens,
          "loops": {t.name: t.summary() for t in timings}}, indent=2))

@@ -45,7 +45,8 @@ def test_quick_rl_step_times_repro_and_trl_side_by_side(tmp_path):
         assert parts <= loop["step_s"] * 1.01
     for loop in (ours, fused):  # repro's three phases are its whole step
         assert sum(loop["cpu_phases"].values()) == pytest.approx(loop["cpu_s"])
-        assert loop["phases"]["old_log_prob"] > 0 and 0 < loop["phases"]["grad_stats"] < loop["phases"]["update"]
+        # one update per step: the old log-probs are the update's own (no pass, as TRL)
+        assert loop["phases"]["old_log_prob"] == 0 and 0 < loop["phases"]["grad_stats"] < loop["phases"]["update"]
         assert loop["phases"]["grad_stats"] < loop["phases"]["metrics"] < loop["step_s"]
     assert not {"old_log_prob", "grad_stats", "metrics"} & set(trl["phases"])
     assert "| moe-proxy repro |" in text and "| TRL GRPOTrainer |" in text and "ours / TRL, CPU s per generated token" in text

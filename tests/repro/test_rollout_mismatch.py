@@ -25,7 +25,7 @@ from moe_proxy.repro.policy_loss import importance_ratio, rollout_is_weights
 from moe_proxy.repro.precision import compute_in_fp32, fp32_modules
 from moe_proxy.repro.routers import Router, find_routers
 from moe_proxy.repro.routing import RoutingRecorder, RoutingReplay
-from moe_proxy.repro.runner import run_repro
+from moe_proxy.repro.runner import _Loop, run_repro
 
 from .test_distributed import assert_same_metrics
 
@@ -146,6 +146,41 @@ def test_rollout_is_threshold_is_applied_in_a_run(peaked, tmp_path):
     assert m["rollout_corr/rollout_is_applied_max"] <= 1.25  # ... truncated in the loss
 
 
+@pytest.mark.parametrize("knobs", [
+    dict(rollout_precision="bf16", routing_replay="R2", rollout_is="sequence"),
+    dict(rollout_precision="bf16", routing_replay="R3", rollout_is="token", rollout_is_mode="mask",
+         ratio_level="sequence"),
+    dict(rollout_precision="bf16", old_logprobs="rollout"),
+    dict(precision="bf16"),
+])
+def test_one_update_per_step_takes_the_old_log_probs_from_its_own_forward(peaked, tmp_path, monkeypatch, knobs):
+    """With one update per step there is no old-log-prob pass (timing_s/old_log_prob 0): the
+    update's forward gives the old log-probs, detached, and the trainer's routing. Every metric,
+    the gap's figures, the IS weights and R2/R3's routing included, is bitwise that of the same
+    run with the separate pass (which runs with more than one update per step)."""
+    settings = STEPS | dict(mini_batches=1, lr=1e-3) | knobs
+    run_repro(str(peaked), tmp_path / "own", ReproConfig(**settings))
+    init = _Loop.__init__
+
+    def with_old_pass(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.old_pass = True
+    monkeypatch.setattr(_Loop, "__init__", with_old_pass)
+    run_repro(str(peaked), tmp_path / "pass", ReproConfig(**settings))
+    own, separate = read_metrics(tmp_path / "own"), read_metrics(tmp_path / "pass")
+    timed = ("timing_s/", "perf/time_per_step", "perf/throughput")
+    for step in own:
+        assert own[step]["timing_s/old_log_prob"] == 0 < separate[step]["timing_s/old_log_prob"]
+        a, b = ({k: v for k, v in m[step].items() if not k.startswith(timed)} for m in (own, separate))
+        assert a.keys() == b.keys() and [k for k in a if a[k] != b[k] and not (math.isnan(a[k]) and math.isnan(b[k]))] \
+            == [], step
+    last = own[max(own)]
+    assert last["actor/ppo_kl"] == 0 or knobs.get("old_logprobs") == "rollout"  # the ratio is 1 ...
+    assert last["actor/grad_norm"] > 0  # ... with the policy's gradient
+    if "rollout_precision" in knobs:  # a gap there is, and it is measured
+        assert last["training/rollout_kl"] > 0 and last["training/rollout_probs_diff_max"] > 0
+
+
 def test_the_sequence_ratio_is_one_per_sequence_by_hand(tiny_qwen3):
     from moe_proxy.layerwise.load import load_causal_lm
 
@@ -237,6 +272,7 @@ def test_bad_knobs_are_one_line_and_exit_2(tiny_qwen3, tmp_path, capsys, argv, f
     "--routing-replay R2 --rollout-is sequence",
     "--routing-replay R3 --rollout-is token --ratio-level sequence --router-dtype fp32",
     "--rollout-precision fp32 --rollout-kernels eager --lm-head-dtype fp32 --old-logprobs rollout --adam-eps 1e-6",
+    "--mini-batches 1 --routing-replay R2 --rollout-is token",  # no old-log-prob pass: the update's forward
 ])
 def test_two_ranks_give_the_one_process_metrics(tiny_qwen3, tmp_path, knobs):
     """Every knob, with a rollout copy sharded like the policy (bf16 unless the knobs say fp32):

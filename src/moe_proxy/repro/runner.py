@@ -294,7 +294,12 @@ class _Loop:
         self.activations = ActivationWatch(self.policy)
         # Routing replay goes ahead of the tap's hooks (prepend), so the tap sees the routing used.
         self.replay = RoutingReplay(self.tap.routers) if config.routing_replay != "off" else None
-        self.routing = RoutingRecorder(self.tap.routers)  # the trainer's own old-log-prob pass
+        self.routing = RoutingRecorder(self.tap.routers)  # the trainer's own old-log-prob forward
+        # The old-log-prob pass is redundant when the batch gets one update: that update's forward is
+        # the same weights on the same rows (TRL skips it then; verl takes the actor's forward). Not
+        # with a noisy operator fault, whose two forwards differ.
+        self.old_pass = config.mini_batches > 1 or (config.faults.op_step is not None
+                                                    and config.faults.op_mode == "noise")
         sharded(self.policy)  # hooks stay; parameters become this rank's shards (DTensors)
         self.reference = sharded(load().eval().requires_grad_(False))
         for model in (self.policy, self.reference):
@@ -351,31 +356,38 @@ class _Loop:
             cfg.mini_batches)]
         mine = torch.cat(parts)
         positions = batch["seq"].shape[1]
+        r3 = cfg.routing_replay == "R3"
         with torch.no_grad(), self._autocast(precision):
-            self.routing.start(len(mine))
-            self._replay(cfg.routing_replay == "R3", batch["rollout_routing"], mine, positions)
-            old_logp = self._logp(self.policy, batch, mine)[0]
-            self._replay(False)
-            trainer_routing = self.routing.stop()
+            if self.old_pass:
+                self.routing.start(len(mine))
+                self._replay(r3, batch["rollout_routing"], mine, positions)
+                old_logp = self._logp(self.policy, batch, mine)[0]
+                self._replay(False)
+                trainer_routing = self.routing.stop()
             t_old = time.perf_counter()
             ref_logp = self._logp(self.reference, batch, mine)[0]
         t_ref = time.perf_counter()
-        rollout_logp, mask = batch["rollout_logp"][mine], batch["resp_mask"][mine]
-        gap = self._gap(old_logp, rollout_logp, mask, batch["rollout_routing"], trainer_routing,
-                        batch["attn"][mine][:, :-1], mine)
-        # The PPO ratio's denominator: the trainer's recompute, or the rollout's own (verl's bypass).
-        behaviour = rollout_logp if cfg.old_logprobs == "rollout" else old_logp
-        weights = (rollout_is_weights(old_logp, rollout_logp, mask, cfg.rollout_is, cfg.rollout_is_threshold,
-                                      cfg.rollout_is_mode) if cfg.rollout_is != "off" else None)
 
-        updates, start = [], 0
-        for idx in parts:
-            at = slice(start, start + len(idx))
-            replayed = {"R3": (batch["rollout_routing"], idx),
-                        "R2": (trainer_routing, torch.arange(at.start, at.stop))}.get(cfg.routing_replay)
-            updates.append(self._update(batch, idx, behaviour[at], ref_logp[at], precision, scaled,
-                                        None if weights is None else weights[at], replayed))
-            start += len(idx)
+        if self.old_pass:
+            gap, behaviour, weights = self._trainer_view(batch, mine, old_logp, trainer_routing)
+            updates, start = [], 0
+            for idx in parts:
+                at = slice(start, start + len(idx))
+                replayed = {"R3": (batch["rollout_routing"], idx),
+                            "R2": (trainer_routing, torch.arange(at.start, at.stop))}.get(cfg.routing_replay)
+                logp, logits = self._forward(batch, idx, precision, replayed)
+                updates.append(self._update(batch, idx, logp, logits, behaviour[at], ref_logp[at], scaled,
+                                            None if weights is None else weights[at]))
+                start += len(idx)
+        else:
+            # One update of the whole batch: its forward is the old policy's (detached, the ratio is
+            # 1 with the policy's gradient, as TRL and verl take it), and its routing the trainer's.
+            # R2 has nothing to replay: the update routes as itself.
+            self.routing.start(len(mine))
+            logp, logits = self._forward(batch, mine, precision, (batch["rollout_routing"], mine) if r3 else None)
+            trainer_routing = self.routing.stop()
+            gap, behaviour, weights = self._trainer_view(batch, mine, logp.detach(), trainer_routing)
+            updates = [self._update(batch, mine, logp, logits, behaviour, ref_logp, scaled, weights)]
         t_end = time.perf_counter()
 
         m = _aggregate(updates)
@@ -388,9 +400,9 @@ class _Loop:
                for p in self.params]
         m["numerics/params_nonfinite"] = float(sum(v > 0 for v in self.comm.max(bad)))
         m.update(_batch_metrics(batch, cfg.max_new_tokens))
-        # The slowest rank's times: the step takes as long as it does.
-        gen, old, ref, update, total = self.comm.max([t_gen - t0, t_old - t_gen, t_ref - t_old, t_end - t_ref,
-                                                      t_end - t0])
+        # The slowest rank's times: the step takes as long as it does. Without an old-log-prob pass, 0.
+        gen, old, ref, update, total = self.comm.max([t_gen - t0, (t_old - t_gen) * self.old_pass, t_ref - t_old,
+                                                      t_end - t_ref, t_end - t0])
         m.update({
             "training/global_step": float(step), "actor/lr": lr, "actor/kl_coef": cfg.kl_coef,
             "timing_s/gen": gen, "timing_s/old_log_prob": old, "timing_s/ref": ref,
@@ -455,6 +467,19 @@ class _Loop:
         if self.replay is not None:
             self.replay.use(replay_choices(choices, rows, positions) if on else None)
 
+    def _trainer_view(self, batch, mine, old_logp, trainer_routing):
+        """From the trainer's old log-probs of this rank's rows `mine` (and the routing of their
+        forward): the rollout/trainer gap's metrics, the PPO ratio's denominator (the trainer's
+        recompute, or the rollout's own: verl's bypass) and the rollout IS weights (or None)."""
+        cfg = self.config
+        rollout_logp, mask = batch["rollout_logp"][mine], batch["resp_mask"][mine]
+        gap = self._gap(old_logp, rollout_logp, mask, batch["rollout_routing"], trainer_routing,
+                        batch["attn"][mine][:, :-1], mine)
+        behaviour = rollout_logp if cfg.old_logprobs == "rollout" else old_logp
+        weights = (rollout_is_weights(old_logp, rollout_logp, mask, cfg.rollout_is, cfg.rollout_is_threshold,
+                                      cfg.rollout_is_mode) if cfg.rollout_is != "off" else None)
+        return gap, behaviour, weights
+
     def _gap(self, old_logp, rollout_logp, mask, rollout_routing, trainer_routing, valid, mine) -> dict[str, float]:
         """The rollout/trainer gap of this step, over the global batch: verl's probs-diff figures,
         the mismatch KL, the raw IS weights' figures, and the share of tokens whose routed expert
@@ -473,18 +498,10 @@ class _Loop:
             out["moe/routing_mismatch"] = sum(differ) / max(sum(seen), 1.0)
         return out
 
-    def _update(self, batch, idx, old_logp, ref_logp, precision: str, scaled: bool,
-                is_weights: torch.Tensor | None = None, replayed: tuple | None = None) -> dict[str, float]:
-        """One optimizer update on this rank's rows `idx` of a mini-batch. Token means are over
-        the whole mini-batch (all ranks): each rank's share is its sum over the global count.
-        `is_weights`: the rollout IS correction of each token's loss; `replayed`: (recorded
-        routing, its rows for `idx`) to replay in the forward."""
-        cfg, comm = self.config, self.comm
-        mask, adv = batch["resp_mask"][idx].to(self.device), batch["adv"][idx].unsqueeze(-1)
-        tokens = max(1.0, comm.sum([mask.sum().item()])[0])
-
-        def share(values: torch.Tensor) -> torch.Tensor:
-            return (values * mask).sum() / tokens
+    def _forward(self, batch, idx, precision: str, replayed: tuple | None = None):
+        """The update's forward on this rank's rows `idx`, with the router tap and the activation
+        watch on: the answer tokens' log-probabilities and logits, with their graph. `replayed`:
+        (recorded routing, its rows for `idx`) to replay."""
         self.tap.start(batch["attn"][idx])
         if replayed is not None:
             self._replay(True, *replayed, batch["seq"].shape[1])
@@ -494,6 +511,19 @@ class _Loop:
             self.activations.stop()
         self._replay(False)
         self.tap.stop()
+        return logp, logits
+
+    def _update(self, batch, idx, logp, logits, old_logp, ref_logp, scaled: bool,
+                is_weights: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer update on this rank's rows `idx` of a mini-batch, from their forward
+        (`_forward`). Token means are over the whole mini-batch (all ranks): each rank's share is
+        its sum over the global count. `is_weights`: the rollout IS correction of each token's loss."""
+        cfg, comm = self.config, self.comm
+        mask, adv = batch["resp_mask"][idx].to(self.device), batch["adv"][idx].unsqueeze(-1)
+        tokens = max(1.0, comm.sum([mask.sum().item()])[0])
+
+        def share(values: torch.Tensor) -> torch.Tensor:
+            return (values * mask).sum() / tokens
 
         ratio = importance_ratio(logp, old_logp, mask, cfg.ratio_level)
         pg_losses = -adv * ratio
