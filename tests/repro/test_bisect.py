@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -52,24 +53,29 @@ def test_probes_that_are_not_monotone_are_said(monkeypatch, tmp_path):
     assert "**Not monotone**" in (tmp_path / "report.md").read_text()
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """verl's layout, 8 checkpoints; steps 60, 70, 80 carry a dense MLP whose output overflows fp16."""
+def planted_run(root: Path, steps, planted) -> Path:
+    """A run in verl's layout under `root`/run, one tiny Qwen3-MoE checkpoint per step; those in
+    `planted` carry a dense MLP whose output overflows fp16 (its down_proj x 1e6)."""
     from safetensors.torch import load_file, save_file
 
     from moe_proxy.demo.tiny import make_tiny
 
-    root = tmp_path_factory.mktemp("bisect")
     make_tiny("qwen3_moe", root / "base")
-    for i, step in enumerate(range(10, 90, 10)):
+    for step in steps:
         ckpt = root / "run" / f"global_step_{step}" / "actor" / "huggingface"
         shutil.copytree(root / "base", ckpt)
-        if i >= 5:
+        if step in planted:
             tensors = load_file(ckpt / "model.safetensors")
             name = next(k for k in tensors if "layers.0.mlp.down_proj" in k)
             tensors[name] = tensors[name] * 1e6
             save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """verl's layout, 8 checkpoints; steps 60, 70, 80 carry a dense MLP whose output overflows fp16."""
+    return planted_run(tmp_path_factory.mktemp("bisect"), range(10, 90, 10), (60, 70, 80))
 
 
 ARGS = ["--fail-on", "overflow", "--experts", "4", "--steps", "1", "--precision", "fp16"]

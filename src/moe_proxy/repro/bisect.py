@@ -95,37 +95,70 @@ def _ok(ran, what: str, checkpoint) -> None:
         raise BaselineFailed(f"step {checkpoint.step} ({checkpoint.uri}): {what} failed: {ran.error}")
 
 
-def search(checkpoints: list, test, good_given: bool) -> tuple[int | None, list[tuple[int, Probe]]]:
-    """Binary search for the first index whose probe reproduces, `test(i) -> Probe`. The last is
-    probed first (nothing to find if it is clean); with `good_given`, the first too (it must be
-    clean); then the one after the first bad, unless probed already. Returns (first bad index or
-    None, the probes as (index, probe) in probe order)."""
-    probes: list[tuple[int, Probe]] = []
+@dataclass(frozen=True)
+class Next:
+    """What the search does next: probe index `probe`, or (probe None) it is over and `first_bad`
+    is the answer (None: the last checkpoint is clean, nothing to find)."""
 
-    def at(i: int) -> bool:
-        p = test(i)
-        probes.append((i, p))
-        return p.reproduced
+    probe: int | None
+    first_bad: int | None = None
 
-    hi = len(checkpoints) - 1
-    if not at(hi):
-        return None, probes
+
+def next_probe(n: int, results: dict[int, bool], good_given: bool) -> Next:
+    """The binary search as a pure function of what the probes said so far (`results`: index ->
+    reproduced), so a caller that probes one at a time across restarts (the operator's Diagnosis)
+    and `search` follow the same rule. The last is probed first (nothing to find if it is clean);
+    with `good_given`, the first too (it must be clean); then the one after the first bad,
+    unless probed already."""
+    hi = n - 1
+    if hi not in results:
+        return Next(hi)
+    if not results[hi]:
+        return Next(None, None)
     lo = -1  # the last index known clean (-1: before the first)
     if good_given:
-        if at(0):
-            return 0, probes
+        if 0 not in results:
+            return Next(0)
+        if results[0]:
+            return Next(None, 0)
         lo = 0
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if at(mid):
-            hi = mid
-        else:
-            lo = mid
+        if mid not in results:
+            return Next(mid)
+        hi, lo = (mid, lo) if results[mid] else (hi, mid)
     # The search only ever goes left of a failure: one probe after it checks that the failure,
     # once there, stays (a clean one there says the probes are not monotone).
-    if hi + 1 < len(checkpoints) and all(i != hi + 1 for i, _ in probes):
-        at(hi + 1)
-    return hi, probes
+    if hi + 1 < n and hi + 1 not in results:
+        return Next(hi + 1)
+    return Next(None, hi)
+
+
+def search(checkpoints: list, test, good_given: bool) -> tuple[int | None, list[tuple[int, Probe]]]:
+    """Binary search for the first index whose probe reproduces, `test(i) -> Probe`, by
+    `next_probe`. Returns (first bad index or None, the probes as (index, probe) in probe order)."""
+    probes: list[tuple[int, Probe]] = []
+    while (step := next_probe(len(checkpoints), {i: p.reproduced for i, p in probes}, good_given)).probe is not None:
+        probes.append((step.probe, test(step.probe)))
+    return step.first_bad, probes
+
+
+def findings(first: int | None, probes: list[tuple[int, Probe]], checkpoints: list) -> dict:
+    """What a finished search says (report.json's first_bad, boundary, probes, builds, monotone
+    and, when not, not_monotone), pure: the CLI's report and the operator's status both hold it.
+    `checkpoints` are in step order, each with `uri` and `step`."""
+    ordered = sorted((p for _, p in probes), key=lambda p: p.step)
+    bad_steps = [p.step for p in ordered if p.reproduced]
+    contradicting = [p for p in ordered if not p.reproduced and bad_steps and p.step > min(bad_steps)]
+    out = {
+        "first_bad": ({"checkpoint": checkpoints[first].uri, "step": checkpoints[first].step}
+                      if first is not None else None),
+        "boundary": _boundary(first, checkpoints, probes),
+        "probes": [asdict(p) for _, p in probes], "builds": len(probes), "monotone": not contradicting,
+    }
+    if contradicting:
+        out["not_monotone"] = [f"step {p.step} clean after step {min(bad_steps)} reproduced" for p in contradicting]
+    return out
 
 
 def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str | None = None,
@@ -142,20 +175,9 @@ def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str |
         log.info("probe step %d: %s", p.step, f"{p.signature} at step {p.onset}" if p.reproduced else "clean")
         return p
 
-    first, probes = search(checkpoints, test, good is not None)
-    ordered = sorted((p for _, p in probes), key=lambda p: p.step)
-    bad_steps = [p.step for p in ordered if p.reproduced]
-    contradicting = [p for p in ordered if not p.reproduced and bad_steps and p.step > min(bad_steps)]
-    report = {
-        "prefix": prefix, "fail_on": settings.fail_on, "checkpoints": [c.step for c in checkpoints],
-        "first_bad": ({"checkpoint": checkpoints[first].uri, "step": checkpoints[first].step}
-                      if first is not None else None),
-        "boundary": _boundary(first, checkpoints, probes),
-        "probes": [asdict(p) for _, p in probes], "builds": len(probes), "monotone": not contradicting,
-        "settings": asdict(settings),
-    }
-    if contradicting:
-        report["not_monotone"] = [f"step {p.step} clean after step {min(bad_steps)} reproduced" for p in contradicting]
+    found = findings(*search(checkpoints, test, good is not None), checkpoints)
+    report = {"prefix": prefix, "fail_on": settings.fail_on, "checkpoints": [c.step for c in checkpoints],
+              **found, "settings": asdict(settings)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report))
