@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.repro.catalogue import CATALOGUE, pick
-from moe_proxy.repro.diagnose import BASELINE, SeedRun, repro_config, verdict
+from moe_proxy.repro.diagnose import BASELINE, SeedRun, against, cost_of, repro_config, verdict
+from moe_proxy.repro.verdict import series_rows
 
 from .children import MAX_NAME
 from .outcome import FAILED as OUTCOME_FAILED, RUNNING as OUTCOME_RUNNING, Outcome
@@ -326,7 +327,17 @@ def finished_row(row: dict, seen: Outcome, steps: int) -> dict:
         completed = (report.get("step") or 0) + 1 if reproduced else steps
     return {**row, "phase": RUN_DONE, "reproduced": reproduced, "signature": report.get("signature") if reproduced
             else None, "step": report.get("step") if reproduced else None, "stepsCompleted": completed,
-            **({"stopped": str(report["stopped"])} if report.get("stopped") else {}), "message": None}
+            **({"stopped": str(report["stopped"])} if report.get("stopped") else {}), "message": None,
+            # its metrics step by step, kept until its variant's cost is worked out
+            **({"series": report["series"]} if isinstance(report.get("series"), dict) else {})}
+
+
+def variant_cost(row: dict, horizon: int, baseline: dict | None = None) -> dict:
+    """`moe-proxy diagnose`'s cost of a variant (diagnose.cost_of, diagnose.against) from its
+    runs' series; the row's runs lose their series (status keeps the figures only)."""
+    c = cost_of([series_rows(r.get("series")) for r in row["runs"]], horizon)
+    row["runs"] = [{k: v for k, v in r.items() if k != "series"} for r in row["runs"]]
+    return against(c, baseline) if baseline is not None else c
 
 
 # --- the decision ----------------------------------------------------------------------------------------
@@ -348,8 +359,9 @@ def _rows(status: dict) -> list[dict]:
 
 
 def recorded_running(status: dict) -> list[str]:
-    """The workloads status records as running: what the handler looks at."""
-    return [r["workload"] for r in _rows(status) if r.get("phase") == RUN_RUNNING]
+    """The workloads status records as running (a matrix's runs, a bisection's probe): what the
+    handler looks at."""
+    return [r["workload"] for r in _rows(status) + list(status.get("probes") or []) if r.get("phase") == RUN_RUNNING]
 
 
 def _set(status: dict, out: dict, kind: str, ok: bool | None, reason: str, message: str, generation: int) -> None:
@@ -527,10 +539,14 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
             hits = [f"seed {r['seed']} step {r['step']}" for r in base["runs"] if r.get("reproduced")]
             base["verdict"] = "reproduced" if hits else "not reproduced"
             base["note"] = ", ".join(hits) if hits else f"no {status.get('failOn')} in {steps} steps"
+        if base.get("cost") is None:  # as diagnose.judge: before the baseline's first onset
+            base["cost"] = variant_cost(base, min((r["step"] for r in base["runs"] if r.get("reproduced")),
+                                                  default=steps))
     for row in cands:
         row["phase"] = _row_phase(row)
         if base_done and row["phase"] == RUN_DONE and not row.get("verdict"):
             row["verdict"], row["note"] = verdict(base_runs, {r["seed"]: seed_run(r) for r in row["runs"]}, steps)
+            row["cost"] = variant_cost(row, base["cost"]["over_steps"], base["cost"])
             if not row.get("changes") and not row.get("env"):  # the baseline again under another name, as the CLI says
                 row["note"] = f"no change from the baseline's settings; {row['note']}"
             out.events.append(("Normal", "CandidateJudged", f"{row['name']}: {row['verdict']} ({row['note']})"[:1024]))

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from moe_proxy.repro.diagnose import SeedRun, verdict
+from moe_proxy.repro.diagnose import SeedRun, against, cost_of, verdict
+from moe_proxy.repro.metrics_io import read_metrics
 from proxymodel_operator import diagnosis
 from proxymodel_operator.diagnosis_decisions import LABEL_DIAGNOSIS
 from proxymodel_operator.resources import DIAGNOSES, JOBS, PROXYMODELS
@@ -93,6 +94,7 @@ async def test_a_diagnosis_runs_its_matrix_parallelism_at_a_time_with_the_clis_v
     await _built_proxymodel(cluster, "pm", tiny_proxy)
 
     summaries: dict[str, dict] = {}
+    metrics: dict[str, dict] = {}
     most = 0
     for _ in range(6):
         await eventually(lambda: any(not _finished(j) for j in _runs(cluster, "dx"))
@@ -112,6 +114,7 @@ async def test_a_diagnosis_runs_its_matrix_parallelism_at_a_time_with_the_clis_v
             assert result.exit_code == 0, result.output[-3000:]
             summaries[job["metadata"]["name"]] = json.loads((tmp_path / "node" / pod.name / "run" /
                                                              "summary.json").read_text())
+            metrics[job["metadata"]["name"]] = read_metrics(tmp_path / "node" / pod.name / "run" / "metrics.jsonl")
             await kubelet.report(pod, results[pod.name])
             await CONTROLLERS["Job"].finish(cluster, NS, job, True)
     await eventually(lambda: _status(cluster, "dx").get("phase") == "Complete", 30, "the diagnosis complete")
@@ -133,6 +136,13 @@ async def test_a_diagnosis_runs_its_matrix_parallelism_at_a_time_with_the_clis_v
     expected["again"] = (expected["again"][0], f"no change from the baseline's settings; {expected['again'][1]}")
     assert {c["name"]: (c["verdict"], c["note"]) for c in status["candidates"]} == expected
     assert status["fixedBy"] == "lower-lr" and status["baseline"]["verdict"] == "reproduced"
+    # the CLI's cost columns from the same runs' metrics (the termination messages carry them, to 4 digits)
+    base_cost = cost_of([metrics["dx-baseline-s0"]], 1)
+    assert status["baseline"]["cost"] == pytest.approx(base_cost, rel=1e-3)
+    for c in status["candidates"]:
+        assert c["cost"] == pytest.approx(against(cost_of([metrics[f"dx-{c['name']}-s0"]], 1), base_cost), rel=1e-3)
+        assert c["cost"]["reward_mean"] is not None and c["cost"]["time_per_step_s"] > 0
+    assert "series" not in json.dumps(status)  # status keeps the figures, not the steps
     assert status["progress"] == "3/3"
     row = status["baseline"]["runs"][0]
     assert (row["seed"], row["reproduced"], row["signature"], row["step"], row["workload"]) == \

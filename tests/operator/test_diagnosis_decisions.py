@@ -9,7 +9,9 @@ import json
 import pytest
 
 from moe_proxy.repro.catalogue import CATALOGUE
-from moe_proxy.repro.diagnose import SeedRun, verdict
+from moe_proxy.reports import TERMINATION_LOG_LIMIT, encode, repro_report
+from moe_proxy.repro.diagnose import SeedRun, against, cost_of, verdict
+from moe_proxy.repro.verdict import HEADLINE, SERIES_BYTES, cost_series, series_rows
 from proxymodel_operator.diagnosis_decisions import (DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS,
                                                      RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING,
                                                      WAITING_FOR_PROXY, InvalidDiagnosis, decide, parse_diagnosis,
@@ -319,3 +321,52 @@ def test_a_multi_node_run_is_the_proxymodels_workload_with_its_service_first(run
     container = RUNTIMES[runtime].pod_templates(manifest["spec"])[0]["spec"]["containers"][0]
     args = container["args"]
     assert args[args.index("--nnodes") + 1] == "2" and args[-2:] == ["--seed", "0"]
+
+
+def _series_outcome(step, rewards, losses, times):
+    rows = {i: {"critic/rewards/mean": r, "actor/pg_loss": l, "perf/time_per_step": t}
+            for i, (r, l, t) in enumerate(zip(rewards, losses, times))}
+    return _done(step, steps_completed=len(rows), series=cost_series(rows)), rows
+
+
+def test_each_candidates_cost_is_the_clis_from_its_runs_termination_messages():
+    """The cost columns of `moe-proxy diagnose` (diagnose.cost_of / against: mean reward and
+    loss before the baseline's first onset, over the seeds; time per step), from the series the
+    runs' termination messages carry; status keeps the figures, not the series."""
+    pm = built()
+    body = diagnosis({"candidates": ["lower-lr"], "parallelism": 2})
+    nan = float("nan")
+    runs = {("baseline", 0): _series_outcome(2, [0.1, 0.2, 0.3, nan], [1.0, 2.0, 3.0, nan], [1.0, 1.0, 1.0, 1.0]),
+            ("baseline", 1): _series_outcome(3, [0.3, 0.2, 0.1, 0.0], [1.5, 1.5, 1.5, 9.0], [2.0, 2.0, 2.0, 2.0]),
+            ("lower-lr", 0): _series_outcome(None, [0.0, 0.1, 0.1, 0.1], [0.5, 0.5, 0.7, 0.5], [3.0] * 4),
+            ("lower-lr", 1): _series_outcome(None, [0.0, 0.0, 0.1, 0.2], [0.25, 0.5, 0.5, 0.5], [3.0] * 4)}
+    body = apply(body, decide(body, pm, {}, SETTINGS))
+    body = _finish_all(body, pm, {k: outcome for k, (outcome, _) in runs.items()})
+    s = body["status"]
+    base = cost_of([runs[("baseline", 0)][1], runs[("baseline", 1)][1]], 2)  # the first onset: step 2
+    assert base["over_steps"] == 2 and base["reward_mean"] == pytest.approx(0.2) and base["time_per_step_s"] == 1.5
+    assert s["baseline"]["cost"] == pytest.approx(base)
+    lower = s["candidates"][0]["cost"]
+    assert lower == pytest.approx(against(cost_of([runs[("lower-lr", 0)][1], runs[("lower-lr", 1)][1]], 2), base))
+    assert lower["reward_vs_baseline"] == pytest.approx(0.025 - 0.2) and lower["time_vs_baseline"] == 2.0
+    assert "series" not in json.dumps(s)
+
+
+def test_the_cost_series_fits_the_termination_message_of_a_long_run():
+    """1000 steps do not fit at one a step: every 16th step is kept, and the whole message stays
+    under the kubelet's 4096 bytes; the rows read back are the steps kept."""
+    rows = {i: {**{k: 1.0 for k in HEADLINE}, "critic/rewards/mean": 0.123456 + i, "actor/pg_loss": -1.23456e-3 * i,
+                "perf/time_per_step": 2.5} for i in range(1000)}
+    series = cost_series(rows)
+    assert series["stride"] == 16 and "steps" not in series
+    full = cost_series(rows, budget=10**6)
+    every_8th = {**full, "stride": 8, **{k: full[k][::8] for k in ("reward", "loss", "time")}}
+    assert full["stride"] == 1 and len(json.dumps(every_8th, separators=(",", ":"))) > SERIES_BYTES
+    back = series_rows(series)
+    assert sorted(back) == list(range(0, 1000, 16)) and back[16]["critic/rewards/mean"] == pytest.approx(16.12)
+    message = encode({**repro_report(True, "overflow", 999, {k: 1.0 for k in HEADLINE}, 1000, "reproduced overflow"),
+                      "series": series})
+    assert len(message.encode()) <= TERMINATION_LOG_LIMIT and json.loads(message)["series"] == series
+    # steps logged unevenly (a framework logging every 10th step from 10) are listed
+    uneven = series_rows(cost_series({10: {"actor/pg_loss": 1.0}, 20: {"actor/pg_loss": 2.0}, 40: {}}))
+    assert uneven == {10: {"actor/pg_loss": 1.0}, 20: {"actor/pg_loss": 2.0}}

@@ -34,6 +34,8 @@ def test_verl_file_with_nan_at_step_3_as_it_grows(tmp_path, capsys):
     report = json.loads(log.read_text())
     assert report.pop("steps_completed") == 3  # steps 1..3 read when it stopped
     assert report.pop("last_step") == 3  # what the operator reports should the framework crash after it
+    # the cost columns' metrics step by step (the operator's Diagnosis reads them)
+    assert report.pop("series") == {"first": 1, "stride": 1, "reward": [0.5, 0.5, 0.5], "loss": [0.1, 0.1, None]}
     assert report == {"reproduced": True, "signature": "nan", "step": 3,
                       "metrics": {"actor/pg_loss": None, "actor/grad_norm": 1.0, "critic/rewards/mean": 0.5}}
     assert stop.exists()

@@ -32,13 +32,14 @@ from moe_proxy.errors import BaselineFailed, MoeProxyError
 from moe_proxy.repro.catalogue import Fix
 from moe_proxy.repro.config import ReproConfig
 from moe_proxy.repro.processes import parse_as, run_recorded
+from moe_proxy.repro.verdict import COST_SERIES
 
 log = logging.getLogger(__name__)
 
 BASELINE = "baseline"
 RUN_RECORD = "diagnose-run.json"  # a run's arguments and outcome: what a rerun reuses
 VERDICTS = ("fixed", "reproduced", "inconclusive", "error")
-COST_METRICS = {"reward": "critic/rewards/mean", "loss": "actor/pg_loss"}
+COST_METRICS = {k: COST_SERIES[k] for k in ("reward", "loss")}
 
 
 @dataclass(frozen=True)
@@ -249,8 +250,12 @@ def _rows(directory: Path) -> dict[int, dict[str, float]]:
 def cost(d: Diagnosis, name: str, horizon: int) -> dict:
     """Mean reward and loss over the steps before `horizon` (the baseline's first onset), and
     mean time per step, over the seeds."""
-    runs = [_rows(d.run_dir(name, s)) for s in d.seeds]  # each metrics file read once
+    return cost_of([_rows(d.run_dir(name, s)) for s in d.seeds], horizon)  # each metrics file read once
 
+
+def cost_of(runs: list[dict[int, dict[str, float]]], horizon: int) -> dict:
+    """`cost` from each seed's metrics rows (pure: the operator's Diagnosis gives the rows its
+    runs' termination messages carry, verdict.series_rows)."""
     def mean_of(metric: str, before: int | None) -> float | None:
         values = [v for rows in runs for step, row in rows.items()
                   if (before is None or step < before) and isinstance(v := row.get(metric), (int, float))
@@ -258,8 +263,20 @@ def cost(d: Diagnosis, name: str, horizon: int) -> dict:
         return statistics.fmean(values) if values else None
 
     out = {f"{k}_mean": mean_of(metric, horizon) for k, metric in COST_METRICS.items()}
-    out["time_per_step_s"] = mean_of("perf/time_per_step", None)
+    out["time_per_step_s"] = mean_of(COST_SERIES["time"], None)
     out["over_steps"] = horizon
+    return out
+
+
+def against(c: dict, base: dict) -> dict:
+    """A candidate's cost with its differences from the baseline's: reward and loss minus the
+    baseline's, time per step as a ratio."""
+    out = dict(c)
+    for k in COST_METRICS:  # .get: a figure stored as null may come back absent (a JSON merge patch drops it)
+        a, b = c.get(f"{k}_mean"), base.get(f"{k}_mean")
+        out[f"{k}_vs_baseline"] = a - b if a is not None and b is not None else None
+    t, tb = c.get("time_per_step_s"), base.get("time_per_step_s")
+    out["time_vs_baseline"] = t / tb if t and tb else None
     return out
 
 
@@ -280,12 +297,7 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]]) -> dict:
         name, note = verdict(base, mine, d.baseline.steps)
         if not v.changes:  # e.g. grad-clip at repro's default of 1.0: the baseline again, under another name
             note = f"no change from the baseline's settings; {note}"
-        c = cost(d, v.name, horizon)
-        for k in COST_METRICS:
-            a, b = c[f"{k}_mean"], base_cost[f"{k}_mean"]
-            c[f"{k}_vs_baseline"] = a - b if a is not None and b is not None else None
-        t, tb = c["time_per_step_s"], base_cost["time_per_step_s"]
-        c["time_vs_baseline"] = t / tb if t and tb else None
+        c = against(cost(d, v.name, horizon), base_cost)
         report["candidates"][v.name] = {"changes": v.changes, "flags": v.flags, "what": v.what, "verdict": name,
                                         "note": note, "seeds": {str(s): o.as_json() for s, o in sorted(mine.items())},
                                         "cost": c}

@@ -4,6 +4,8 @@ headline metrics for the operator's termination message. Torch-free."""
 
 from __future__ import annotations
 
+import json
+
 from moe_proxy.reports import repro_report
 from moe_proxy.repro.detect import FailureDetector, Signature
 from moe_proxy.repro.metrics_io import finite_or_none
@@ -11,6 +13,10 @@ from moe_proxy.repro.metrics_io import finite_or_none
 # Metrics copied into the operator's termination log (it must stay under 4 KB).
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",
             "moe/load_max_share", "numerics/max_activation", "numerics/loss_scale")
+# What a fix costs (`moe-proxy diagnose`'s cost columns), step by step in the termination message:
+# the operator's Diagnosis judges its runs from their pods' messages alone.
+COST_SERIES = {"reward": "critic/rewards/mean", "loss": "actor/pg_loss", "time": "perf/time_per_step"}
+SERIES_BYTES = 2048  # of the message's 4096: the headline metrics and the verdict keep the rest
 
 
 def first_failure(detector: FailureDetector, fail_on: Signature | None) -> tuple[str | None, int | None]:
@@ -40,7 +46,43 @@ def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: d
     if shown is None:
         shown = rows[max(rows)] if rows else {}
     headline = {k: finite_or_none(shown.get(k)) for k in HEADLINE if k in shown}
-    return repro_report(signature is not None, signature, step, headline, len(rows), stopped)
+    report = repro_report(signature is not None, signature, step, headline, len(rows), stopped)
+    return {**report, "series": cost_series(rows)} if rows else report
+
+
+def cost_series(rows: dict[int, dict[str, float]], budget: int = SERIES_BYTES) -> dict:
+    """COST_SERIES's metrics per step, 4 significant digits (null: absent or not finite; a metric
+    the run does not log is left out), every `stride`-th step from step `first` (`steps` lists
+    them where they are not evenly spaced): stride 1 unless that does not fit in `budget` bytes
+    of JSON (a long run: every 2nd, 4th... step, an estimate of the means then)."""
+    steps = sorted(rows)
+    stride = 1
+    while True:
+        kept = steps[::stride]
+        values = {key: [float(f"{v:.4g}") if (v := finite_or_none(rows[s].get(metric))) is not None else None
+                        for s in kept] for key, metric in COST_SERIES.items()}
+        series = {"first": kept[0], "stride": stride,
+                  **({} if kept == list(range(kept[0], kept[0] + stride * len(kept), stride)) else {"steps": kept}),
+                  **{key: v for key, v in values.items() if any(x is not None for x in v)}}
+        if len(json.dumps(series, separators=(",", ":"))) <= budget or len(kept) == 1:
+            return series
+        stride *= 2
+
+
+def series_rows(series: dict | None) -> dict[int, dict[str, float]]:
+    """A termination message's `series` back as metrics rows by step (what metrics.jsonl holds,
+    for COST_SERIES's metrics only)."""
+    if not isinstance(series, dict) or not isinstance(series.get("first"), int):
+        return {}
+    first, stride = series["first"], int(series.get("stride") or 1)
+    rows: dict[int, dict[str, float]] = {}
+    for key, metric in COST_SERIES.items():
+        values = series.get(key) or []
+        steps = series.get("steps") or [first + i * stride for i in range(len(values))]
+        for step, v in zip(steps, values):
+            if isinstance(v, (int, float)):
+                rows.setdefault(int(step), {})[metric] = float(v)
+    return rows
 
 
 def verdict_lines(fail_on: Signature | None, signature: str | None, step: int | None, steps: int,
