@@ -11,20 +11,30 @@ One kopf timer per Diagnosis. Every `tick` seconds (settings' diagnosis_tick) it
    workloads (owned by the Diagnosis; one that exists counts as created), then posts Events.
 A finished Diagnosis (Complete or Failed for its generation) reads nothing more.
 
+A bisection (spec.checkpoints, diagnosis_bisect) lists the run's checkpoints once (its
+CheckpointWatch's prefix, or its own; `moe_proxy.repro.bisect.sources`, the CLI's listing),
+then reads only its probe in flight: that probe's ProxyModel and run.
+
 Registered (`register`) by the operator's main at start-up, as checkpoint_watch is (kopf takes
 the timer's interval when it is registered). Importing this module registers nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import kopf
 
-from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the settings in memo
-from .diagnosis_decisions import (DIAGNOSED, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS, decide, recorded_running,
-                                  refused_create)
+from moe_proxy.errors import MoeProxyError, StorageError
+from moe_proxy.repro.bisect import sources
+
+from . import diagnosis_bisect as bisection, handlers, kube  # noqa: F401 - handlers' startup handler: settings
+from .checkpoint_watch import CHECKPOINT_WATCHES, REASONS
+from .diagnosis_decisions import (DIAGNOSED, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS, DiagnosisDecision, InvalidDiagnosis,
+                                  NotYet, decide, recorded_running, refused_create)
+from .preflight import PreflightError, read_credentials, redact
 from .outcome import outcome
 from .resources import DIAGNOSES, GROUP, LABEL_CHILD, PODS, PROXYMODELS, VERSION
 from .runtimes import RUNTIMES
@@ -35,13 +45,64 @@ def register(tick: float, registry: kopf.OperatorRegistry | None = None) -> None
     kopf.timer(GROUP, VERSION, DIAGNOSES.plural, interval=tick, id="diagnose", registry=registry)(reconcile)
 
 
-async def _proxymodel(namespace: str, name: str) -> dict | None:
+async def _get(resource, namespace: str, name: str) -> dict | None:
     try:
-        return await kube.get(PROXYMODELS, namespace, name)
+        return await kube.get(resource, namespace, name)
     except kube.ApiError as exc:
         if exc.status == 404:
             return None
         raise
+
+
+async def _proxymodel(namespace: str, name: str) -> dict | None:
+    return await _get(PROXYMODELS, namespace, name)
+
+
+async def list_checkpoints(namespace: str, b: bisection.BisectSpec, settings) -> tuple[dict, list[dict]]:
+    """(the watch-like spec the probes are made from, the checkpoints [{step, uri}] to bisect),
+    as `moe-proxy bisect` lists them; NotYet (temporary: a missing watch or Secret, an
+    unreachable store) or InvalidDiagnosis (fewer than 2 checkpoints, good/bad at no checkpoint)."""
+    raw = b.inline
+    if b.watch is not None:
+        watch_body = await _get(CHECKPOINT_WATCHES, namespace, b.watch)
+        if watch_body is None:
+            raise NotYet("CheckpointWatchNotFound", f"CheckpointWatch {b.watch} does not exist in {namespace}")
+        raw = {k: v for k, v in (watch_body.get("spec") or {}).items()
+               if k in ("source", "template", "pattern", "stepRegex")}
+    watch = bisection.watch_spec(raw, f"CheckpointWatch {b.watch}" if b.watch else "spec.checkpoints", settings)
+    credentials: dict[str, str] = {}
+    try:
+        credentials = await read_credentials(namespace, watch.source.credentials_secret)
+        found = await asyncio.to_thread(sources, watch.source.uri, watch.pattern, watch.step_regex, b.good, b.bad, {
+            "endpoint_url": watch.source.endpoint or None, "region": watch.source.region or "us-east-1",
+            "credentials": credentials, "max_attempts": 2, "connect_timeout": 3, "read_timeout": 20})
+    except PreflightError as exc:
+        raise NotYet(exc.reason, str(exc)) from None
+    except StorageError as exc:
+        raise NotYet(REASONS.get(type(exc), "S3Error"), redact(str(exc), credentials)) from None
+    except MoeProxyError as exc:  # the CLI's own refusals (one message each): too few checkpoints, a good/bad
+        # step that is none
+        raise InvalidDiagnosis("TooFewCheckpoints" if "at least 2" in str(exc) else "InvalidRange", str(exc)) from None
+    return raw, [{"step": c.step, "uri": c.uri} for c in found]
+
+
+async def bisect(body: dict, status: dict, namespace: str, name: str, settings) -> DiagnosisDecision:
+    """The bisection's decision this tick (its I/O: the listing once, then the probe in flight)."""
+    generation = body["metadata"].get("generation") or 1
+    if not (status.get("bisection") or {}).get("checkpoints"):
+        try:
+            b = bisection.parse_bisection(dict(body.get("spec") or {}))
+            raw, checkpoints = await list_checkpoints(namespace, b, settings)
+        except (NotYet, InvalidDiagnosis) as exc:
+            return bisection.listing_refused(status, generation, exc)
+        return bisection.start(status, b, raw, checkpoints, generation)
+    if status.get("observedGeneration") != generation:  # the bisection is fixed once listed (said once)
+        return DiagnosisDecision({"observedGeneration": generation}, [], [("Warning", "SpecChangeIgnored", (
+            f"spec changed (generation {generation}) after the checkpoints were listed: this Diagnosis goes on with "
+            "the bisection in status; create another Diagnosis for the new spec"))])
+    probe = bisection.in_flight(status)
+    child = await _proxymodel(namespace, probe["proxyModel"]) if probe else None
+    return bisection.progress(body, child, await observe(namespace, name, status), settings)
 
 
 async def observe(namespace: str, diagnosis: str, status: dict) -> dict:
@@ -65,10 +126,13 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
     current = dict(status)
     if current.get("phase") in (DIAGNOSED, DIAGNOSIS_FAILED) and current.get("observedGeneration") == generation:
         return  # finished: read nothing
-    proxy_model = spec.get("proxyModel")
-    proxymodel = await _proxymodel(namespace, proxy_model) if isinstance(proxy_model, str) and proxy_model else None
-    seen = await observe(namespace, name, current)
-    decision = decide(dict(body), proxymodel, seen, memo.settings)
+    if bisection.is_bisection(dict(spec)):
+        decision = await bisect(dict(body), current, namespace, name, memo.settings)
+    else:
+        proxy_model = spec.get("proxyModel")
+        proxymodel = await _proxymodel(namespace, proxy_model) if isinstance(proxy_model, str) and proxy_model \
+            else None
+        decision = decide(dict(body), proxymodel, await observe(namespace, name, current), memo.settings)
     if any(current.get(k) != v for k, v in decision.status.items()):  # a tick that saw nothing new writes nothing
         await kube.patch_status(DIAGNOSES, namespace, name, decision.status)
     written, refused = {**current, **decision.status}, set()

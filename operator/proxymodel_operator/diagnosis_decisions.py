@@ -364,12 +364,13 @@ def recorded_running(status: dict) -> list[str]:
     return [r["workload"] for r in _rows(status) + list(status.get("probes") or []) if r.get("phase") == RUN_RUNNING]
 
 
-def _set(status: dict, out: dict, kind: str, ok: bool | None, reason: str, message: str, generation: int) -> None:
+def set_condition(status: dict, out: dict, kind: str, ok: bool | None, reason: str, message: str,
+                  generation: int) -> None:
     out["conditions"] = with_condition(out.get("conditions", status.get("conditions")),
                                        condition(kind, ok, reason, message, generation))
 
 
-def _changed(status: dict, kind: str, ok: bool, reason: str) -> bool:
+def condition_changed(status: dict, kind: str, ok: bool, reason: str) -> bool:
     before = next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
     return before is None or (before.get("status"), before.get("reason")) != ("True" if ok else "False", reason)
 
@@ -381,11 +382,11 @@ def refused(status: dict, generation: int, reason: str, message: str, temporary:
     s["observedGeneration"] = generation
     s["phase"] = WAITING_FOR_PROXY if temporary else DIAGNOSIS_FAILED
     s["message"] = message[:1024]
-    _set(status, s, ACCEPTED, False, reason, message, generation)
+    set_condition(status, s, ACCEPTED, False, reason, message, generation)
     if not temporary:
-        _set(status, s, FAILED_CONDITION, True, reason, message, generation)
-        _set(status, s, RUNNING_CONDITION, False, reason, "nothing runs: the spec is refused", generation)
-    if _changed(status, ACCEPTED, False, reason):
+        set_condition(status, s, FAILED_CONDITION, True, reason, message, generation)
+        set_condition(status, s, RUNNING_CONDITION, False, reason, "nothing runs: the spec is refused", generation)
+    if condition_changed(status, ACCEPTED, False, reason):
         out.events.append(("Warning", reason, message))
     return out
 
@@ -426,9 +427,10 @@ def _waiting(status: dict, generation: int, message: str) -> DiagnosisDecision:
     out = DiagnosisDecision()
     s = out.status
     s.update(observedGeneration=generation, phase=WAITING_FOR_PROXY, message=message)
-    _set(status, s, ACCEPTED, True, "SpecValid", "the candidates and the ProxyModel can be diagnosed", generation)
-    _set(status, s, RUNNING_CONDITION, False, "WaitingForProxy", message, generation)
-    if _changed(status, RUNNING_CONDITION, False, "WaitingForProxy"):
+    set_condition(status, s, ACCEPTED, True, "SpecValid", "the candidates and the ProxyModel can be diagnosed",
+                  generation)
+    set_condition(status, s, RUNNING_CONDITION, False, "WaitingForProxy", message, generation)
+    if condition_changed(status, RUNNING_CONDITION, False, "WaitingForProxy"):
         out.events.append(("Normal", "WaitingForProxy", message))
     return out
 
@@ -455,8 +457,8 @@ def _start(status: dict, d: DiagnosisSpec, baseline: Baseline, name: str, namesp
         "failOn": r.fail_on.cli(), "steps": baseline.steps, "seeds": seeds, "parallelism": d.parallelism,
         "baseline": rows[0], "candidates": rows[1:], "fixedBy": None,
     }
-    _set(status, started, ACCEPTED, True, "SpecValid", f"{len(rows) - 1} candidate(s) x {len(seeds)} seed(s) on "
-         f"ProxyModel {d.proxy_model}'s proxy", generation)
+    set_condition(status, started, ACCEPTED, True, "SpecValid", f"{len(rows) - 1} candidate(s) x {len(seeds)} seed(s) "
+                  f"on ProxyModel {d.proxy_model}'s proxy", generation)
     out = DiagnosisDecision(events=[("Normal", "DiagnosisStarted",
                             f"{len(rows) * len(seeds)} runs of {baseline.steps} steps ({r.fail_on.cli()}) on "
                             f"{baseline.devices} x {r.accelerator.resource} each, {d.parallelism} at a time")])
@@ -480,8 +482,8 @@ def _progress(status: dict, d: DiagnosisSpec, proxymodel: dict | None, seen: dic
             message = f"runs are left to start, but {exc}"
             s = out.status
             s.update(phase=DIAGNOSIS_FAILED, message=message[:1024])
-            _set(status, s, FAILED_CONDITION, True, "ProxyModelLost", message, generation)
-            _set(status, s, RUNNING_CONDITION, False, "ProxyModelLost", message, generation)
+            set_condition(status, s, FAILED_CONDITION, True, "ProxyModelLost", message, generation)
+            set_condition(status, s, RUNNING_CONDITION, False, "ProxyModelLost", message, generation)
             out.events.append(("Warning", "ProxyModelLost", message))
             return out
     return _advance(status, {}, d, baseline, name, namespace, generation, seen, out)
@@ -559,18 +561,18 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
     if done < len(all_runs):
         s["phase"] = DIAGNOSING
         message = f"{done}/{len(all_runs)} runs done, {running} running"
-        _set(status, s, RUNNING_CONDITION, True, "RunsInProgress", message, generation)
+        set_condition(status, s, RUNNING_CONDITION, True, "RunsInProgress", message, generation)
     elif base.get("verdict") == "error":
         s["phase"], s["message"] = DIAGNOSIS_FAILED, f"the baseline failed to run on every seed: {base['note']}"[:1024]
-        _set(status, s, RUNNING_CONDITION, False, "Finished", "every run finished", generation)
-        _set(status, s, FAILED_CONDITION, True, "BaselineFailed", s["message"], generation)
+        set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every run finished", generation)
+        set_condition(status, s, FAILED_CONDITION, True, "BaselineFailed", s["message"], generation)
         out.events.append(("Warning", "BaselineFailed", s["message"]))
     else:
         s["phase"] = DIAGNOSED
         said = f"fixed by: {', '.join(fixed)}" if fixed else "no candidate fixed it"
         s["message"] = said
-        _set(status, s, RUNNING_CONDITION, False, "Finished", "every run finished", generation)
-        _set(status, s, COMPLETE_CONDITION, True, "FixFound" if fixed else "NoFix", said, generation)
+        set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every run finished", generation)
+        set_condition(status, s, COMPLETE_CONDITION, True, "FixFound" if fixed else "NoFix", said, generation)
         out.events.append(("Normal", "DiagnosisComplete", said))
     out.status.update(s)
     return out

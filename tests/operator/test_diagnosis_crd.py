@@ -7,11 +7,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from proxymodel_operator.diagnosis_bisect import parse_bisection
 from proxymodel_operator.diagnosis_decisions import parse_diagnosis
 
 from ..checkpoints.crd_schema import ROOT, errors, load_crd, openapi
 
 EXAMPLE = ROOT / "examples" / "diagnosis.yaml"
+BISECTION = ROOT / "examples" / "diagnosis-bisect.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,7 @@ def test_crd_basics(crd):
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Baseline"] == ".status.baseline.verdict" and columns["Fixed by"] == ".status.fixedBy"
     assert columns["Done/Total"] == ".status.progress" and columns["Age"] == ".metadata.creationTimestamp"
+    assert columns["First bad"] == ".status.firstBad.step"
     assert openapi(crd)["properties"]["status"]["properties"]["kopf"]["x-kubernetes-preserve-unknown-fields"]
 
 
@@ -56,6 +59,30 @@ def test_the_example_is_valid(crd):
 ])
 def test_bad_diagnoses_are_rejected_by_the_schema(crd, change, text):
     example = yaml.safe_load(EXAMPLE.read_text())
+    change(example["spec"])
+    found = errors(crd, example)
+    assert found and any(text in e for e in found), found
+
+
+def test_the_bisection_example_is_valid(crd):
+    example = yaml.safe_load(BISECTION.read_text())
+    assert errors(crd, example) == []
+    b = parse_bisection(example["spec"])
+    assert (b.watch, b.good, b.bad, b.inline["pattern"]) == (None, 100, None, "global_step_*/actor/huggingface")
+    assert errors(crd, {**example, "spec": {**example["spec"], "checkpoints": {"watch": "qwen3-run"}}}) == []
+
+
+@pytest.mark.parametrize("change, text", [
+    (lambda s: s.update(proxyModel="pm"), "one of them"),
+    (lambda s: s.update(candidates=["fp32"]), "has no candidates"),
+    (lambda s: s["checkpoints"].update(watch="w"), "not both"),
+    (lambda s: s["checkpoints"].pop("template"), "needs a ProxyModel template"),
+    (lambda s: s["checkpoints"].update(bad=50), "good comes before bad"),
+    (lambda s: s["checkpoints"]["template"]["spec"].update(source={"uri": "s3://b/c"}), "each checkpoint's URI"),
+    (lambda s: s["checkpoints"]["source"].update(uri="/local/run"), "uri"),
+])
+def test_bad_bisections_are_rejected_by_the_schema(crd, change, text):
+    example = yaml.safe_load(BISECTION.read_text())
     change(example["spec"])
     found = errors(crd, example)
     assert found and any(text in e for e in found), found

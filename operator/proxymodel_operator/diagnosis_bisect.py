@@ -1,0 +1,273 @@
+"""A Diagnosis's bisection mode (spec.checkpoints), as pure functions: `moe-proxy bisect` on the
+cluster. The kopf timer (diagnosis.py) lists the run's checkpoints once and reads the probe in
+flight; these functions say what to write and create.
+
+A probe is the CLI's: the proxy of one checkpoint (a ProxyModel child `<diagnosis>-step-<N>`
+made from the template as a CheckpointWatch makes its own, its reproduction off) and one
+reproduction run from it (`diagnosis_decisions.run_manifest`, the workload a candidate run is,
+judged by the same `finished_row`). Which checkpoint comes next, and what the probes say in the
+end, are `moe_proxy.repro.bisect.next_probe` and `findings`: the CLI's search rule itself.
+Probes run one at a time (each depends on the last).
+
+Status is the single source of truth, as for the matrix: the listed checkpoints and the spec
+they were listed with (`status.bisection`) are fixed once recorded, and a probe's row says
+Building (with its ProxyModel's name) before the ProxyModel is created, Running (with its
+workload's name) before the run is. A restarted operator finds both; one recorded but missing
+is created again under the same name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from moe_proxy.repro.bisect import Probe, findings, next_probe
+
+from .diagnosis_decisions import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
+                                  FAILED_CONDITION, LABEL_DIAGNOSIS, RUN_DONE, RUN_ERROR, RUN_RUNNING,
+                                  RUNNING_CONDITION, DiagnosisDecision, DiagnosisSpec, InvalidDiagnosis, NotYet,
+                                  RunVariant, baseline_of, condition_changed, finished_row, proxy_built, refused,
+                                  run_manifest, set_condition)
+from .outcome import RUNNING as OUTCOME_RUNNING, Outcome
+from .resources import LABEL_ROLE, PROXYMODELS, SERVICES
+from .settings import Settings
+from .spec import InvalidSpec, parse_fail_on
+from .status import ACCEPTED
+from .watch_decisions import LABEL_WATCH, proxymodel_for
+from .watch_spec import InvalidWatch, WatchSpec, parse_watch
+
+BUILDING = "Building"  # a probe's phase while its ProxyModel builds the proxy
+PROBE_ROLE = "bisection-probe"  # the probe ProxyModels' moeproxy.io/role
+
+
+@dataclass(frozen=True)
+class BisectSpec:
+    """spec.checkpoints: a CheckpointWatch's name, or a watch's own fields (source, template,
+    pattern, stepRegex) inline; the range; the failure and the steps of each probe's run."""
+
+    watch: str | None
+    inline: dict | None
+    good: int | None = None
+    bad: int | None = None
+    fail_on: dict | None = None  # None: the template's spec.reproduction.failOn
+    steps: int | None = None  # None: the template's maxSteps
+
+
+def is_bisection(spec: dict) -> bool:
+    return spec.get("checkpoints") is not None
+
+
+def _step(raw: dict, key: str) -> int | None:
+    value = raw.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise InvalidDiagnosis("InvalidSpec", f"spec.checkpoints.{key} {value!r}: a training step (a whole number)")
+    return value
+
+
+def parse_bisection(spec: dict) -> BisectSpec:
+    """spec as the CRD has it, checked beyond the schema (InvalidDiagnosis says what is wrong)."""
+    raw = spec.get("checkpoints")
+    if spec.get("proxyModel") or spec.get("candidates"):
+        raise InvalidDiagnosis("InvalidSpec", "spec.checkpoints asks for a bisection; spec.proxyModel and "
+                               "spec.candidates ask for a candidate matrix: give one or the other")
+    usage = ("spec.checkpoints: {watch: a CheckpointWatch in this namespace} or {source: {uri: s3://run-prefix}, "
+             "template: {spec: a ProxyModel spec without source}}")
+    if not isinstance(raw, dict):
+        raise InvalidDiagnosis("InvalidSpec", usage)
+    watch = raw.get("watch")
+    inline = {k: raw[k] for k in ("source", "template", "pattern", "stepRegex") if raw.get(k) is not None}
+    if watch is not None and (not isinstance(watch, str) or not watch or inline):
+        raise InvalidDiagnosis("InvalidSpec", f"{usage}, not both")
+    if watch is None and not (inline.get("source") and inline.get("template")):
+        raise InvalidDiagnosis("InvalidSpec", usage)
+    good, bad = _step(raw, "good"), _step(raw, "bad")
+    if good is not None and bad is not None and good >= bad:
+        raise InvalidDiagnosis("InvalidSpec", f"spec.checkpoints: good {good} must come before bad {bad}")
+    if spec.get("failOn") is not None:
+        try:
+            parse_fail_on(spec["failOn"], "spec.failOn")
+        except InvalidSpec as exc:
+            raise InvalidDiagnosis("InvalidSpec", str(exc)) from None
+    steps = spec.get("steps")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise InvalidDiagnosis("InvalidSpec", f"spec.steps {steps!r}: a whole number, at least 1")
+    return BisectSpec(watch, inline or None, good, bad, spec.get("failOn"), steps)
+
+
+def watch_spec(raw: dict, where: str, settings: Settings) -> WatchSpec:
+    """The checkpoints' source, pattern and ProxyModel template, read as a CheckpointWatch's
+    spec is (its own checks: an s3:// prefix, a template that makes a valid ProxyModel)."""
+    try:
+        return parse_watch(raw, settings)
+    except InvalidWatch as exc:
+        raise InvalidDiagnosis("InvalidSpec", f"{where}: {exc}") from None
+
+
+# --- the decisions ------------------------------------------------------------------------------
+
+
+def start(status: dict, b: BisectSpec, raw: dict, checkpoints: list[dict], generation: int) -> DiagnosisDecision:
+    """The listing is in (`checkpoints`: [{step, uri}] in step order, within good..bad): record
+    it with the spec it was made from; the first probe comes on the next tick."""
+    n = len(checkpoints)
+    runtime = (((raw.get("template") or {}).get("spec") or {}).get("reproduction") or {}).get("runtime") or "Job"
+    started = {"observedGeneration": generation, "phase": DIAGNOSING, "message": None,
+               "proxyModel": {"runtime": runtime},  # where the runs' workloads are (diagnosis.observe)
+               "bisection": {"watch": b.watch, "spec": raw, "good": b.good, "bad": b.bad, "failOn": b.fail_on,
+                             "steps": b.steps, "checkpoints": checkpoints},
+               "probes": [], "firstBad": None, "monotone": None, "progress": f"0 probed of {n}", "done": 0,
+               "total": n}
+    said = (f"{n} checkpoints, steps {checkpoints[0]['step']}..{checkpoints[-1]['step']}: at most "
+            f"{math.ceil(math.log2(n)) + 2} probes, one at a time")
+    set_condition(status, started, ACCEPTED, True, "SpecValid", said, generation)
+    set_condition(status, started, RUNNING_CONDITION, True, "Bisecting", said, generation)
+    return DiagnosisDecision(started, [], [("Normal", "BisectionStarted", said)])
+
+
+def probe_proxymodel(body: dict, raw: dict, checkpoint: dict, settings: Settings) -> dict:
+    """The ProxyModel of a probe: the template's, as a CheckpointWatch makes it (name
+    `<diagnosis>-step-<N>`, the source with the checkpoint's URI), owned by the Diagnosis,
+    labelled as its probe, its own reproduction off (the Diagnosis runs it)."""
+    manifest = proxymodel_for(body, watch_spec(raw, "spec.checkpoints", settings), checkpoint["step"],
+                              checkpoint["uri"])
+    labels = manifest["metadata"]["labels"]
+    labels.pop(LABEL_WATCH, None)
+    labels.update({LABEL_DIAGNOSIS: body["metadata"]["name"], LABEL_ROLE: PROBE_ROLE})
+    spec = manifest["spec"]
+    spec["reproduction"] = {**(spec.get("reproduction") or {}), "enabled": False}
+    return manifest
+
+
+def in_flight(status: dict) -> dict | None:
+    """The probe being built or run, if any."""
+    return next((p for p in status.get("probes") or [] if p.get("phase") in (BUILDING, RUN_RUNNING)), None)
+
+
+def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings: Settings) -> DiagnosisDecision:
+    """From the Diagnosis, the ProxyModel of the probe in flight (None: absent) and the outcome
+    of its run (`seen`, by workload name): what to write and create now."""
+    meta, status = body["metadata"], dict(body.get("status") or {})
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation") or 1
+    rec = status["bisection"]
+    checkpoints, out = rec["checkpoints"], DiagnosisDecision()
+    probes = [dict(p) for p in status.get("probes") or []]
+    current = in_flight({"probes": probes})
+    if current is not None:
+        failed = _advance_probe(current, body, rec, child, seen, settings, out)
+        if failed:
+            return _failed(status, probes, current, failed, generation, out)
+    if in_flight({"probes": probes}) is None:
+        done = {p["index"]: bool(p["reproduced"]) for p in probes}
+        nxt = next_probe(len(checkpoints), done, rec.get("good") is not None)
+        if nxt.probe is not None:
+            c = checkpoints[nxt.probe]
+            row = {"index": nxt.probe, "checkpoint": c["uri"], "step": c["step"], "phase": BUILDING,
+                   "proxyModel": None, "workload": None, "reproduced": None, "signature": None, "onset": None}
+            manifest = probe_proxymodel(body, rec["spec"], c, settings)
+            row["proxyModel"] = manifest["metadata"]["name"]
+            probes.append(row)
+            out.create.append((PROXYMODELS, manifest))
+            out.events.append(("Normal", "ProbeCreated", f"probe {len(probes)}: step {c['step']} ({c['uri']}): "
+                               f"ProxyModel {row['proxyModel']}"))
+        else:
+            return _complete(status, probes, checkpoints, nxt.first_bad, generation, out)
+    done = sum(p["phase"] == RUN_DONE for p in probes)
+    out.status.update(probes=probes, done=done, progress=f"{done} probed of {len(checkpoints)}", phase=DIAGNOSING)
+    current = in_flight({"probes": probes})
+    said = f"probe {len(probes)}: step {current['step']} {current['phase'].lower()}" if current else "between probes"
+    set_condition(status, out.status, RUNNING_CONDITION, True, "Bisecting", said, generation)
+    return out
+
+
+def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dict[str, Outcome],
+                   settings: Settings, out: DiagnosisDecision) -> str | None:
+    """Move the probe in flight on (in place); the message of a probe that cannot finish."""
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation") or 1
+    if child is None:  # recorded, not there: the operator stopped before creating it (or it was deleted)
+        if p["phase"] == RUN_RUNNING:
+            return f"ProxyModel {p['proxyModel']} of probe step {p['step']} is gone"
+        out.create.append((PROXYMODELS, probe_proxymodel(body, rec["spec"], {"step": p["step"], "uri": p["checkpoint"]},
+                                                         settings)))
+        return None
+    d = DiagnosisSpec(p["proxyModel"], (), rec.get("failOn"), steps=rec.get("steps"))
+    if p["phase"] == BUILDING:
+        if not proxy_built(child):
+            state = child.get("status") or {}
+            if state.get("phase") == "Failed":
+                return f"ProxyModel {p['proxyModel']} failed: {state.get('message') or 'see its conditions'}"
+            return None
+    try:
+        baseline = baseline_of(d, child, namespace, settings)
+    except (NotYet, InvalidDiagnosis) as exc:
+        return f"probe step {p['step']}: {exc}"
+    variant = RunVariant(f"step-{p['step']}", ())
+    if p["phase"] == BUILDING:
+        resource, manifest, service = run_manifest(name, namespace, generation, baseline, variant,
+                                                   baseline.seeds_from, p["proxyModel"])
+        p.update(phase=RUN_RUNNING, workload=manifest["metadata"]["name"], seed=baseline.seeds_from)
+        out.create += ([(SERVICES, service)] if service else []) + [(resource, manifest)]
+        out.events.append(("Normal", "RunCreated", f"{manifest['kind']} {p['workload']}: probe step {p['step']}"))
+        return None
+    outcome = seen.get(p["workload"])
+    if outcome is None:  # recorded, not there: created again under its name
+        resource, manifest, service = run_manifest(name, namespace, generation, baseline, variant, p["seed"],
+                                                   p["proxyModel"])
+        out.create += ([(SERVICES, service)] if service else []) + [(resource, manifest)]
+        return None
+    if outcome.state == OUTCOME_RUNNING:
+        return None
+    row = finished_row({}, outcome, baseline.steps)
+    if row["phase"] == RUN_ERROR:
+        return f"the run of probe step {p['step']} failed: {row['message']}"
+    p.update(phase=RUN_DONE, reproduced=row["reproduced"], signature=row["signature"], onset=row["step"],
+             stepsCompleted=row["stepsCompleted"])
+    said = f"{row['signature']} at step {row['step']}" if row["reproduced"] else "clean"
+    out.events.append(("Normal", "ProbeFinished", f"step {p['step']}: {said}"))
+    return None
+
+
+def _failed(status: dict, probes: list[dict], p: dict, message: str, generation: int,
+            out: DiagnosisDecision) -> DiagnosisDecision:
+    """A probe that cannot finish ends the bisection (as the CLI's, which stops with exit 1)."""
+    p.update(phase=RUN_ERROR, message=message[:512])
+    s = out.status
+    s.update(probes=probes, phase=DIAGNOSIS_FAILED, message=message[:1024])
+    set_condition(status, s, RUNNING_CONDITION, False, "ProbeFailed", message, generation)
+    set_condition(status, s, FAILED_CONDITION, True, "ProbeFailed", message, generation)
+    out.create.clear()
+    out.events.append(("Warning", "ProbeFailed", message))
+    return out
+
+
+def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: int | None, generation: int,
+              out: DiagnosisDecision) -> DiagnosisDecision:
+    as_probes = [(p["index"], Probe(p["checkpoint"], p["step"], bool(p["reproduced"]), p.get("signature"),
+                                    p.get("onset"))) for p in probes]
+    found = findings(first, as_probes, [SimpleNamespace(**c) for c in checkpoints])
+    s = out.status
+    said = (f"first bad checkpoint: step {found['first_bad']['step']} ({found['first_bad']['checkpoint']}); "
+            if found["first_bad"] else "no checkpoint reproduces; ") + found["boundary"]
+    if not found["monotone"]:
+        said += "; not monotone: " + "; ".join(found["not_monotone"])
+    s.update(probes=probes, firstBad=found["first_bad"], boundary=found["boundary"], monotone=found["monotone"],
+             notMonotone=found.get("not_monotone"), builds=found["builds"], phase=DIAGNOSED, message=said[:1024],
+             done=len(probes), progress=f"{len(probes)} probed of {len(checkpoints)}")
+    set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every probe finished", generation)
+    set_condition(status, s, COMPLETE_CONDITION, True, "FirstBadFound" if found["first_bad"] else "NoneBad", said,
+         generation)
+    out.events.append(("Normal" if found["monotone"] else "Warning", "BisectionComplete", said))
+    return out
+
+
+def listing_refused(status: dict, generation: int, exc: InvalidDiagnosis | NotYet) -> DiagnosisDecision:
+    """The checkpoints cannot be listed (yet): a refusal, permanent for bad input (fewer than 2
+    complete checkpoints, a step of good/bad that is none), else said once and tried again."""
+    temporary = isinstance(exc, NotYet) and not exc.failed
+    if temporary and not condition_changed(status, ACCEPTED, False, exc.reason):
+        return DiagnosisDecision()
+    out = refused(status, generation, exc.reason, str(exc), temporary=temporary)
+    if temporary:
+        out.status["phase"] = DIAGNOSIS_PENDING
+    return out
