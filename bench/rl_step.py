@@ -115,7 +115,7 @@ def fused_adamw():
     def fused(plain):
         class Fused(plain):
             def __init__(self, params, **kwargs):
-                super().__init__(params, fused=True, **kwargs)
+                super().__init__(params, **(kwargs | {"foreach": None, "fused": True}))
         return Fused
 
     return patched(torch.optim, "AdamW", fused)
@@ -132,10 +132,11 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
                          mini_batches=1, kl_coef=0.04, lr=1e-5)
     spent: list[float] = []  # gradient statistics (numerics/*: counts and per-layer norms), one per update
     other: list[float] = []  # the other metrics: hooks in every forward, and their figures
-    cpu, gen_cpu, update_cpu = [], [], []
+    cpu, gen_cpu, forward_cpu, update_cpu = [], [], [], []  # the update: its forward, then the rest
     with contextlib.ExitStack() as patches:
         for patch in (timed(_Loop, "_grad_stats", spent), timed(_Loop, "step", cpu, time.process_time),
                       timed(_Loop, "_rollout", gen_cpu, time.process_time),
+                      timed(_Loop, "_forward", forward_cpu, time.process_time),
                       timed(_Loop, "_update", update_cpu, time.process_time),
                       timed_hooks(RouterTap, "_hook", other), timed(RouterTap, "metrics", other),
                       timed(ActivationWatch, "_hook", other), timed(ActivationWatch, "metrics", other)):
@@ -152,8 +153,9 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
     t.phases["grad_stats"] = spent  # one update per step
     t.phases["metrics"] = [sum(spent + other) / steps] * steps  # hooks run in every phase: their mean per step
     t.cpu_s = cpu
+    update_cpu = [f + u for f, u in zip(forward_cpu, update_cpu)]  # one update per step
     t.cpu_phases = {"gen": gen_cpu, "log_probs": [c - g - u for c, g, u in zip(cpu, gen_cpu, update_cpu)],
-                    "update": update_cpu}  # one update per step
+                    "update": update_cpu}
     return t
 
 
