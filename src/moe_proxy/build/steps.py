@@ -1,7 +1,9 @@
 """Build a proxy checkpoint: read -> plan -> write.
 
 1. Open the source (config, index, safetensors headers; no tensor data yet).
-2. ExpertPlan (pruning_plan.py): per MoE block, the experts to keep.
+2. ExpertPlan (expert_plan.py): per MoE block, the experts to keep. Where a block's selection
+   needs only its own router (no statistics, pins or fitted tensors), it is made on a thread
+   while step 3 writes, each shard waiting only for its own blocks (plan_ahead.py).
 3. Write, shard by shard in the source's sharding: backbone tensors byte for byte, router rows
    and expert tensors of kept experts only, in their source dtype. Dropped experts' bytes are
    never read. Reads run ahead across the worker's shards while earlier bytes are written
@@ -11,9 +13,10 @@
    its presence marks the proxy complete.
 
 Scale-out: `worker=i, workers=W` writes only worker i's share of the shards (a deterministic
-partition balanced by bytes) and a journal of its plan and of what it wrote; `finalize=True`
-(run once after all workers) takes the plan from the journals (refusing workers that selected
-differently), checks every worker's shards against them and does step 4. A single
+partition balanced by bytes, which the expert count fixes) and a journal of its plan (selecting
+ahead: its own blocks' and the first MoE block's) and of what it wrote; `finalize=True` (run once
+after all workers) joins the plan from the journals (refusing workers that selected differently),
+checks every worker's shards against them and does step 4. A single
 build is worker 0 of 1 followed by finalize, so W workers give byte-identical output.
 An interrupted worker reruns and keeps the files its journal shows complete (sha256 checked).
 """
@@ -25,7 +28,7 @@ import json
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from itertools import chain, islice
 from typing import Callable
@@ -37,12 +40,14 @@ from moe_proxy.architectures import detect
 from moe_proxy.checkpoint.reader import (INDEX, JOURNAL, MANIFEST, Checkpoint, TensorInfo, check_finished,
                                          open_checkpoint, read_header, slice_ranges)
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
-from moe_proxy.checkpoint.layout import Layout, find_layout, source_identity
+from moe_proxy.checkpoint.layout import Layout, MoeBlock, find_layout, source_identity
 from moe_proxy.build.config import rewrite_config
-from moe_proxy.checkpoint.reads import read_ahead, read_tasks
+from moe_proxy.checkpoint.reads import Later, read_ahead, read_tasks
 from moe_proxy.checkpoint.params import stored_params
 from moe_proxy.options import PruningOptions
 from moe_proxy.build.expert_plan import ExpertPlan, plan_experts, plan_from_record, plan_record
+from moe_proxy.build import plan_ahead
+from moe_proxy.build.plan_ahead import PlanAhead
 from moe_proxy.build.writer import OutTensor, Written, header_bytes, shard_size, write_file
 from moe_proxy.storage import Store, Writer, open_store, overlap, sha256_of, write_bytes
 from moe_proxy.storage.inflight import Transfer
@@ -58,18 +63,91 @@ class Prepared:
     options: PruningOptions
     identity: str
     build_id: str
-    plan: ExpertPlan
-    shards: dict[str, list[OutTensor]]  # output shard -> its tensors, in source order
+    planned: ExpertPlan | None  # the whole plan, when made before writing; else selected ahead (plan_ahead.py)
+    layout_shards: dict[str, list[OutTensor]]  # output shard -> tensors whose sizes give the split over workers
     calibration: object = None  # the loaded statistics (calibrate.statistics.Calibration), for the fidelity figure
     transfer: Transfer | None = None  # requests in flight and the byte budget of the write (storage/inflight.py)
+    progress: bool = False
+    sizing: object = None  # the device budget a keep ratio's count is judged against (sizing.SizingOptions)
+    counts: ExpertPlan | None = None  # selecting ahead: the counts, with a stand-in selection (plan_ahead.stand_in)
+    ahead: PlanAhead | None = None
+    _shards: dict[str, list[OutTensor]] = field(default_factory=dict)
+    _blocks_in: dict[str, dict[str, MoeBlock]] = field(default_factory=dict)  # source shard -> its MoE blocks
+
+    def blocks_of(self, files: list[str]) -> list[MoeBlock]:
+        """The MoE blocks with tensors in these source shards, in layout order."""
+        if not self._blocks_in:
+            for block in self.layout.blocks:
+                for t in chain(block.expert_tensors(), (t for t, _ in block.router.values())):
+                    self._blocks_in.setdefault(t.file, {})[block.prefix] = block
+        chosen = {prefix for f in files for prefix in self._blocks_in.get(f, {})}
+        return [b for b in self.layout.blocks if b.prefix in chosen]
+
+    def select_ahead(self, files: list[str]) -> None:
+        """Start selecting the blocks of `files` (in their order), then the first MoE block,
+        which every worker selects so that finalize can compare their choices (workers_plan).
+        Nothing to do where the plan was made before writing."""
+        if self.planned is None and self.ahead is None:
+            blocks = {b.prefix: b for f in files for b in self.blocks_of([f])}
+            self.ahead = PlanAhead(self.ckpt, self.layout, self.options, list(blocks.values()) + self.layout.blocks[:1],
+                                   self.sizing, self.progress)
+
+    def plan_of(self, files: list[str], first: bool = True) -> ExpertPlan:
+        """The plan with (at least) the blocks of `files` selected, and the first MoE block
+        with `first`; its notes are the whole plan's."""
+        if self.planned is not None:
+            return self.planned
+        self.select_ahead(files)
+        return self.ahead.plan(self.blocks_of(files) + (self.layout.blocks[:1] if first else []))
+
+    def ready(self, f: str) -> bool:
+        """Are shard f's blocks selected (without waiting)?"""
+        return self.planned is not None or self.ahead is not None and self.ahead.done(
+            [b.prefix for b in self.blocks_of([f])])
+
+    @property
+    def plan(self) -> ExpertPlan:
+        """The whole plan (selecting every block first, where selection runs ahead)."""
+        if self.planned is None:
+            self.planned = self.plan_of(list(self.layout_shards))
+            self.close()
+        return self.planned
+
+    def shard(self, f: str) -> list[OutTensor]:
+        """Output shard f's tensors, once its blocks are selected (only theirs: a shard without
+        routed experts waits for nothing)."""
+        if self.counts is None:  # planned before writing
+            if not self._shards:
+                self._shards = output_tensors(self.ckpt, self.layout, self.planned)
+            return self._shards[f]
+        if f not in self._shards:
+            self.select_ahead([f])
+            blocks = self.blocks_of([f])
+            plan = replace(self.counts, selections=self.ahead.selections(blocks))
+            self._shards[f] = output_tensors(self.ckpt, replace(self.layout, blocks=blocks), plan, [f])[f]
+        return self._shards[f]
+
+    @property
+    def shards(self) -> dict[str, list[OutTensor]]:
+        return {f: self.shard(f) for f in self.layout_shards}
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
 
 
-def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, list[OutTensor]]:
-    """The proxy's tensors, per output shard (same names and order as the source's)."""
+def output_tensors(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan,
+                   files: list[str] | None = None) -> dict[str, list[OutTensor]]:
+    """The proxy's tensors, per output shard (same names and order as the source's); of `files`
+    only, when given, where the plan may select only their blocks."""
     routers: dict[str, tuple[int, list[int]]] = {}  # router tensor -> (expert axis, kept)
     fused: dict[str, list[int]] = {}  # fused expert tensor -> kept (expert axis 0)
     renames: dict[str, str | None] = {}  # per-expert tensor -> new name, None = dropped
+    unselected: set[str] = set()  # tensors of blocks the plan has not selected
     for b in layout.blocks:
+        if b.prefix not in plan.selections:
+            unselected.update(t.name for t in chain(b.expert_tensors(), (t for t, _ in b.router.values())))
+            continue
         kept = plan.selections[b.prefix].kept
         for t, axis in b.router.values():
             routers[t.name] = (axis, kept)
@@ -91,9 +169,11 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: Plan) -> dict[str, li
         return t.shape[:axis] + (len(kept),) + t.shape[axis + 1 :]
 
     shards: dict[str, list[OutTensor]] = {}
-    for f in ckpt.files:
+    for f in ckpt.files if files is None else files:
         out = []
         for t in ckpt.in_file(f):
+            if t.name in unselected:  # a bug, never a user error: it would be copied whole
+                raise AssertionError(f"{t.name}: its MoE block has no selection in the plan")
             if t.name in routers:
                 axis, kept = routers[t.name]
                 out.append(OutTensor(t.name, t.dtype, sliced(t, axis, kept), router_rows(t, axis, kept)))
@@ -161,11 +241,13 @@ def _as_json(obj):
 
 
 def workers_plan(dst: Store, build_id: str, workers: int) -> dict:
-    """The plan record every worker of this build wrote into its journal: refused unless all W
-    journals are there, are of this very build and hold one and the same plan (workers that
-    selected differently, e.g. other library versions in their images, wrote shards that do
-    not form one proxy)."""
-    records = []
+    """The plan of this build, joined from the W workers' journals: refused unless all W are
+    there, complete, of this very build, and agree: the same counts and notes, and each block
+    that several workers selected (every one selects the first MoE block) selected alike
+    (workers that selected differently, e.g. other library versions in their images, wrote
+    shards that do not form one proxy)."""
+    joined: dict | None = None
+    by: dict[str, int] = {}  # block -> the first worker that selected it
     for worker in range(workers):
         name = journal_name(worker, workers)
         if not dst.exists(name):
@@ -177,24 +259,34 @@ def workers_plan(dst: Store, build_id: str, workers: int) -> dict:
         if j.get("build_id") != build_id:
             raise CorruptCheckpoint(f"worker {worker}'s journal {name} is of another build (source, options or "
                                     f"moe-proxy version differ); rerun worker {worker} with this build's options")
-        if "plan" not in j:
-            raise CorruptCheckpoint(f"worker {worker}'s journal {name} holds no plan (an older moe-proxy wrote it); "
-                                    f"rerun worker {worker}")
-        records.append(j["plan"])
-    for worker, record in enumerate(records[1:], 1):
-        if record != records[0]:
-            raise CorruptCheckpoint(f"worker {worker} selected other experts than worker 0 "
-                                    f"({_plan_difference(records[0], record)}): their shards do not form one "
+        if not j.get("complete"):
+            raise CorruptCheckpoint(f"worker {worker} of {workers} has not finished: its journal {name} is of an "
+                                    f"interrupted run; rerun worker {worker}")
+        if not isinstance(j.get("plan"), dict):
+            raise CorruptCheckpoint(f"worker {worker}'s journal {name} holds no plan; rerun worker {worker}")
+        record = j["plan"]
+        joined = joined or {**record, "selections": {}}
+        shared = {b for b in record["selections"] if b in by}
+        if (_without_selections(record) != _without_selections(joined)
+                or any(record["selections"][b] != joined["selections"][b] for b in shared)):
+            raise CorruptCheckpoint(f"worker {worker} selected other experts than worker "
+                                    f"{min((by[b] for b in shared), default=0)} "
+                                    f"({_plan_difference(joined, record, shared)}): their shards do not form one "
                                     f"proxy; rerun every worker with the same moe-proxy")
-    return records[0]
+        for b, s in record["selections"].items():
+            by.setdefault(b, worker)
+            joined["selections"].setdefault(b, s)
+    return joined
 
 
-def _plan_difference(a: dict, b: dict) -> str:
-    for prefix in sorted(set(a.get("selections", {})) | set(b.get("selections", {}))):
+def _plan_difference(a: dict, b: dict, blocks: set[str] | None = None) -> str:
+    """The first difference of two plan records (of `blocks` only, where given)."""
+    for prefix in sorted(blocks if blocks is not None else set(a.get("selections", {})) | set(b.get("selections", {}))):
         sa, sb = a.get("selections", {}).get(prefix), b.get("selections", {}).get(prefix)
         if sa != sb:
             return f"{prefix}: kept {(sa or {}).get('kept')} vs {(sb or {}).get('kept')}"
-    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    keys = (set(a) | set(b)) - {"selections"}
+    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(keys) if a.get(k) != b.get(k))
 
 
 def _journals(dst: Store) -> list[str]:
@@ -370,6 +462,8 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
                  fits_name(build_id))
     elif journaled is not None and not fitted:
         plan = plan_from_record(journaled, layout)
+    elif plan_ahead.applies(options, calibration, layout):  # selected while the shards stream
+        plan = None
     else:
         plan = plan_experts(ckpt, layout, options, progress, calibration=calibration, sizing=sizing)
         if fitted and share_fits:  # the other workers and finalize read these instead of fitting again
@@ -377,25 +471,34 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     if journaled is not None and (mine := _as_json(plan_record(plan))) != journaled:
         raise CorruptCheckpoint(f"the workers selected other experts than finalize does "
                                 f"({_plan_difference(journaled, mine)}); rerun every worker with the same moe-proxy")
-    for note in plan.notes:
+    for note in plan.notes if plan is not None else []:  # (selected ahead: said once selected, write_share)
         log.warning(note)
     if replaced:  # recorded before the manifest goes, so that finalize (maybe another process) knows them
         write_bytes(dst_store, REPLACED, json.dumps({"build_id": build_id, "replaces": replaced}).encode())
     # Unpublish: from here until finalize writes the manifest, dst is visibly incomplete.
     dst_store.delete(MANIFEST)
-    return Prepared(ckpt, layout, dst_store, options, identity, build_id, plan, output_tensors(ckpt, layout, plan),
-                    calibration, transfer)
+    # The split over workers takes the shards' sizes, which the counts fix where selecting ahead applies:
+    # the same for every worker, before it selects, and for finalize.
+    split = plan_ahead.stand_in(ckpt, layout, options, sizing) if plan_ahead.applies(options, calibration, layout) \
+        else plan
+    return Prepared(ckpt, layout, dst_store, options, identity, build_id, plan, output_tensors(ckpt, layout, split),
+                    calibration, transfer, progress, sizing, split if plan is None else None)
 
 
 def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) -> dict[str, Written]:
-    """Write worker `worker`'s shards, resuming from its journal."""
+    """Write worker `worker`'s shards, resuming from its journal. Where experts are selected
+    ahead (plan_ahead.py), this worker's blocks are selected while its shards stream, each
+    shard waiting only for its own; its journal holds the selections of the shards written so
+    far, and the whole share's once the last is (marked complete: what finalize takes)."""
     if not 0 <= worker < workers:
         raise MoeProxyError(f"--worker must be in 0..{workers - 1} for --workers {workers}, got {worker}")
-    mine = assign_shards(p.shards, workers)[worker]
+    mine = assign_shards(p.layout_shards, workers)[worker]
     name = journal_name(worker, workers)
-    record = _as_json(plan_record(p.plan))  # finalize takes the plan from here
-    journal = _read_journal(p.dst, name, p.build_id, record)
-    total = sum(shard_size(p.shards[f]) for f in mine)
+    p.select_ahead(mine)
+    journal = _read_journal(p.dst, name, p.build_id, lambda: _as_json(plan_record(p.plan_of(mine))))
+    if not p.dst.exists(name):  # before any shard: workers that start later see a build here, not strangers' files
+        write_journal(p.dst, name, p.build_id, None, {})
+    total = sum(shard_size(p.layout_shards[f]) for f in mine)
     written: dict[str, Written] = {}
     transfer = p.transfer or Transfer().sized(max(b.expert_bytes for b in p.layout.blocks))
     with tqdm(total=total, desc=f"writing proxy ({worker + 1}/{workers})" if workers > 1 else "writing proxy",
@@ -417,7 +520,13 @@ def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) 
         # shard i+1 is committed only after shard i is journaled, so a killed worker leaves at
         # most two unfinished uploads (invisible: a multipart upload or a temporary file until
         # its commit) and its journal names only shards that are complete.
-        tasks = {f: read_tasks(p.ckpt.store, f, p.shards[f], transfer.read_part) for f in todo}
+        tasks: dict[str, list] = {}
+
+        def tasks_of(f: str) -> list:  # (a shard's tasks once its blocks are selected)
+            if f not in tasks:
+                tasks[f] = read_tasks(p.ckpt.store, f, p.shard(f), transfer.read_part)
+            return tasks[f]
+
         pending: list[Future] = []
 
         def commit_behind(w: Writer, done: Written) -> None:
@@ -432,23 +541,36 @@ def write_share(p: Prepared, worker: int, workers: int, progress: bool = False) 
         def commit_and_journal(w: Writer, done: Written) -> None:
             w.commit()
             journal[done.name] = {"size": done.size, "sha256": done.sha256, "checksum": p.dst.checksum(done.name)}
-            write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "plan": record, "files": journal}).encode())
+            # the selections of every shard written so far: all made, nothing waited for
+            so_far = [f for f in mine if f in journal]
+            write_journal(p.dst, name, p.build_id, _as_json(plan_record(p.plan_of(so_far, first=False))), journal)
 
         with (ThreadPoolExecutor(transfer.streams, thread_name_prefix="read") as pool,
               ThreadPoolExecutor(1, thread_name_prefix="commit") as committer):
-            data = read_ahead((t for f in todo for t in tasks[f]), pool, transfer.streams, transfer.budget)
+            # (a shard whose blocks are still being selected: reads stop running ahead there)
+            shards = (Later(partial(p.ready, f), partial(tasks_of, f)) for f in todo)
+            data = read_ahead(shards, pool, transfer.streams, transfer.budget)
             try:
                 for f in todo:
-                    tensors = p.shards[f]
-                    pieces = chain([header_bytes(tensors)], islice(data, len(tasks[f])))
+                    tensors = p.shard(f)
+                    pieces = chain([header_bytes(tensors)], islice(data, len(tasks_of(f))))
                     written[f] = write_file(p.dst, f, pieces, bar.update, shard_size(tensors), commit_behind)
                 if pending:
                     pending.pop().result()
             finally:
                 data.close()  # frees what is read ahead if writing stopped
-    if not mine:  # an idle worker still leaves its journal, so finalize knows it ran
-        write_bytes(p.dst, name, json.dumps({"build_id": p.build_id, "plan": record, "files": {}}).encode())
+    plan = p.plan_of(mine)  # (an idle worker still selects the first block: finalize compares it)
+    if p.planned is None:
+        for note in plan.notes:
+            log.warning(note)
+    # Complete: the share's selections; an idle worker still leaves its journal, so finalize knows it ran.
+    write_journal(p.dst, name, p.build_id, _as_json(plan_record(plan)), journal, complete=True)
     return written
+
+
+def write_journal(dst: Store, name: str, build_id: str, plan: dict | None, files: dict, complete: bool = False) -> None:
+    write_bytes(dst, name, json.dumps({"build_id": build_id, "plan": plan, "files": files}
+                                      | ({"complete": True} if complete else {})).encode())
 
 
 def _matches(dst: Store, name: str, rec: dict) -> bool:
@@ -461,16 +583,31 @@ def _matches(dst: Store, name: str, rec: dict) -> bool:
     return sha256_of(dst, name) == rec["sha256"]
 
 
-def _read_journal(dst: Store, name: str, build_id: str, plan: dict | None = None) -> dict:
-    """Files already written by an interrupted attempt of this same build (and, given, plan)."""
+def _read_journal(dst: Store, name: str, build_id: str, plan: Callable[[], dict] | None = None) -> dict:
+    """Files already written by an interrupted attempt of this same build (and, given, of a
+    plan that agrees with `plan()`, asked for only where there are such files)."""
     if not dst.exists(name):
         return {}
     try:
         j = json.loads(dst.read_bytes(name))
     except ValueError:
         return {}
-    same = j.get("build_id") == build_id and (plan is None or j.get("plan") == plan)
-    return j.get("files", {}) if same else {}
+    if j.get("build_id") != build_id or not j.get("files"):
+        return {}
+    return j["files"] if plan is None or _agrees(j.get("plan"), plan()) else {}
+
+
+def _agrees(theirs: dict | None, mine: dict) -> bool:
+    """Does a journal's plan (maybe of the shards written so far only) agree with `mine`: the
+    same counts and notes, and each block it selected selected alike?"""
+    if not isinstance(theirs, dict) or not isinstance(theirs.get("selections"), dict):
+        return False
+    return _without_selections(theirs) == _without_selections(mine) and all(
+        mine["selections"].get(b) == s for b, s in theirs["selections"].items())
+
+
+def _without_selections(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "selections"}
 
 
 def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str, Written] | None = None,
@@ -479,7 +616,7 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
     `fresh`: shards this very process has just written (a single build), not checked again.
     `progress`: a bar over the fidelity figure's layers, when there is one to measure."""
     written: dict[str, Written] = dict(fresh or {})
-    for worker, files in enumerate(assign_shards(p.shards, workers) if fresh is None else []):
+    for worker, files in enumerate(assign_shards(p.layout_shards, workers) if fresh is None else []):
         name = journal_name(worker, workers)
         if not p.dst.exists(name):
             raise CorruptCheckpoint(f"worker {worker} of {workers} has not finished: no {name} in {p.dst.uri}")
@@ -565,12 +702,15 @@ def build_proxy(
     if chosen is not None:
         p.plan.fidelity = chosen[0]
         p.plan.notes.extend(n for n in chosen[1] if n not in p.plan.notes)  # (a workers' plan has them)
-    if finalize_only:
-        return finalize(p, workers, overwrite, progress=progress)
-    if worker is not None:
-        files = write_share(p, worker, workers, progress)
-        return {"worker": worker, "workers": workers, "files": {f: asdict(w) for f, w in files.items()}}
-    return finalize(p, 1, overwrite, fresh=write_share(p, 0, 1, progress), progress=progress)
+    try:
+        if finalize_only:
+            return finalize(p, workers, overwrite, progress=progress)
+        if worker is not None:
+            files = write_share(p, worker, workers, progress)
+            return {"worker": worker, "workers": workers, "files": {f: asdict(w) for f, w in files.items()}}
+        return finalize(p, 1, overwrite, fresh=write_share(p, 0, 1, progress), progress=progress)
+    finally:
+        p.close()  # (selecting ahead: stops, where writing failed)
 
 
 class Published(dict):

@@ -7,7 +7,8 @@ which requests, and how fetching runs ahead of writing. Torch-free.
 - `read_ahead`: the tasks' bytes in order, up to `window` fetched ahead while earlier ones are
   written, so download and upload overlap; with a budget (storage/inflight.py), each task
   holds its bytes from before its request until the consumer has taken them, so memory is
-  bounded by the budget whatever the window.
+  bounded by the budget whatever the window. A `Later` among the tasks (a shard whose experts
+  are still being selected) stops the running ahead while earlier bytes are in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 from typing import Callable, Iterable, Protocol
 
 from moe_proxy.storage import Store
@@ -100,15 +102,25 @@ def read_tasks(store: Store, file: str, tensors: list[Sourced], part: int = PART
     return tasks + part_readers(store, file, ranges, part)
 
 
-def read_ahead(parts: Iterable[Callable[[], bytes]], pool: Executor | None = None, window: int = 4,
+@dataclass(frozen=True)
+class Later:
+    """Parts not known yet (a shard whose experts are still being selected): `read_ahead` stops
+    running ahead at it while it has parts in flight, and waits for `parts()` only when it has none."""
+    ready: Callable[[], bool]
+    parts: Callable[[], Iterable[Callable[[], bytes]]]
+
+
+def read_ahead(parts: Iterable[Callable[[], bytes] | Later], pool: Executor | None = None, window: int = 4,
                budget: Budget | None = None) -> Iterable[bytes]:
     """Each part's bytes, in order. With a pool, up to `window` parts are fetched ahead while
     earlier ones are written, overlapping download and upload. With a `budget`, a part (a
     ReadTask: its nbytes) is sent only once its bytes are reserved, and they are freed when the
     consumer asks for the next part; while fetched parts wait to be taken, no reservation
-    blocks (the consumer frees them), so reads and uploads sharing the budget cannot deadlock."""
+    blocks (the consumer frees them), so reads and uploads sharing the budget cannot deadlock.
+    `parts` may hold `Later`s, which stand for the parts they give once ready."""
     if pool is None:
-        yield from (p() for p in parts)
+        for p in parts:
+            yield from (q() for q in p.parts()) if isinstance(p, Later) else [p()]
         return
     ahead: deque = deque()  # (future, bytes reserved)
     todo = iter(parts)
@@ -116,6 +128,12 @@ def read_ahead(parts: Iterable[Callable[[], bytes]], pool: Executor | None = Non
     try:
         while nxt is not None or ahead:
             while nxt is not None and len(ahead) < window:
+                if isinstance(nxt, Later):
+                    if ahead and not nxt.ready():
+                        break
+                    todo = chain(nxt.parts(), todo)
+                    nxt = next(todo, None)
+                    continue
                 n = getattr(nxt, "nbytes", 0) if budget is not None else 0
                 if n and not budget.acquire(n, read=True, block=not ahead):
                     break
