@@ -65,6 +65,7 @@ class PlanAhead:
     def __init__(self, ckpt: Checkpoint, layout: Layout, options: PruningOptions, order: list[MoeBlock],
                  sizing=None, progress: bool = False):
         self.ckpt, self.layout, self.options, self.sizing = ckpt, layout, options, sizing
+        order = list({b.prefix: b for b in order}.values())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="select")
         self._lock = threading.Lock()
         self._bar = tqdm(total=len(order), desc="selecting experts", unit="layer", disable=not progress)
