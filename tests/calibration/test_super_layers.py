@@ -127,3 +127,20 @@ def test_sequential_statistics_carry_their_thresholds(tmp_path):
     m = build_proxy(str(src), str(tmp_path / "p"), experts=4, calibration=str(tmp_path / "s"), reconstruct=False,
                     super_outlier=1e12, super_range_share=1e3)
     assert m["layers"]["model.layers.2.mlp"]["super"] == []
+
+
+def test_reconstruction_is_kept_only_when_it_brings_the_proxy_closer(tmp_path):
+    """A kept super expert whose massive outputs dominate every squared error: the layer fits
+    lower their block errors but the fitted proxy's KL is 4x the plain one's, so the build keeps
+    the plain selection, says so, and its figure is the plain proxy's (docs/fidelity.md)."""
+    src = _qwen(tmp_path / "m", 2, router_scale=1.0)
+    stats = str(tmp_path / "s")
+    cal.calibrate(str(src), stats, samples=32, seq_len=64)
+    plain = build_proxy(str(src), str(tmp_path / "plain"), experts=4, calibration=stats, reconstruct=False)
+    built = build_proxy(str(src), str(tmp_path / "default"), experts=4, calibration=stats)
+    end = built["reconstruct"]["end_to_end"]
+    assert not end["kept"] and end["kl_fitted"] > 2 * end["kl_plain"]
+    assert end["kl_plain"] == plain["fidelity"]["kl"] == built["fidelity"]["kl"]
+    assert built["reconstruct"]["fitted"] == [] and any("reconstruction not kept" in n for n in built["notes"])
+    assert all(not layer["reconstruct"]["fitted"] for layer in built["layers"].values())
+    assert built["files"] == plain["files"]  # the plain proxy's bytes, shard for shard

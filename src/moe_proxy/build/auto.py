@@ -202,7 +202,8 @@ def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict
     def build(i: int) -> float:
         count = search.counts[i]
         plan = fit_plan(ckpt, layout, _unfitted(plans[count]), options, calibration, progress)
-        figure = measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
+        # (fit_plan measured it already when it judged the fits against the plain selection)
+        figure = plan.fidelity or measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
         built.append(f"{count} -> kl {figure['kl']:.4g}")
         log.info("--experts auto: %d experts per layer fitted, KL %.4g (target %g)", count, figure["kl"],
                  search.max_kl)

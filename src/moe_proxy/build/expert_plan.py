@@ -147,12 +147,50 @@ def fit_plan(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: Prunin
         from moe_proxy.build.reconstruct import reconstruct  # torch-heavy, only when asked
 
         reconstruct(ckpt, layout, plan, calibration, progress, merge=options.merge)
+        if not options.merge:  # (merged experts have no plain selection to fall back to)
+            keep_fits_if_closer(ckpt, layout, plan, calibration, progress)
     elif options.merge:
         from moe_proxy.build.merge import merge
 
         merge(ckpt, layout, plan, calibration, progress)
     return plan
 
+
+PLAIN_CLOSER = ("reconstruction not kept: the fitted proxy's KL to the original, {fitted:.3g}, is above the plain "
+                "selection's, {plain:.3g}, on the held-out calibration tokens (the plain proxy is written; "
+                "docs/fidelity.md, super experts)")
+
+
+def keep_fits_if_closer(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, calibration, progress: bool = False) -> None:
+    """Keep the reconstructed tensors only if the proxy they make is, end to end, at least as close
+    to the original as the plain selection. Each fitted layer lowered its own block error, and
+    that almost always lowers the KL too, but not where a super expert's massive outputs dominate
+    every squared error: there the fit matched those few tokens and the KL came out 4x the plain
+    proxy's (docs/fidelity.md). Both proxies are measured in one walk, on the fidelity figure's
+    held-out tokens; the manifest's `reconstruction.end_to_end` records the two KLs, and
+    `plan.fidelity` holds the figure of the proxy kept (so --experts auto measures it once)."""
+    if not plan.tensor_overrides:
+        return
+    from moe_proxy.build.fidelity import measure_many  # torch-heavy, only here
+    from moe_proxy.build.steps import output_tensors
+
+    plain = replace(plan, tensor_overrides={})
+    fitted, unfitted = measure_many(ckpt, layout, [(plan, output_tensors(ckpt, layout, plan)),
+                                                   (plain, output_tensors(ckpt, layout, plain))], calibration, progress)
+    kept = fitted["kl"] <= unfitted["kl"]
+    plan.reconstruction["end_to_end"] = {"kl_fitted": fitted["kl"], "kl_plain": unfitted["kl"], "kept": kept}
+    plan.fidelity = fitted if kept else unfitted
+    if kept:
+        return
+    why = PLAIN_CLOSER.format(fitted=fitted["kl"], plain=unfitted["kl"])
+    plan.tensor_overrides.clear()
+    for sel in plan.selections.values():
+        record = sel.record.get("reconstruct")
+        if record and record["fitted"]:
+            sel.record["reconstruct"] = record | {"fitted": False, "why": why}
+    plan.reconstruction["fitted"] = []
+    plan.reconstruction["layers"] = {"fitted": 0, "plain": sum(plan.reconstruction["layers"].values())}
+    plan.notes.append(why)
 
 
 PLAN_FIELDS = ("experts_before", "experts_after", "top_k_before", "top_k_after", "n_group", "topk_group", "notes",

@@ -216,7 +216,8 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
         "optimizer": {"name": "Adam", "dtype": "float32", "max_steps": RECON_STEPS, "patience": RECON_PATIENCE,
                       "lr_router_x_rms": ROUTER_LR, "lr_experts_x_rms": EXPERT_LR},
         "rule": "a layer keeps its fitted tensors only if, as stored (dtype, FP8 re-quantised), they lower the "
-                "held-out error below the plain selection's",
+                "held-out error below the plain selection's; and the proxy keeps them only if its KL to the original "
+                "is not above the plain selection's (end_to_end)",
         "layers": found.counts,
     }
     if merge:
