@@ -76,7 +76,10 @@ def test_cli_not_reproduced_is_reported(tiny_qwen3, tmp_path):
     log = tmp_path / "log.json"
     main(["repro", str(tiny_qwen3), "--out", str(tmp_path / "run"), "--steps", "2", "--lr", "1e-4",
           "--fail-on", "nan", "--termination-log", str(log)])
-    assert json.loads(log.read_text()) | {"metrics": None} == {
+    report = json.loads(log.read_text())
+    series = report.pop("series")  # each step's reward, loss and time, for a Diagnosis's cost (verdict.cost_series)
+    assert series["stride"] == 1 and len(series["reward"]) == len(series["time"]) == 2
+    assert report | {"metrics": None} == {
         "reproduced": False, "signature": None, "step": None, "metrics": None,
         "steps_completed": 2, "stopped": "completed"}  # all it was asked to run: a clean run, not a cut-short one
 
