@@ -135,6 +135,7 @@ def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Sizing:
         accelerator=r.accelerator.resource, device_memory_gb=r.accelerator.memory_gb or settings.device_memory_gb,
         devices_per_node=r.accelerator.devices_per_node,
         max_devices=r.accelerator.devices,  # an explicit device count is the budget for the kept experts
+        rollout_copy=r.config.rollout_precision or (r.precision if r.config.rollout_kernels else None),
     )
     try:
         if p.auto:  # `experts: auto`: sized for the largest count the build may choose

@@ -73,6 +73,9 @@ class SizingOptions:
     micro_batch_tokens: int = 4096  # tokens per device per micro-batch
     workload: StepShape = StepShape()  # the RL step's shape, for its time (step_cost.py)
     reference: bool = True  # a frozen reference policy is resident (KL term)
+    # a separate rollout weight copy, resident beside the policy and sharded like it, in this
+    # precision (repro's --rollout-precision, or the training precision with --rollout-kernels)
+    rollout_copy: str | None = None
     utilization: float = 0.9  # usable fraction of device memory
     reserve_gb: float = 4.0  # runtime, communication buffers, fragmentation, per device
     max_devices: int | None = None  # the proxy's device budget (default: what the keep ratio's proxy needs)
@@ -85,10 +88,11 @@ class Memory:
     optimizer: int
     reference: int
     activations_per_device: int  # bytes on every device
+    rollout: int = 0  # the rollout engine's own weight copy (SizingOptions.rollout_copy)
 
     @property
     def static(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.reference
+        return self.weights + self.gradients + self.optimizer + self.reference + self.rollout
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class Sizing:
     proxy: Side
     workload: StepShape = StepShape()  # the RL step timed
     notes: tuple[str, ...] = ()  # decisions a person should see (kept experts raised or not, and why)
+    rollout_copy: str | None = None  # SizingOptions.rollout_copy
 
     @property
     def device_reduction(self) -> float:
@@ -243,6 +248,7 @@ def _memory(c: dict, params: Params, k: int, n_moe: int, opts: SizingOptions) ->
         optimizer=params.total * (12 if w < 4 else 8),
         reference=params.total * w if opts.reference else 0,
         activations_per_device=opts.micro_batch_tokens * per_token,
+        rollout=params.total * BYTES_PER_PARAM[opts.rollout_copy] if opts.rollout_copy else 0,
     )
 
 
@@ -278,6 +284,9 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
     """Plan the original and the proxy described by `opts` (see SizingOptions)."""
     if opts.precision not in BYTES_PER_PARAM:
         raise InvalidExpertCount(f"precision {opts.precision!r}: expected one of {', '.join(BYTES_PER_PARAM)}")
+    if opts.rollout_copy not in (None, *BYTES_PER_PARAM):
+        raise InvalidExpertCount(f"rollout copy precision {opts.rollout_copy!r}: expected one of "
+                                 f"{', '.join(BYTES_PER_PARAM)}")
     if opts.devices_per_node < 1:
         raise InvalidExpertCount(f"devices per node must be at least 1, got {opts.devices_per_node}")
     w = opts.workload
@@ -320,7 +329,7 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
                      f"neither samples nor trains with {'them' if mtp > 1 else 'it'}; the proxy keeps "
                      f"{'them' if mtp > 1 else 'it'}, pruned alike")
     return Sizing(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
-                original=side(n, k), proxy=proxy, workload=workload, notes=tuple(notes))
+                original=side(n, k), proxy=proxy, workload=workload, notes=tuple(notes), rollout_copy=opts.rollout_copy)
 
 
 def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: SizingOptions, preferred: int | None,
@@ -378,6 +387,8 @@ def format_sizing(p: Sizing) -> str:
         row("gradients", gib(o.memory.gradients), gib(x.memory.gradients)),
         row("optimizer states", gib(o.memory.optimizer), gib(x.memory.optimizer)),
         row("reference policy", gib(o.memory.reference), gib(x.memory.reference)),
+        *([row(f"rollout copy ({p.rollout_copy})", gib(o.memory.rollout), gib(x.memory.rollout))]
+          if o.memory.rollout else []),
         row("activations per device", gib(o.memory.activations_per_device), gib(x.memory.activations_per_device)),
         row("devices (whole nodes)", f"{o.devices} ({o.nodes} node{'s' * (o.nodes != 1)})",
             f"{x.devices} ({x.nodes} node{'s' * (x.nodes != 1)})"),

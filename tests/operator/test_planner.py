@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from dataclasses import replace
+
 from moe_proxy.errors import InvalidExpertCount, NotMoE, UnsupportedArchitecture
 from moe_proxy.checkpoint.params import config_params, moe_layer_indices
 from moe_proxy.demo.published import DEEPSEEK_V3
@@ -228,3 +230,36 @@ def test_mtp_layers_are_said_and_tiny_memory_has_units_that_fit(tmp_path, capsys
     assert "note: 1 MTP layer (num_nextn_predict_layers) not counted" in out
     weights = next(line for line in out.splitlines() if line.strip().startswith("weights"))
     assert "0.0 GiB" not in out and weights.split()[-1] in ("KiB", "MiB"), weights
+
+
+def test_a_separate_rollout_copy_is_counted():
+    """repro's --rollout-precision / --rollout-kernels keep a second copy of the weights for the
+    rollout engine: the plan counts it (in its own precision), and it can take more devices."""
+    opts = SizingOptions(experts=4, device_memory_gb=0.0009, devices_per_node=1, micro_batch_tokens=1,
+                         utilization=1.0, reserve_gb=0.0)
+    without = estimate(QWEN3, opts)
+    copy = estimate(QWEN3, replace(opts, rollout_copy="fp32"))
+    assert without.original.memory.rollout == 0
+    assert copy.original.memory.rollout == 125824 * 4  # fp32 beside the bf16 policy
+    assert copy.original.memory.static == without.original.memory.static + 125824 * 4
+    room = 0.0009 * GB - 2816  # the device less one token's activations (test_memory_and_devices_by_hand)
+    assert without.original.devices == -(-125824 * 18 // room) == 3
+    assert copy.original.devices == -(-125824 * 22 // room) == 4
+    assert copy.summary()["rollout_copy"] == "fp32" and "rollout copy (fp32)" in format_sizing(copy)
+    assert "rollout copy" not in format_sizing(without)
+    with pytest.raises(InvalidExpertCount, match="rollout copy precision 'int4'"):
+        estimate(QWEN3, replace(opts, rollout_copy="int4"))
+
+
+def test_the_plan_command_and_the_operator_pass_the_rollout_copy(tmp_path, capsys):
+    from moe_proxy.cli import main
+    from proxymodel_operator.preflight import plan_for
+    from proxymodel_operator.settings import Settings
+    from proxymodel_operator.spec import parse
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    assert main(["plan", str(tmp_path), "--experts", "4", "--rollout-kernels", "grouped", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rollout_copy"] == "bf16"  # the training precision's copy
+    spec = {"source": {"uri": "s3://runs/ckpt", "credentialsSecret": "c"}, "output": {"uri": "s3://runs/proxy"},
+            "pruning": {"experts": 4}, "reproduction": {"rolloutPrecision": "fp32"}}
+    assert plan_for(QWEN3, parse(spec, "ns", "pm", Settings()), Settings()).rollout_copy == "fp32"

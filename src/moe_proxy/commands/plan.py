@@ -9,7 +9,8 @@ from dataclasses import fields
 
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.commands._common import add_device_args
-from moe_proxy.sizing import SizingOptions, format_sizing, estimate
+from moe_proxy.repro.config import ROLLOUT_KERNELS
+from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, format_sizing, estimate
 from moe_proxy.step_cost import StepShape
 
 STEP_HELP = {
@@ -46,6 +47,12 @@ def add_parser(subparsers) -> None:
                           help=f"{help_text} (default {default})")
     step.add_argument("--no-recompute", action="store_true", help="no activation recomputation in training")
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
+    p.add_argument("--rollout-precision", choices=tuple(BYTES_PER_PARAM),
+                   help="the rollout engine's own weight copy in this precision, resident beside the policy (repro "
+                        "--rollout-precision)")
+    p.add_argument("--rollout-kernels", choices=ROLLOUT_KERNELS,
+                   help="the rollout engine's own copy with its own experts kernel (repro --rollout-kernels): in "
+                        "--precision unless --rollout-precision says otherwise")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -76,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
     known = {f.name for f in fields(SizingOptions)}
     workload = StepShape(**{k: getattr(args, k) for k in STEP_HELP}, recompute=not args.no_recompute)
+    copy = args.rollout_precision or (args.precision if args.rollout_kernels else None)
     opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
-                         reference=not args.no_reference, workload=workload)
+                         reference=not args.no_reference, workload=workload, rollout_copy=copy)
     result = estimate(config, opts)
     print(json.dumps(result.summary(), indent=2) if args.json else format_sizing(result))
     return 0
