@@ -14,7 +14,9 @@ bound). Compute runs at `mfu` of peak, memory traffic at `hbm_efficiency` of the
   the longer of that traffic and its FLOPs. The rollout engine is split into replicas of the
   fewest whole nodes that hold the weights; each decodes its share of the sequences and reads
   its own copy of the weights;
-- old-log-prob and reference passes: one forward each over prompt + response;
+- old-log-prob and reference passes: one forward each over prompt + response; with one update
+  per step the old policy is the policy itself and its log-probs come from the update's own
+  forward (as in repro, verl and TRL), so there is no old-log-prob pass;
 - training: forward + backward (3 forwards' FLOPs), plus one forward more with activation
   recomputation;
 - optimizer, `updates` times per step: every sharded byte of weights, gradients and Adam states
@@ -145,14 +147,15 @@ def phases(m: ModelShape, w: StepShape, acc: Accelerator, devices: int, per_node
     # all-to-all: experts over min(experts, devices) devices on `nodes` nodes
     ep = min(m.experts, devices)
     nodes = math.ceil(ep / per_node)
-    passes = 1 + 1 + w.reference + 2 + w.recompute  # rollout, old, ref, fwd + bwd, recompute
+    old = w.updates > 1  # one update: the old log-probs are the update's own forward's
+    passes = 1 + old + w.reference + 2 + w.recompute  # rollout, old, ref, fwd + bwd, recompute
     volume = passes * w.tokens * m.moe_layers * 2 * m.top_k * m.hidden * m.bytes_per_param / devices
     a2a = volume * ((1 - 1 / nodes) / _bps(acc.inter_gbps) + max(0.0, 1 / nodes - 1 / ep) / _bps(acc.intra_gbps))
 
     return Phases(
         rollout_prefill=forward(p, w.sequences) / flops,
         rollout_decode=decode,
-        old_log_prob=full / flops,
+        old_log_prob=full / flops if old else 0.0,
         reference=full / flops if w.reference else 0.0,
         train=(3 + w.recompute) * full / flops,
         optimizer=w.updates * optimizer_bytes / devices / hbm,

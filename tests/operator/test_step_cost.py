@@ -46,6 +46,9 @@ def test_phases_by_hand_on_one_device():
     full = 4 * (2 * 88960 * 14 + attention * 14 ** 2 / 2)
     assert p.old_log_prob == p.reference == pytest.approx(full / 1e12)
     assert p.train == pytest.approx(3 * full / 1e12)
+    # one update per step: the old log-probs come from the update's own forward, no pass of their own
+    once = phases(m, replace(EXACT, updates=1), ONE, devices=1, per_node=1, usable_bytes=1e12)
+    assert once.old_log_prob == 0 and once.reference == p.reference and once.train == p.train
     # decode: 6 steps, each reading the non-expert weights, the experts 4 rows touch, the KV cache
     backbone = 125824 - 8 * m.expert_params
     read = 4 * (backbone + touched_experts(8, 2, 4) * m.expert_params) + 4 * (8 + 3) * 2 * 64 * 4
