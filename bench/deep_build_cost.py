@@ -12,9 +12,10 @@ of every layer is printed):
     moe-proxy build SRC DST --experts 16 --method saliency --calibration STATS --reconstruct
 
 (`--reconstruct` with at most --steps fit steps per layer: memory, not quality, is shown; the
-build also measures its fidelity figure, both models layer by layer). Prints peak RSS (VmHWM)
+build also measures its fidelity figure, the original and the fitted and plain proxies layer by
+layer, to keep the fits only if they are closer). Prints peak RSS (VmHWM)
 and wall time of each, the per-layer times the commands printed, the build's peak per phase
-(reconstruct, write, fidelity: VmHWM reset at each phase's start, see RUN) with what was resident
+(reconstruct, fidelity, write: VmHWM reset at each phase's start, see RUN) with what was resident
 at its start and end, and writes bench/out/deep_build_cost.json. Deletes the checkpoints and
 proxies at the end (--keep: don't; a later run under the same --out links a kept deeper
 checkpoint's shards instead of writing them again).
@@ -75,7 +76,7 @@ def phase(name, fn):
 
 rec.reconstruct = phase('reconstruct', rec.reconstruct)
 pipe.write_share = phase('write', pipe.write_share)
-fid.measure = phase('fidelity', fid.measure)
+fid.measure_many = phase('fidelity', fid.measure_many)  # the build's figure, and its check of the fits
 sys.argv = ['moe-proxy'] + {argv!r}
 try:
     code = main()
