@@ -27,7 +27,7 @@ from typing import Any
 
 import kopf
 
-from moe_proxy.errors import MoeProxyError, StorageError
+from moe_proxy.errors import InvalidRange, MoeProxyError, StorageError, TooFewCheckpoints
 from moe_proxy.repro.bisect import sources
 
 from . import diagnosis_bisect as bisection, handlers, kube  # noqa: F401 - handlers' startup handler: settings
@@ -80,9 +80,10 @@ async def list_checkpoints(namespace: str, b: bisection.BisectSpec, settings) ->
         raise NotYet(exc.reason, str(exc)) from None
     except StorageError as exc:
         raise NotYet(REASONS.get(type(exc), "S3Error"), redact(str(exc), credentials)) from None
-    except MoeProxyError as exc:  # the CLI's own refusals (one message each): too few checkpoints, a good/bad
-        # step that is none
-        raise InvalidDiagnosis("TooFewCheckpoints" if "at least 2" in str(exc) else "InvalidRange", str(exc)) from None
+    except (TooFewCheckpoints, InvalidRange) as exc:  # the CLI's own refusals, the reason named after each
+        raise InvalidDiagnosis(type(exc).__name__, str(exc)) from None
+    except MoeProxyError as exc:  # another refusal of the listing (e.g. a step regex without a group)
+        raise InvalidDiagnosis("InvalidSpec", str(exc)) from None
     return raw, [{"step": c.step, "uri": c.uri} for c in found]
 
 

@@ -60,3 +60,11 @@ class EndpointUnreachable(StorageError):
 
 class BaselineFailed(RuntimeError):
     """diagnose / bisect: the failing run itself could not run (not bad input: exit 1)."""
+
+
+class TooFewCheckpoints(MoeProxyError):
+    """A bisection's prefix (or range) holds fewer than 2 complete checkpoints with a step."""
+
+
+class InvalidRange(MoeProxyError):
+    """A bisection's --good / --bad step at which there is no complete checkpoint."""

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moe_proxy.checkpoint.reader import MANIFEST
-from moe_proxy.errors import BaselineFailed, MoeProxyError
+from moe_proxy.errors import BaselineFailed, InvalidRange, TooFewCheckpoints
 from moe_proxy.repro.processes import run_recorded
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,9 @@ def sources(prefix: str, pattern: str | None, step_regex: str | None, good: int 
         found = [c for c in found if c.step <= bad]
     for flag, step in (("--good", good), ("--bad", bad)):
         if step is not None and not any(c.step == step for c in found):
-            raise MoeProxyError(f"{flag} {step}: no complete checkpoint at that step under {prefix}")
+            raise InvalidRange(f"{flag} {step}: no complete checkpoint at that step under {prefix}")
     if len(found) < 2:
-        raise MoeProxyError(f"{prefix}: {len(found)} complete checkpoint(s) with a step"
+        raise TooFewCheckpoints(f"{prefix}: {len(found)} complete checkpoint(s) with a step"
                             f"{' in the range given' if good is not None or bad is not None else ''}; "
                             "bisect needs at least 2 (see moe-proxy checkpoints)")
     return found
