@@ -1,20 +1,26 @@
 """Do the proxy's verdicts match the original's? `moe-proxy diagnose` on the fidelity lab's trained
 original and on its proxies, verdict by verdict (issue #29 item 3; issue #26's "Done when" run).
 
-For each scenario (a failing run: a learning rate the model's own dynamics cannot take, fp16 without
-loss scaling, router logits scaled by an injected fault, a bf16 rollout beside the fp32 trainer at a
-high learning rate), `moe-proxy diagnose` (moe_proxy.repro.diagnose.diagnose, the function behind
-the command: each run a `moe-proxy repro` process) runs the baseline and >= 6 catalogue candidates
+For each scenario (a failing run: a learning rate the model's own dynamics cannot take, with and
+without the KL penalty, fp16 without loss scaling, fp16 on an original with a super expert planted
+past its range, router logits scaled by an injected fault, a bf16 rollout beside the fp32 trainer
+at a high learning rate), `moe-proxy diagnose` (moe_proxy.repro.diagnose.diagnose, the function behind
+the command: each run a `moe-proxy repro` process) runs the baseline and 4-6 catalogue candidates
 that apply to it, on 2 seeds, on the lab's trained Qwen3-MoE original (bench/fidelity.py: 4 layers,
 64 experts, top-4, trained on text), on its default proxies (`calibrate --experts N` + `build
---calibration`, the lab's `seq-recon`) at 50% and 12.5% of the experts, and on a random 50% proxy
-(`build --method random`, the control). It reports:
+--calibration`, the lab's `seq-recon`) at 50%, 25% and 12.5% of the experts, and on a random 50% proxy
+(`build --method random`, the control); the super-expert scenario runs on the planted original
+(fidelity.plant_super_expert) and its own proxies. It reports:
 
 1. verdict agreement: the share of (scenario, candidate) cells whose verdict on the proxy equals
    the original's;
 2. onset agreement: of the (scenario, variant, seed) runs where the original reproduced, the share
    where the proxy reproduced within max(2 steps, 20% of the original's onset) of it;
-3. the diagnosis' wall time against the sum of its runs' (what one-by-one `moe-proxy repro` runs
+3. with --bisect, the bisection: 8 checkpoints of the trained original whose super expert doubles
+   from one to the next (crossing fp16's range part-way), each run as it is (the truth), then
+   `moe-proxy bisect` with the original itself (`--keep-ratio 1`: every expert kept, checked equal
+   to the checkpoint), the default 50% build and a random 50% build: the same first bad checkpoint?
+4. the diagnosis' wall time against the sum of its runs' (what one-by-one `moe-proxy repro` runs
    would take), and a check that a plain `moe-proxy repro` with a candidate's flags fails where
    diagnose's run of it did (same step, same metrics).
 
@@ -24,9 +30,10 @@ reused as it is. Each diagnosis lives in OUT/qwen3/verdicts/<scenario>/<model>/ 
 it finds with the same arguments (diagnose's own rule), so an interrupted lab resumes. Prints
 markdown tables (docs/fidelity.md) and writes OUT/qwen3/verdicts/verdicts.json.
 
-    nice -n 10 .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab   # ~45 min here, 3 at a time
-    .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --from-cache   # the tables of what finished
-    .venv/bin/python bench/verdicts.py --quick --out /tmp/v   # a smoke run: tiny original, 2 steps, 2 candidates
+    nice -n 10 .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --bisect   # hours on 2 shared cores
+    nice -n 10 .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --scenarios kl-drift --models original
+    .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --from-cache --bisect   # the tables of what finished
+    .venv/bin/python bench/verdicts.py --quick --bisect --out /tmp/v   # a smoke run: tiny planted original
 """
 
 from __future__ import annotations
@@ -54,13 +61,17 @@ def _lab():
     return fidelity
 
 
+TRAINED, PLANTED = "trained", "super-L1"  # the lab's trained original; the same with a super expert planted
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     what: str
     flags: tuple[str, ...]  # repro flags after the lab's RL settings (the last value of a flag wins)
     fail_on: str
     steps: int
-    candidates: tuple[str, ...]  # catalogue names (moe_proxy.repro.catalogue)
+    candidates: tuple[str, ...]  # catalogue names (moe_proxy.repro.catalogue), or NAME=--flag value (custom)
+    original: str = TRAINED  # which lab original it runs on (and its proxies)
 
 
 # Onsets on the lab's trained qwen3 original, seed 0 (probe runs, 5 December 2026): the bf16 rollout
@@ -80,11 +91,23 @@ SCENARIOS = {
     "high-lr": Scenario("lr 1e-3 (50x the lab's), balance losses off: routing collapses by itself",
                         ("--lr", "1e-3"), "collapse", 12,
                         ("lower-lr", "warmup", "z-loss", "aux-loss", "bf16", "grad-clip")),
+    # Scenarios whose candidates split on the original (issue 29 item 1). Probe runs on the trained
+    # original, 5 December 2026: lr 1e-3 without the KL penalty drifts past the KL limit at step 7
+    # (seed 0) and 0 (seed 1), lr 3e-4 / 6e-4 do not in 12 steps (KL 0.1-0.6, not two steps in a
+    # row), router logits do not grow at lr 1e-3 (max 5.1 -> 4.5 in 12 steps: nothing for z-loss to
+    # cure); the planted super expert overflows fp16 at step 0, bf16 and fp32 do not.
+    "super-fp16": Scenario("a super expert planted past fp16's range (MoE layer 1, its natural super expert "
+                           "x1.4e5: max |output| 1.7e6 on task tokens), fp16 with dynamic loss scaling",
+                           ("--precision", "fp16"), "overflow", 3,
+                           ("bf16", "fp32", "loss-scaling", "lower-lr"), PLANTED),
+    "kl-drift": Scenario("lr 1e-3 without the KL penalty: the policy drifts from the reference",
+                         ("--lr", "1e-3", "--kl-coef", "0"), "divergence", 10,
+                         ("lower-lr", "warmup", "kl-penalty=--kl-coef 0.05", "z-loss")),
 }
-QUICK_SCENARIO = "fp16-no-scaling"
-QUICK_CANDIDATES = ("loss-scaling", "lower-lr")
+QUICK_SCENARIOS = {"super-fp16": ("bf16", "lower-lr")}
 RANDOM = ("random", dict(stats="one-pass", method="random", reconstruct=False))  # the control, built the lab's way
 ORIGINAL = "original"
+BISECT_BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself (checked)
 WALL = "verdicts-wall.json"  # a diagnosis' wall time and its runs', when it ran from scratch
 
 
@@ -108,12 +131,26 @@ def original_and_stats(lab) -> tuple[Path, Path]:
     return original, stats
 
 
+def planted_original(lab, trained: Path, stats: Path) -> tuple[Path, Path]:
+    """The trained original with its natural super expert of MoE layer 1 planted past fp16's range
+    (fidelity.plant_super_expert), and its one-pass statistics; both reused where complete (the
+    plant's own key holds the lab's code version: re-planting on every code change would remove
+    the checkpoint under the diagnoses made from it)."""
+    root = lab.OUT / "qwen3" / PLANTED
+    planted, planted_stats = root / "original", root / "calibration"
+    if not (planted / "planted.json").is_file():
+        lab.plant_super_expert(trained, stats, planted, layer=1)
+    if not (planted_stats / "calibration.json").is_file():
+        lab.calibrate(str(planted), str(planted_stats), token_ids=lab.calibration_ids())
+    return planted, planted_stats
+
+
 def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...]) -> dict[str, Path]:
     """original, the default proxies at `ratios` and the random 50% control. A proxy with its
     manifest under OUT/qwen3/proxies is reused as it is (another lab process built it, perhaps
     from another version of the code: rebuilding it here would remove it under that process);
     the missing ones are built by fidelity.build_family."""
-    proxies = lab.OUT / "qwen3" / "proxies"
+    proxies = original.parent / "proxies"
     default = next(v for v in lab.VARIANTS if v[0] == lab.DEFAULT)
     wanted = [(default, r) for r in ratios] + [(RANDOM, 0.5)]
     models = {ORIGINAL: original}
@@ -130,16 +167,23 @@ def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...]) -> di
 
 # ---------------------------------------------------------------- diagnoses
 
-def diagnose_all(models: dict[str, Path], scenarios: dict[str, Scenario], root: Path, base: list[str], seeds: int,
+def fixes(names: tuple[str, ...]) -> list:
+    """Catalogue entries by name; NAME=--flag value,... a custom candidate (as `diagnose --candidate`)."""
+    from moe_proxy.repro.catalogue import custom, pick
+
+    return [custom(n) if "=" in n else pick([n])[0] for n in names]
+
+
+def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenario], root: Path, base: list[str], seeds: int,
                  parallel: int, from_cache: bool = False) -> dict:
-    """scenario -> model -> {"report": report.json, "wall_s", "runs_wall_s", "runs", "reused"}. With
-    `from_cache`, the finished diagnoses' reports as they are (nothing runs; the others left out)."""
-    from moe_proxy.repro.catalogue import pick
+    """scenario -> model -> {"report": report.json, "wall_s", "runs_wall_s", "runs", "reused"}; `models`:
+    original -> model name -> checkpoint. With `from_cache`, the finished diagnoses' reports as they
+    are (nothing runs; the others left out)."""
     from moe_proxy.repro.diagnose import RUN_RECORD, diagnose
 
     out: dict = {}
     for scenario, s in scenarios.items():
-        for name, path in models.items():
+        for name, path in models[s.original].items():
             where = root / scenario / name
             if from_cache and not (where / "report.json").is_file():
                 log.warning("%s on %s: no finished diagnosis in %s, left out", scenario, name, where)
@@ -150,8 +194,10 @@ def diagnose_all(models: dict[str, Path], scenarios: dict[str, Scenario], root: 
                 report = json.loads((where / "report.json").read_text())
             else:
                 report = diagnose(str(path), where, s.fail_on, [*base, *s.flags, "--steps", str(s.steps)],
-                                  pick(list(s.candidates)), seeds=seeds, parallel=parallel)
+                                  fixes(s.candidates), seeds=seeds, parallel=parallel)
             wall = time.time() - started
+            names = [c.split("=")[0] for c in s.candidates]  # a diagnosis made with more candidates: these only
+            report = report | {"candidates": {n: c for n, c in report["candidates"].items() if n in names}}
             records = {p: json.loads(p.read_text()) for p in where.glob(f"runs/*/seed-*/{RUN_RECORD}")}
             reused = sum(1 for p in records if before.get(p) == p.stat().st_mtime_ns)
             timing = {"wall_s": round(wall, 1), "runs": len(records), "reused": reused, "parallel": parallel,
@@ -167,11 +213,12 @@ def diagnose_all(models: dict[str, Path], scenarios: dict[str, Scenario], root: 
     return out
 
 
-def one_by_one(result: dict, root: Path, check_model: str, parallel: int) -> list[dict]:
+def one_by_one(result: dict, root: Path, check_model: str, parallel: int, run: bool = True) -> list[dict]:
     """Per scenario, one candidate's seed-0 run on `check_model` again as a plain `moe-proxy repro`
     (its diagnose-run.json's arguments, another --out), with the thread count diagnose gave it:
     does it fail at the same step, with the same key curves? The candidate: the first whose verdict
-    is `reproduced`, else the first. A check made before (same arguments) is reused."""
+    is `reproduced`, else the first. A check made before (same arguments) is reused; without `run`,
+    the scenarios without one are left out."""
     from moe_proxy.repro.diagnose import RUN_RECORD
     from moe_proxy.repro.metrics_io import read_metrics
 
@@ -189,6 +236,8 @@ def one_by_one(result: dict, root: Path, check_model: str, parallel: int) -> lis
         record = plain.parent / f"{plain.name}.check.json"
         done = json.loads(record.read_text()) if record.is_file() else {}
         if done.get("argv") != argv or not (plain / "summary.json").is_file():  # else made by an earlier run
+            if not run:
+                continue
             env = dict(os.environ)
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // parallel)))
             started = time.time()
@@ -219,6 +268,108 @@ def one_by_one(result: dict, root: Path, check_model: str, parallel: int) -> lis
     return checks
 
 
+# ---------------------------------------------------------------- bisection
+
+GROWTH_STEPS = tuple(range(1, 9))  # the run's checkpoints; the planted channel doubles from one to the next
+QUICK_GROWTH = (1, 4, 8)
+QUICK_BUILDS = {ORIGINAL: BISECT_BUILDS_ORIGINAL}
+BISECT_REPRO = ("--precision", "fp16", "--steps", "2")  # each probe: fp16 with dynamic loss scaling
+BISECT_BUILDS = {  # how each bisection builds a probe's model (moe-proxy bisect's build options)
+    ORIGINAL: BISECT_BUILDS_ORIGINAL,
+    # + --dataset: the default calibrated build (sequential statistics, reconstruction), on fewer
+    # tokens than the lab's 64 x 128: a reconstructing build of this model took 5-20 min on the
+    # shared 2-core machine with 8192 tokens, and the bisection makes one per probe
+    "seq-recon-0.5": ("--experts", "32", "--samples", "16", "--seq-len", "64"),
+    "random-0.5": ("--experts", "32", "--method", "random"),
+}
+
+
+def growing_checkpoints(trained: Path, info: dict, dst: Path, steps: tuple[int, ...] = GROWTH_STEPS) -> Path:
+    """A run's checkpoints dst/global_step_N of the trained original whose super expert grows: in
+    checkpoint N the planted channel (planted.json: layer, expert, channel, factor) is scaled by
+    factor * 2**(N - last), so the last is the planted original and the channel's largest output on
+    task tokens halves from each checkpoint to the one before (1.7e6 in the last): it crosses
+    fp16's range (65504) part-way. Written once (the stamp holds the plant)."""
+    from safetensors.torch import load_file, save_file
+
+    stamp = dst / "growth.json"
+    key = {k: info[k] for k in ("layer", "expert", "channel", "factor")} | {"steps": list(steps)}
+    if stamp.is_file() and json.loads(stamp.read_text()) == key:
+        return dst
+    name = f"model.layers.{info['layer']}.mlp.experts.{info['expert']}.down_proj.weight"
+    for step in steps:
+        where = dst / f"global_step_{step}"
+        where.mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", "generation_config.json"):
+            (where / f).write_bytes((trained / f).read_bytes())
+        tensors = load_file(trained / "model.safetensors")
+        tensors[name][info["channel"]] *= info["factor"] * 2.0 ** (step - steps[-1])
+        save_file(tensors, where / "model.safetensors", metadata={"format": "pt"})
+    stamp.write_text(json.dumps(key))
+    return dst
+
+
+def bisections(prefix: Path, root: Path, base: list[str], dataset: Path, builds: dict = BISECT_BUILDS,
+               run: bool = True) -> dict:
+    """Each checkpoint's original run once (the truth: which overflow), then `moe-proxy bisect` with
+    each of `builds`; a rerun reuses bisect's probes (its own rule) and the direct runs. Without
+    `run`, the bisections that did not finish are left out."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    truth = {}
+    for ckpt in sorted(prefix.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1])):
+        direct = root / "direct" / ckpt.name
+        if not (direct / "summary.json").is_file():
+            subprocess.run([sys.executable, "-m", "moe_proxy", "repro", str(ckpt), "--out", str(direct), *base,
+                            *BISECT_REPRO, "--fail-on", "overflow", "--no-progress"], env=env, check=True,
+                           capture_output=True)
+        summary = json.loads((direct / "summary.json").read_text())
+        truth[int(ckpt.name.rsplit("_", 1)[1])] = (summary.get("first_failure") or {}).get("step") \
+            if summary.get("reproduced") else None
+    out = {"checkpoints": sorted(truth), "direct": truth,
+           "first_bad_direct": next((s for s, onset in sorted(truth.items()) if onset is not None), None)}
+    for name, flags in builds.items():
+        where = root / name
+        if not run and not (where / "report.json").is_file():
+            continue
+        data = ["--dataset", str(dataset)] if name.startswith(lab_default()) else []
+        argv = ["bisect", str(prefix), "--out", str(where), "--fail-on", "overflow", *flags, *data, *base,
+                *BISECT_REPRO]
+        stamp = where / "bisect-wall.json"  # how the bisection went when it ran (a rerun reuses its probes)
+        if run:
+            started = time.time()
+            ran = subprocess.run([sys.executable, "-m", "moe_proxy", *argv], env=env, capture_output=True, text=True)
+            stamp.write_text(json.dumps({"returncode": ran.returncode, "wall_s": round(time.time() - started),
+                                         "error": ran.stderr.strip().splitlines()[-1:] if ran.returncode else []}))
+        report = json.loads((where / "report.json").read_text()) if (where / "report.json").is_file() else {}
+        made = json.loads(stamp.read_text()) if stamp.is_file() else {"returncode": 0, "wall_s": None, "error": []}
+        out[name] = {"argv": ["moe-proxy", *argv], "build": [*flags, *data], **made,
+                     "first_bad": (report.get("first_bad") or {}).get("step"), "probes": report.get("probes"),
+                     "monotone": report.get("monotone"), "boundary": report.get("boundary")}
+        log.info("bisect on %s: first bad %s (%s)", name, out[name]["first_bad"], out[name]["boundary"])
+    if ORIGINAL in builds:
+        out["identity"] = keep_all_is_identity(root / ORIGINAL, prefix)
+    return out
+
+
+def lab_default() -> str:
+    return _lab().DEFAULT
+
+
+def keep_all_is_identity(bisect_out: Path, prefix: Path) -> dict:
+    """Is a probe's --keep-ratio 1 proxy the checkpoint itself? The largest difference of any tensor
+    (by the checkpoint's names), and the names missing from the proxy."""
+    from safetensors.torch import load_file
+
+    worst, missing, probes = 0.0, set(), sorted((bisect_out / "probes").glob("step-*/proxy/model.safetensors"))
+    for built in probes:
+        ckpt = load_file(prefix / f"global_step_{built.parent.parent.name.split('-')[1]}" / "model.safetensors")
+        mine = load_file(built)
+        missing |= set(ckpt) - set(mine)
+        worst = max([worst, *((mine[n].float() - t.float()).abs().max().item() for n, t in ckpt.items()
+                              if n in mine and mine[n].shape == t.shape)])
+    return {"probes_checked": len(probes), "max_abs_difference": worst, "names_missing": sorted(missing)[:5]}
+
+
 # ---------------------------------------------------------------- agreement
 
 def tolerance(onset: int) -> float:
@@ -237,9 +388,13 @@ def agreement(result: dict, proxy: str) -> dict:
         if proxy not in by_model or ORIGINAL not in by_model:
             continue
         ref, mine = by_model[ORIGINAL]["report"], by_model[proxy]["report"]
-        cells = [(n, c["verdict"], mine["candidates"][n]["verdict"]) for n, c in ref["candidates"].items()]
+        # the candidates both diagnosed (a diagnosis cut short for time may lack some)
+        cells = [(n, c["verdict"], mine["candidates"][n]["verdict"]) for n, c in ref["candidates"].items()
+                 if n in mine["candidates"]]
         onsets, same_runs, runs = [], 0, 0
         for variant, seeds in runs_of(ref).items():
+            if variant not in runs_of(mine):
+                continue
             for seed, o in seeds.items():
                 p = runs_of(mine)[variant][seed]
                 same_runs += bool(p["reproduced"]) == bool(o["reproduced"])
@@ -252,9 +407,16 @@ def agreement(result: dict, proxy: str) -> dict:
                           "disagree": [{"candidate": n, "original": a, "proxy": b} for n, a, b in cells if a != b],
                           "onsets_within": sum(o["within"] for o in onsets), "onset_cells": len(onsets),
                           "runs_equal": same_runs, "runs": runs, "onsets": onsets}
-    total = {k: sum(r[k] for r in rows.values())
-             for k in ("verdicts_equal", "cells", "onsets_within", "onset_cells", "runs_equal", "runs")}
-    return {"scenarios": rows, "all": total}
+    keys = ("verdicts_equal", "cells", "onsets_within", "onset_cells", "runs_equal", "runs")
+    split = [n for n, by_model in result.items() if n in rows and splits(by_model[ORIGINAL]["report"])]
+    return {"scenarios": rows, "all": {k: sum(r[k] for r in rows.values()) for k in keys},
+            "splitting": {k: sum(rows[n][k] for n in split) for k in keys} | {"scenarios": split}}
+
+
+def splits(report: dict) -> bool:
+    """Do the original's verdicts split the candidates (some fix, some do not)? Only there can a
+    proxy's verdicts differ from a control's that says the same of every candidate."""
+    return {"fixed", "reproduced"} <= {c["verdict"] for c in report["candidates"].values()}
 
 
 # ---------------------------------------------------------------- tables
@@ -282,14 +444,18 @@ def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: 
              "agreement (runs, baseline's included, that fail or run clean as the original's run of the same "
              "variant and seed):", "",
              "| proxy | " + " | ".join(f"{s}: verdicts / onsets" for s in result)
-             + " | all: verdicts | all: onsets | all: runs |", "|---|" + "---|" * (len(result) + 3)]
+             + " | all: verdicts | all: onsets | all: runs | splitting scenarios: verdicts |",
+             "|---|" + "---|" * (len(result) + 4)]
     for p in proxies:
         a = agree[p]
         lines.append(f"| {p} | " + " | ".join(
             f"{pct(r['verdicts_equal'], r['cells'])} / {pct(r['onsets_within'], r['onset_cells'])}"
             if (r := a["scenarios"].get(s)) else "n/a" for s in result)
             + f" | **{pct(a['all']['verdicts_equal'], a['all']['cells'])}** | "
-            f"**{pct(a['all']['onsets_within'], a['all']['onset_cells'])}** | {pct(a['all']['runs_equal'], a['all']['runs'])} |")
+            f"**{pct(a['all']['onsets_within'], a['all']['onset_cells'])}** | {pct(a['all']['runs_equal'], a['all']['runs'])} | "
+            f"**{pct(a['splitting']['verdicts_equal'], a['splitting']['cells'])}** |")
+    split = next(iter(agree.values()))["splitting"]["scenarios"] if agree else []
+    lines += ["", f"Splitting scenarios (on the original some candidates fix, some do not): {', '.join(split) or 'none'}."]
     for scenario, by_model in result.items():
         if ORIGINAL not in by_model:
             continue
@@ -333,16 +499,47 @@ def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: 
     return "\n".join(lines) + "\n"
 
 
+def bisect_table(b: dict, info: dict) -> str:
+    """The bisection's markdown: each checkpoint's own run, then each model's bisection."""
+    truth = " ".join(f"{s}: {'clean' if o is None else f'overflow at {o}'};" for s, o in b["direct"].items())
+    lines = ["", f"Bisection: checkpoints global_step_{b['checkpoints'][0]}..{b['checkpoints'][-1]} of the trained "
+             f"original, the super expert of MoE layer {info['layer']} (expert {info['expert']}, channel "
+             f"{info['channel']}) doubling from each to the next (the last: x{info['factor']:g}, the planted "
+             f"original). Each checkpoint run as it is (fp16, 2 steps): {truth} first bad: "
+             f"{b['first_bad_direct']}.", "",
+             "| bisected on | build per probe | first bad checkpoint | same as the original's | probes (step: onset) "
+             "| wall |", "|---|---|---|---|---|---|"]
+    for name, r in b.items():
+        if not isinstance(r, dict) or "argv" not in r:
+            continue
+        probes = ", ".join(f"{p['step']}: {'clean' if p['onset'] is None else p['onset']}" for p in r["probes"] or [])
+        wall = "-" if r["wall_s"] is None else f"{r['wall_s']} s"
+        lines.append(f"| {name} | `{' '.join(r['build'])}` | "
+                     f"{r['first_bad'] if r['returncode'] == 0 else 'error: ' + ' '.join(r['error'])} | "
+                     f"{'yes' if r['first_bad'] == b['first_bad_direct'] else 'no'} | {probes} | {wall} |")
+    if i := b.get("identity"):
+        lines += ["", f"The `--keep-ratio 1` probes are the checkpoints themselves: largest difference of any "
+                  f"tensor {i['max_abs_difference']:g} over {i['probes_checked']} probes, names missing: "
+                  f"{', '.join(i['names_missing']) or 'none'}."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"a smoke run: tiny original, {QUICK_SCENARIO} only, "
-                        "2 steps, 2 candidates, 1 seed, the 50%% proxies")
-    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny original, "
+                        f"{', '.join(QUICK_SCENARIOS)} with 2 candidates each, 2 steps, 1 seed, the 50%% proxies; "
+                        "with --bisect, 3 checkpoints bisected on the original")
+    parser.add_argument("--scenarios", nargs="*", choices=list(SCENARIOS), default=list(SCENARIOS),
+                        help="the diagnoses to make (none: the bisection alone)")
+    parser.add_argument("--models", nargs="+", help="diagnose on these models only (original, seq-recon-0.5, "
+                        "random-0.5, ...; default all): another process can take the others")
+    parser.add_argument("--bisect", action="store_true", help="also the bisection: a run's checkpoints whose "
+                        "planted super expert grows past fp16's range, bisected on the original and on proxies")
     parser.add_argument("--seeds", type=int, default=2, help="sampling seeds per run (default 2)")
     parser.add_argument("--parallel", type=int, default=2, help="repro processes at a time (default 2)")
     parser.add_argument("--steps", type=int, help="RL steps of every run (default: each scenario's)")
     parser.add_argument("--from-cache", action="store_true", help="tables from the diagnoses already finished "
-                        "under --out (nothing runs but the one-by-one checks not made yet)")
+                        "under --out (no diagnosis runs; with --bisect, bisect reuses its probes)")
     parser.add_argument("--out", type=Path, help="the lab's output (default bench/out/fidelity, quick: "
                         "bench/out/fidelity-quick): its qwen3 original and proxies are used")
     args = parser.parse_args()
@@ -353,41 +550,60 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)  # the lab's rule on a shared 2-core machine (the builds run here)
-    ratios = (0.5, 0.125)
+    ratios = (0.5, 0.25, 0.125)
     scenarios = {name: SCENARIOS[name] for name in args.scenarios}
+    builds, growth = BISECT_BUILDS, GROWTH_STEPS
     if args.quick:
         lab.MODEL.update(lab.QUICK_MODEL)
         lab.TRAIN.update(lab.QUICK_BATCH)
         lab.RL.update(lab.QUICK_RL)
         ratios = (0.5,)
         args.seeds, args.steps = 1, 2
-        scenarios = {QUICK_SCENARIO: dataclasses.replace(SCENARIOS[QUICK_SCENARIO], candidates=QUICK_CANDIDATES)}
+        scenarios = {n: dataclasses.replace(SCENARIOS[n], candidates=c) for n, c in QUICK_SCENARIOS.items()}
+        builds, growth = QUICK_BUILDS, QUICK_GROWTH
         lab.OUT = lab.OUT.with_name("fidelity-quick")
     if args.steps:
         scenarios = {n: dataclasses.replace(s, steps=args.steps) for n, s in scenarios.items()}
     lab.OUT = args.out or lab.OUT
     started = time.time()
-    original, stats = original_and_stats(lab)
-    models = models_of(lab, original, stats, ratios)
+    trained, stats = original_and_stats(lab)
+    originals = {TRAINED: (trained, stats)}
+    if args.bisect or any(s.original == PLANTED for s in scenarios.values()):
+        originals[PLANTED] = planted_original(lab, trained, stats)
+    wanted = list(dict.fromkeys(s.original for s in scenarios.values()))  # built in the scenarios' order
+    models = {kind: {n: p for n, p in models_of(lab, *originals[kind], ratios).items()
+                     if not args.models or n in args.models} for kind in wanted}
     root = lab.OUT / "qwen3" / "verdicts"
     base = rl_flags(lab.RL)
     result = diagnose_all(models, scenarios, root, base, args.seeds, args.parallel, args.from_cache)
     check_model = f"{lab.DEFAULT}-0.5"
-    checks = one_by_one(result, root, check_model, args.parallel)
-    agree = {name: agreement(result, name) for name in models if name != ORIGINAL}
-    seeds = next(iter(next(iter(result.values())).values()))["report"]["seeds"]
-    text = tables(result, agree, checks, scenarios, seeds)
+    checks = one_by_one(result, root, check_model, args.parallel, run=not args.from_cache)
+    names = list(dict.fromkeys(n for by_kind in models.values() for n in by_kind if n != ORIGINAL))
+    agree = {name: agreement(result, name) for name in names}
+    seeds = list(range(args.seeds))
+    text = tables(result, agree, checks, scenarios, seeds) if result else ""
+    bisected = None
+    if args.bisect:
+        info = json.loads((originals[PLANTED][0] / "planted.json").read_text())
+        prefix = growing_checkpoints(trained, info, root / "bisect" / "checkpoints", growth)
+        dataset = root / "bisect" / "calibration.txt"  # for --dataset: the lab's calibration text, as bytes
+        dataset.write_bytes(bytes(lab.calibration_ids().reshape(-1).tolist()).replace(b"\x00", b" "))
+        bisected = bisections(prefix, root / "bisect", base, dataset,
+                              {n: f for n, f in builds.items() if not args.models or n in args.models},
+                              run=not args.from_cache)
+        text += bisect_table(bisected, info)
     print(text)
     (root / "verdicts.md").write_text(text)
     (root / "verdicts.json").write_text(json.dumps({
         "scenarios": {n: dataclasses.asdict(s) for n, s in scenarios.items()}, "rl": lab.RL, "rl_flags": base,
-        "models": {n: str(p) for n, p in models.items()}, "seeds": seeds, "agreement": agree,
+        "models": {kind: {n: str(p) for n, p in by_kind.items()} for kind, by_kind in models.items()},
+        "seeds": seeds, "agreement": agree,
         "diagnoses": {s: {m: {k: v for k, v in d.items() if k != "report"} | {
             "verdicts": {n: c["verdict"] for n, c in d["report"]["candidates"].items()},
             "baseline": d["report"]["baseline"]["seeds"],
             "seeds": {n: c["seeds"] for n, c in d["report"]["candidates"].items()},
             "report": str(root / s / m / "report.json")} for m, d in by_model.items()} for s, by_model in result.items()},
-        "one_by_one": checks, "wall_s": round(time.time() - started, 1)}, indent=2))
+        "one_by_one": checks, "bisection": bisected, "wall_s": round(time.time() - started, 1)}, indent=2))
     log.info("done in %.0fs; %s", time.time() - started, root / "verdicts.json")
     return 0
 

@@ -1,7 +1,9 @@
-"""bench/verdicts.py --quick: `moe-proxy diagnose` on a tiny original, its default 50% proxy and a
-random 50% proxy, the verdicts compared cell by cell, and one candidate's run made again as a plain
-`moe-proxy repro` that fails at the same step with the same curves (a smoke run: its agreement
-figures mean nothing)."""
+"""bench/verdicts.py --quick --bisect: `moe-proxy diagnose` on a tiny original with a super expert
+planted past fp16's range, its default 50% proxy and a random 50% proxy, the verdicts compared cell
+by cell; one candidate's run made again as a plain `moe-proxy repro` that fails at the same step
+with the same curves; and `moe-proxy bisect` over 3 checkpoints whose super expert grows, on the
+original itself (`--keep-ratio 1`). A smoke run: its agreement figures mean nothing, but the
+planted expert must overflow fp16 where bf16 cures it, on every model that keeps it."""
 
 from __future__ import annotations
 
@@ -13,21 +15,31 @@ from .conftest import BENCH
 
 
 def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCH / "verdicts.py"), "--quick", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, str(BENCH / "verdicts.py"), "--quick", "--bisect", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "| seq-recon-0.5 |" in out.stdout and "| random-0.5 |" in out.stdout
     result = json.loads((tmp_path / "qwen3" / "verdicts" / "verdicts.json").read_text())
-    assert set(result["models"]) == {"original", "seq-recon-0.5", "random-0.5"}
+    assert set(result["models"]) == {"super-L1"}
+    assert set(result["models"]["super-L1"]) == {"original", "seq-recon-0.5", "random-0.5"}
     (scenario, by_model), = result["diagnoses"].items()
-    for model in result["models"]:
-        verdicts = by_model[model]["verdicts"]
-        assert len(verdicts) == 2 and set(verdicts.values()) <= {"fixed", "reproduced", "inconclusive", "error"}
+    assert scenario == "super-fp16"
+    for model in result["models"]["super-L1"]:
         assert by_model[model]["runs"] == 3  # baseline and 2 candidates, 1 seed
+    # fp16 overflows on the planted original at step 0; bf16 (fp32's range) cures it, a lower lr does not
+    assert by_model["original"]["baseline"]["0"] == {**by_model["original"]["baseline"]["0"], "reproduced": True,
+                                                      "step": 0}
+    assert by_model["original"]["verdicts"] == {"bf16": "fixed", "lower-lr": "reproduced"}
     for proxy in ("seq-recon-0.5", "random-0.5"):
-        figures = result["agreement"][proxy]["scenarios"][scenario]
-        assert figures["cells"] == 2 and 0 <= figures["verdicts_equal"] <= 2
-        assert figures["onset_cells"] == sum(o["reproduced"] for o in by_model["original"]["baseline"].values()) + sum(
-            s["0"]["reproduced"] for s in by_model["original"]["seeds"].values())
+        figures = result["agreement"][proxy]
+        assert figures["splitting"]["scenarios"] == ["super-fp16"]
+        assert figures["scenarios"][scenario]["cells"] == 2 and 0 <= figures["scenarios"][scenario]["verdicts_equal"] <= 2
+        assert figures["scenarios"][scenario]["onset_cells"] == 2  # the baseline's and lower-lr's overflow
     check, = result["one_by_one"]
     assert check["returncode"] == 0 and check["same_step"] and check["max_relative_difference"] < 1e-4, check
+    bisection = result["bisection"]
+    assert bisection["checkpoints"] == [1, 4, 8] and bisection["first_bad_direct"] is not None
+    original = bisection["original"]
+    assert original["returncode"] == 0, original["error"]
+    assert original["first_bad"] == bisection["first_bad_direct"]
+    assert bisection["identity"]["probes_checked"] >= 1 and bisection["identity"]["max_abs_difference"] == 0.0
