@@ -73,10 +73,9 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("moeproxy.io", "diagnoses/finalizers", ("update",),
                "own the reproduction workloads it creates (blockOwnerDeletion)"),
     # A bisection (spec.checkpoints) makes a ProxyModel per probe (owned by the Diagnosis) and
-    # reads the CheckpointWatch it names, if it names one; the prefix with the Secret's `get`.
+    # lists the prefix with the Secret's `get`. Reading a CheckpointWatch it names is the
+    # CheckpointWatch grants' `get` (checkpointWatch.enabled: without it there is no such CRD).
     Permission("moeproxy.io", "proxymodels", ("create",), "a Diagnosis's bisection: a ProxyModel per probe"),
-    Permission("moeproxy.io", "checkpointwatches", ("get",),
-               "a Diagnosis's bisection reads the CheckpointWatch it names (source, pattern, template)"),
     # Events on the ProxyModel (kopf.event) and kopf's own handler warnings (core v1 Events).
     Permission("", "events", ("create",), "Events on ProxyModels and Diagnoses"),
     # kopf's runtime discovery: namespaces when MOEPROXY_NAMESPACES holds glob patterns, and
