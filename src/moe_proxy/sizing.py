@@ -81,6 +81,13 @@ class SizingOptions:
     max_devices: int | None = None  # the proxy's device budget (default: what the keep ratio's proxy needs)
 
 
+def rollout_copy(precision: str, rollout_precision: str | None, rollout_kernels: str | None) -> str | None:
+    """The precision of the rollout engine's own weight copy, as repro makes it: its
+    --rollout-precision, else the training precision when only --rollout-kernels asks for a copy;
+    None: no copy (the rollout is the policy itself)."""
+    return rollout_precision or (precision if rollout_kernels else None)
+
+
 @dataclass(frozen=True)
 class Memory:
     weights: int  # bytes, all devices together

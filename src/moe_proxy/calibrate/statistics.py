@@ -70,7 +70,7 @@ from moe_proxy.errors import MoeProxyError
 from moe_proxy.layerwise.blocks import swapped
 from moe_proxy.layerwise.driver import Layer, LayerPass, walk
 from moe_proxy.layerwise.model import MoeModules
-from moe_proxy.options import FP16_MAX, SUPER_OUTLIER, SUPER_RANGE_SHARE
+from moe_proxy.options import FP16_MAX, SUPER_OUTLIER, SUPER_RANGE_SHARE, flag
 from moe_proxy.storage import Store, open_store, write_bytes
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def selection_flags(key: dict) -> str:
     """The options of `moe-proxy calibrate --sequential` / `build` that give this key."""
     flags = [f"--experts {key['experts']}", f"--method {key['method']}"]
     flags += [f"--{name} {key[name]}" for name in ("features", "representative") if name in key]
-    flags += [f"--{name.replace('_', '-')} {key[name]:g}" for name in ("super_range_share", "super_outlier") if name in key]
+    flags += [f"{flag(name)} {key[name]:g}" for name in ("super_range_share", "super_outlier") if name in key]
     return " ".join(flags + ([] if key["keep_super"] else ["--no-keep-super"]))
 
 
@@ -361,11 +361,11 @@ def load(uri: str | Store, **store_options) -> CalibrationStatistics:
             raise CalibrationError(f"{store.uri}/{TENSORS}: missing tensor {exc}") from None
     # Sequential statistics judged each layer's super experts when it was selected (against the
     # layers scored so far): the build keeps the same ones.
-    supers = ({p: {int(e): (info.get("super_rules") or {}).get(str(e), "reap") for e in info["super"]}
-               for p, info in summary["layers"].items()} if summary.get("mode") == SEQUENTIAL
-              else super_experts(layers))
-    return CalibrationStatistics(summary, layers, tensors["tokens"], store.uri, supers,
-                                 summary["criteria"] if summary.get("mode") == SEQUENTIAL else thresholds())
+    if summary.get("mode") == SEQUENTIAL:
+        supers = {p: {int(e): (info.get("super_rules") or {}).get(str(e), "reap") for e in info["super"]}
+                  for p, info in summary["layers"].items()}
+        return CalibrationStatistics(summary, layers, tensors["tokens"], store.uri, supers, summary["criteria"])
+    return CalibrationStatistics(summary, layers, tensors["tokens"], store.uri, super_experts(layers))
 
 
 # ---------------------------------------------------------------- the pass

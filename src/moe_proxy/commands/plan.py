@@ -10,7 +10,7 @@ from dataclasses import fields
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.commands._common import add_device_args
 from moe_proxy.repro.config import ROLLOUT_KERNELS
-from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, format_sizing, estimate
+from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, estimate, format_sizing, rollout_copy
 from moe_proxy.step_cost import StepShape
 
 STEP_HELP = {
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
     known = {f.name for f in fields(SizingOptions)}
     workload = StepShape(**{k: getattr(args, k) for k in STEP_HELP}, recompute=not args.no_recompute)
-    copy = args.rollout_precision or (args.precision if args.rollout_kernels else None)
+    copy = rollout_copy(args.precision, args.rollout_precision, args.rollout_kernels)
     opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
                          reference=not args.no_reference, workload=workload, rollout_copy=copy)
     result = estimate(config, opts)
