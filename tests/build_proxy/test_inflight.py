@@ -59,6 +59,9 @@ def src(tmp_path_factory):
     path = tmp_path_factory.mktemp("inflight") / "qwen3"
     make_tiny("qwen3_moe", path, max_shard_size="8MB", hidden_size=128, moe_intermediate_size=256,
               num_experts=16, num_experts_per_tok=2, mlp_only_layers=[])
+    # One build first, unmeasured: the selection's imports (torch, scikit-learn: ~55 MiB once
+    # per process) are not bytes a build holds in flight.
+    build_proxy(str(path), str(path.parent / "warm"), experts=8)
     return path
 
 
@@ -111,8 +114,11 @@ def test_a_build_stays_within_its_inflight_budget_at_every_concurrency(src, tmp_
     assert 0 < transfer.budget.peak <= 512 * KiB and transfer.budget.held == 0
     assert store.held.peak <= 512 * KiB  # requests at once, counted by the source itself
     # Everything the write allocated: the reads it held, the piece being written and hashed,
-    # headers and journal; 32 streams of 128 KiB unbudgeted would be 4 MiB.
-    assert peak < 1 * MiB, f"peak {peak / MiB:.2f} MiB"
+    # headers and journal, and the experts being selected meanwhile (plan_ahead.py: measured
+    # ~0.45 MiB here, one layer's weight features); 32 streams of 128 KiB unbudgeted would be
+    # 4 MiB on their own.
+    one_expert = 384 * KiB
+    assert peak < 1 * MiB + one_expert, f"peak {peak / MiB:.2f} MiB"
 
 
 def test_a_budget_smaller_than_a_read_part_still_builds_the_same_proxy(src, tmp_path):
