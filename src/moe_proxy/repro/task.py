@@ -15,7 +15,12 @@ from pathlib import Path
 
 from moe_proxy.errors import InvalidReproConfig
 
-TASKS = ("arithmetic",)
+# "arithmetic": two-digit sums scored by `reward`. "small-sums": one-digit sums scored by how near
+# the answer's number is to the sum (distance_reward): a small model that answers two-digit sums
+# with any two digits climbs it in tens of RL steps by learning to answer small numbers (the
+# fidelity lab's learning task), where two-digit sums' reward stays flat.
+TASKS = ("arithmetic", "small-sums")
+SMALL_SUMS_SCALE = 10  # distance_reward's scale: an answer 10 or more away from the sum scores 0
 
 # Reward = FORMAT_WEIGHT * (share of digits in the answer) + (1 - FORMAT_WEIGHT) * (share of
 # the target's digits right in place), and exactly 1.0 for the exact answer. The format part
@@ -29,11 +34,12 @@ class Prompt:
     answer: str
     messages: list[dict] | None = None  # a chat prompt (verl data), rendered by the codec
     exact: bool = False  # scored by exact match against `answer` (verl data) instead of `reward`
+    distance: bool = False  # scored by distance_reward instead of `reward`
 
     def score(self, response: str) -> float:
         if self.exact:
             return float(response.strip() == self.answer.strip())
-        return reward(response, self.answer)
+        return distance_reward(response, self.answer) if self.distance else reward(response, self.answer)
 
 
 class Codec:
@@ -89,10 +95,11 @@ def make_prompts(task: str, seed: int, step: int, count: int, dataset: PromptSet
     if task not in TASKS:
         raise InvalidReproConfig(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     rng = random.Random(f"{seed}:{step}")
+    top = 10 if task == "small-sums" else 100
     prompts = []
     for _ in range(count):
-        a, b = rng.randrange(100), rng.randrange(100)
-        prompts.append(Prompt(text=f"{a}+{b}=", answer=str(a + b)))
+        a, b = rng.randrange(top), rng.randrange(top)
+        prompts.append(Prompt(text=f"{a}+{b}=", answer=str(a + b), distance=task == "small-sums"))
     return prompts
 
 
@@ -106,6 +113,15 @@ def reward(response: str, answer: str) -> float:
     digits = sum(c.isdigit() for c in text) / len(text)
     in_place = sum(1 for i, c in enumerate(answer) if i < len(text) and text[i] == c) / len(answer)
     return FORMAT_WEIGHT * digits + (1 - FORMAT_WEIGHT) * in_place * min(1.0, len(answer) / len(text))
+
+
+def distance_reward(response: str, answer: str) -> float:
+    """1 - |number - sum| / SMALL_SUMS_SCALE, at least 0, for an answer of digits only (text before
+    the first newline); 0 for anything else."""
+    text = response.split("\n", 1)[0].strip()
+    if not text.isascii() or not text.isdigit():
+        return 0.0
+    return max(0.0, 1.0 - abs(int(text) - int(answer)) / SMALL_SUMS_SCALE)
 
 
 class PromptSet:
