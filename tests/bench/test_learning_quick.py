@@ -1,0 +1,33 @@
+"""bench/learning.py --quick: the learning task's runs on a tiny original, its 50% proxies and the
+reseeded original, compared seed by seed. A smoke run (the tiny original learns nothing in 3 steps):
+the runs are made with the task, the original tracks itself exactly and every model has a figure
+per seed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .conftest import BENCH
+
+
+def test_quick_learning_lab_tracks_proxies_against_the_reseeded_floor(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH / "learning.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "| original-reseeded |" in out.stdout and "(the floor)" in out.stdout
+    root = tmp_path / "qwen3" / "learning"
+    result = json.loads((root / "learning.json").read_text())
+    assert result["task"]["task"] == "small-sums" and result["seeds"] == 2 and result["steps"] == 3
+    figures = result["figures"]
+    assert set(figures) == {"original", "seq-recon-0.5", "random-0.5", "original-reseeded"}
+    assert figures["original"]["median"] == [1.0, 1.0]
+    for name, f in figures.items():
+        assert len(f["median"]) == len(f["first"]) == len(f["last"]) == 2, name
+        assert all(0.0 <= r <= 1.0 for r in f["first"] + f["last"]), name
+    for seed in (0, 1):
+        run = root / f"seed-{seed}" / "learning" / "seq-recon-0.5"
+        assert json.loads((run / "lab-key.json").read_text())["config"]["task"] == "small-sums"
+        assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (root / "learning-seed0.png").stat().st_size > 0
