@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-from copy import deepcopy
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -201,7 +200,7 @@ def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict
 
     def build(i: int) -> float:
         count = search.counts[i]
-        plan = fit_plan(ckpt, layout, _unfitted(plans[count]), options, calibration, progress)
+        plan = fit_plan(ckpt, layout, plans[count], options, calibration, progress)
         # (fit_plan measured it already when it judged the fits against the plain selection)
         figure = plan.fidelity or measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
         built.append(f"{count} -> kl {figure['kl']:.4g}")
@@ -226,9 +225,3 @@ def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict
 def _impossible(why: dict[int, str]) -> str:
     """The counts the statistics cannot serve, and the reason for the first of them."""
     return f"{', '.join(map(str, why))} (e.g. {next(iter(why))}: {next(iter(why.values()))})"
-
-
-def _unfitted(plan):
-    """A fresh copy of a plain plan for fit_plan to fill (the screened one stays as it was)."""
-    return replace(plan, selections=deepcopy(plan.selections), notes=list(plan.notes), router_overrides={},
-                   tensor_overrides={})

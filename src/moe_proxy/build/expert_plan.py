@@ -32,10 +32,10 @@ class ExpertPlan:
     selections: dict[str, Selection]  # block prefix -> selection
     notes: list[str]
     calibration: dict | None = None  # the statistics' identity, for the manifest
-    router_overrides: dict[str, bytes] = field(default_factory=dict)  # healed router tensors, source dtype
-    # --reconstruct: source tensor name (router, fused or per-expert of a kept expert) -> the
-    # proxy tensor's bytes, read when written (spilled to local disk, not held in memory)
-    tensor_overrides: dict[str, Callable[[], bytes]] = field(default_factory=dict)
+    # Fitted tensors (--heal, --merge, --reconstruct; see fit_plan): source tensor name (router,
+    # fused or per-expert of a kept expert) -> the proxy tensor's bytes, read when written
+    # (spilled to local disk or the build's fits artifact, not held in memory)
+    fitted: dict[str, Callable[[], bytes]] = field(default_factory=dict)
     reconstruction: dict | None = None  # what --reconstruct fitted, on which tokens (the manifest's)
     fidelity: dict | None = None  # the proxy measured against the original (fidelity.py)
     merge: dict | None = None  # how --merge made the kept experts (the manifest's)
@@ -133,27 +133,51 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
 
 def fit_plan(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: PruningOptions, calibration,
              progress: bool = False) -> ExpertPlan:
-    """The fitted tensors `options` ask for (--heal, --merge, --reconstruct) on top of the plan's
-    selection: apart from selecting, so that `--experts auto` fits only the counts it must."""
-    notes = plan.notes
+    """The plan with the fitted tensors `options` ask for (--heal, --merge, --reconstruct) on top
+    of its selection, as a new plan: `plan` is left as it was, so that `--experts auto` fits
+    only the counts it must, each from its screened plan. Each pass returns its own result
+    (tensors, per-layer records, summary); this is the one place they go into a plan."""
+    notes = list(plan.notes)
     if options.heal:
         from moe_proxy.build.heal import heal_routers  # torch-heavy, only when asked
 
-        plan.router_overrides = heal_routers(ckpt, layout, plan, calibration, progress)
+        healed = heal_routers(ckpt, layout, plan, calibration, progress)
+        return _with_fits(plan, {n: _held(b) for n, b in healed.tensors.items()}, {"heal": healed.records}, notes)
     if options.merge and calibration.mode != "one-pass":
         notes.append("--merge with sequential statistics: each layer was scored behind the plain (unmerged) proxy's "
                      "earlier layers")
     if options.reconstruct:  # with --merge, it merges each layer first (merge.py)
         from moe_proxy.build.reconstruct import reconstruct  # torch-heavy, only when asked
 
-        reconstruct(ckpt, layout, plan, calibration, progress, merge=options.merge)
-        if not options.merge:  # (merged experts have no plain selection to fall back to)
-            keep_fits_if_closer(ckpt, layout, plan, calibration, progress)
-    elif options.merge:
-        from moe_proxy.build.merge import merge
+        found = reconstruct(ckpt, layout, plan, calibration, progress, merge=options.merge)
+        if options.merge:  # (merged experts have no plain selection to fall back to)
+            from moe_proxy.build.merge import merge_record
 
-        merge(ckpt, layout, plan, calibration, progress)
+            record, more = merge_record(plan, list(found.merges))
+            return _with_fits(plan, found.tensors, {"merge": found.merges, "reconstruct": found.records},
+                              notes + more, reconstruction=found.summary, merge=record)
+        fitted = _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes, reconstruction=found.summary)
+        return keep_fits_if_closer(ckpt, layout, fitted, calibration, progress)
+    if options.merge:
+        from moe_proxy.build.merge import merge, merge_record
+
+        merged = merge(ckpt, layout, plan, calibration, progress)
+        record, more = merge_record(plan, list(merged.records))
+        return _with_fits(plan, merged.tensors, {"merge": merged.records}, notes + more, merge=record)
     return plan
+
+
+def _held(data: bytes) -> Callable[[], bytes]:
+    return lambda: data
+
+
+def _with_fits(plan: ExpertPlan, tensors: dict[str, Callable[[], bytes]], records: dict[str, dict[str, object]],
+               notes: list[str], **fields) -> ExpertPlan:
+    """`plan` with fitted tensors and, per layer, the passes' records (key -> block prefix -> record)."""
+    selections = {prefix: replace(sel, record={**sel.record, **{key: per[prefix] for key, per in records.items()
+                                                                  if prefix in per}})
+                  for prefix, sel in plan.selections.items()}
+    return replace(plan, selections=selections, fitted=dict(tensors), notes=notes, **fields)
 
 
 PLAIN_CLOSER = ("reconstruction not kept: the fitted proxy's KL to the original, {fitted:.3g}, is above the plain "
@@ -161,36 +185,37 @@ PLAIN_CLOSER = ("reconstruction not kept: the fitted proxy's KL to the original,
                 "docs/fidelity.md, super experts)")
 
 
-def keep_fits_if_closer(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, calibration, progress: bool = False) -> None:
-    """Keep the reconstructed tensors only if the proxy they make is, end to end, at least as close
-    to the original as the plain selection. Each fitted layer lowered its own block error, and
-    that almost always lowers the KL too, but not where a super expert's massive outputs dominate
-    every squared error: there the fit matched those few tokens and the KL came out 4x the plain
-    proxy's (docs/fidelity.md). Both proxies are measured in one walk, on the fidelity figure's
-    held-out tokens; the manifest's `reconstruction.end_to_end` records the two KLs, and
-    `plan.fidelity` holds the figure of the proxy kept (so --experts auto measures it once)."""
-    if not plan.tensor_overrides:
-        return
+def keep_fits_if_closer(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, calibration,
+                        progress: bool = False) -> ExpertPlan:
+    """`plan` with its reconstructed tensors only if the proxy they make is, end to end, at least
+    as close to the original as the plain selection; else the plain proxy's plan. Each fitted
+    layer lowered its own block error, and that almost always lowers the KL too, but not where a
+    super expert's massive outputs dominate every squared error: there the fit matched those few
+    tokens and the KL came out 4x the plain proxy's (docs/fidelity.md). Both proxies are measured
+    in one walk, on the fidelity figure's held-out tokens; the manifest's
+    `reconstruction.end_to_end` records the two KLs, and `fidelity` holds the figure of the
+    proxy kept (so --experts auto measures it once)."""
+    if not plan.fitted:
+        return plan
     from moe_proxy.build.fidelity import measure_many  # torch-heavy, only here
     from moe_proxy.build.steps import output_tensors
 
-    plain = replace(plan, tensor_overrides={})
+    plain = replace(plan, fitted={})
     fitted, unfitted = measure_many(ckpt, layout, [(plan, output_tensors(ckpt, layout, plan)),
                                                    (plain, output_tensors(ckpt, layout, plain))], calibration, progress)
     kept = fitted["kl"] <= unfitted["kl"]
-    plan.reconstruction["end_to_end"] = {"kl_fitted": fitted["kl"], "kl_plain": unfitted["kl"], "kept": kept}
-    plan.fidelity = fitted if kept else unfitted
+    reconstruction = {**plan.reconstruction,
+                      "end_to_end": {"kl_fitted": fitted["kl"], "kl_plain": unfitted["kl"], "kept": kept}}
     if kept:
-        return
+        return replace(plan, reconstruction=reconstruction, fidelity=fitted)
     why = PLAIN_CLOSER.format(fitted=fitted["kl"], plain=unfitted["kl"])
-    plan.tensor_overrides.clear()
-    for sel in plan.selections.values():
-        record = sel.record.get("reconstruct")
-        if record and record["fitted"]:
-            sel.record["reconstruct"] = record | {"fitted": False, "why": why}
-    plan.reconstruction["fitted"] = []
-    plan.reconstruction["layers"] = {"fitted": 0, "plain": sum(plan.reconstruction["layers"].values())}
-    plan.notes.append(why)
+    selections = {prefix: replace(sel, record={**sel.record, "reconstruct": sel.record["reconstruct"]
+                                               | {"fitted": False, "why": why}})
+                  if sel.record.get("reconstruct", {}).get("fitted") else sel
+                  for prefix, sel in plan.selections.items()}
+    reconstruction |= {"fitted": [], "layers": {"fitted": 0, "plain": sum(plan.reconstruction["layers"].values())}}
+    return replace(plain, selections=selections, reconstruction=reconstruction, fidelity=unfitted,
+                   notes=plan.notes + [why])
 
 
 PLAN_FIELDS = ("experts_before", "experts_after", "top_k_before", "top_k_after", "n_group", "topk_group", "notes",

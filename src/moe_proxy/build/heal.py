@@ -149,12 +149,9 @@ def _router_tensors(proxy: torch.nn.Module, block: MoeBlock) -> dict[str, bytes]
     return out
 
 
-def heal_routers(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> dict[str, bytes]:
-    """Healed router tensors of every calibrated MoE block: tensor name -> bytes in the source dtype.
-    Records each layer's objective before and after in its selection's manifest record."""
+def heal_routers(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> HealedRouters:
+    """Healed router tensors of every calibrated MoE block (bytes in the source dtype) and each
+    layer's objective before and after (expert_plan.fit_plan puts both into the plan it returns)."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
     kept = {prefix: sel.kept for prefix, sel in plan.selections.items()}
-    healed = walk(ckpt, layout, HealPass(proxy_config, kept), calibration.token_ids[:HEAL_SAMPLES], BATCH, progress)
-    for prefix, record in healed.records.items():  # the plan's side channel, as plan_experts reads it
-        plan.selections[prefix].record["heal"] = record
-    return healed.tensors
+    return walk(ckpt, layout, HealPass(proxy_config, kept), calibration.token_ids[:HEAL_SAMPLES], BATCH, progress)

@@ -176,26 +176,22 @@ class MergePass(LayerPass[MergedExperts]):
         return self.merged
 
 
-def merge(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> None:
-    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass); fills
-    plan.tensor_overrides (spilled), plan.merge and each layer's `merge` record."""
+def merge(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> MergedExperts:
+    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass): the
+    merged tensors (spilled) and each layer's `merge` record, which expert_plan.fit_plan puts
+    into the plan it returns with merge_record's summary."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
-    merged = walk(ckpt, layout, MergePass(proxy_config, layout.arch, plan.selections, calibration), progress=progress)
-    # The plan's side channels, as plan_experts and the shard writer read them.
-    plan.tensor_overrides.update(merged.tensors)
-    for prefix, record in merged.records.items():
-        plan.selections[prefix].record["merge"] = record
-    plan.merge = merge_record(plan, list(merged.records))
+    return walk(ckpt, layout, MergePass(proxy_config, layout.arch, plan.selections, calibration), progress=progress)
 
 
-def merge_record(plan, merged: list[str]) -> dict:
-    """The manifest's `merge`: how kept experts were made, and which blocks were not merged."""
+def merge_record(plan, merged: list[str]) -> tuple[dict, list[str]]:
+    """The manifest's `merge` (how kept experts were made, which blocks were not merged) and
+    the plan's note naming the blocks not merged."""
     skipped = sorted(set(plan.selections) - set(merged))
-    if skipped:
-        plan.notes.append(f"--merge: {', '.join(skipped)} have no calibration statistics (e.g. an MTP layer): "
-                          f"their kept experts are copied, not merged")
+    notes = [f"--merge: {', '.join(skipped)} have no calibration statistics (e.g. an MTP layer): "
+             f"their kept experts are copied, not merged"] if skipped else []
     return {"weights": "each member's share of its cluster's gate mass on the calibration tokens",
             "alignment": "members' intermediate neurons permuted to the representative's by maximum total inner "
                          "product of (gate row, up row, down column) (linear assignment)",
             "formula": "representative + sum of weight x (aligned member - representative)",
-            "layers": merged, "not_merged": skipped}
+            "layers": merged, "not_merged": skipped}, notes

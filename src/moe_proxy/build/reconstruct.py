@@ -184,11 +184,12 @@ def _read(spill: Spill, path: Path) -> bytes:
 
 
 def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False,
-                merge: bool = False) -> None:
-    """Fit every calibrated MoE layer (ReconstructPass); fills plan.tensor_overrides,
-    plan.reconstruction and each layer's `reconstruct` record in its selection. `merge`: each
-    layer's kept experts are first merged (merge.py); the merged experts, as stored, are where
-    the fit starts and what the layer keeps when fitting does not help."""
+                merge: bool = False) -> Reconstruction:
+    """Fit every calibrated MoE layer (ReconstructPass): the fitted tensors (spilled), each
+    layer's `reconstruct` (and, with `merge`, `merge`) record and the manifest's summary, which
+    expert_plan.fit_plan puts into the plan it returns. `merge`: each layer's kept experts are
+    first merged (merge.py); the merged experts, as stored, are where the fit starts and what the
+    layer keeps when fitting does not help."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
     ids = calibration.token_ids[:RECON_SAMPLES]
     if len(ids) < 2:
@@ -196,15 +197,9 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
     held = torch.arange(len(ids)) % HOLDOUT_SEQUENCES == 0
     layer_pass = ReconstructPass(proxy_config, layout.arch, plan.selections, held, calibration if merge else None)
     found = walk(ckpt, layout, layer_pass, ids, BATCH, progress)
-    # The plan's side channels, as plan_experts and the shard writer read them.
-    plan.tensor_overrides.update(found.tensors)
-    for prefix, record in found.merges.items():
-        plan.selections[prefix].record["merge"] = record
-    for prefix, record in found.records.items():
-        plan.selections[prefix].record["reconstruct"] = record
     n_fit, n_held = int((~held).sum()), int(held.sum())
     seq_len = int(ids.shape[1])
-    plan.reconstruction = {
+    found.summary = {
         "objective": "relative squared error of the MoE block output, ||proxy_block(X) - Y||^2 / ||Y||^2, X the "
                      "block input through the already reconstructed proxy, Y the original block's output on X",
         "fitted": sorted(found.fitted),
@@ -220,10 +215,7 @@ def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: b
                 "is not above the plain selection's (end_to_end)",
         "layers": found.counts,
     }
-    if merge:
-        from moe_proxy.build.merge import merge_record
-
-        plan.merge = merge_record(plan, list(found.merges))
+    return found
 
 
 @dataclass
@@ -235,6 +227,7 @@ class Reconstruction:
     merges: dict[str, list] = field(default_factory=dict)  # block prefix -> its `merge` record (--merge)
     fitted: set[str] = field(default_factory=set)  # the parameters some layer kept fitted
     counts: dict[str, int] = field(default_factory=lambda: {"fitted": 0, "plain": 0})
+    summary: dict = field(default_factory=dict)  # the manifest's `reconstruct` (what, on which tokens, the rule)
 
 
 class ReconstructPass(LayerPass[Reconstruction]):

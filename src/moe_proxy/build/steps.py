@@ -158,9 +158,7 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan,
                 renames[t.name] = f"{b.prefix}.experts.{kept.index(e)}.{rest}" if e in kept else None
 
     def router_rows(t: TensorInfo, axis: int, kept: list[int]) -> Callable[[], bytes]:
-        if (healed := plan.router_overrides.get(t.name)) is not None:  # --heal: re-fitted rows
-            return lambda: healed
-        if (fitted := plan.tensor_overrides.get(t.name)) is not None:  # --reconstruct
+        if (fitted := plan.fitted.get(t.name)) is not None:  # --heal, --reconstruct: re-fitted rows
             return fitted
         # Routers are small and fully read for planning anyway: one request, not one per kept row.
         return partial(ckpt.read_slices, t.name, axis, kept, gap=t.nbytes)
@@ -179,11 +177,11 @@ def output_tensors(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan,
                 out.append(OutTensor(t.name, t.dtype, sliced(t, axis, kept), router_rows(t, axis, kept)))
             elif t.name in fused:
                 out.append(OutTensor(t.name, t.dtype, sliced(t, 0, fused[t.name]),
-                                     plan.tensor_overrides.get(t.name) or slice_ranges(t, 0, fused[t.name])))
+                                     plan.fitted.get(t.name) or slice_ranges(t, 0, fused[t.name])))
             elif t.name in renames:
                 if renames[t.name] is not None:  # (--reconstruct: a kept expert's fitted tensor)
                     out.append(OutTensor(renames[t.name], t.dtype, t.shape,
-                                         plan.tensor_overrides.get(t.name) or [(t.start, t.nbytes)]))
+                                         plan.fitted.get(t.name) or [(t.start, t.nbytes)]))
             else:
                 out.append(OutTensor(t.name, t.dtype, t.shape, [(t.start, t.nbytes)]))
         if out:
@@ -368,10 +366,8 @@ def fits_name(build_id: str) -> str:
 def save_fits(dst: Store, build_id: str, plan: ExpertPlan) -> None:
     """The plan's fitted tensors as one safetensors file (each tensor's bytes as stored, U8), its
     plan record and build id in the metadata. Streamed: one fitted tensor in memory at a time."""
-    sources = {**{n: (lambda b=b: b) for n, b in plan.router_overrides.items()}, **plan.tensor_overrides}
-    tensors = [OutTensor(n, "U8", (len(read()),), read) for n, read in sorted(sources.items())]
-    metadata = {"format": "moe-proxy-fits", "build_id": build_id, "plan": json.dumps(_as_json(plan_record(plan))),
-                "routers": json.dumps(sorted(plan.router_overrides))}
+    tensors = [OutTensor(n, "U8", (len(read()),), read) for n, read in sorted(plan.fitted.items())]
+    metadata = {"format": "moe-proxy-fits", "build_id": build_id, "plan": json.dumps(_as_json(plan_record(plan)))}
     write_file(dst, fits_name(build_id), chain([header_bytes(tensors, metadata)], (t.source() for t in tensors)))
 
 
@@ -385,14 +381,8 @@ def load_fits(dst: Store, build_id: str, layout: Layout) -> ExpertPlan | None:
     if metadata.get("format") != "moe-proxy-fits" or metadata.get("build_id") != build_id:
         return None
     plan = plan_from_record(json.loads(metadata["plan"]), layout)
-    routers = set(json.loads(metadata["routers"]))
-    for tensor, t in tensors.items():
-        read = partial(dst.read_range, name, t.start, t.nbytes)
-        if tensor in routers:
-            plan.router_overrides[tensor] = read()
-        else:
-            plan.tensor_overrides[tensor] = read
-    return plan
+    return replace(plan, fitted={tensor: partial(dst.read_range, name, t.start, t.nbytes)
+                                 for tensor, t in tensors.items()})
 
 
 def open_source(src: str | Store, options: PruningOptions, store_options: dict | None):
