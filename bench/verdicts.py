@@ -106,6 +106,17 @@ SCENARIOS = {
 }
 QUICK_SCENARIOS = {"super-fp16": ("bf16", "lower-lr")}
 RANDOM = ("random", dict(stats="one-pass", method="random", reconstruct=False))  # the control, built the lab's way
+
+
+def random_draws(count: int) -> list[tuple[str, dict]]:
+    """The control's draws: `build --method random --seed N` for N < count; the first, seed 0, is
+    `random-0.5` (the lab's first control), the others `random-sN-0.5`. One draw may keep an expert
+    that decides a scenario (the planted super expert) by chance: the control is their mean."""
+    name, options = RANDOM
+    return [(name if n == 0 else f"{name}-s{n}", options | dict(seed=n)) for n in range(count)]
+
+
+RANDOM_MEAN = "random-0.5, mean of draws"  # the control's pooled row: every draw's cells together
 ORIGINAL = "original"
 BISECT_BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself (checked)
 WALL = "verdicts-wall.json"  # a diagnosis' wall time and its runs', when it ran from scratch
@@ -145,14 +156,14 @@ def planted_original(lab, trained: Path, stats: Path) -> tuple[Path, Path]:
     return planted, planted_stats
 
 
-def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...]) -> dict[str, Path]:
-    """original, the default proxies at `ratios` and the random 50% control. A proxy with its
+def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws: int = 1) -> dict[str, Path]:
+    """original, the default proxies at `ratios` and `draws` random 50% controls. A proxy with its
     manifest under OUT/qwen3/proxies is reused as it is (another lab process built it, perhaps
     from another version of the code: rebuilding it here would remove it under that process);
     the missing ones are built by fidelity.build_family."""
     proxies = original.parent / "proxies"
     default = next(v for v in lab.VARIANTS if v[0] == lab.DEFAULT)
-    wanted = [(default, r) for r in ratios] + [(RANDOM, 0.5)]
+    wanted = [(default, r) for r in ratios] + [(draw, 0.5) for draw in random_draws(draws)]
     models = {ORIGINAL: original}
     for (name, options), ratio in wanted:
         dst = proxies / f"{name}-{ratio:g}"
@@ -413,6 +424,32 @@ def agreement(result: dict, proxy: str) -> dict:
             "splitting": {k: sum(rows[n][k] for n in split) for k in keys} | {"scenarios": split}}
 
 
+def pooled(agrees: list[dict]) -> dict:
+    """Several proxies' agreement as one, their cells together: the random control over its draws."""
+    keys = ("verdicts_equal", "cells", "onsets_within", "onset_cells", "runs_equal", "runs")
+    scenarios: dict = {}
+    for a in agrees:
+        for name, r in a["scenarios"].items():
+            into = scenarios.setdefault(name, dict.fromkeys(keys, 0) | {"disagree": [], "onsets": []})
+            for k in keys:
+                into[k] += r[k]
+            into["disagree"] += r["disagree"]
+            into["onsets"] += r["onsets"]
+    return {"scenarios": scenarios, "all": {k: sum(a["all"][k] for a in agrees) for k in keys},
+            "splitting": {k: sum(a["splitting"][k] for a in agrees) for k in keys}
+            | {"scenarios": agrees[0]["splitting"]["scenarios"]}}
+
+
+def keeps_planted(models: dict[str, Path], info: dict) -> dict[str, bool]:
+    """Per proxy of the planted original: does its build keep the planted super expert?"""
+    kept = {}
+    for name, path in models.items():
+        if name != ORIGINAL:
+            layers = json.loads((path / "proxy-manifest.json").read_text())["layers"].values()
+            kept[name] = any(v["layer"] == info["layer"] and info["expert"] in v["kept"] for v in layers)
+    return kept
+
+
 def splits(report: dict) -> bool:
     """Do the original's verdicts split the candidates (some fix, some do not)? Only there can a
     proxy's verdicts differ from a control's that says the same of every candidate."""
@@ -536,6 +573,8 @@ def main() -> int:
     parser.add_argument("--bisect", action="store_true", help="also the bisection: a run's checkpoints whose "
                         "planted super expert grows past fp16's range, bisected on the original and on proxies")
     parser.add_argument("--seeds", type=int, default=2, help="sampling seeds per run (default 2)")
+    parser.add_argument("--random-draws", type=int, default=3, help="random 50%% controls, each `build --method "
+                        "random` with its own --seed (default 3; quick: 2); their mean is the control")
     parser.add_argument("--parallel", type=int, default=2, help="repro processes at a time (default 2)")
     parser.add_argument("--steps", type=int, help="RL steps of every run (default: each scenario's)")
     parser.add_argument("--from-cache", action="store_true", help="tables from the diagnoses already finished "
@@ -558,7 +597,7 @@ def main() -> int:
         lab.TRAIN.update(lab.QUICK_BATCH)
         lab.RL.update(lab.QUICK_RL)
         ratios = (0.5,)
-        args.seeds, args.steps = 1, 2
+        args.seeds, args.steps, args.random_draws = 1, 2, 2
         scenarios = {n: dataclasses.replace(SCENARIOS[n], candidates=c) for n, c in QUICK_SCENARIOS.items()}
         builds, growth = QUICK_BUILDS, QUICK_GROWTH
         lab.OUT = lab.OUT.with_name("fidelity-quick")
@@ -571,7 +610,7 @@ def main() -> int:
     if args.bisect or any(s.original == PLANTED for s in scenarios.values()):
         originals[PLANTED] = planted_original(lab, trained, stats)
     wanted = list(dict.fromkeys(s.original for s in scenarios.values()))  # built in the scenarios' order
-    models = {kind: {n: p for n, p in models_of(lab, *originals[kind], ratios).items()
+    models = {kind: {n: p for n, p in models_of(lab, *originals[kind], ratios, args.random_draws).items()
                      if not args.models or n in args.models} for kind in wanted}
     root = lab.OUT / "qwen3" / "verdicts"
     base = rl_flags(lab.RL)
@@ -580,8 +619,17 @@ def main() -> int:
     checks = one_by_one(result, root, check_model, args.parallel, run=not args.from_cache)
     names = list(dict.fromkeys(n for by_kind in models.values() for n in by_kind if n != ORIGINAL))
     agree = {name: agreement(result, name) for name in names}
+    draws = [n for n in names if n.startswith(RANDOM[0]) and agree[n]["scenarios"]]
+    if len(draws) > 1:
+        agree[RANDOM_MEAN] = pooled([agree[n] for n in draws])
     seeds = list(range(args.seeds))
     text = tables(result, agree, checks, scenarios, seeds) if result else ""
+    kept = None
+    if PLANTED in models:  # the planted original's proxies that ran here
+        info = json.loads((originals[PLANTED][0] / "planted.json").read_text())
+        kept = keeps_planted(models[PLANTED], info)
+        text += (f"\nThe planted super expert (MoE layer {info['layer']}, expert {info['expert']}) is kept by: "
+                 + ", ".join(f"{n} {'yes' if k else 'no'}" for n, k in kept.items()) + ".\n")
     bisected = None
     if args.bisect:
         info = json.loads((originals[PLANTED][0] / "planted.json").read_text())
@@ -597,7 +645,7 @@ def main() -> int:
     (root / "verdicts.json").write_text(json.dumps({
         "scenarios": {n: dataclasses.asdict(s) for n, s in scenarios.items()}, "rl": lab.RL, "rl_flags": base,
         "models": {kind: {n: str(p) for n, p in by_kind.items()} for kind, by_kind in models.items()},
-        "seeds": seeds, "agreement": agree,
+        "seeds": seeds, "agreement": agree, "keeps_planted": kept,
         "diagnoses": {s: {m: {k: v for k, v in d.items() if k != "report"} | {
             "verdicts": {n: c["verdict"] for n, c in d["report"]["candidates"].items()},
             "baseline": d["report"]["baseline"]["seeds"],
