@@ -41,7 +41,7 @@ from synthetic import BENCH, GB, KEYS, QUICK, Facts, generate, read_object, uplo
 # Each measurement runs in a fresh process, so peak RSS is the build's own.
 CHILD = r"""
 import json, resource, sys
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.build.steps import build_proxy, build_share, finalize_build
 from moe_proxy.storage import open_store
 a = json.loads(sys.argv[1])
 opts = {"endpoint_url": a["endpoint"]}
@@ -57,8 +57,9 @@ if a["mode"] == "copy":  # the baseline: the proxy's bytes through the same clie
                 w.write(piece)
             w.commit()
 else:
-    kw = {k: a[k] for k in ("worker", "workers", "finalize_only") if k in a}
-    build_proxy(src, dst, experts=a["experts"], features=a["features"], overwrite=True, **kw)
+    kw = {k: a[k] for k in ("worker", "workers") if k in a}
+    step = build_share if "worker" in a else finalize_build if a.get("finalize_only") else build_proxy
+    step(src, dst, experts=a["experts"], features=a["features"], overwrite=True, **kw)
 u = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"downloaded": src.bytes_downloaded, "max_rss": u.ru_maxrss * 1024}))  # time: child()
 """

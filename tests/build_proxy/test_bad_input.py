@@ -134,7 +134,7 @@ def test_destination_with_a_different_proxy(src, tmp_path):
     dst = tmp_path / "out"
     build_proxy(str(src), str(dst), experts=4)
     again = build_proxy(str(src), str(dst), experts=4)
-    assert again["up_to_date"]
+    assert again.up_to_date
     with pytest.raises(DestinationExists, match="already holds a different proxy.*--overwrite"):
         build_proxy(str(src), str(dst), experts=2)
     assert json.loads((dst / MANIFEST).read_text())["experts"]["after"] == 4  # untouched

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from moe_proxy.build import plan_ahead
-from moe_proxy.build.steps import build_proxy, journal_name, prepare
+from moe_proxy.build.steps import build_proxy, build_share, finalize_build, journal_name, prepare
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.options import PruningOptions
@@ -40,9 +40,9 @@ def files(path):
 def test_selecting_ahead_gives_the_bytes_of_selecting_first(src, tmp_path, first_then_write, workers):
     dst = tmp_path / "p"
     for i in reversed(range(workers)):
-        build_proxy(str(src), str(dst), experts=8, worker=i, workers=workers)
+        build_share(str(src), str(dst), experts=8, worker=i, workers=workers)
     assert not (dst / "proxy-manifest.json").exists()
-    build_proxy(str(src), str(dst), experts=8, workers=workers, finalize_only=True)
+    finalize_build(str(src), str(dst), experts=8, workers=workers)
     assert files(dst) == first_then_write  # every shard, and the manifest with each one's sha256
 
 
@@ -53,11 +53,11 @@ def test_each_worker_selects_only_the_layers_of_its_shards(src, tmp_path):
     every = {b.prefix for b in p.layout.blocks}
     first, selected = p.layout.blocks[0].prefix, []
     for i in range(3):
-        files_ = build_proxy(str(src), str(dst), experts=8, worker=i, workers=3)["files"]
+        files_ = build_share(str(src), str(dst), experts=8, worker=i, workers=3).files
         selected.append(set(json.loads((dst / journal_name(i, 3)).read_text())["plan"]["selections"]))
         assert selected[i] == {b.prefix for b in p.blocks_of(list(files_))} | {first}, i
     assert any(s < every for s in selected), selected  # not every worker selected the whole model
-    build_proxy(str(src), str(dst), experts=8, workers=3, finalize_only=True)
+    finalize_build(str(src), str(dst), experts=8, workers=3)
     manifest = json.loads((dst / "proxy-manifest.json").read_text())
     assert set(manifest["layers"]) == every
 
@@ -111,10 +111,10 @@ def test_a_worker_leaves_its_journal_before_its_first_shard(src, tmp_path):
     # Workers run at once: one that starts while another's first shard is there must find a
     # build in the destination, not files it did not write (which it refuses to touch).
     dst = JournalFirst(tmp_path / "p")
-    build_proxy(str(src), dst, experts=8, worker=0, workers=2)
+    build_share(str(src), dst, experts=8, worker=0, workers=2)
     assert dst.journaled and all(dst.journaled)
-    build_proxy(str(src), str(tmp_path / "p"), experts=8, worker=1, workers=2)
-    build_proxy(str(src), str(tmp_path / "p"), experts=8, workers=2, finalize_only=True)
+    build_share(str(src), str(tmp_path / "p"), experts=8, worker=1, workers=2)
+    finalize_build(str(src), str(tmp_path / "p"), experts=8, workers=2)
 
 
 class FailingDestination(FirstShardWatch):
@@ -137,17 +137,17 @@ class FailingDestination(FirstShardWatch):
 
 def test_an_interrupted_worker_resumes_and_finalize_refuses_it_until_then(src, tmp_path, first_then_write):
     dst = tmp_path / "p"
-    build_proxy(str(src), str(dst), experts=8, worker=1, workers=2)
+    build_share(str(src), str(dst), experts=8, worker=1, workers=2)
     with pytest.raises(OSError, match="killed"):
-        build_proxy(str(src), FailingDestination(dst), experts=8, worker=0, workers=2)
+        build_share(str(src), FailingDestination(dst), experts=8, worker=0, workers=2)
     j = json.loads((dst / journal_name(0, 2)).read_text())
     assert len(j["files"]) == 2 and "complete" not in j  # the shards written so far, their layers' selections
     with pytest.raises(CorruptCheckpoint, match="worker 0 of 2 has not finished: its journal .* interrupted run"):
-        build_proxy(str(src), str(dst), experts=8, workers=2, finalize_only=True)
+        finalize_build(str(src), str(dst), experts=8, workers=2)
     kept = {f: (dst / f).stat().st_mtime_ns for f in j["files"]}
-    build_proxy(str(src), str(dst), experts=8, worker=0, workers=2)
+    build_share(str(src), str(dst), experts=8, worker=0, workers=2)
     assert {f: (dst / f).stat().st_mtime_ns for f in kept} == kept  # resumed: not written again
-    build_proxy(str(src), str(dst), experts=8, workers=2, finalize_only=True)
+    finalize_build(str(src), str(dst), experts=8, workers=2)
     assert files(dst) == first_then_write
 
 
@@ -181,6 +181,6 @@ def test_a_layer_split_over_shards_is_selected_first(tmp_path):
     assert p.planned is not None  # which experts are kept decides each shard's size: selected before writing
     build_proxy(str(tmp_path / "src"), str(tmp_path / "one"), experts=4)
     for i in range(2):
-        build_proxy(str(tmp_path / "src"), str(tmp_path / "two"), experts=4, worker=i, workers=2)
-    build_proxy(str(tmp_path / "src"), str(tmp_path / "two"), experts=4, workers=2, finalize_only=True)
+        build_share(str(tmp_path / "src"), str(tmp_path / "two"), experts=4, worker=i, workers=2)
+    finalize_build(str(tmp_path / "src"), str(tmp_path / "two"), experts=4, workers=2)
     assert files(tmp_path / "two") == files(tmp_path / "one")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_proxy.build.steps import assign_shards, build_proxy, journal_name
+from moe_proxy.build.steps import assign_shards, build_proxy, build_share, finalize_build, journal_name
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.build.verify import verify
@@ -23,11 +23,11 @@ def test_three_workers_and_finalize_equal_one_worker(src, tmp_path):
     multi = tmp_path / "multi"
     shares = []
     for i in (2, 0, 1):  # any order
-        shares.append(build_proxy(str(src), str(multi), experts=8, worker=i, workers=3))
+        shares.append(build_share(str(src), str(multi), experts=8, worker=i, workers=3))
     assert not (multi / "proxy-manifest.json").exists()
-    assert sorted(f for s in shares for f in s["files"]) == sorted(f for f in files(single) if f.startswith("model-"))
-    assert all(s["files"] for s in shares)  # every worker had work
-    build_proxy(str(src), str(multi), experts=8, workers=3, finalize_only=True)
+    assert sorted(f for s in shares for f in s.files) == sorted(f for f in files(single) if f.startswith("model-"))
+    assert all(s.files for s in shares)  # every worker had work
+    finalize_build(str(src), str(multi), experts=8, workers=3)
     assert files(multi) == files(single)
     assert verify(str(multi)).ok
 
@@ -36,30 +36,30 @@ def test_finalize_names_a_missing_or_corrupt_shard(src, tmp_path):
     dst = tmp_path / "p"
     for i in range(3):
         main(["build", str(src), str(dst), "--experts", "8", "--worker", str(i), "--workers", "3", "--no-progress"])
-    victim = sorted(build_proxy(str(src), str(tmp_path / "q"), experts=8, worker=1, workers=3)["files"])[0]
+    victim = sorted(build_share(str(src), str(tmp_path / "q"), experts=8, worker=1, workers=3).files)[0]
     data = (dst / victim).read_bytes()
     (dst / victim).write_bytes(data[:-8] + b"\x00" * 8)
     with pytest.raises(CorruptCheckpoint, match=f"worker 1's shard {victim} is corrupt.*rerun worker 1"):
-        build_proxy(str(src), str(dst), experts=8, workers=3, finalize_only=True)
+        finalize_build(str(src), str(dst), experts=8, workers=3)
     (dst / victim).unlink()
     with pytest.raises(CorruptCheckpoint, match=f"worker 1's shard {victim} is missing"):
-        build_proxy(str(src), str(dst), experts=8, workers=3, finalize_only=True)
+        finalize_build(str(src), str(dst), experts=8, workers=3)
     assert not (dst / "proxy-manifest.json").exists()
 
     # Retrying worker 1 redoes only its own share; then finalize succeeds.
     before = {f.name: f.stat().st_mtime_ns for f in dst.iterdir()}
-    redo = build_proxy(str(src), str(dst), experts=8, worker=1, workers=3)
+    redo = build_share(str(src), str(dst), experts=8, worker=1, workers=3)
     changed = {f.name for f in dst.iterdir() if before.get(f.name) != f.stat().st_mtime_ns}
-    assert victim in changed and changed <= set(redo["files"]) | {journal_name(1, 3)}
-    assert build_proxy(str(src), str(dst), experts=8, workers=3, finalize_only=True)["experts"]["after"] == 8
+    assert victim in changed and changed <= set(redo.files) | {journal_name(1, 3)}
+    assert finalize_build(str(src), str(dst), experts=8, workers=3)["experts"]["after"] == 8
     assert verify(str(dst)).ok
 
 
 def test_finalize_before_a_worker_ran(src, tmp_path):
     dst = tmp_path / "p"
-    build_proxy(str(src), str(dst), experts=8, worker=0, workers=2)
+    build_share(str(src), str(dst), experts=8, worker=0, workers=2)
     with pytest.raises(CorruptCheckpoint, match="worker 1 of 2 has not finished"):
-        build_proxy(str(src), str(dst), experts=8, workers=2, finalize_only=True)
+        finalize_build(str(src), str(dst), experts=8, workers=2)
 
 
 def test_partition_is_balanced_and_complete(src, tmp_path):
@@ -89,7 +89,7 @@ def test_split_balances_bytes_where_largest_first_does_not():
 
 def _two_workers(src, dst):
     for i in range(2):
-        build_proxy(str(src), str(dst), experts=8, worker=i, workers=2)
+        build_share(str(src), str(dst), experts=8, worker=i, workers=2)
 
 
 def test_finalize_takes_the_workers_plan(src, tmp_path, monkeypatch):
@@ -107,7 +107,7 @@ def test_finalize_takes_the_workers_plan(src, tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "plan_experts", replan)
     monkeypatch.setitem(sys.modules, "sklearn.cluster", None)  # nor can it cluster: importing it fails
-    build_proxy(str(src), str(multi), experts=8, workers=2, finalize_only=True)
+    finalize_build(str(src), str(multi), experts=8, workers=2)
     assert files(multi) == files(single)
 
 
@@ -126,7 +126,7 @@ def test_finalize_refuses_workers_that_selected_differently(src, tmp_path):
     j["plan"]["selections"][layer]["kept"] = [min(set(range(16)) - set(kept))] + kept[1:]  # another expert
     journal.write_text(json.dumps(j))
     with pytest.raises(CorruptCheckpoint, match=f"worker 1 selected other experts than worker 0 \\({layer}: kept"):
-        build_proxy(str(src), str(dst), experts=8, workers=2, finalize_only=True)
+        finalize_build(str(src), str(dst), experts=8, workers=2)
 
     # Both journals agree on a plan that is no valid choice for this checkpoint: refused too.
     journal.write_text(original)
@@ -135,13 +135,13 @@ def test_finalize_refuses_workers_that_selected_differently(src, tmp_path):
         j["plan"]["selections"][layer]["kept"] = kept[:-1]
         (dst / journal_name(i, 2)).write_text(json.dumps(j))
     with pytest.raises(CorruptCheckpoint, match=f"plan for {layer} .* is not a valid choice of 8"):
-        build_proxy(str(src), str(dst), experts=8, workers=2, finalize_only=True)
+        finalize_build(str(src), str(dst), experts=8, workers=2)
 
     # A journal of another build (other options): refused, naming the worker to rerun.
-    build_proxy(str(src), str(tmp_path / "other"), experts=12, worker=0, workers=2)
+    build_share(str(src), str(tmp_path / "other"), experts=12, worker=0, workers=2)
     (dst / journal_name(0, 2)).write_text((tmp_path / "other" / journal_name(0, 2)).read_text())
     with pytest.raises(CorruptCheckpoint, match="worker 0's journal .* is of another build.*rerun worker 0"):
-        build_proxy(str(src), str(dst), experts=8, workers=2, finalize_only=True)
+        finalize_build(str(src), str(dst), experts=8, workers=2)
     assert not (dst / "proxy-manifest.json").exists()
 
 
@@ -149,7 +149,7 @@ def test_a_rerun_worker_keeps_no_shard_of_another_plan(src, tmp_path):
     import json
 
     dst = tmp_path / "p"
-    build_proxy(str(src), str(dst), experts=8, worker=0, workers=2)
+    build_share(str(src), str(dst), experts=8, worker=0, workers=2)
     journal = dst / journal_name(0, 2)
     j = json.loads(journal.read_text())
     layer = sorted(j["plan"]["selections"])[0]
@@ -157,7 +157,7 @@ def test_a_rerun_worker_keeps_no_shard_of_another_plan(src, tmp_path):
     j["plan"]["selections"][layer]["kept"] = [min(set(range(16)) - set(kept))] + kept[1:]  # another expert
     journal.write_text(json.dumps(j))
     before = {f.name: f.stat().st_mtime_ns for f in dst.iterdir() if f.name.startswith("model-")}
-    build_proxy(str(src), str(dst), experts=8, worker=0, workers=2)
+    build_share(str(src), str(dst), experts=8, worker=0, workers=2)
     assert before and all(f.stat().st_mtime_ns != before[f.name] for f in dst.iterdir() if f.name in before)
 
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from moe_proxy.build.fidelity import FidelityTargetNotMet, held_out
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.build.steps import build_proxy, build_share
 from moe_proxy.build.verify import as_json, text, verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main
@@ -146,9 +146,10 @@ def test_auto_refuses_an_unreachable_target_with_the_best_figure_and_writes_noth
     (dict(experts="auto", max_kl=0.1, worker=0, workers=2), "single build"),
 ])
 def test_auto_bad_input(source, kwargs, message):
+    build = build_share if "worker" in kwargs else build_proxy
     with pytest.raises(Exception, match=message):
-        build_proxy(str(source / "src"), str(source / "bad"), method="frequency", calibration=str(source / "stats"),
-                    **kwargs)
+        build(str(source / "src"), str(source / "bad"), method="frequency", calibration=str(source / "stats"),
+              **kwargs)
     assert not (source / "bad").exists()
 
 

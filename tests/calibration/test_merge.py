@@ -13,7 +13,7 @@ import transformers
 from moe_proxy.build import reconstruct as rec
 from moe_proxy.build.merge import align, expert_layout, neurons, permute
 from moe_proxy.errors import CannotMerge
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.build.steps import build_proxy, build_share, finalize_build
 from moe_proxy.build.verify import verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.checkpoint.tensors import dequantize_fp8
@@ -79,8 +79,8 @@ def test_merge_scaled_out_equals_one_build(tmp_path):
     common = dict(experts=4, calibration=str(tmp_path / "stats"), merge=True, reconstruct=False)
     single = build_proxy(str(src), str(tmp_path / "single"), **common)
     for i in (1, 0):
-        build_proxy(str(src), str(tmp_path / "multi"), worker=i, workers=2, **common)
-    multi = build_proxy(str(src), str(tmp_path / "multi"), workers=2, finalize_only=True, **common)
+        build_share(str(src), str(tmp_path / "multi"), worker=i, workers=2, **common)
+    multi = finalize_build(str(src), str(tmp_path / "multi"), workers=2, **common)
     assert multi["merge"] == single["merge"] and multi["layers"] == single["layers"]
     files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir())}  # noqa: E731
     assert files(tmp_path / "multi") == files(tmp_path / "single")

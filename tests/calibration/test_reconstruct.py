@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from moe_proxy.build import reconstruct as rec
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.build.steps import build_proxy, build_share, finalize_build, fit_for_workers
 from moe_proxy.build.verify import verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
@@ -168,11 +168,11 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
 
     monkeypatch.setattr("moe_proxy.build.steps.plan_experts", counted)
     dst = tmp_path / "two"
-    done = build_proxy(str(src), str(dst), workers=2, fit_only=True, **common)
-    assert done["fits"] and (dst / done["fits"]).exists() and len(fitted) == 1
+    done = fit_for_workers(str(src), str(dst), workers=2, **common)
+    assert done and (dst / done).exists() and len(fitted) == 1
     for worker in (0, 1):
-        build_proxy(str(src), str(dst), worker=worker, workers=2, **common)
-    two = build_proxy(str(src), str(dst), workers=2, finalize_only=True, **common)
+        build_share(str(src), str(dst), worker=worker, workers=2, **common)
+    two = finalize_build(str(src), str(dst), workers=2, **common)
     assert len(fitted) == 1  # the workers and finalize read the fits
     shards = {f: v for f, v in one["files"].items() if f.endswith(".safetensors")}
     assert len(shards) > 1 and {f: two["files"][f] for f in shards} == shards  # same bytes, by sha256
@@ -184,6 +184,6 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
     # Without a fit step, the first worker fits and the rest of the build reads its fits.
     fitted.clear()
     for worker in (0, 1):
-        build_proxy(str(src), str(tmp_path / "three"), worker=worker, workers=2, **common)
-    three = build_proxy(str(src), str(tmp_path / "three"), workers=2, finalize_only=True, **common)
+        build_share(str(src), str(tmp_path / "three"), worker=worker, workers=2, **common)
+    three = finalize_build(str(src), str(tmp_path / "three"), workers=2, **common)
     assert len(fitted) == 1 and three["files"] == two["files"]

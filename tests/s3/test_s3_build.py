@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.build.steps import build_proxy, build_share, finalize_build
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.errors import DestinationExists
 from .faultproxy import FaultProxy
@@ -66,7 +66,7 @@ def test_rerun_is_a_no_op_and_a_different_proxy_is_refused(seaweed, s3_ckpt, pre
     stamps = {o["Key"]: o["LastModified"] for o in client.list_objects_v2(Bucket="proxy", Prefix=prefix)["Contents"]}
 
     again = build_proxy(s3_ckpt, dst, experts=8, store_options=options)
-    assert again.get("up_to_date") is True
+    assert again.up_to_date is True
     assert again["files"] == first["files"]
     now = {o["Key"]: o["LastModified"] for o in client.list_objects_v2(Bucket="proxy", Prefix=prefix)["Contents"]}
     assert now == stamps  # nothing rewritten
@@ -86,9 +86,9 @@ def test_scale_out_workers_then_finalize_on_s3(seaweed, s3_ckpt, local_ckpt, pre
     with FaultProxy(int(seaweed.endpoint_url.rsplit(":", 1)[1])) as counter:
         options = {"endpoint_url": counter.endpoint_url}
         for worker in (0, 1):
-            build_proxy(s3_ckpt, dst, experts=8, worker=worker, workers=2, store_options=options)
+            build_share(s3_ckpt, dst, experts=8, worker=worker, workers=2, store_options=options)
         before = counter.bytes_down
-        m = build_proxy(s3_ckpt, dst, experts=8, workers=2, finalize_only=True, store_options=options)
+        m = finalize_build(s3_ckpt, dst, experts=8, workers=2, store_options=options)
         finalize_downloaded = counter.bytes_down - before
     shards = sum(f["size"] for name, f in m["files"].items() if name.endswith(".safetensors"))
     print(f"\nfinalize downloaded {finalize_downloaded} B; the shards it checked are {shards} B")

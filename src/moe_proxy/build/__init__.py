@@ -4,14 +4,17 @@ passes that fit or measure it (`heal`, `merge`, `reconstruct`, `fidelity`), the 
 (`steps`, `writer`), the config rewrite (`config`) and the checks of a written proxy
 (`verify`).
 
-`from moe_proxy.build import build_proxy` is the library entry point; it is imported on first
-use so that the torch-free modules of this package (`config`) stay torch-free.
+`from moe_proxy.build import build_proxy` is the library entry point (and, for a scale-out
+build, `fit_for_workers`, `build_share`, `finalize_build`); they are imported on first use so
+that the torch-free modules of this package (`config`) stay torch-free.
 """
+
+ENTRY_POINTS = ("build_proxy", "fit_for_workers", "build_share", "finalize_build")
 
 
 def __getattr__(name: str):
-    if name == "build_proxy":
-        from moe_proxy.build.steps import build_proxy
+    if name in ENTRY_POINTS:
+        from moe_proxy.build import steps
 
-        return build_proxy
+        return getattr(steps, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,10 +12,11 @@
 4. Finalize: config.json, the index, tokenizer/other files, and `proxy-manifest.json` last:
    its presence marks the proxy complete.
 
-Scale-out: `worker=i, workers=W` writes only worker i's share of the shards (a deterministic
-partition balanced by bytes, which the expert count fixes) and a journal of its plan (selecting
-ahead: its own blocks' and the first MoE block's) and of what it wrote; `finalize=True` (run once
-after all workers) joins the plan from the journals (refusing workers that selected differently),
+Scale-out: `build_share(worker=i, workers=W)` writes only worker i's share of the shards (a
+deterministic partition balanced by bytes, which the expert count fixes) and a journal of its
+plan (selecting ahead: its own blocks' and the first MoE block's) and of what it wrote;
+`finalize_build` (run once after all workers) joins the plan from the journals (refusing workers
+that selected differently),
 checks every worker's shards against them and does step 4. A single
 build is worker 0 of 1 followed by finalize, so W workers give byte-identical output.
 An interrupted worker reruns and keeps the files its journal shows complete (sha256 checked).
@@ -322,16 +323,21 @@ def _owned(dst: Store) -> set[str]:
     return owned
 
 
-def _proxy_manifest(dst: Store) -> dict | None:
+def _proxy_manifest(dst: Store) -> Published | None:
     """dst's proxy-manifest.json when it is one moe-proxy wrote; None for anything else."""
+    data = dst.read_bytes(MANIFEST)
     try:
-        m = json.loads(dst.read_bytes(MANIFEST))
+        m = json.loads(data)
     except ValueError:
         return None
-    return m if isinstance(m, dict) and str(m.get("format", "")).startswith("moe-proxy/") else None
+    if not isinstance(m, dict) or not str(m.get("format", "")).startswith("moe-proxy/"):
+        return None
+    published = Published(m)
+    published.sha256 = hashlib.sha256(data).hexdigest()
+    return published
 
 
-def _check_destination(dst: Store, build_id: str, overwrite: bool) -> tuple[dict | None, list[str]]:
+def _check_destination(dst: Store, build_id: str, overwrite: bool) -> tuple[Published | None, list[str]]:
     """(the existing manifest when dst already holds this very proxy, else None; the files of
     the proxy this build replaces). dst must be empty, or a moe-proxy output: a finished proxy
     (replaced only with `overwrite`) or an interrupted build (resumed). Anything else is refused
@@ -412,8 +418,9 @@ def _import_planning() -> None:
 
 def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
             store_options: dict | None, finalize_workers: int | None = None,
-            planned: ExpertPlan | None = None, share_fits: bool = False, sizing=None) -> Prepared | dict:
-    """Open, check the destination, plan. Returns the existing manifest if dst is up to date.
+            planned: ExpertPlan | None = None, share_fits: bool = False, sizing=None) -> Prepared | Published:
+    """Open, check the destination, plan. Returns the published manifest if dst holds this
+    very build already (nothing to do).
     `finalize_workers`: finalizing W workers' build, whose journals hold the plan: it is taken
     from them (checked against this checkpoint), not worked out again; with fitted tensors
     (--heal, --reconstruct), which the journals do not hold, it is re-planned and must match.
@@ -442,7 +449,8 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     existing, replaced = _check_destination(dst_store, build_id, overwrite)
     if existing is not None:
         log.info("%s already holds this proxy (same source and options): nothing to do", dst_store.uri)
-        return existing | {"up_to_date": True}
+        existing.up_to_date = True
+        return existing
     journaled = workers_plan(dst_store, build_id, finalize_workers) if finalize_workers else None
     fitted = options.fits
     if planned is not None:
@@ -650,63 +658,109 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
     return manifest
 
 
-def build_proxy(
-    src: str | Store,
-    dst: str | Store,
-    options: PruningOptions | None = None,
-    *,
-    overwrite: bool = False,
-    progress: bool = False,
-    store_options: dict | None = None,
-    worker: int | None = None,
-    workers: int = 1,
-    finalize_only: bool = False,
-    fit_only: bool = False,
-    max_experts: int | None = None,
-    sizing=None,
-    **pruning,
-) -> dict:
-    """Build the proxy of checkpoint `src` into `dst` and return its manifest (a dict).
-    `options` (or the same as keywords, `**pruning`: experts=8, calibration=...): what to build,
-    see options.PruningOptions. Rerunning an identical build is a no-op that returns the
-    existing manifest. With `worker`, write only that worker's shards and return {"worker",
-    "workers", "files"}; with `fit_only`, only select and fit (once, for all workers and finalize,
-    see prepare) and return {"fits", "workers"}. `experts="auto"` with `max_kl`: the smallest count whose fidelity
-    figure meets it, within `max_experts` and the device budget of `sizing` (a
-    sizing.SizingOptions), see auto.py."""
-    options = replace(options or PruningOptions(), **pruning).resolved()
-    check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
+@dataclass(frozen=True)
+class Share:
+    """What one worker of a scale-out build wrote (build_share): its output shards, by name."""
+
+    worker: int
+    workers: int
+    files: dict[str, Written]  # empty when dst already holds the published proxy
+    up_to_date: bool = False
+
+
+class Published(dict):
+    """A manifest as published: the dict, `sha256`, that of the proxy-manifest.json bytes, and
+    `up_to_date`, whether dst held this very proxy already (the build was a no-op)."""
+
+    sha256: str = ""
+    up_to_date: bool = False
+
+
+# The four entry points. A single build is build_proxy. A scale-out build (a Kubernetes Indexed
+# Job) is fit_for_workers once where it fits tensors, build_share per worker, then
+# finalize_build once: they give the same bytes as the single build. `options` (or the same as
+# keywords, `**pruning`: experts=8, calibration=...) is what to build, see options.PruningOptions;
+# the other keywords are how (overwrite, progress bars, store options, the device budget
+# `sizing`, a sizing.SizingOptions, that a keep ratio's count is judged against).
+
+
+def build_proxy(src: str | Store, dst: str | Store, options: PruningOptions | None = None, *,
+                overwrite: bool = False, progress: bool = False, store_options: dict | None = None,
+                max_experts: int | None = None, sizing=None, **pruning) -> Published:
+    """Build the proxy of checkpoint `src` into `dst` and return its manifest. Rerunning an
+    identical build is a no-op that returns the existing manifest (`up_to_date`).
+    `experts="auto"` with `max_kl`: the smallest count whose fidelity figure meets it, within
+    `max_experts` and the device budget of `sizing`, see auto.py."""
+    options = _resolved(src, dst, options, pruning)
     chosen = None
     if options.auto or options.max_kl is not None:  # counts measured without writing; the chosen one is built
         from moe_proxy.build.auto import resolve_auto
 
-        options, chosen = resolve_auto(src, options, max_experts, sizing, worker is not None or finalize_only,
-                                       store_options, progress)
-    scale_out = worker is not None or finalize_only or fit_only
-    p = prepare(src, dst, options, overwrite, progress, store_options, workers if finalize_only else None,
-                chosen[2] if chosen is not None else None, share_fits=scale_out, sizing=sizing)
-    if isinstance(p, dict):
+        options, chosen = resolve_auto(src, options, max_experts, sizing, False, store_options, progress)
+    p = prepare(src, dst, options, overwrite, progress, store_options, None,
+                chosen[2] if chosen is not None else None, sizing=sizing)
+    if isinstance(p, Published):
         return p
-    if fit_only:  # the step before a scale-out's workers: selected and fitted, nothing written but the fits
-        return {"fits": fits_name(p.build_id) if options.fits else None, "workers": workers}
     if chosen is not None:
         p.plan.fidelity = chosen[0]
-        p.plan.notes.extend(n for n in chosen[1] if n not in p.plan.notes)  # (a workers' plan has them)
+        p.plan.notes.extend(n for n in chosen[1] if n not in p.plan.notes)
     try:
-        if finalize_only:
-            return finalize(p, workers, overwrite, progress=progress)
-        if worker is not None:
-            files = write_share(p, worker, workers, progress)
-            return {"worker": worker, "workers": workers, "files": {f: asdict(w) for f, w in files.items()}}
         return finalize(p, 1, overwrite, fresh=write_share(p, 0, 1, progress), progress=progress)
     finally:
         p.close()  # (selecting ahead: stops, where writing failed)
 
 
-class Published(dict):
-    """A manifest as published: the dict, and `sha256`, that of the proxy-manifest.json bytes."""
+def fit_for_workers(src: str | Store, dst: str | Store, options: PruningOptions | None = None, *, workers: int,
+                    overwrite: bool = False, progress: bool = False, store_options: dict | None = None,
+                    sizing=None, **pruning) -> str | None:
+    """The step before a scale-out's `workers` workers: select and fit once, for all of them
+    and finalize, writing nothing but the fits (see prepare). Returns the name of the fits
+    artifact in dst, None where the options fit nothing (or dst holds the proxy already)."""
+    options = _resolved(src, dst, options, pruning, scale_out=True)
+    p = prepare(src, dst, options, overwrite, progress, store_options, share_fits=True, sizing=sizing)
+    if isinstance(p, Published):
+        return None
+    p.close()
+    return fits_name(p.build_id) if options.fits else None
 
-    sha256: str = ""
+
+def build_share(src: str | Store, dst: str | Store, options: PruningOptions | None = None, *, worker: int,
+                workers: int, overwrite: bool = False, progress: bool = False, store_options: dict | None = None,
+                sizing=None, **pruning) -> Share:
+    """Write worker `worker`'s shards of a `workers`-worker build (and its journal)."""
+    options = _resolved(src, dst, options, pruning, scale_out=True)
+    p = prepare(src, dst, options, overwrite, progress, store_options, share_fits=True, sizing=sizing)
+    if isinstance(p, Published):
+        return Share(worker, workers, {}, up_to_date=True)
+    try:
+        return Share(worker, workers, write_share(p, worker, workers, progress))
+    finally:
+        p.close()
+
+
+def finalize_build(src: str | Store, dst: str | Store, options: PruningOptions | None = None, *, workers: int,
+                   overwrite: bool = False, progress: bool = False, store_options: dict | None = None,
+                   sizing=None, **pruning) -> Published:
+    """After all `workers` workers: check their shards, write config, index and the manifest."""
+    options = _resolved(src, dst, options, pruning, scale_out=True)
+    p = prepare(src, dst, options, overwrite, progress, store_options, workers, share_fits=True, sizing=sizing)
+    if isinstance(p, Published):
+        return p
+    try:
+        return finalize(p, workers, overwrite, progress=progress)
+    finally:
+        p.close()
+
+
+def _resolved(src: str | Store, dst: str | Store, options: PruningOptions | None, pruning: dict,
+              scale_out: bool = False) -> PruningOptions:
+    options = replace(options or PruningOptions(), **pruning).resolved()
+    check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
+    if scale_out and (options.auto or options.max_kl is not None):
+        from moe_proxy.build.auto import resolve_auto
+
+        resolve_auto(src, options, None, None, True)  # refused, with the reason
+    return options
 
 
 def _json(obj) -> bytes:

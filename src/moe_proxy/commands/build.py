@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.options import PruningOptions, add_arguments, from_args
@@ -47,7 +48,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.build.steps import build_proxy  # torch and scikit-learn load only when a build runs
+    from moe_proxy.build import steps  # torch and scikit-learn load only when a build runs
     from moe_proxy.reports import build_report, error_report, worker_report, write_termination_log
     from moe_proxy.sizing import SizingOptions
 
@@ -60,41 +61,37 @@ def run(args: argparse.Namespace) -> int:
         if args.termination_log:
             write_termination_log(args.termination_log, payload)
 
+    how = dict(overwrite=args.overwrite, progress=not args.no_progress, store_options=store_options(args),
+               sizing=SizingOptions(**device_options(args)))
     try:
         check_output_dir(args.dst, "DST")
-        manifest = build_proxy(
-            args.src, args.dst, options, overwrite=args.overwrite, progress=not args.no_progress,
-            store_options=store_options(args), worker=args.worker, workers=args.workers,
-            finalize_only=args.finalize, fit_only=args.fit, max_experts=args.max_experts,
-            sizing=SizingOptions(**device_options(args)),
-        )
+        if args.fit:  # the step before a scale-out's workers: selected and fitted, nothing written but the fits
+            fits = steps.fit_for_workers(args.src, args.dst, options, workers=args.workers, **how)
+        elif args.worker is not None:  # a worker's share only: no manifest yet
+            share = steps.build_share(args.src, args.dst, options, worker=args.worker, workers=args.workers, **how)
+        elif args.finalize:
+            manifest = steps.finalize_build(args.src, args.dst, options, workers=args.workers, **how)
+        else:
+            manifest = steps.build_proxy(args.src, args.dst, options, max_experts=args.max_experts, **how)
     except MoeProxyError as exc:
         report(error_report(exc))
         raise
     if args.fit:
-        report({"fits": manifest.get("fits"), "workers": args.workers})
-        print(json.dumps(manifest) if args.json else
-              f"fitted once for the {args.workers} workers: {manifest['fits']}" if manifest.get("fits") else
+        report({"fits": fits, "workers": args.workers})
+        print(json.dumps({"fits": fits, "workers": args.workers}) if args.json else
+              f"fitted once for the {args.workers} workers: {fits}" if fits else
               "nothing to fit (no reconstruct, heal or merge): run the workers")
         return 0
-    if args.worker is not None:  # a worker's share only: no manifest yet
-        report(worker_report(args.worker, args.workers, len(manifest["files"])))
-        print(json.dumps(manifest, indent=2) if args.json else
-              f"worker {args.worker} of {args.workers}: wrote {len(manifest['files'])} shard(s); "
+    if args.worker is not None:
+        report(worker_report(args.worker, args.workers, len(share.files)))
+        print(json.dumps({"worker": share.worker, "workers": share.workers,
+                          "files": {f: asdict(w) for f, w in share.files.items()}}, indent=2) if args.json else
+              f"worker {args.worker} of {args.workers}: wrote {len(share.files)} shard(s); "
               f"run --finalize once all workers are done")
         return 0
-    report(build_report(manifest, args.dst, _manifest_sha256(manifest, args)))
+    report(build_report(manifest, args.dst, manifest.sha256))
     print(json.dumps(manifest, indent=2) if args.json else summary(manifest))
     return 0
-
-
-def _manifest_sha256(manifest: dict, args: argparse.Namespace) -> str:
-    """sha256 of proxy-manifest.json as published: the build hands over that of the bytes it
-    wrote; a rerun that found this very proxy there already (a no-op) hashes the stored file."""
-    from moe_proxy.checkpoint.reader import MANIFEST
-    from moe_proxy.storage import open_store, sha256_of
-
-    return getattr(manifest, "sha256", "") or sha256_of(open_store(args.dst, **store_options(args)), MANIFEST)
 
 
 def summary(m: dict) -> str:
