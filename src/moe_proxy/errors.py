@@ -68,3 +68,19 @@ class TooFewCheckpoints(MoeProxyError):
 
 class InvalidRange(MoeProxyError):
     """A bisection's --good / --bad step at which there is no complete checkpoint."""
+
+
+class WatchTimeout(MoeProxyError):
+    """The run neither failed as asked nor ended within the watch's time limit."""
+
+
+class BadDataset(MoeProxyError):
+    """The calibration dataset is missing, empty or malformed."""
+
+
+class CalibrationError(MoeProxyError):
+    """Statistics that cannot be used: incomplete, another format, or of another checkpoint."""
+
+
+class CannotReconstruct(MoeProxyError):
+    """A checkpoint whose experts cannot be written back in their own format."""

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from moe_proxy.architectures import Arch, detect, expert_count, groups, top_k
-from moe_proxy.errors import InvalidExpertCount
+from moe_proxy.errors import InvalidExpertCount, InvalidOptions
 from moe_proxy.step_cost import Accelerator, ModelShape, Phases, StepShape, phases
 from moe_proxy.checkpoint.params import Params, config_int, config_params, expert_width, moe_layer_indices, text_config
 
@@ -191,7 +191,7 @@ def ratio_experts(n: int, arch: Arch, n_group: int, keep_ratio: float) -> tuple[
 def target_experts(n: int, arch: Arch, n_group: int, experts: int | None, keep_ratio: float | None) -> int:
     """The routed experts per layer to keep, validated; errors suggest valid values."""
     if (experts is None) == (keep_ratio is None):
-        raise InvalidExpertCount("give exactly one of experts per layer or a keep ratio")
+        raise InvalidOptions("give exactly one of experts per layer or a keep ratio")
     if keep_ratio is not None:
         experts, _ = ratio_experts(n, arch, n_group, keep_ratio)
     assert experts is not None
@@ -290,17 +290,17 @@ def model_shape(c: dict, params: Params, experts: int, k: int, n_moe: int, preci
 def estimate(config: dict, opts: SizingOptions) -> Sizing:
     """Plan the original and the proxy described by `opts` (see SizingOptions)."""
     if opts.precision not in BYTES_PER_PARAM:
-        raise InvalidExpertCount(f"precision {opts.precision!r}: expected one of {', '.join(BYTES_PER_PARAM)}")
+        raise InvalidOptions(f"precision {opts.precision!r}: expected one of {', '.join(BYTES_PER_PARAM)}")
     if opts.rollout_copy not in (None, *BYTES_PER_PARAM):
-        raise InvalidExpertCount(f"rollout copy precision {opts.rollout_copy!r}: expected one of "
-                                 f"{', '.join(BYTES_PER_PARAM)}")
+        raise InvalidOptions(f"rollout copy precision {opts.rollout_copy!r}: expected one of "
+                             f"{', '.join(BYTES_PER_PARAM)}")
     if opts.devices_per_node < 1:
-        raise InvalidExpertCount(f"devices per node must be at least 1, got {opts.devices_per_node}")
+        raise InvalidOptions(f"devices per node must be at least 1, got {opts.devices_per_node}")
     w = opts.workload
     if min(w.sequences, w.prompt_tokens) < 1 or min(w.response_tokens, w.updates) < 0 \
             or not (0 < w.mfu <= 1 and 0 < w.hbm_efficiency <= 1):
-        raise InvalidExpertCount(f"RL step: sequences and prompt tokens must be at least 1, response tokens and "
-                                 f"updates at least 0, MFU and HBM efficiency in (0, 1]; got {w}")
+        raise InvalidOptions(f"RL step: sequences and prompt tokens must be at least 1, response tokens and "
+                             f"updates at least 0, MFU and HBM efficiency in (0, 1]; got {w}")
     c = text_config(config)
     arch = detect(c)
     n, k = expert_count(arch, c), top_k(arch, c)

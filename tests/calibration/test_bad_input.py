@@ -10,7 +10,7 @@ import torch
 
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.build.steps import build_proxy
-from moe_proxy.calibrate.tokens import BadDataset
+from moe_proxy.errors import BadDataset
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidExpertCount, InvalidOptions, MoeProxyError

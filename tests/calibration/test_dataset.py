@@ -124,7 +124,7 @@ def test_parquet_broken_or_without_prompts(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from moe_proxy.calibrate.tokens import BadDataset
+    from moe_proxy.errors import BadDataset
 
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(BadDataset, match="broken.parquet: not a readable parquet file"):

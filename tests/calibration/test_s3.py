@@ -30,7 +30,8 @@ def test_calibrate_and_build_through_s3(s3_ckpt, local_ckpt, seaweed, prefix, tm
 
 
 def test_dataset_from_s3(s3_ckpt, seaweed, prefix, tmp_path):  # noqa: F811
-    from moe_proxy.calibrate.tokens import BadDataset, read_documents
+    from moe_proxy.calibrate.tokens import read_documents
+    from moe_proxy.errors import BadDataset
 
     opts = {"endpoint_url": seaweed.endpoint_url}
     seaweed.client().put_object(Bucket="proxy", Key=f"{prefix}/data.jsonl",

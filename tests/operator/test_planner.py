@@ -10,7 +10,7 @@ import pytest
 
 from dataclasses import replace
 
-from moe_proxy.errors import InvalidExpertCount, NotMoE, UnsupportedArchitecture
+from moe_proxy.errors import InvalidExpertCount, InvalidOptions, NotMoE, UnsupportedArchitecture
 from moe_proxy.checkpoint.params import config_params, moe_layer_indices
 from moe_proxy.demo.published import DEEPSEEK_V3
 from moe_proxy.sizing import GB, SizingOptions, format_sizing, estimate
@@ -122,7 +122,7 @@ def test_bad_input_is_refused_clearly():
         estimate({"model_type": "jamba", "num_experts": 16}, SizingOptions(experts=2))
     with pytest.raises(InvalidExpertCount, match="top-k 5"):
         estimate(QWEN3, SizingOptions(experts=4, top_k=5))
-    with pytest.raises(InvalidExpertCount, match="exactly one"):
+    with pytest.raises(InvalidOptions, match="exactly one"):
         estimate(QWEN3, SizingOptions())
     with pytest.raises(InvalidExpertCount, match="does not fit"):
         estimate(QWEN3, SizingOptions(experts=4, device_memory_gb=1, micro_batch_tokens=10**9))
@@ -247,7 +247,7 @@ def test_a_separate_rollout_copy_is_counted():
     assert copy.original.devices == -(-125824 * 22 // room) == 4
     assert copy.summary()["rollout_copy"] == "fp32" and "rollout copy (fp32)" in format_sizing(copy)
     assert "rollout copy" not in format_sizing(without)
-    with pytest.raises(InvalidExpertCount, match="rollout copy precision 'int4'"):
+    with pytest.raises(InvalidOptions, match="rollout copy precision 'int4'"):
         estimate(QWEN3, replace(opts, rollout_copy="int4"))
 
 

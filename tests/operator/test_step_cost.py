@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from moe_proxy.errors import InvalidExpertCount
+from moe_proxy.errors import InvalidExpertCount, InvalidOptions
 from moe_proxy.sizing import SizingOptions, estimate, model_shape
 from moe_proxy.step_cost import Accelerator, Phases, StepShape, phases, touched_experts
 from moe_proxy.checkpoint.params import config_params
@@ -133,7 +133,7 @@ def test_plan_command_prints_and_carries_every_phase(tmp_path, capsys):
 
 def test_a_step_that_cannot_be_timed_is_refused():
     for bad in (dict(sequences=0), dict(mfu=0.0), dict(hbm_efficiency=1.5), dict(updates=-1)):
-        with pytest.raises(InvalidExpertCount, match="RL step"):
+        with pytest.raises(InvalidOptions, match="RL step"):
             estimate(QWEN3, SizingOptions(experts=4, workload=StepShape(**bad)))
 
 

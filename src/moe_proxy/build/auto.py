@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from moe_proxy.build.fidelity import FidelityTargetNotMet, measure, measure_many
-from moe_proxy.errors import InvalidExpertCount
+from moe_proxy.errors import CalibrationError, InvalidExpertCount, InvalidOptions
 
 log = logging.getLogger(__name__)
 BASE = 3  # counts between the lowest and highest built ones before their fit factors' trend is extrapolated
@@ -42,21 +42,21 @@ def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool,
     from moe_proxy.sizing import SizingOptions, auto_counts
 
     if options.experts != "auto" or options.max_kl is None:
-        raise InvalidExpertCount("--experts auto and --max-kl X go together: the build picks the smallest expert count "
-                                 "whose KL(original || proxy) per token is at most X")
+        raise InvalidOptions("--experts auto and --max-kl X go together: the build picks the smallest expert count "
+                             "whose KL(original || proxy) per token is at most X")
     if not options.max_kl > 0:
-        raise InvalidExpertCount(f"--max-kl {options.max_kl:g}: must be above 0 (only keeping every expert gives 0)")
+        raise InvalidOptions(f"--max-kl {options.max_kl:g}: must be above 0 (only keeping every expert gives 0)")
     if not options.calibration:
-        raise InvalidExpertCount("--experts auto needs --calibration STATS: the fidelity figure is measured on its tokens")
+        raise InvalidOptions("--experts auto needs --calibration STATS: the fidelity figure is measured on its tokens")
     if scale_out:
-        raise InvalidExpertCount("--experts auto runs as a single build (it measures counts before writing); choose "
-                                 "the count with it, then give the workers --experts N")
+        raise InvalidOptions("--experts auto runs as a single build (it measures counts before writing); choose "
+                             "the count with it, then give the workers --experts N")
     ckpt, layout, _, calibration = open_source(src, options, store_options)
     if calibration.mode != "one-pass":  # made behind one proxy's pruned layers: that count only
-        raise InvalidExpertCount(f"--experts auto tries several expert counts, and {options.calibration} holds "
-                                 f"sequential statistics made for {calibration.summary['made_for']['experts']} "
-                                 f"experts only: calibrate without --experts (one-pass statistics, usable for any "
-                                 f"count), or build --experts {calibration.summary['made_for']['experts']}")
+        raise CalibrationError(f"--experts auto tries several expert counts, and {options.calibration} holds "
+                               f"sequential statistics made for {calibration.summary['made_for']['experts']} "
+                               f"experts only: calibrate without --experts (one-pass statistics, usable for any "
+                               f"count), or build --experts {calibration.summary['made_for']['experts']}")
     budget = replace(sizing or SizingOptions(), experts=None, keep_ratio=None, top_k=options.top_k)
     counts = [c for c in auto_counts(ckpt.config, budget) if max_experts is None or c <= max_experts]
     count, figure, notes, plan = choose_experts(ckpt, layout, calibration, options, counts, progress)
@@ -150,7 +150,6 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
     figure, the notes saying what was screened and built, and its ExpertPlan (fitted once)."""
     from moe_proxy.build.expert_plan import fit_plan, plan_experts
     from moe_proxy.build.steps import output_tensors
-    from moe_proxy.calibrate.statistics import CalibrationError
 
     max_kl = options.max_kl
     if not counts:

@@ -49,7 +49,7 @@ def proxy_counts(arch: Arch, config: dict, options: PruningOptions, sizing: Sizi
     n, k0 = expert_count(arch, config), top_k(arch, config)
     n_group, topk_group = groups(arch, config)
     if n % n_group:
-        raise InvalidExpertCount(f"config has {n} experts in {n_group} groups: not an equal split")
+        raise CorruptCheckpoint(f"config.json has {n} experts in {n_group} groups: not an equal split")
     notes = []
     if options.keep_ratio is not None:
         sized = estimate(config, replace(sizing or SizingOptions(), experts=None, keep_ratio=options.keep_ratio,

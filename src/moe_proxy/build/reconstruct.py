@@ -45,7 +45,7 @@ from moe_proxy.build.selection import Selection
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint, TensorInfo
 from moe_proxy.checkpoint.tensors import TORCH_DTYPES, dequantize_fp8, quantize_fp8
-from moe_proxy.errors import MoeProxyError
+from moe_proxy.errors import CannotReconstruct, MoeProxyError
 from moe_proxy.layerwise.blocks import block_io, proxy_block, router_params, swapped
 from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
 from moe_proxy.layerwise.load import transformers_config
@@ -57,10 +57,6 @@ RECON_STEPS = 300  # at most, full-batch Adam steps per layer
 RECON_PATIENCE = 40  # steps without a held-out improvement before stopping
 ROUTER_LR, EXPERT_LR = 0.02, 0.01  # x the tensor's RMS
 PLAIN_KEPT = "fitting did not lower the held-out error (as stored): plain selection kept"
-
-
-class CannotReconstruct(MoeProxyError):
-    """A checkpoint whose experts cannot be written back in their own format."""
 
 
 def _storage(t: TensorInfo, scale: TensorInfo | None, option: str = "--reconstruct"):

@@ -66,7 +66,7 @@ from moe_proxy.architectures import detect, expert_count
 from moe_proxy.calibrate.tokens import Tokens, calibration_tokens
 from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint, read_json
 from moe_proxy.checkpoint.layout import Layout, MoeBlock, find_layout, source_identity
-from moe_proxy.errors import MoeProxyError
+from moe_proxy.errors import CalibrationError, MoeProxyError
 from moe_proxy.layerwise.blocks import swapped
 from moe_proxy.layerwise.driver import Layer, LayerPass, walk
 from moe_proxy.layerwise.model import MoeModules
@@ -117,10 +117,6 @@ def selection_flags(key: dict) -> str:
     flags += [f"--{name} {key[name]}" for name in ("features", "representative") if name in key]
     flags += [f"{flag(name)} {key[name]:g}" for name in ("super_range_share", "super_outlier") if name in key]
     return " ".join(flags + ([] if key["keep_super"] else ["--no-keep-super"]))
-
-
-class CalibrationError(MoeProxyError):
-    """Statistics that cannot be used: incomplete, another format, or of another checkpoint."""
 
 
 def _sketch(n: int, d: int) -> torch.Tensor:

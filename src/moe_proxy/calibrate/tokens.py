@@ -21,16 +21,12 @@ from pathlib import Path
 
 import torch
 
-from moe_proxy.errors import MoeProxyError
+from moe_proxy.errors import BadDataset, MoeProxyError
 from moe_proxy.storage import Store
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
-
-
-class BadDataset(MoeProxyError):
-    """The calibration dataset is missing, empty or malformed."""
 
 
 @dataclass

@@ -32,17 +32,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_proxy.errors import MalformedMetrics, MoeProxyError
+from moe_proxy.errors import MalformedMetrics, WatchTimeout
 from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
 from moe_proxy.repro.profiles import Profile
 from moe_proxy.repro.readers import ReadOptions, RunFollower
 from moe_proxy.repro.verdict import stop_reason, verdict_report
 
 log = logging.getLogger(__name__)
-
-
-class WatchTimeout(MoeProxyError):
-    """The run neither failed as asked nor ended within the watch's time limit."""
 
 
 @dataclass
