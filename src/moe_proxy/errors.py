@@ -84,3 +84,7 @@ class CalibrationError(MoeProxyError):
 
 class CannotReconstruct(MoeProxyError):
     """A checkpoint whose experts cannot be written back in their own format."""
+
+
+class FidelityTargetNotMet(InvalidExpertCount):
+    """`--experts auto`: no allowed expert count reaches the KL target."""

@@ -13,7 +13,7 @@ import pytest
 import moe_proxy.build.fidelity as fidelity
 import moe_proxy.build.reconstruct as reconstruct
 from moe_proxy.build.auto import Search
-from moe_proxy.build.fidelity import FidelityTargetNotMet
+from moe_proxy.errors import FidelityTargetNotMet
 from moe_proxy.build.steps import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.demo.tiny import make_tiny

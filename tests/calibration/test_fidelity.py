@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-from moe_proxy.build.fidelity import FidelityTargetNotMet, held_out
+from moe_proxy.build.fidelity import held_out
+from moe_proxy.errors import FidelityTargetNotMet
 from moe_proxy.build.steps import build_proxy, build_share
 from moe_proxy.build.verify import as_json, text, verify
 from moe_proxy.calibrate import statistics as cal

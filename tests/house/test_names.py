@@ -88,3 +88,15 @@ def test_every_test_folder_is_collected():
     skipped = {"build", "dist", "venv", "node_modules", "CVS", "_darcs", "{arch}"}
     folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir()}
     assert not folders & skipped, f"rename tests/{sorted(folders & skipped)[0]}: pytest never collects it"
+
+
+def test_the_librarys_errors_live_in_errors_py():
+    """Every error moe_proxy raises for bad input (a MoeProxyError, directly or not) is defined
+    in moe_proxy/errors.py, where a caller finds them all; the operator keeps its own."""
+    errors = modules()["moe_proxy.errors"]
+    ours = {"MoeProxyError"} | {name for name, _ in classes(errors.tree)}
+    elsewhere = [module.where(node) + f" {node.name}" for name, module in modules().items()
+                 if name.startswith("moe_proxy.") and module is not errors
+                 for _, node in classes(module.tree)
+                 if any(getattr(base, "id", getattr(base, "attr", None)) in ours for base in node.bases)]
+    assert not elsewhere, f"errors defined outside moe_proxy/errors.py: {elsewhere}"

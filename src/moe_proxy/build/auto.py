@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from moe_proxy.build.fidelity import FidelityTargetNotMet, measure, measure_many
-from moe_proxy.errors import CalibrationError, InvalidExpertCount, InvalidOptions
+from moe_proxy.build.fidelity import measure, measure_many
+from moe_proxy.errors import CalibrationError, FidelityTargetNotMet, InvalidExpertCount, InvalidOptions
 
 log = logging.getLogger(__name__)
 BASE = 3  # counts between the lowest and highest built ones before their fit factors' trend is extrapolated

@@ -33,15 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_proxy.checkpoint.reads import read_coalesced
-from moe_proxy.errors import InvalidExpertCount
 from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
 
 FIDELITY_SAMPLES = 16  # held-out calibration sequences measured, at most
 HEAD_CHUNK = 512  # tokens per LM-head matmul (bounds the [tokens, vocab] logits)
-
-
-class FidelityTargetNotMet(InvalidExpertCount):
-    """`--experts auto`: no allowed expert count reaches the KL target."""
 
 
 class PlannedProxy:
