@@ -161,3 +161,26 @@ def test_fitted_unreachable_target_is_refused_after_the_largest_count(source, co
         build(source, "never", "auto", max_kl=1e-12, max_experts=6, reconstruct=True)
     assert counted["fits"] == [6] and counted["passes"] == [4, 2]
     assert not (source / "never").exists() or not any((source / "never").iterdir())
+
+
+def test_the_search_and_the_build_open_the_source_once(source, tmp_path):
+    """Opening reads every shard's header and preloads the routers (on DeepSeek-V3, 58 layers'
+    routers: ~400 MB in fp32): the search hands its opened source to the build."""
+    from collections import Counter
+
+    from moe_proxy.storage import LocalStore
+
+    class Counting(LocalStore):
+        def __init__(self, root):
+            super().__init__(root)
+            self.headers = Counter()
+
+        def read_range(self, name, start, length):
+            if start == 0 and name.endswith(".safetensors"):
+                self.headers[name] += 1
+            return super().read_range(name, start, length)
+
+    src = Counting(source / "src")
+    build_proxy(src, str(tmp_path / "once"), experts="auto", max_kl=1e3, max_experts=5, method="frequency",
+                calibration=str(source / "stats"), reconstruct=False)
+    assert src.headers and set(src.headers.values()) == {1}, src.headers

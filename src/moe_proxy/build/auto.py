@@ -34,13 +34,8 @@ BASE = 3  # counts between the lowest and highest built ones before their fit fa
 SURPRISES = 2  # wrong predictions before the search falls back to halving
 
 
-def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool, store_options: dict | None = None,
-                 progress: bool = False):
-    """`options` with the chosen count, and (its fidelity figure, notes saying what was tried,
-    its ExpertPlan). Counts: sizing.auto_counts within `max_experts`."""
-    from moe_proxy.build.steps import open_source
-    from moe_proxy.sizing import SizingOptions, auto_counts
-
+def check_auto(options, scale_out: bool) -> None:
+    """Refuse what --experts auto cannot do, before anything is read."""
     if options.experts != "auto" or options.max_kl is None:
         raise InvalidOptions("--experts auto and --max-kl X go together: the build picks the smallest expert count "
                              "whose KL(original || proxy) per token is at most X")
@@ -51,7 +46,15 @@ def resolve_auto(src, options, max_experts: int | None, sizing, scale_out: bool,
     if scale_out:
         raise InvalidOptions("--experts auto runs as a single build (it measures counts before writing); choose "
                              "the count with it, then give the workers --experts N")
-    ckpt, layout, _, calibration = open_source(src, options, store_options)
+
+
+def resolve_auto(source, options, max_experts: int | None, sizing, progress: bool = False):
+    """`options` with the chosen count, and (its fidelity figure, notes saying what was tried,
+    its ExpertPlan), for the opened `source` (steps.OpenedSource). Counts: sizing.auto_counts within
+    `max_experts`."""
+    from moe_proxy.sizing import SizingOptions, auto_counts
+
+    ckpt, layout, calibration = source.ckpt, source.layout, source.calibration
     if calibration.mode != "one-pass":  # made behind one proxy's pruned layers: that count only
         raise CalibrationError(f"--experts auto tries several expert counts, and {options.calibration} holds "
                                f"sequential statistics made for {calibration.summary['made_for']['experts']} "

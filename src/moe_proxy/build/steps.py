@@ -391,7 +391,22 @@ def load_fits(dst: Store, build_id: str, layout: Layout) -> ExpertPlan | None:
                                  for tensor, t in tensors.items()})
 
 
-def open_source(src: str | Store, options: PruningOptions, store_options: dict | None):
+@dataclass
+class OpenedSource:
+    """An opened source checkpoint (headers and routers read), as a build and --experts auto's
+    search share it."""
+
+    ckpt: Checkpoint
+    layout: Layout
+    identity: str
+    calibration: object  # calibrate.statistics.Calibration of this very checkpoint, or None
+
+    @property
+    def uri(self) -> str:
+        return self.ckpt.uri
+
+
+def open_source(src: str | Store, options: PruningOptions, store_options: dict | None) -> OpenedSource:
     """The source checkpoint, its layout and identity, and its calibration statistics (checked
     to be of this very checkpoint) when the options name them."""
     ckpt = open_checkpoint(src, **(store_options or {}))
@@ -406,7 +421,15 @@ def open_source(src: str | Store, options: PruningOptions, store_options: dict |
 
         calibration = load_calibration(options.calibration, **(store_options or {}))
         calibration.check_source(identity, ckpt.uri)
-    return ckpt, layout, identity, calibration
+    return OpenedSource(ckpt, layout, identity, calibration)
+
+
+def with_transfer(store_options: dict | None) -> dict:
+    """`store_options` with one transfer (streams, read part, in-flight byte budget) for the
+    source's reads and the destination's uploads."""
+    store_options = dict(store_options or {})
+    store_options.setdefault("transfer", Transfer.from_options(store_options))
+    return store_options
 
 
 def _import_planning() -> None:
@@ -416,8 +439,8 @@ def _import_planning() -> None:
     import sklearn.cluster  # noqa: F401
 
 
-def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwrite: bool, progress: bool,
-            store_options: dict | None, finalize_workers: int | None = None,
+def prepare(src: str | Store | OpenedSource, dst: str | Store, options: PruningOptions, overwrite: bool,
+            progress: bool, store_options: dict | None, finalize_workers: int | None = None,
             planned: ExpertPlan | None = None, share_fits: bool = False, sizing=None) -> Prepared | Published:
     """Open, check the destination, plan. Returns the published manifest if dst holds this
     very build already (nothing to do).
@@ -430,13 +453,13 @@ def prepare(src: str | Store, dst: str | Store, options: PruningOptions, overwri
     them instead of fitting again (save_fits, load_fits). `sizing` (a sizing.SizingOptions): the
     device budget a keep ratio's count is judged against, as `moe-proxy plan` does."""
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
-    # One transfer (streams, read part, in-flight byte budget) for the source's reads and dst's uploads.
-    store_options = dict(store_options or {})
-    transfer = store_options.setdefault("transfer", Transfer.from_options(store_options))
+    store_options = with_transfer(store_options)
+    transfer = store_options["transfer"]
     if planned is None and (not finalize_workers or options.fits):  # it may select:
         # load torch and scikit-learn (seconds of CPU) while the headers and routers come down.
         threading.Thread(target=_import_planning, name="import", daemon=True).start()
-    ckpt, layout, identity, calibration = open_source(src, options, store_options)
+    source = src if isinstance(src, OpenedSource) else open_source(src, options, store_options)
+    ckpt, layout, identity, calibration = source.ckpt, source.layout, source.identity, source.calibration
     transfer.sized(max(b.expert_bytes for b in layout.blocks))
     dst_store = open_store(dst, **(store_options or {})) if isinstance(dst, str) else dst
     build_id = hashlib.sha256(json.dumps([identity, asdict(options), __version__]
@@ -692,11 +715,13 @@ def build_proxy(src: str | Store, dst: str | Store, options: PruningOptions | No
     `experts="auto"` with `max_kl`: the smallest count whose fidelity figure meets it, within
     `max_experts` and the device budget of `sizing`, see auto.py."""
     options = _resolved(src, dst, options, pruning)
-    chosen = None
+    store_options, chosen = with_transfer(store_options), None
     if options.auto or options.max_kl is not None:  # counts measured without writing; the chosen one is built
-        from moe_proxy.build.auto import resolve_auto
+        from moe_proxy.build.auto import check_auto, resolve_auto
 
-        options, chosen = resolve_auto(src, options, max_experts, sizing, False, store_options, progress)
+        check_auto(options, scale_out=False)
+        src = open_source(src, options, store_options)  # once: the search and the build read the same
+        options, chosen = resolve_auto(src, options, max_experts, sizing, progress)
     p = prepare(src, dst, options, overwrite, progress, store_options, None,
                 chosen[2] if chosen is not None else None, sizing=sizing)
     if isinstance(p, Published):
@@ -757,9 +782,9 @@ def _resolved(src: str | Store, dst: str | Store, options: PruningOptions | None
     options = replace(options or PruningOptions(), **pruning).resolved()
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     if scale_out and (options.auto or options.max_kl is not None):
-        from moe_proxy.build.auto import resolve_auto
+        from moe_proxy.build.auto import check_auto
 
-        resolve_auto(src, options, None, None, True)  # refused, with the reason
+        check_auto(options, scale_out=True)  # refused, with the reason
     return options
 
 
