@@ -43,6 +43,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -108,15 +109,20 @@ QUICK_SCENARIOS = {"super-fp16": ("bf16", "lower-lr")}
 RANDOM = ("random", dict(stats="one-pass", method="random", reconstruct=False))  # the control, built the lab's way
 
 
-def random_draws(count: int) -> list[tuple[str, dict]]:
-    """The control's draws: `build --method random --seed N` for N < count; the first, seed 0, is
-    `random-0.5` (the lab's first control), the others `random-sN-0.5`. One draw may keep an expert
-    that decides a scenario (the planted super expert) by chance: the control is their mean."""
+def random_draws(count: int, pinned: bool = True) -> list[tuple[str, dict]]:
+    """The control's draws: `build --method random --seed N` for N < count, named `random-0.5` (seed
+    0, the lab's first control) and `random-sN-0.5`. With the lab's statistics the build pins the
+    super experts the rule finds (the planted one among them) whatever it draws; without `pinned`
+    (`--no-keep-super`, named `random-nosuper-...`) nothing is pinned, so a draw keeps the planted
+    expert with probability 1/2. The control is the draws' mean."""
     name, options = RANDOM
+    name, options = (name, options) if pinned else (f"{name}-nosuper", options | dict(keep_super=False))
     return [(name if n == 0 else f"{name}-s{n}", options | dict(seed=n)) for n in range(count)]
 
 
-RANDOM_MEAN = "random-0.5, mean of draws"  # the control's pooled row: every draw's cells together
+def mean_row(draw: str) -> str:
+    """The pooled row of a kind of random draw: every draw's cells together."""
+    return re.sub(r"-s\d+-0\.5$", "-0.5", draw) + ", mean of draws"
 ORIGINAL = "original"
 BISECT_BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself (checked)
 WALL = "verdicts-wall.json"  # a diagnosis' wall time and its runs', when it ran from scratch
@@ -156,18 +162,23 @@ def planted_original(lab, trained: Path, stats: Path) -> tuple[Path, Path]:
     return planted, planted_stats
 
 
-def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws: int = 1) -> dict[str, Path]:
-    """original, the default proxies at `ratios` and `draws` random 50% controls. A proxy with its
-    manifest under OUT/qwen3/proxies is reused as it is (another lab process built it, perhaps
-    from another version of the code: rebuilding it here would remove it under that process);
-    the missing ones are built by fidelity.build_family."""
+def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws: int = 1,
+              unpinned: int = 0, build: bool = True) -> dict[str, Path]:
+    """original, the default proxies at `ratios` and `draws` random 50% controls (and `unpinned`
+    ones that pin no super expert: random_draws). A proxy with its manifest under
+    OUT/qwen3/proxies is reused as it is (another lab process built it, perhaps from another
+    version of the code: rebuilding it here would remove it under that process); the missing ones
+    are built by fidelity.build_family, or left out without `build`."""
     proxies = original.parent / "proxies"
     default = next(v for v in lab.VARIANTS if v[0] == lab.DEFAULT)
-    wanted = [(default, r) for r in ratios] + [(draw, 0.5) for draw in random_draws(draws)]
+    wanted = [(default, r) for r in ratios] + [(draw, 0.5) for draw in random_draws(draws)
+                                               + random_draws(unpinned, pinned=False)]
     models = {ORIGINAL: original}
     for (name, options), ratio in wanted:
         dst = proxies / f"{name}-{ratio:g}"
         if not (dst / "proxy-manifest.json").is_file():
+            if not build:
+                continue
             built = lab.build_family(original, stats, proxies, [(name, options)], lab.expert_total(lab.MODEL),
                                      (ratio,))
             if dst.name not in built:
@@ -574,7 +585,9 @@ def main() -> int:
                         "planted super expert grows past fp16's range, bisected on the original and on proxies")
     parser.add_argument("--seeds", type=int, default=2, help="sampling seeds per run (default 2)")
     parser.add_argument("--random-draws", type=int, default=3, help="random 50%% controls, each `build --method "
-                        "random` with its own --seed (default 3; quick: 2); their mean is the control")
+                        "random` with its own --seed (default 3; quick: 1); their mean is the control")
+    parser.add_argument("--unpinned-draws", type=int, default=3, help="random 50%% controls built with "
+                        "--no-keep-super: no super expert pinned (default 3; quick: 1)")
     parser.add_argument("--parallel", type=int, default=2, help="repro processes at a time (default 2)")
     parser.add_argument("--steps", type=int, help="RL steps of every run (default: each scenario's)")
     parser.add_argument("--from-cache", action="store_true", help="tables from the diagnoses already finished "
@@ -597,7 +610,7 @@ def main() -> int:
         lab.TRAIN.update(lab.QUICK_BATCH)
         lab.RL.update(lab.QUICK_RL)
         ratios = (0.5,)
-        args.seeds, args.steps, args.random_draws = 1, 2, 2
+        args.seeds, args.steps, args.random_draws, args.unpinned_draws = 1, 2, 1, 1
         scenarios = {n: dataclasses.replace(SCENARIOS[n], candidates=c) for n, c in QUICK_SCENARIOS.items()}
         builds, growth = QUICK_BUILDS, QUICK_GROWTH
         lab.OUT = lab.OUT.with_name("fidelity-quick")
@@ -610,7 +623,8 @@ def main() -> int:
     if args.bisect or any(s.original == PLANTED for s in scenarios.values()):
         originals[PLANTED] = planted_original(lab, trained, stats)
     wanted = list(dict.fromkeys(s.original for s in scenarios.values()))  # built in the scenarios' order
-    models = {kind: {n: p for n, p in models_of(lab, *originals[kind], ratios, args.random_draws).items()
+    models = {kind: {n: p for n, p in models_of(lab, *originals[kind], ratios, args.random_draws,
+                                                          args.unpinned_draws, not args.from_cache).items()
                      if not args.models or n in args.models} for kind in wanted}
     root = lab.OUT / "qwen3" / "verdicts"
     base = rl_flags(lab.RL)
@@ -620,8 +634,11 @@ def main() -> int:
     names = list(dict.fromkeys(n for by_kind in models.values() for n in by_kind if n != ORIGINAL))
     agree = {name: agreement(result, name) for name in names}
     draws = [n for n in names if n.startswith(RANDOM[0]) and agree[n]["scenarios"]]
-    if len(draws) > 1:
-        agree[RANDOM_MEAN] = pooled([agree[n] for n in draws])
+    if len(draws) > 1:  # the control: all draws, then each kind (pinned, unpinned) apart where both ran
+        agree["random-0.5, all draws"] = pooled([agree[n] for n in draws])
+        for kind in dict.fromkeys(map(mean_row, draws)):
+            if len(kind_draws := [n for n in draws if mean_row(n) == kind]) > 1:
+                agree[kind] = pooled([agree[n] for n in kind_draws])
     seeds = list(range(args.seeds))
     text = tables(result, agree, checks, scenarios, seeds) if result else ""
     kept = None
