@@ -8,8 +8,9 @@ at a high learning rate), `moe-proxy diagnose` (moe_proxy.repro.diagnose.diagnos
 the command: each run a `moe-proxy repro` process) runs the baseline and 4-6 catalogue candidates
 that apply to it, on 2 seeds, on the lab's trained Qwen3-MoE original (bench/fidelity.py: 4 layers,
 64 experts, top-4, trained on text), on its default proxies (`calibrate --experts N` + `build
---calibration`, the lab's `seq-recon`) at 50%, 25% and 12.5% of the experts, and on a random 50% proxy
-(`build --method random`, the control); the super-expert scenario runs on the planted original
+--calibration`, the lab's `seq-recon`) at 50%, 25% and 12.5% of the experts, and on random 50% proxies
+(the control: `build --method random` draws with their own seeds, pinning the super experts as the
+default does or not: random_draws); the super-expert scenario runs on the planted original
 (fidelity.plant_super_expert) and its own proxies. It reports:
 
 1. verdict agreement: the share of (scenario, candidate) cells whose verdict on the proxy equals
