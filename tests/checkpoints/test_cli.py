@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 
-from moe_proxy.checkpoint.listing import list_checkpoints
+from moe_proxy.checkpoint.listing import CountingStore, list_checkpoints
 from moe_proxy.cli import main
 from moe_proxy.storage.s3 import S3Store
 from moe_proxy.storage import LocalStore
-
-from .counting import CountingStore
 
 from .conftest import BUCKET, HF, SECRET_KEY
 

@@ -7,13 +7,12 @@ import json
 
 import pytest
 
-from moe_proxy.checkpoint.listing import (DENSE, INDEX_HEAD, MOE, PROXY, UNKNOWN, find, latest_before,
+from moe_proxy.checkpoint.listing import (DENSE, INDEX_HEAD, MOE, PROXY, UNKNOWN, CountingStore, find, latest_before,
                                    list_checkpoints, matches, step_of)
 from moe_proxy.errors import StorageError
 from moe_proxy.storage import LocalStore
 
 from . import synthetic
-from .counting import CountingStore
 from .conftest import HF
 
 VERL = "global_step_*/actor/huggingface"

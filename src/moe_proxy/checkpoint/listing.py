@@ -33,7 +33,7 @@ import json
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from moe_proxy.architectures import detect
 from moe_proxy.checkpoint.reader import INDEX, MANIFEST, SINGLE, read_header
@@ -352,3 +352,34 @@ def latest_before(checkpoints: list[ListedCheckpoint], step: int) -> ListedCheck
     that showed at `step` from."""
     earlier = [c for c in checkpoints if c.source and c.step is not None and c.step < step]
     return max(earlier, key=lambda c: c.step) if earlier else None
+
+
+@dataclass
+class CountingStore:
+    """Wraps a store and counts the bytes read through it (tests, benchmarks)."""
+
+    store: Store
+    bytes_read: int = 0
+    reads: int = 0
+    uri: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.uri = self.store.uri
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        data = self.store.read_range(name, start, length)
+        self.bytes_read += len(data)
+        self.reads += 1
+        return data
+
+    def read_bytes(self, name: str) -> bytes:
+        data = self.store.read_bytes(name)
+        self.bytes_read += len(data)
+        self.reads += 1
+        return data
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        return self.store.list_sizes(prefix)
+
+    def __getattr__(self, name: str):  # exists, size, list, ... pass through
+        return getattr(self.store, name)
