@@ -717,9 +717,8 @@ def build_proxy(src: str | Store, dst: str | Store, options: PruningOptions | No
     options = _resolved(src, dst, options, pruning)
     store_options, chosen = with_transfer(store_options), None
     if options.auto or options.max_kl is not None:  # counts measured without writing; the chosen one is built
-        from moe_proxy.build.auto import check_auto, resolve_auto
+        from moe_proxy.build.auto import resolve_auto
 
-        check_auto(options, scale_out=False)
         src = open_source(src, options, store_options)  # once: the search and the build read the same
         options, chosen = resolve_auto(src, options, max_experts, sizing, progress)
     p = prepare(src, dst, options, overwrite, progress, store_options, None,
@@ -781,10 +780,10 @@ def _resolved(src: str | Store, dst: str | Store, options: PruningOptions | None
               scale_out: bool = False) -> PruningOptions:
     options = replace(options or PruningOptions(), **pruning).resolved()
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
-    if scale_out and (options.auto or options.max_kl is not None):
+    if options.auto or options.max_kl is not None:  # what auto cannot do, refused before anything is read
         from moe_proxy.build.auto import check_auto
 
-        check_auto(options, scale_out=True)  # refused, with the reason
+        check_auto(options, scale_out)
     return options
 
 
