@@ -61,3 +61,18 @@ def test_user_threshold_with_patience():
 def test_collapse_from_the_start_is_not_a_failure():
     rows = [{"moe/load_max_share": 0.95, "moe/load_uniform_share": 0.25}] * 5
     assert feed(FailureDetector(), rows) == {}
+
+
+def test_collapse_is_judged_layer_by_layer():
+    """A 12.5% proxy of a top-4 model (8 experts): its last layer puts one expert in every token's
+    top-4 from step 0, the busiest-layer figure is 1 throughout, and layer 0's collapse at step 4
+    must still be found (judging the busiest layer only found none: docs/fidelity.md, issue 29)."""
+    def row(layer0):
+        return {"moe/load_max_share/layer_0": layer0, "moe/load_max_share/layer_1": 1.0,
+                "moe/load_max_share": 1.0, "moe/load_uniform_share": 0.5}
+
+    rows = [row(s) for s in (0.75, 0.8, 0.78, 0.8, 0.93, 0.96, 0.97)]
+    detector = FailureDetector()
+    assert feed(detector, rows) == {"collapse": 4}
+    assert "layer 0's" in detector.onsets["collapse"].detail
+    assert feed(FailureDetector(), [row(0.8)] * 7) == {}  # layer 1, at 1 from the start, is not a collapse
