@@ -292,3 +292,39 @@ def test_two_ranks_give_the_one_process_metrics(tiny_qwen3, tmp_path, knobs):
         assert json.loads((out / "summary.json").read_text())["ranks"] == ranks
     assert_same_metrics(runs[1], runs[2], range(3))
     assert "training/rollout_probs_diff_max" in runs[2][0] and "moe/routing_mismatch/layer_1" in runs[2][0]
+
+
+def test_a_stale_engine_holds_the_policys_weights_of_n_steps_before(peaked):
+    """--rollout-staleness 2 (asynchronous RL): at step s the engine's copy is the policy as it was
+    at step s - 2, exactly (the starting weights for the first 2 steps)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_proxy.repro.distributed import Comm
+    from moe_proxy.repro.rollout import RolloutEngine
+
+    policy = AutoModelForCausalLM.from_pretrained(peaked, dtype=torch.float32)
+    probe = "model.layers.0.mlp.gate.weight"
+    with torch.no_grad():
+        policy.get_parameter(probe).fill_(0.0)  # the starting weights
+    engine = RolloutEngine(policy, peaked, ReproConfig(rollout_staleness=2), Comm(), seed=0)
+    seen = []
+    for step in range(5):
+        with torch.no_grad():
+            policy.get_parameter(probe).fill_(float(step))  # the policy after `step` steps of updates
+        engine.sync()  # what generate() does first at every step
+        seen.append(engine.model.get_parameter(probe).unique().tolist())
+    assert seen == [[0.0], [0.0], [0.0], [1.0], [2.0]]
+    assert len(engine.snapshots) == 3
+
+
+def test_a_stale_rollout_shows_a_gap_once_the_policy_moves(peaked, tmp_path):
+    """One step stale: step 0 samples with the trainer's own weights (no gap), step 1 with step 0's
+    while the trainer has made its first updates (a gap); an fp32 copy synced every step has none."""
+    base = dict(steps=2, batch_size=4, group_size=4, lr=1e-3, rollout_precision="fp32", rollout_kernels="eager")
+    stale = run_repro(str(peaked), tmp_path / "stale", ReproConfig(**base, rollout_staleness=1))
+    fresh = run_repro(str(peaked), tmp_path / "fresh", ReproConfig(**base))
+    rows = read_metrics(tmp_path / "stale" / "metrics.jsonl")
+    assert rows[0]["training/rollout_kl"] < 1e-8 and rows[0]["training/rollout_probs_diff_max"] <= MATCHED
+    assert rows[1]["training/rollout_kl"] > 1e-4, rows[1]
+    assert stale.last_metrics["training/rollout_probs_diff_max"] > 100 * MATCHED
+    assert fresh.last_metrics["training/rollout_kl"] < 1e-8

@@ -131,6 +131,10 @@ class ReproConfig:
                                            crd="rolloutPrecision", choices=PRECISIONS)
     rollout_kernels: str | None = option(None, "str", "experts kernel of the rollout engine's copy (default: "
                                          "the trainer's)", crd="rolloutKernels", choices=ROLLOUT_KERNELS)
+    rollout_staleness: int = option(0, "int", "the rollout engine samples with the policy as it was this many "
+                                    "steps before (asynchronous RL: prime-rl's async_level, verl's one-step-off-policy, "
+                                    "AReaL's max_head_offpolicyness); its own copy of the weights", crd="rolloutStaleness",
+                                    minimum=0)
     # The policy loss.
     old_logprobs: str = option("trainer", "str", "old log-probabilities: recomputed by the trainer before the "
                                "update, or the rollout's own (verl's bypass mode)", crd="oldLogprobs",
@@ -173,6 +177,7 @@ class ReproConfig:
             (self.router_dtype in HEAD_DTYPES and self.lm_head_dtype in HEAD_DTYPES,
              f"router and LM-head dtypes must be one of {HEAD_DTYPES}"),
             (self.adam_eps > 0, "adam eps must be above 0"),
+            (self.rollout_staleness >= 0, "rollout staleness must be 0 or more steps"),
             (self.rollout_is == "off" or self.old_logprobs == "trainer",
              "--rollout-is corrects the trainer's old log-probs for the rollout's; with --old-logprobs rollout the "
              "ratio is against the rollout already: choose one"),
@@ -208,8 +213,9 @@ class ReproConfig:
         return self.precision != "fp32" or self.faults.fp16_no_scaling_step is not None
 
     def separate_rollout(self) -> bool:
-        """Whether the rollout engine holds its own copy of the weights (own precision or kernels)."""
-        return self.rollout_precision is not None or self.rollout_kernels is not None
+        """Whether the rollout engine holds its own copy of the weights (own precision, kernels or
+        weights' age)."""
+        return self.rollout_precision is not None or self.rollout_kernels is not None or self.rollout_staleness > 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -4,7 +4,10 @@ the log-probability of every sampled token and (here, for MoE) the experts each 
 By default it samples with the trainer's own model under the trainer's autocast (one copy of the
 weights, as before). With `--rollout-precision` or `--rollout-kernels` it holds a copy of its own,
 in its own dtype (weights cast, as vLLM or SGLang load bf16 weights) and experts kernel, synced
-from the policy before every rollout (as verl syncs its engine after each update). In a
+from the policy before every rollout (as verl syncs its engine after each update). With
+`--rollout-staleness N` the copy is synced from the policy as it was N steps before (kept as
+snapshots of the weights, N + 1 of them): asynchronous RL, whose engine samples step s's answers
+while the trainer is still making the updates of steps s - N..s - 1. In a
 distributed run the copy is sharded like the policy (FSDP2, one unit per decoder layer) and the
 sync copies each rank's own shards: no rank holds the whole model. The copy never trains.
 """
@@ -61,17 +64,25 @@ class RolloutEngine:
                 buffers = dict(self.model.named_buffers())
                 for name, buffer in policy.named_buffers():  # rotary tables and correction biases, as trained
                     buffers[name].data = buffer.detach().clone()
+            self.snapshots: list[dict[str, torch.Tensor]] = []  # the policy's weights, oldest first
             self.sync()
         self.recorder = RoutingRecorder(find_routers(self.model))
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Copy the policy's weights into the engine's copy, in the copy's dtype, shard by shard."""
+        """Copy the policy's weights into the engine's copy, in the copy's dtype, shard by shard:
+        the policy's weights as they are now, or with --rollout-staleness N as they were N syncs
+        (steps) before; the first N steps sample with the starting weights."""
         if not self.separate:
             return
+        weights = {name: local(param.detach()) for name, param in self.policy.named_parameters()}
+        if self.config.rollout_staleness:
+            self.snapshots.append({name: t.clone() for name, t in weights.items()})
+            del self.snapshots[:-(self.config.rollout_staleness + 1)]
+            weights = self.snapshots[0]
         mine = dict(self.model.named_parameters())
-        for name, param in self.policy.named_parameters():
-            local(mine[name]).copy_(local(param.detach()))
+        for name, tensor in weights.items():
+            local(mine[name]).copy_(tensor)
 
     def set_kernels(self, trainer_kernels: str | None) -> None:
         """The copy's experts kernel: --rollout-kernels, else the one the trainer uses this step."""
