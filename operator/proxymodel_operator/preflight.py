@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, MoeProxyError, ObjectNotFound, StorageError
-from moe_proxy.sizing import Sizing, SizingOptions, auto_plan, estimate, rollout_copy
+from moe_proxy.sizing import Sizing, SizingOptions, auto_plan, estimate, rollout_copy, rollout_snapshots
 from moe_proxy.storage.s3 import S3Store
 
 from . import kube
@@ -135,7 +135,9 @@ def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Sizing:
         accelerator=r.accelerator.resource, device_memory_gb=r.accelerator.memory_gb or settings.device_memory_gb,
         devices_per_node=r.accelerator.devices_per_node,
         max_devices=r.accelerator.devices,  # an explicit device count is the budget for the kept experts
-        rollout_copy=rollout_copy(r.precision, r.config.rollout_precision, r.config.rollout_kernels),
+        rollout_copy=rollout_copy(r.precision, r.config.rollout_precision, r.config.rollout_kernels,
+                                  r.config.rollout_staleness),
+        rollout_snapshots=rollout_snapshots(r.config.rollout_staleness),
     )
     try:
         if p.auto:  # `experts: auto`: sized for the largest count the build may choose

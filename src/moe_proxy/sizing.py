@@ -76,16 +76,25 @@ class SizingOptions:
     # a separate rollout weight copy, resident beside the policy and sharded like it, in this
     # precision (repro's --rollout-precision, or the training precision with --rollout-kernels)
     rollout_copy: str | None = None
+    # repro's --rollout-staleness N keeps N + 1 snapshots of the policy's weights (in the training
+    # precision, sharded like it) to sync the copy from: this many
+    rollout_snapshots: int = 0
     utilization: float = 0.9  # usable fraction of device memory
     reserve_gb: float = 4.0  # runtime, communication buffers, fragmentation, per device
     max_devices: int | None = None  # the proxy's device budget (default: what the keep ratio's proxy needs)
 
 
-def rollout_copy(precision: str, rollout_precision: str | None, rollout_kernels: str | None) -> str | None:
+def rollout_copy(precision: str, rollout_precision: str | None, rollout_kernels: str | None,
+                 staleness: int = 0) -> str | None:
     """The precision of the rollout engine's own weight copy, as repro makes it: its
-    --rollout-precision, else the training precision when only --rollout-kernels asks for a copy;
-    None: no copy (the rollout is the policy itself)."""
-    return rollout_precision or (precision if rollout_kernels else None)
+    --rollout-precision, else the training precision when only --rollout-kernels or
+    --rollout-staleness asks for a copy; None: no copy (the rollout is the policy itself)."""
+    return rollout_precision or (precision if rollout_kernels or staleness else None)
+
+
+def rollout_snapshots(staleness: int) -> int:
+    """The policy snapshots repro keeps for --rollout-staleness N (rollout.RolloutEngine.sync)."""
+    return staleness + 1 if staleness else 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class Memory:
     optimizer: int
     reference: int
     activations_per_device: int  # bytes on every device
-    rollout: int = 0  # the rollout engine's own weight copy (SizingOptions.rollout_copy)
+    rollout: int = 0  # the rollout engine's own weight copy and its snapshots (SizingOptions.rollout_*)
 
     @property
     def static(self) -> int:
@@ -140,6 +149,7 @@ class Sizing:
     workload: StepShape = StepShape()  # the RL step timed
     notes: tuple[str, ...] = ()  # decisions a person should see (kept experts raised or not, and why)
     rollout_copy: str | None = None  # SizingOptions.rollout_copy
+    rollout_snapshots: int = 0  # SizingOptions.rollout_snapshots
 
     @property
     def device_reduction(self) -> float:
@@ -255,7 +265,8 @@ def _memory(c: dict, params: Params, k: int, n_moe: int, opts: SizingOptions) ->
         optimizer=params.total * (12 if w < 4 else 8),
         reference=params.total * w if opts.reference else 0,
         activations_per_device=opts.micro_batch_tokens * per_token,
-        rollout=params.total * BYTES_PER_PARAM[opts.rollout_copy] if opts.rollout_copy else 0,
+        rollout=(params.total * BYTES_PER_PARAM[opts.rollout_copy] if opts.rollout_copy else 0)
+        + opts.rollout_snapshots * params.total * w,
     )
 
 
@@ -336,7 +347,8 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
                      f"neither samples nor trains with {'them' if mtp > 1 else 'it'}; the proxy keeps "
                      f"{'them' if mtp > 1 else 'it'}, pruned alike")
     return Sizing(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
-                original=side(n, k), proxy=proxy, workload=workload, notes=tuple(notes), rollout_copy=opts.rollout_copy)
+                original=side(n, k), proxy=proxy, workload=workload, notes=tuple(notes), rollout_copy=opts.rollout_copy,
+                  rollout_snapshots=opts.rollout_snapshots)
 
 
 def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: SizingOptions, preferred: int | None,
@@ -394,7 +406,8 @@ def format_sizing(p: Sizing) -> str:
         row("gradients", gib(o.memory.gradients), gib(x.memory.gradients)),
         row("optimizer states", gib(o.memory.optimizer), gib(x.memory.optimizer)),
         row("reference policy", gib(o.memory.reference), gib(x.memory.reference)),
-        *([row(f"rollout copy ({p.rollout_copy})", gib(o.memory.rollout), gib(x.memory.rollout))]
+        *([row(f"rollout copy ({p.rollout_copy})" + (f" + {p.rollout_snapshots} snapshots" if p.rollout_snapshots
+                                                       else ""), gib(o.memory.rollout), gib(x.memory.rollout))]
           if o.memory.rollout else []),
         row("activations per device", gib(o.memory.activations_per_device), gib(x.memory.activations_per_device)),
         row("devices (whole nodes)", f"{o.devices} ({o.nodes} node{'s' * (o.nodes != 1)})",

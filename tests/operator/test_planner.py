@@ -263,3 +263,28 @@ def test_the_plan_command_and_the_operator_pass_the_rollout_copy(tmp_path, capsy
     spec = {"source": {"uri": "s3://runs/ckpt", "credentialsSecret": "c"}, "output": {"uri": "s3://runs/proxy"},
             "pruning": {"experts": 4}, "reproduction": {"rolloutPrecision": "fp32"}}
     assert plan_for(QWEN3, parse(spec, "ns", "pm", Settings()), Settings()).rollout_copy == "fp32"
+
+
+def test_a_stale_rollout_counts_its_copy_and_snapshots(tmp_path, capsys):
+    """repro --rollout-staleness N syncs its rollout copy from N + 1 snapshots of the policy's weights
+    (rollout.RolloutEngine.sync): the plan, the CLI's and the operator's, counts the copy and them."""
+    from moe_proxy.cli import main
+    from proxymodel_operator.preflight import plan_for
+    from proxymodel_operator.settings import Settings
+    from proxymodel_operator.spec import parse
+
+    opts = SizingOptions(experts=4, device_memory_gb=0.0009, devices_per_node=1, micro_batch_tokens=1,
+                         utilization=1.0, reserve_gb=0.0)
+    stale = estimate(QWEN3, replace(opts, rollout_copy="bf16", rollout_snapshots=3))
+    assert stale.original.memory.rollout == 125824 * 2 + 3 * 125824 * 2  # the bf16 copy and 3 bf16 snapshots
+    assert "rollout copy (bf16) + 3 snapshots" in format_sizing(stale)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    assert main(["plan", str(tmp_path), "--experts", "4", "--rollout-staleness", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rollout_copy"] == "bf16" and summary["rollout_snapshots"] == 3
+    assert main(["plan", str(tmp_path), "--experts", "4", "--rollout-staleness", "-1"]) == 2
+    assert "--rollout-staleness -1" in capsys.readouterr().err
+    spec = {"source": {"uri": "s3://runs/ckpt", "credentialsSecret": "c"}, "output": {"uri": "s3://runs/proxy"},
+            "pruning": {"experts": 4}, "reproduction": {"rolloutStaleness": 1}}
+    plan = plan_for(QWEN3, parse(spec, "ns", "pm", Settings()), Settings())
+    assert plan.rollout_copy == "bf16" and plan.rollout_snapshots == 2

@@ -7,10 +7,10 @@ import argparse
 import json
 from dataclasses import fields
 
-from moe_proxy.errors import CorruptCheckpoint
+from moe_proxy.errors import CorruptCheckpoint, InvalidOptions
 from moe_proxy.commands._common import add_device_args
 from moe_proxy.repro.config import ROLLOUT_KERNELS
-from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, estimate, format_sizing, rollout_copy
+from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, estimate, format_sizing, rollout_copy, rollout_snapshots
 from moe_proxy.step_cost import StepShape
 
 STEP_HELP = {
@@ -53,6 +53,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rollout-kernels", choices=ROLLOUT_KERNELS,
                    help="the rollout engine's own copy with its own experts kernel (repro --rollout-kernels): in "
                         "--precision unless --rollout-precision says otherwise")
+    p.add_argument("--rollout-staleness", type=int, default=0, metavar="N",
+                   help="rollouts N steps stale (repro --rollout-staleness): the rollout copy and N + 1 snapshots "
+                        "of the policy's weights beside it")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -83,9 +86,12 @@ def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
     known = {f.name for f in fields(SizingOptions)}
     workload = StepShape(**{k: getattr(args, k) for k in STEP_HELP}, recompute=not args.no_recompute)
-    copy = rollout_copy(args.precision, args.rollout_precision, args.rollout_kernels)
+    if args.rollout_staleness < 0:
+        raise InvalidOptions(f"--rollout-staleness {args.rollout_staleness}: must be 0 or more steps")
+    copy = rollout_copy(args.precision, args.rollout_precision, args.rollout_kernels, args.rollout_staleness)
     opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
-                         reference=not args.no_reference, workload=workload, rollout_copy=copy)
+                         reference=not args.no_reference, workload=workload, rollout_copy=copy,
+                         rollout_snapshots=rollout_snapshots(args.rollout_staleness))
     result = estimate(config, opts)
     print(json.dumps(result.summary(), indent=2) if args.json else format_sizing(result))
     return 0
