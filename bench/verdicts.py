@@ -4,9 +4,10 @@ original and on its proxies, verdict by verdict (issue #29 item 3; issue #26's "
 For each scenario (a failing run: a learning rate the model's own dynamics cannot take, with and
 without the KL penalty, fp16 without loss scaling, fp16 on an original with a super expert planted
 past its range, router logits scaled by an injected fault, a bf16 rollout beside the fp32 trainer
-at a high learning rate), `moe-proxy diagnose` (moe_proxy.repro.diagnose.diagnose, the function behind
-the command: each run a `moe-proxy repro` process) runs the baseline and 4-6 catalogue candidates
-that apply to it, on 2 seeds, on the lab's trained Qwen3-MoE original (bench/fidelity.py: 4 layers,
+at a high learning rate, rollouts two steps stale as in asynchronous RL), `moe-proxy diagnose`
+(moe_proxy.repro.diagnose.diagnose, the function behind
+the command: each run a `moe-proxy repro` process) runs the baseline and 4-7 catalogue candidates
+that apply to it, on 2 seeds (4 for the routing collapses: Scenario.seeds), on the lab's trained Qwen3-MoE original (bench/fidelity.py: 4 layers,
 64 experts, top-4, trained on text), on its default proxies (`calibrate --experts N` + `build
 --calibration`, the lab's `seq-recon`) at 50%, 25% and 12.5% of the experts, and on random 50% proxies
 (the control: `build --method random` draws with their own seeds, pinning the super experts as the
@@ -74,6 +75,7 @@ class Scenario:
     steps: int
     candidates: tuple[str, ...]  # catalogue names (moe_proxy.repro.catalogue), or NAME=--flag value (custom)
     original: str = TRAINED  # which lab original it runs on (and its proxies)
+    seeds: int | None = None  # sampling seeds of its runs (None: --seeds)
 
 
 # Onsets on the lab's trained qwen3 original, seed 0 (probe runs, 5 December 2026): the bf16 rollout
@@ -90,9 +92,16 @@ SCENARIOS = {
     "fp16-no-scaling": Scenario("fp16 training and rollout, no loss scaling",
                                 ("--precision", "fp16", "--loss-scaling", "none"), "underflow", 3,
                                 ("loss-scaling", "fp32", "bf16", "lower-lr", "fp32-router", "fp32-lm-head")),
+    # Also the aux loss on against off (issue 29 item 1): the baseline runs without it, `aux-loss`
+    # turns it on at 1e-3 (the catalogue's) and `aux-1e-2` at 1e-2 (probe, seeds 0 and 1 on the
+    # original: 1e-2 and 1e-1 keep routing from collapsing in 12 steps). 4 seeds: the collapse is
+    # chaotic (probe, 20 steps, seeds 0-3: the original collapses on seed 0 only, the 25% proxy on
+    # seed 2 only, the 12.5% proxy on seeds 1 and 2 within 12 steps), so 2 seeds left the 25% and
+    # 12.5% proxies' baselines clean and every verdict of theirs inconclusive.
     "high-lr": Scenario("lr 1e-3 (50x the lab's), balance losses off: routing collapses by itself",
                         ("--lr", "1e-3"), "collapse", 12,
-                        ("lower-lr", "warmup", "z-loss", "aux-loss", "bf16", "grad-clip")),
+                        ("lower-lr", "warmup", "z-loss", "aux-loss", "bf16", "grad-clip",
+                         "aux-1e-2=--router-aux-coef 1e-2"), seeds=4),
     # Scenarios whose candidates split on the original (issue 29 item 1). Probe runs on the trained
     # original, 5 December 2026: lr 1e-3 without the KL penalty drifts past the KL limit at step 7
     # (seed 0) and 0 (seed 1), lr 3e-4 / 6e-4 do not in 12 steps (KL 0.1-0.6, not two steps in a
@@ -102,11 +111,24 @@ SCENARIOS = {
                            "x1.4e5: max |output| 1.7e6 on task tokens), fp16 with dynamic loss scaling",
                            ("--precision", "fp16"), "overflow", 3,
                            ("bf16", "fp32", "loss-scaling", "lower-lr"), PLANTED),
+    # A rollout/training mismatch that grows into a collapse: asynchronous RL's stale rollouts. Probe
+    # runs on the trained original, 20 steps, seeds 0-3 (5 December 2026): two steps stale at lr
+    # 1e-3, the mismatch KL passes 0.01 at step 1 and routing collapses at steps 4, 5, 10 and 6; in
+    # sync at lr 1e-3 it collapses on seed 0 only (step 10); two steps stale at lr 3e-4 the mismatch
+    # grows and the policy drifts from the reference (KL > 0.5, steps 4-14), routing holds.
+    "stale-rollout": Scenario("rollouts two steps stale (asynchronous RL, --rollout-staleness 2) at lr 1e-3: the "
+                              "mismatch grows from step 1 into a routing collapse",
+                              ("--lr", "1e-3", "--rollout-staleness", "2"), "collapse", 12,
+                              ("sync=--rollout-staleness 0", "rollout-is-token", "bypass", "routing-replay", "lower-lr",
+                               "aux-1e-2=--router-aux-coef 1e-2"), seeds=4),  # 4: as high-lr, a collapse
     "kl-drift": Scenario("lr 1e-3 without the KL penalty: the policy drifts from the reference",
                          ("--lr", "1e-3", "--kl-coef", "0"), "divergence", 10,
                          ("lower-lr", "warmup", "kl-penalty=--kl-coef 0.05", "z-loss")),
 }
-QUICK_SCENARIOS = {"super-fp16": ("bf16", "lower-lr")}
+# --quick: each scenario with 2 of its candidates (by name), all on the tiny planted original: a
+# smoke run of every kind of scenario (a precision fix, the async mismatch, the aux loss on or off).
+QUICK_SCENARIOS = {"super-fp16": ("bf16", "lower-lr"), "stale-rollout": ("sync", "lower-lr"),
+                   "high-lr": ("aux-loss", "aux-1e-2")}
 RANDOM = ("random", dict(stats="one-pass", method="random", reconstruct=False))  # the control, built the lab's way
 
 
@@ -217,7 +239,7 @@ def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenar
                 report = json.loads((where / "report.json").read_text())
             else:
                 report = diagnose(str(path), where, s.fail_on, [*base, *s.flags, "--steps", str(s.steps)],
-                                  fixes(s.candidates), seeds=seeds, parallel=parallel)
+                                  fixes(s.candidates), seeds=s.seeds or seeds, parallel=parallel)
             wall = time.time() - started
             names = [c.split("=")[0] for c in s.candidates]  # a diagnosis made with more candidates: these only
             report = report | {"candidates": {n: c for n, c in report["candidates"].items() if n in names}}
@@ -419,6 +441,8 @@ def agreement(result: dict, proxy: str) -> dict:
             if variant not in runs_of(mine):
                 continue
             for seed, o in seeds.items():
+                if seed not in runs_of(mine)[variant]:  # a diagnosis on fewer seeds (cut short for time)
+                    continue
                 p = runs_of(mine)[variant][seed]
                 same_runs += bool(p["reproduced"]) == bool(o["reproduced"])
                 runs += 1
@@ -485,8 +509,7 @@ def baseline_cell(report: dict) -> str:
     return "/".join(str(o["step"]) if o["reproduced"] else "-" for o in seeds.values())
 
 
-def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: dict[str, Scenario],
-           seeds: list[int]) -> str:
+def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: dict[str, Scenario]) -> str:
     proxies = list(agree)
     lines = ["Verdict agreement (candidate cells whose verdict equals the original's), onset agreement (of "
              "the runs where the original reproduced, the proxy within max(2 steps, 20%) of its onset) and run "
@@ -511,7 +534,8 @@ def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: 
         s = scenarios[scenario]
         names = list(by_model)
         lines += ["", f"{scenario}: {s.what}; `--fail-on {s.fail_on}`, {s.steps} steps, seeds "
-                  f"{', '.join(map(str, seeds))}. Verdict (onset step per seed; - ran clean):", "",
+                  f"{', '.join(map(str, by_model[ORIGINAL]['report']['seeds']))}. Verdict (onset step per seed; "
+                  "- ran clean):", "",
                   "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
                   "| baseline | " + " | ".join(baseline_cell(by_model[n]["report"]) for n in names) + " |"]
         for candidate in by_model[ORIGINAL]["report"]["candidates"]:
@@ -519,7 +543,7 @@ def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: 
             row = []
             for n in names:
                 c = by_model[n]["report"]["candidates"][candidate]
-                text = cell(c, seeds)
+                text = cell(c, by_model[n]["report"]["seeds"])
                 row.append(text if n == ORIGINAL or c["verdict"] == ref else f"**{text}**")
             lines.append(f"| {candidate} | " + " | ".join(row) + " |")
     lines += ["", "Wall time of the diagnoses (all models of a scenario) against the sum of their runs' (what "
@@ -612,7 +636,8 @@ def main() -> int:
         lab.RL.update(lab.QUICK_RL)
         ratios = (0.5,)
         args.seeds, args.steps, args.random_draws, args.unpinned_draws = 1, 2, 1, 1
-        scenarios = {n: dataclasses.replace(SCENARIOS[n], candidates=c) for n, c in QUICK_SCENARIOS.items()}
+        scenarios = {n: dataclasses.replace(SCENARIOS[n], original=PLANTED, seeds=None, candidates=tuple(
+            c for c in SCENARIOS[n].candidates if c.split("=")[0] in names)) for n, names in QUICK_SCENARIOS.items()}
         builds, growth = QUICK_BUILDS, QUICK_GROWTH
         lab.OUT = lab.OUT.with_name("fidelity-quick")
     if args.steps:
@@ -641,7 +666,7 @@ def main() -> int:
             if len(kind_draws := [n for n in draws if mean_row(n) == kind]) > 1:
                 agree[kind] = pooled([agree[n] for n in kind_draws])
     seeds = list(range(args.seeds))
-    text = tables(result, agree, checks, scenarios, seeds) if result else ""
+    text = tables(result, agree, checks, scenarios) if result else ""
     kept = None
     if PLANTED in models:  # the planted original's proxies that ran here
         info = json.loads((originals[PLANTED][0] / "planted.json").read_text())

@@ -1,4 +1,5 @@
-"""bench/verdicts.py --quick --bisect: `moe-proxy diagnose` on a tiny original with a super expert
+"""bench/verdicts.py --quick --bisect: `moe-proxy diagnose` (super-fp16, stale-rollout and high-lr, 2
+candidates each) on a tiny original with a super expert
 planted past fp16's range, its default 50% proxy and two random 50% draws (the control: their
 cells pooled), one pinning the super experts as the default does, one not (`--no-keep-super`);
 the verdicts compared cell by cell; one candidate's run made again as a plain `moe-proxy repro`
@@ -27,10 +28,16 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     result = json.loads((tmp_path / "qwen3" / "verdicts" / "verdicts.json").read_text())
     assert set(result["models"]) == {"super-L1"}
     assert set(result["models"]["super-L1"]) == {"original", "seq-recon-0.5", "random-0.5", "random-nosuper-0.5"}
-    (scenario, by_model), = result["diagnoses"].items()
-    assert scenario == "super-fp16"
-    for model in result["models"]["super-L1"]:
-        assert by_model[model]["runs"] == 3  # baseline and 2 candidates, 1 seed
+    assert set(result["diagnoses"]) == {"super-fp16", "stale-rollout", "high-lr"}
+    for name, diagnosed in result["diagnoses"].items():
+        for model in result["models"]["super-L1"]:
+            assert diagnosed[model]["runs"] == 3, (name, model)  # baseline and 2 candidates, 1 seed
+    assert set(result["diagnoses"]["stale-rollout"]["original"]["verdicts"]) == {"sync", "lower-lr"}
+    assert set(result["diagnoses"]["high-lr"]["original"]["verdicts"]) == {"aux-loss", "aux-1e-2"}
+    stale = json.loads((tmp_path / "qwen3" / "verdicts" / "stale-rollout" / "original" / "runs" / "baseline" / "seed-0"
+                        / "diagnose-run.json").read_text())["argv"]
+    assert stale[stale.index("--rollout-staleness") + 1] == "2"
+    scenario, by_model = "super-fp16", result["diagnoses"]["super-fp16"]
     # fp16 overflows on the planted original at step 0; bf16 (fp32's range) cures it, a lower lr does not
     assert by_model["original"]["baseline"]["0"] == {**by_model["original"]["baseline"]["0"], "reproduced": True,
                                                       "step": 0}
@@ -40,14 +47,16 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     assert set(result["keeps_planted"]) == {"seq-recon-0.5", "random-0.5", "random-nosuper-0.5"}
     draws = [result["agreement"][p]["all"] for p in ("random-0.5", "random-nosuper-0.5")]
     pooled = result["agreement"]["random-0.5, all draws"]["all"]  # the control: both draws' cells
-    assert pooled == {k: draws[0][k] + draws[1][k] for k in pooled} and pooled["cells"] == 4
+    assert pooled == {k: draws[0][k] + draws[1][k] for k in pooled} and pooled["cells"] == 12  # 2 x 3 x 2
     for proxy in ("seq-recon-0.5", "random-0.5", "random-nosuper-0.5"):
         figures = result["agreement"][proxy]
-        assert figures["splitting"]["scenarios"] == ["super-fp16"]
+        assert "super-fp16" in figures["splitting"]["scenarios"]
         assert figures["scenarios"][scenario]["cells"] == 2 and 0 <= figures["scenarios"][scenario]["verdicts_equal"] <= 2
         assert figures["scenarios"][scenario]["onset_cells"] == 2  # the baseline's and lower-lr's overflow
-    check, = result["one_by_one"]
-    assert check["returncode"] == 0 and check["same_step"] and check["max_relative_difference"] < 1e-4, check
+    checks = {c["scenario"]: c for c in result["one_by_one"]}
+    assert set(checks) == set(result["diagnoses"])
+    for check in checks.values():
+        assert check["returncode"] == 0 and check["same_step"] and check["max_relative_difference"] < 1e-4, check
     bisection = result["bisection"]
     assert bisection["checkpoints"] == [1, 4, 8] and bisection["first_bad_direct"] is not None
     original = bisection["original"]
