@@ -126,9 +126,10 @@ SCENARIOS = {
                          ("lower-lr", "warmup", "kl-penalty=--kl-coef 0.05", "z-loss")),
 }
 # --quick: each scenario with 2 of its candidates (by name), all on the tiny planted original: a
-# smoke run of every kind of scenario (a precision fix, the async mismatch, the aux loss on or off).
+# smoke run of every scenario issue 29 added (a precision fix, the async mismatch, the aux loss on
+# or off, the drift without the KL penalty).
 QUICK_SCENARIOS = {"super-fp16": ("bf16", "lower-lr"), "stale-rollout": ("sync", "lower-lr"),
-                   "high-lr": ("aux-loss", "aux-1e-2")}
+                   "high-lr": ("aux-loss", "aux-1e-2"), "kl-drift": ("lower-lr", "kl-penalty")}
 RANDOM = ("random", dict(stats="one-pass", method="random", reconstruct=False))  # the control, built the lab's way
 
 

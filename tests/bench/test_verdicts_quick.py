@@ -1,5 +1,5 @@
-"""bench/verdicts.py --quick --bisect: `moe-proxy diagnose` (super-fp16, stale-rollout and high-lr, 2
-candidates each) on a tiny original with a super expert
+"""bench/verdicts.py --quick --bisect: `moe-proxy diagnose` (super-fp16, stale-rollout, high-lr and
+kl-drift, 2 candidates each) on a tiny original with a super expert
 planted past fp16's range, its default 50% proxy and two random 50% draws (the control: their
 cells pooled), one pinning the super experts as the default does, one not (`--no-keep-super`);
 the verdicts compared cell by cell; one candidate's run made again as a plain `moe-proxy repro`
@@ -28,12 +28,13 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     result = json.loads((tmp_path / "qwen3" / "verdicts" / "verdicts.json").read_text())
     assert set(result["models"]) == {"super-L1"}
     assert set(result["models"]["super-L1"]) == {"original", "seq-recon-0.5", "random-0.5", "random-nosuper-0.5"}
-    assert set(result["diagnoses"]) == {"super-fp16", "stale-rollout", "high-lr"}
+    assert set(result["diagnoses"]) == {"super-fp16", "stale-rollout", "high-lr", "kl-drift"}
     for name, diagnosed in result["diagnoses"].items():
         for model in result["models"]["super-L1"]:
             assert diagnosed[model]["runs"] == 3, (name, model)  # baseline and 2 candidates, 1 seed
     assert set(result["diagnoses"]["stale-rollout"]["original"]["verdicts"]) == {"sync", "lower-lr"}
     assert set(result["diagnoses"]["high-lr"]["original"]["verdicts"]) == {"aux-loss", "aux-1e-2"}
+    assert set(result["diagnoses"]["kl-drift"]["original"]["verdicts"]) == {"lower-lr", "kl-penalty"}
     stale = json.loads((tmp_path / "qwen3" / "verdicts" / "stale-rollout" / "original" / "runs" / "baseline" / "seed-0"
                         / "diagnose-run.json").read_text())["argv"]
     assert stale[stale.index("--rollout-staleness") + 1] == "2"
@@ -47,7 +48,7 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     assert set(result["keeps_planted"]) == {"seq-recon-0.5", "random-0.5", "random-nosuper-0.5"}
     draws = [result["agreement"][p]["all"] for p in ("random-0.5", "random-nosuper-0.5")]
     pooled = result["agreement"]["random-0.5, all draws"]["all"]  # the control: both draws' cells
-    assert pooled == {k: draws[0][k] + draws[1][k] for k in pooled} and pooled["cells"] == 12  # 2 x 3 x 2
+    assert pooled == {k: draws[0][k] + draws[1][k] for k in pooled} and pooled["cells"] == 16  # 2 draws x 4 scenarios x 2
     for proxy in ("seq-recon-0.5", "random-0.5", "random-nosuper-0.5"):
         figures = result["agreement"][proxy]
         assert "super-fp16" in figures["splitting"]["scenarios"]
