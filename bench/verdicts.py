@@ -213,6 +213,11 @@ def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws
 
 # ---------------------------------------------------------------- diagnoses
 
+def candidate_name(candidate: str) -> str:
+    """A Scenario candidate's name: the catalogue name, or a custom one's NAME before `=`."""
+    return candidate.split("=")[0]
+
+
 def fixes(names: tuple[str, ...]) -> list:
     """Catalogue entries by name; NAME=--flag value,... a custom candidate (as `diagnose --candidate`)."""
     from moe_proxy.repro.catalogue import custom, pick
@@ -242,7 +247,7 @@ def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenar
                 report = diagnose(str(path), where, s.fail_on, [*base, *s.flags, "--steps", str(s.steps)],
                                   fixes(s.candidates), seeds=s.seeds or seeds, parallel=parallel)
             wall = time.time() - started
-            names = [c.split("=")[0] for c in s.candidates]  # a diagnosis made with more candidates: these only
+            names = [candidate_name(c) for c in s.candidates]  # a diagnosis made with more candidates: these only
             report = report | {"candidates": {n: c for n, c in report["candidates"].items() if n in names}}
             records = {p: json.loads(p.read_text()) for p in where.glob(f"runs/*/seed-*/{RUN_RECORD}")}
             reused = sum(1 for p in records if before.get(p) == p.stat().st_mtime_ns)
@@ -438,13 +443,12 @@ def agreement(result: dict, proxy: str) -> dict:
         cells = [(n, c["verdict"], mine["candidates"][n]["verdict"]) for n, c in ref["candidates"].items()
                  if n in mine["candidates"]]
         onsets, same_runs, runs = [], 0, 0
+        proxy_runs = runs_of(mine)
         for variant, seeds in runs_of(ref).items():
-            if variant not in runs_of(mine):
-                continue
             for seed, o in seeds.items():
-                if seed not in runs_of(mine)[variant]:  # a diagnosis on fewer seeds (cut short for time)
+                p = proxy_runs.get(variant, {}).get(seed)
+                if p is None:  # a diagnosis with fewer candidates or seeds (cut short for time)
                     continue
-                p = runs_of(mine)[variant][seed]
                 same_runs += bool(p["reproduced"]) == bool(o["reproduced"])
                 runs += 1
                 if o["reproduced"]:
@@ -638,7 +642,7 @@ def main() -> int:
         ratios = (0.5,)
         args.seeds, args.steps, args.random_draws, args.unpinned_draws = 1, 2, 1, 1
         scenarios = {n: dataclasses.replace(SCENARIOS[n], original=PLANTED, seeds=None, candidates=tuple(
-            c for c in SCENARIOS[n].candidates if c.split("=")[0] in names)) for n, names in QUICK_SCENARIOS.items()}
+            c for c in SCENARIOS[n].candidates if candidate_name(c) in names)) for n, names in QUICK_SCENARIOS.items()}
         builds, growth = QUICK_BUILDS, QUICK_GROWTH
         lab.OUT = lab.OUT.with_name("fidelity-quick")
     if args.steps:
