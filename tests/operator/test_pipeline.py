@@ -100,8 +100,11 @@ async def test_apply_to_reproduced(cluster, operator, caplog):
     reproduced = cluster.condition(NS, "q3", "FailureReproduced")
     assert (reproduced["status"], reproduced["reason"]) == ("True", "GradientOverflow")
     assert "step 17" in reproduced["message"]
-    reasons = [e["reason"] for e in cluster.objects_of("events", NS) if e["involvedObject"]["name"] == "q3"]
-    assert reasons == ["TransformerCreated", "ProxyReady", "ReproductionCreated", "GradientOverflow"]
+    expected = ["TransformerCreated", "ProxyReady", "ReproductionCreated", "GradientOverflow"]
+    reasons = lambda: [e["reason"] for e in cluster.objects_of("events", NS)  # noqa: E731
+                       if e["involvedObject"]["name"] == "q3"]
+    # kopf posts Events from a queue: the last may land after the status patch
+    await eventually(lambda: reasons() == expected, what=lambda: f"Events {expected}, not {reasons()}")
 
     # The credentials went nowhere: not in logs, status, Events, or the Jobs (only secretKeyRefs).
     for value in (ACCESS_KEY, SECRET_KEY):
