@@ -10,7 +10,7 @@ once, on every prompt. The runs are the lab's (bench/fidelity.py's RL settings: 
 samples, 6 new tokens, 2 mini-batches, KL 0.01) with the task and the learning rate of TASK.
 
 Each model (the lab's trained qwen3 original, its default proxies at 50%, 25% and 12.5% and the
-random 50% controls: bench/verdicts.py's models) runs with SEEDS prompt/sampling seeds; the
+random 50% controls: bench/verdicts.py's models; other builds with --builds) runs with SEEDS prompt/sampling seeds; the
 original again with another sampling seed and the same prompts (`original-reseeded`) is the
 floor. Tracking: the median Pearson of the key curves (moe-proxy compare) against the original's
 run with the same seed, and the reward curve's own Pearson; reward of the first and last steps.
@@ -102,6 +102,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=STEPS, help=f"RL steps per run (default {STEPS})")
     parser.add_argument("--seeds", type=int, default=SEEDS, help=f"prompt/sampling seeds (default {SEEDS})")
     parser.add_argument("--random-draws", type=int, default=1, help="random 50%% controls (default 1)")
+    parser.add_argument("--builds", nargs="*", default=[], metavar="NAME-RATIO", help="other builds besides the "
+                        "default's, built where missing (fidelity.VARIANTS: e.g. seq-0.125 recon-0.125)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny original, 50%% proxies, "
                         "2 seeds, 3 steps")
     args = parser.parse_args()
@@ -120,7 +122,9 @@ def main() -> int:
         ratios, args.steps, args.seeds = (0.5,), 3, 2
     lab.OUT = args.out or lab.OUT
     started = time.time()
-    models = verdicts.models_of(lab, *verdicts.original_and_stats(lab), ratios, args.random_draws)
+    models = verdicts.models_of(lab, *verdicts.original_and_stats(lab), ratios, args.random_draws,
+                                extra=tuple(args.builds))
+    models.pop(verdicts.OTHER_SEEDS)  # the verdicts' floor; here the floor is fidelity.CONTROL
     root = lab.OUT / "qwen3" / "learning"
     runs = runs_of(lab, models, root, args.steps, args.seeds)
     figures = tracking(lab, runs)

@@ -12,7 +12,9 @@ that apply to it, on 2 seeds (4 for the routing collapses: Scenario.seeds), on t
 --calibration`, the lab's `seq-recon`) at 50%, 25% and 12.5% of the experts, and on random 50% proxies
 (the control: `build --method random` draws with their own seeds, pinning the super experts as the
 default does or not: random_draws); the super-expert scenario runs on the planted original
-(fidelity.plant_super_expert) and its own proxies. It reports:
+(fidelity.plant_super_expert) and its own proxies. The original is also diagnosed again on the
+next seeds (`original-other-seeds`): what it says of itself is the floor of every figure below. It
+reports:
 
 1. verdict agreement: the share of (scenario, candidate) cells whose verdict on the proxy equals
    the original's;
@@ -111,16 +113,27 @@ SCENARIOS = {
                            "x1.4e5: max |output| 1.7e6 on task tokens), fp16 with dynamic loss scaling",
                            ("--precision", "fp16"), "overflow", 3,
                            ("bf16", "fp32", "loss-scaling", "lower-lr"), PLANTED),
-    # A rollout/training mismatch that grows into a collapse: asynchronous RL's stale rollouts. Probe
+    # A rollout/training mismatch that grows, then a collapse: asynchronous RL's stale rollouts. Probe
     # runs on the trained original, 20 steps, seeds 0-3 (5 December 2026): two steps stale at lr
     # 1e-3, the mismatch KL passes 0.01 at step 1 and routing collapses at steps 4, 5, 10 and 6; in
-    # sync at lr 1e-3 it collapses on seed 0 only (step 10); two steps stale at lr 3e-4 the mismatch
-    # grows and the policy drifts from the reference (KL > 0.5, steps 4-14), routing holds.
+    # sync at lr 1e-3 it collapses on seed 0 only (step 10). On seeds 4-7 (original-other-seeds) it is
+    # the other way round: 2 of 4 stale, 4 of 4 in sync. The collapse is lr 1e-3's, not the
+    # staleness's: stale-drift is the scenario where staleness is the cause.
     "stale-rollout": Scenario("rollouts two steps stale (asynchronous RL, --rollout-staleness 2) at lr 1e-3: the "
-                              "mismatch grows from step 1 into a routing collapse",
+                              "mismatch grows from step 1, routing collapses (as often in sync, over 8 seeds)",
                               ("--lr", "1e-3", "--rollout-staleness", "2"), "collapse", 12,
                               ("sync=--rollout-staleness 0", "rollout-is-token", "bypass", "routing-replay", "lower-lr",
                                "aux-1e-2=--router-aux-coef 1e-2"), seeds=4),  # 4: as high-lr, a collapse
+    # The same mismatch with the staleness the cause (stale-rollout's collapse is not: over seeds 0-7
+    # lr 1e-3 collapses routing as often in sync, 5 of 8, as two steps stale, 6 of 8). Probe on the
+    # trained original, 16 steps, seeds 0-7 (5 December 2026): two steps stale at lr 3e-4 the policy
+    # drifts past the KL limit on 8 of 8 seeds (steps 3-14), in sync on 2 (steps 7 and 14), at lr
+    # 3e-5 on none.
+    "stale-drift": Scenario("rollouts two steps stale at lr 3e-4: the mismatch grows and the policy drifts from "
+                            "the reference (in sync it mostly does not)",
+                            ("--lr", "3e-4", "--rollout-staleness", "2"), "divergence", 12,
+                            ("sync=--rollout-staleness 0", "rollout-is-token", "bypass", "routing-replay", "lower-lr",
+                             "kl-penalty=--kl-coef 0.05"), seeds=4),
     "kl-drift": Scenario("lr 1e-3 without the KL penalty: the policy drifts from the reference",
                          ("--lr", "1e-3", "--kl-coef", "0"), "divergence", 10,
                          ("lower-lr", "warmup", "kl-penalty=--kl-coef 0.05", "z-loss")),
@@ -129,7 +142,8 @@ SCENARIOS = {
 # smoke run of every scenario issue 29 added (a precision fix, the async mismatch, the aux loss on
 # or off, the drift without the KL penalty).
 QUICK_SCENARIOS = {"super-fp16": ("bf16", "lower-lr"), "stale-rollout": ("sync", "lower-lr"),
-                   "high-lr": ("aux-loss", "aux-1e-2"), "kl-drift": ("lower-lr", "kl-penalty")}
+                   "stale-drift": ("sync", "rollout-is-token"), "high-lr": ("aux-loss", "aux-1e-2"),
+                   "kl-drift": ("lower-lr", "kl-penalty")}
 RANDOM = ("random", dict(stats="one-pass", method="random", reconstruct=False))  # the control, built the lab's way
 
 
@@ -148,6 +162,10 @@ def mean_row(draw: str) -> str:
     """The pooled row of a kind of random draw: every draw's cells together."""
     return re.sub(r"-s\d+-0\.5$", "-0.5", draw) + ", mean of draws"
 ORIGINAL = "original"
+# The original diagnosed again on other seeds (a 2-seed scenario's seeds 2 and 3 paired with 0 and 1):
+# how often the original agrees with itself, the floor under every proxy's figures (as
+# original-reseeded is under tracking). Its own prompts and samples: a user's second diagnosis.
+OTHER_SEEDS = "original-other-seeds"
 BISECT_BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself (checked)
 WALL = "verdicts-wall.json"  # a diagnosis' wall time and its runs', when it ran from scratch
 
@@ -187,9 +205,10 @@ def planted_original(lab, trained: Path, stats: Path) -> tuple[Path, Path]:
 
 
 def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws: int = 1,
-              unpinned: int = 0, build: bool = True) -> dict[str, Path]:
-    """original, the default proxies at `ratios` and `draws` random 50% controls (and `unpinned`
-    ones that pin no super expert: random_draws). A proxy with its manifest under
+              unpinned: int = 0, build: bool = True, extra: tuple[str, ...] = ()) -> dict[str, Path]:
+    """original (twice: OTHER_SEEDS), the default proxies at `ratios` and `draws` random 50% controls (and `unpinned`
+    ones that pin no super expert: random_draws), and the `extra` builds (NAME-RATIO, NAME one of
+    fidelity.VARIANTS or MERGE_VARIANTS, e.g. seq-0.125). A proxy with its manifest under
     OUT/qwen3/proxies is reused as it is (another lab process built it, perhaps from another
     version of the code: rebuilding it here would remove it under that process); the missing ones
     are built by fidelity.build_family, or left out without `build`."""
@@ -197,7 +216,13 @@ def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws
     default = next(v for v in lab.VARIANTS if v[0] == lab.DEFAULT)
     wanted = [(default, r) for r in ratios] + [(draw, 0.5) for draw in random_draws(draws)
                                                + random_draws(unpinned, pinned=False)]
-    models = {ORIGINAL: original}
+    known = dict(lab.VARIANTS + lab.MERGE_VARIANTS)
+    for spec in extra:
+        name, _, ratio = spec.rpartition("-")
+        if name not in known:
+            raise SystemExit(f"{spec}: not a lab build (NAME-RATIO, NAME one of {', '.join(known)})")
+        wanted.append(((name, known[name]), float(ratio)))
+    models = {ORIGINAL: original, OTHER_SEEDS: original}
     for (name, options), ratio in wanted:
         dst = proxies / f"{name}-{ratio:g}"
         if not (dst / "proxy-manifest.json").is_file():
@@ -241,11 +266,15 @@ def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenar
                 continue
             before = {p: p.stat().st_mtime_ns for p in where.glob(f"runs/*/seed-*/{RUN_RECORD}")}
             started = time.time()
+            count = s.seeds or seeds
+            shift = ["--seed", str(count)] if name == OTHER_SEEDS else []  # seeds count..2 count - 1
             if from_cache:
                 report = json.loads((where / "report.json").read_text())
             else:
-                report = diagnose(str(path), where, s.fail_on, [*base, *s.flags, "--steps", str(s.steps)],
-                                  fixes(s.candidates), seeds=s.seeds or seeds, parallel=parallel)
+                report = diagnose(str(path), where, s.fail_on, [*base, *s.flags, "--steps", str(s.steps), *shift],
+                                  fixes(s.candidates), seeds=count, parallel=parallel)
+            if shift:  # paired with the original's seeds 0..count-1, seed by seed
+                report = reseeded(report, -count)
             wall = time.time() - started
             names = [candidate_name(c) for c in s.candidates]  # a diagnosis made with more candidates: these only
             report = report | {"candidates": {n: c for n, c in report["candidates"].items() if n in names}}
@@ -262,6 +291,16 @@ def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenar
             log.info("%s on %s: %.0fs (%d runs, %d reused); fixed by %s", scenario, name, wall, len(records), reused,
                      ", ".join(report["fixed_by"]) or "none")
     return out
+
+
+def reseeded(report: dict, by: int) -> dict:
+    """A diagnosis' report with its seeds renumbered by `by` (a run's outcome unchanged)."""
+    def renumber(seeds: dict) -> dict:
+        return {str(int(s) + by): o for s, o in seeds.items()}
+
+    return report | {"seeds": [s + by for s in report["seeds"]],
+                     "baseline": report["baseline"] | {"seeds": renumber(report["baseline"]["seeds"])},
+                     "candidates": {n: c | {"seeds": renumber(c["seeds"])} for n, c in report["candidates"].items()}}
 
 
 def one_by_one(result: dict, root: Path, check_model: str, parallel: int, run: bool = True) -> list[dict]:
@@ -485,7 +524,7 @@ def keeps_planted(models: dict[str, Path], info: dict) -> dict[str, bool]:
     """Per proxy of the planted original: does its build keep the planted super expert?"""
     kept = {}
     for name, path in models.items():
-        if name != ORIGINAL:
+        if name not in (ORIGINAL, OTHER_SEEDS):
             layers = json.loads((path / "proxy-manifest.json").read_text())["layers"].values()
             kept[name] = any(v["layer"] == info["layer"] and info["expert"] in v["kept"] for v in layers)
     return kept
@@ -519,7 +558,8 @@ def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: 
     lines = ["Verdict agreement (candidate cells whose verdict equals the original's), onset agreement (of "
              "the runs where the original reproduced, the proxy within max(2 steps, 20%) of its onset) and run "
              "agreement (runs, baseline's included, that fail or run clean as the original's run of the same "
-             "variant and seed):", "",
+             f"variant and seed). {OTHER_SEEDS} is the original diagnosed again on the next seeds (seeds n..2n-1 "
+             "paired with 0..n-1): how far the original agrees with itself, the floor of these figures:", "",
              "| proxy | " + " | ".join(f"{s}: verdicts / onsets" for s in result)
              + " | all: verdicts | all: onsets | all: runs | splitting scenarios: verdicts |",
              "|---|" + "---|" * (len(result) + 4)]

@@ -1,7 +1,7 @@
-"""bench/verdicts.py --quick --bisect: `moe-proxy diagnose` (super-fp16, stale-rollout, high-lr and
-kl-drift, 2 candidates each) on a tiny original with a super expert
-planted past fp16's range, its default 50% proxy and two random 50% draws (the control: their
-cells pooled), one pinning the super experts as the default does, one not (`--no-keep-super`);
+"""bench/verdicts.py --quick --bisect: `moe-proxy diagnose` (super-fp16, stale-rollout, stale-drift,
+high-lr and kl-drift, 2 candidates each) on a tiny original with a super expert
+planted past fp16's range (and on it again with the next seed: the floor), its default 50% proxy
+and two random 50% draws (the control: their cells pooled), one pinning the super experts as the default does, one not (`--no-keep-super`);
 the verdicts compared cell by cell; one candidate's run made again as a plain `moe-proxy repro`
 that fails at the same step with the same curves; and `moe-proxy bisect` over 3 checkpoints whose
 super expert grows, on the original itself (`--keep-ratio 1`). A smoke run: its agreement figures
@@ -27,17 +27,27 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     assert "| seq-recon-0.5 |" in out.stdout and "| random-0.5 |" in out.stdout
     result = json.loads((tmp_path / "qwen3" / "verdicts" / "verdicts.json").read_text())
     assert set(result["models"]) == {"super-L1"}
-    assert set(result["models"]["super-L1"]) == {"original", "seq-recon-0.5", "random-0.5", "random-nosuper-0.5"}
-    assert set(result["diagnoses"]) == {"super-fp16", "stale-rollout", "high-lr", "kl-drift"}
+    assert set(result["models"]["super-L1"]) == {"original", "original-other-seeds", "seq-recon-0.5", "random-0.5",
+                                                 "random-nosuper-0.5"}
+    assert result["models"]["super-L1"]["original-other-seeds"] == result["models"]["super-L1"]["original"]
+    assert set(result["diagnoses"]) == {"super-fp16", "stale-rollout", "stale-drift", "high-lr", "kl-drift"}
     for name, diagnosed in result["diagnoses"].items():
         for model in result["models"]["super-L1"]:
             assert diagnosed[model]["runs"] == 3, (name, model)  # baseline and 2 candidates, 1 seed
     assert set(result["diagnoses"]["stale-rollout"]["original"]["verdicts"]) == {"sync", "lower-lr"}
+    assert set(result["diagnoses"]["stale-drift"]["original"]["verdicts"]) == {"sync", "rollout-is-token"}
     assert set(result["diagnoses"]["high-lr"]["original"]["verdicts"]) == {"aux-loss", "aux-1e-2"}
     assert set(result["diagnoses"]["kl-drift"]["original"]["verdicts"]) == {"lower-lr", "kl-penalty"}
     stale = json.loads((tmp_path / "qwen3" / "verdicts" / "stale-rollout" / "original" / "runs" / "baseline" / "seed-0"
                         / "diagnose-run.json").read_text())["argv"]
     assert stale[stale.index("--rollout-staleness") + 1] == "2"
+    # the floor: the original diagnosed again on seed 1, its runs paired with the original's seed 0
+    again = json.loads((tmp_path / "qwen3" / "verdicts" / "stale-rollout" / "original-other-seeds" / "runs" / "baseline"
+                        / "seed-1" / "diagnose-run.json").read_text())["argv"]
+    assert again[again.index("--seed") + 1] == "1" and again[again.index("--rollout-staleness") + 1] == "2"
+    floor = result["diagnoses"]["super-fp16"]["original-other-seeds"]
+    assert set(floor["baseline"]) == {"0"} and floor["baseline"]["0"]["reproduced"] is True  # other samples overflow too
+    assert result["agreement"]["original-other-seeds"]["all"]["cells"] == 10  # 5 scenarios x 2 candidates
     scenario, by_model = "super-fp16", result["diagnoses"]["super-fp16"]
     # fp16 overflows on the planted original at step 0; bf16 (fp32's range) cures it, a lower lr does not
     assert by_model["original"]["baseline"]["0"] == {**by_model["original"]["baseline"]["0"], "reproduced": True,
@@ -48,7 +58,7 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     assert set(result["keeps_planted"]) == {"seq-recon-0.5", "random-0.5", "random-nosuper-0.5"}
     draws = [result["agreement"][p]["all"] for p in ("random-0.5", "random-nosuper-0.5")]
     pooled = result["agreement"]["random-0.5, all draws"]["all"]  # the control: both draws' cells
-    assert pooled == {k: draws[0][k] + draws[1][k] for k in pooled} and pooled["cells"] == 16  # 2 draws x 4 scenarios x 2
+    assert pooled == {k: draws[0][k] + draws[1][k] for k in pooled} and pooled["cells"] == 20  # 2 draws x 5 scenarios x 2
     for proxy in ("seq-recon-0.5", "random-0.5", "random-nosuper-0.5"):
         figures = result["agreement"][proxy]
         assert "super-fp16" in figures["splitting"]["scenarios"]
