@@ -19,7 +19,9 @@ reports:
 1. verdict agreement: the share of (scenario, candidate) cells whose verdict on the proxy equals
    the original's;
 2. onset agreement: of the (scenario, variant, seed) runs where the original reproduced, the share
-   where the proxy reproduced within max(2 steps, 20% of the original's onset) of it;
+   where the proxy reproduced within max(2 steps, 20% of the original's onset) of it; run
+   agreement (the runs that fail or run clean alike) and the failure-rate gap (per variant, how
+   much the share of seeds that fail differs: how often, not whether, a failure comes);
 3. with --bisect, the bisection: 8 checkpoints of the trained original whose super expert doubles
    from one to the next (crossing fp16's range part-way), each run as it is (the truth), then
    `moe-proxy bisect` with the original itself (`--keep-ratio 1`: every expert kept, checked equal
@@ -471,8 +473,15 @@ def runs_of(report: dict) -> dict[str, dict[str, dict]]:
     return {"baseline": report["baseline"]["seeds"], **{n: c["seeds"] for n, c in report["candidates"].items()}}
 
 
+# counts summed over scenarios and pooled draws; rate_gap / variants: the mean failure-rate gap
+AGREEMENT_KEYS = ("verdicts_equal", "cells", "onsets_within", "onset_cells", "runs_equal", "runs", "rate_gap",
+                  "variants")
+
+
 def agreement(result: dict, proxy: str) -> dict:
-    """Verdict and onset agreement of `proxy` with the original, per scenario and over all."""
+    """Verdict and onset agreement of `proxy` with the original, per scenario and over all; also the
+    failure-rate gap: per variant, |share of seeds failing on the proxy - on the original|, which
+    "reproduced on some seed" cannot show (a cause that makes a failure likelier)."""
     rows = {}
     for scenario, by_model in result.items():
         if proxy not in by_model or ORIGINAL not in by_model:
@@ -481,12 +490,17 @@ def agreement(result: dict, proxy: str) -> dict:
         # the candidates both diagnosed (a diagnosis cut short for time may lack some)
         cells = [(n, c["verdict"], mine["candidates"][n]["verdict"]) for n, c in ref["candidates"].items()
                  if n in mine["candidates"]]
-        onsets, same_runs, runs = [], 0, 0
+        onsets, same_runs, runs, rate_gap, variants = [], 0, 0, 0.0, 0
         proxy_runs = runs_of(mine)
         for variant, seeds in runs_of(ref).items():
+            both = [(o, proxy_runs[variant][seed]) for seed, o in seeds.items()
+                    if seed in proxy_runs.get(variant, {})]  # a diagnosis cut short may lack some
+            if both:  # how often it fails: the share of seeds, whichever seeds they are
+                rate_gap += abs(sum(bool(p["reproduced"]) - bool(o["reproduced"]) for o, p in both)) / len(both)
+                variants += 1
             for seed, o in seeds.items():
                 p = proxy_runs.get(variant, {}).get(seed)
-                if p is None:  # a diagnosis with fewer candidates or seeds (cut short for time)
+                if p is None:
                     continue
                 same_runs += bool(p["reproduced"]) == bool(o["reproduced"])
                 runs += 1
@@ -497,8 +511,9 @@ def agreement(result: dict, proxy: str) -> dict:
         rows[scenario] = {"verdicts_equal": sum(a == b for _, a, b in cells), "cells": len(cells),
                           "disagree": [{"candidate": n, "original": a, "proxy": b} for n, a, b in cells if a != b],
                           "onsets_within": sum(o["within"] for o in onsets), "onset_cells": len(onsets),
-                          "runs_equal": same_runs, "runs": runs, "onsets": onsets}
-    keys = ("verdicts_equal", "cells", "onsets_within", "onset_cells", "runs_equal", "runs")
+                          "runs_equal": same_runs, "runs": runs, "rate_gap": rate_gap, "variants": variants,
+                          "onsets": onsets}
+    keys = AGREEMENT_KEYS
     split = [n for n, by_model in result.items() if n in rows and splits(by_model[ORIGINAL]["report"])]
     return {"scenarios": rows, "all": {k: sum(r[k] for r in rows.values()) for k in keys},
             "splitting": {k: sum(rows[n][k] for n in split) for k in keys} | {"scenarios": split}}
@@ -506,7 +521,7 @@ def agreement(result: dict, proxy: str) -> dict:
 
 def pooled(agrees: list[dict]) -> dict:
     """Several proxies' agreement as one, their cells together: the random control over its draws."""
-    keys = ("verdicts_equal", "cells", "onsets_within", "onset_cells", "runs_equal", "runs")
+    keys = AGREEMENT_KEYS
     scenarios: dict = {}
     for a in agrees:
         for name, r in a["scenarios"].items():
@@ -558,11 +573,13 @@ def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: 
     lines = ["Verdict agreement (candidate cells whose verdict equals the original's), onset agreement (of "
              "the runs where the original reproduced, the proxy within max(2 steps, 20%) of its onset) and run "
              "agreement (runs, baseline's included, that fail or run clean as the original's run of the same "
-             f"variant and seed). {OTHER_SEEDS} is the original diagnosed again on the next seeds (seeds n..2n-1 "
-             "paired with 0..n-1): how far the original agrees with itself, the floor of these figures:", "",
+             "variant and seed), and the failure-rate gap (per variant, |share of seeds failing on the proxy - "
+             f"on the original|, their mean: lower is closer). {OTHER_SEEDS} is the original diagnosed again on the "
+             "next seeds (seeds n..2n-1 paired with 0..n-1): how far the original agrees with itself, the floor of "
+             "these figures:", "",
              "| proxy | " + " | ".join(f"{s}: verdicts / onsets" for s in result)
-             + " | all: verdicts | all: onsets | all: runs | splitting scenarios: verdicts |",
-             "|---|" + "---|" * (len(result) + 4)]
+             + " | all: verdicts | all: onsets | all: runs | all: failure-rate gap | splitting scenarios: verdicts |",
+             "|---|" + "---|" * (len(result) + 5)]
     for p in proxies:
         a = agree[p]
         lines.append(f"| {p} | " + " | ".join(
@@ -570,6 +587,7 @@ def tables(result: dict, agree: dict[str, dict], checks: list[dict], scenarios: 
             if (r := a["scenarios"].get(s)) else "n/a" for s in result)
             + f" | **{pct(a['all']['verdicts_equal'], a['all']['cells'])}** | "
             f"**{pct(a['all']['onsets_within'], a['all']['onset_cells'])}** | {pct(a['all']['runs_equal'], a['all']['runs'])} | "
+            f"{a['all']['rate_gap'] / max(1, a['all']['variants']):.3f} | "
             f"**{pct(a['splitting']['verdicts_equal'], a['splitting']['cells'])}** |")
     split = next(iter(agree.values()))["splitting"]["scenarios"] if agree else []
     lines += ["", f"Splitting scenarios (on the original some candidates fix, some do not): {', '.join(split) or 'none'}."]

@@ -59,6 +59,11 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     draws = [result["agreement"][p]["all"] for p in ("random-0.5", "random-nosuper-0.5")]
     pooled = result["agreement"]["random-0.5, all draws"]["all"]  # the control: both draws' cells
     assert pooled == {k: draws[0][k] + draws[1][k] for k in pooled} and pooled["cells"] == 20  # 2 draws x 5 scenarios x 2
+    for proxy in ("seq-recon-0.5", "random-0.5", "random-nosuper-0.5", "original-other-seeds"):
+        figures = result["agreement"][proxy]["all"]
+        # one seed: a variant's failure rate is 0 or 1, so its gap is 1 exactly where the runs differ
+        assert figures["variants"] == figures["runs"] == 15  # 5 scenarios x 3 variants
+        assert figures["rate_gap"] == figures["runs"] - figures["runs_equal"]
     for proxy in ("seq-recon-0.5", "random-0.5", "random-nosuper-0.5"):
         figures = result["agreement"][proxy]
         assert "super-fp16" in figures["splitting"]["scenarios"]
