@@ -163,6 +163,8 @@ def random_draws(count: int, pinned: bool = True) -> list[tuple[str, dict]]:
 def mean_row(draw: str) -> str:
     """The pooled row of a kind of random draw: every draw's cells together."""
     return re.sub(r"-s\d+-0\.5$", "-0.5", draw) + ", mean of draws"
+
+
 ORIGINAL = "original"
 # The original diagnosed again on other seeds (a 2-seed scenario's seeds 2 and 3 paired with 0 and 1):
 # how often the original agrees with itself, the floor under every proxy's figures (as
@@ -208,8 +210,8 @@ def planted_original(lab, trained: Path, stats: Path) -> tuple[Path, Path]:
 
 def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws: int = 1,
               unpinned: int = 0, build: bool = True, extra: tuple[str, ...] = ()) -> dict[str, Path]:
-    """original (twice: OTHER_SEEDS), the default proxies at `ratios` and `draws` random 50% controls (and `unpinned`
-    ones that pin no super expert: random_draws), and the `extra` builds (NAME-RATIO, NAME one of
+    """original (twice: OTHER_SEEDS), the default proxies at `ratios` and `draws` random 50% controls
+    (and `unpinned` ones that pin no super expert: random_draws), and the `extra` builds (NAME-RATIO, NAME one of
     fidelity.VARIANTS or MERGE_VARIANTS, e.g. seq-0.125). A proxy with its manifest under
     OUT/qwen3/proxies is reused as it is (another lab process built it, perhaps from another
     version of the code: rebuilding it here would remove it under that process); the missing ones
@@ -493,15 +495,15 @@ def agreement(result: dict, proxy: str) -> dict:
         onsets, same_runs, runs, rate_gap, variants = [], 0, 0, 0.0, 0
         proxy_runs = runs_of(mine)
         for variant, seeds in runs_of(ref).items():
-            both = [(o, proxy_runs[variant][seed]) for seed, o in seeds.items()
-                    if seed in proxy_runs.get(variant, {})]  # a diagnosis cut short may lack some
-            if both:  # how often it fails: the share of seeds, whichever seeds they are
-                rate_gap += abs(sum(bool(p["reproduced"]) - bool(o["reproduced"]) for o, p in both)) / len(both)
-                variants += 1
-            for seed, o in seeds.items():
-                p = proxy_runs.get(variant, {}).get(seed)
-                if p is None:
-                    continue
+            # (seed, original's run, proxy's run); a diagnosis cut short for time may lack some
+            paired = [(seed, o, proxy_runs[variant][seed]) for seed, o in seeds.items()
+                      if seed in proxy_runs.get(variant, {})]
+            if not paired:
+                continue
+            # how often it fails: the share of seeds, whichever seeds they are
+            rate_gap += abs(sum(bool(p["reproduced"]) - bool(o["reproduced"]) for _, o, p in paired)) / len(paired)
+            variants += 1
+            for seed, o, p in paired:
                 same_runs += bool(p["reproduced"]) == bool(o["reproduced"])
                 runs += 1
                 if o["reproduced"]:
