@@ -348,7 +348,7 @@ def estimate(config: dict, opts: SizingOptions) -> Sizing:
                      f"{'them' if mtp > 1 else 'it'}, pruned alike")
     return Sizing(arch.name, n_moe, opts.precision, opts.accelerator, device_gb, opts.devices_per_node,
                 original=side(n, k), proxy=proxy, workload=workload, notes=tuple(notes), rollout_copy=opts.rollout_copy,
-                  rollout_snapshots=opts.rollout_snapshots)
+                rollout_snapshots=opts.rollout_snapshots)
 
 
 def _prefer_twice_top_k(proxy: Side, side: Callable[[int, int], Side], opts: SizingOptions, preferred: int | None,

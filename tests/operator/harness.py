@@ -88,6 +88,12 @@ class Api:
                  if resource.plural == plural and ns == namespace and not obj.deleted]
         return sorted(found, key=lambda o: int(o.get("metadata", {}).get("resourceVersion") or 0))
 
+    def event_reasons(self, namespace: str, name: str) -> list[str]:
+        """The reasons of the Events about object `name`, oldest first. kopf posts Events from a
+        queue, so the last may land after the status patch a test waits for: poll with eventually."""
+        return [e["reason"] for e in self.objects_of("events", namespace)
+                if e.get("involvedObject", {}).get("name") == name]
+
     def status(self, namespace: str, name: str) -> dict:
         return (self.get(PROXYMODELS, namespace, name) or {}).get("status") or {}
 

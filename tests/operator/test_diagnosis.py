@@ -149,10 +149,8 @@ async def test_a_diagnosis_runs_its_matrix_parallelism_at_a_time_with_the_clis_v
         (0, True, "divergence", 1, "dx-baseline-s0")
     assert _condition(cluster, "dx", "Complete")["reason"] == "FixFound"
     wanted = {"DiagnosisStarted", "RunCreated", "CandidateJudged", "DiagnosisComplete"}
-    reasons = lambda: {e["reason"] for e in cluster.objects_of("events", NS)  # noqa: E731
-                       if e.get("involvedObject", {}).get("name") == "dx"}
-    # kopf posts Events from a queue: the last may land after the status patch that ends the run
-    await eventually(lambda: wanted <= reasons(), what=lambda: f"Events {wanted}, not {reasons()}")
+    await eventually(lambda: wanted <= set(cluster.event_reasons(NS, "dx")),
+                     what=lambda: f"Events {wanted}, not {cluster.event_reasons(NS, 'dx')}")
 
 
 async def _finish_fake(cluster, job: dict, reproduced: bool, step: int | None = None) -> None:

@@ -269,10 +269,8 @@ async def test_a_bisection_finds_the_first_planted_checkpoint_end_to_end(cluster
     complete = next(c for c in status["conditions"] if c["type"] == "Complete")
     assert (complete["status"], complete["reason"]) == ("True", "FirstBadFound")
     wanted = {"BisectionStarted", "ProbeCreated", "RunCreated", "ProbeFinished", "BisectionComplete"}
-    reasons = lambda: {e["reason"] for e in cluster.objects_of("events", NS)  # noqa: E731
-                       if e.get("involvedObject", {}).get("name") == "bx"}
-    # kopf posts Events from a queue: the last may land after the status patch that ends the run
-    await eventually(lambda: wanted <= reasons(), what=lambda: f"Events {wanted}, not {reasons()}")
+    await eventually(lambda: wanted <= set(cluster.event_reasons(NS, "bx")),
+                     what=lambda: f"Events {wanted}, not {cluster.event_reasons(NS, 'bx')}")
 
 
 async def test_an_operator_restart_mid_probe_makes_no_second_proxymodel_or_run(cluster, checkpointwatch_resource, s3,

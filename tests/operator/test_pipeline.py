@@ -101,10 +101,8 @@ async def test_apply_to_reproduced(cluster, operator, caplog):
     assert (reproduced["status"], reproduced["reason"]) == ("True", "GradientOverflow")
     assert "step 17" in reproduced["message"]
     expected = ["TransformerCreated", "ProxyReady", "ReproductionCreated", "GradientOverflow"]
-    reasons = lambda: [e["reason"] for e in cluster.objects_of("events", NS)  # noqa: E731
-                       if e["involvedObject"]["name"] == "q3"]
-    # kopf posts Events from a queue: the last may land after the status patch
-    await eventually(lambda: reasons() == expected, what=lambda: f"Events {expected}, not {reasons()}")
+    await eventually(lambda: cluster.event_reasons(NS, "q3") == expected,
+                     what=lambda: f"Events {expected}, not {cluster.event_reasons(NS, 'q3')}")
 
     # The credentials went nowhere: not in logs, status, Events, or the Jobs (only secretKeyRefs).
     for value in (ACCESS_KEY, SECRET_KEY):

@@ -188,10 +188,6 @@ async def _judged(operator, job: dict, indexes: list[int], since: int) -> None:
         await operator.handled("pod_changed", f"{name}-{index}", since=since)
 
 
-def _reasons(cluster, name: str) -> list[str]:
-    return [e["reason"] for e in cluster.objects_of("events", NS) if e["involvedObject"]["name"] == name]
-
-
 async def test_workers_then_finalize_then_reproduction(cluster, operator):
     await _apply(cluster, "sx", transformer={"parallelism": 3})
     job = await eventually(lambda: cluster.get(JOBS, NS, "sx-transform-g1"), what="the workers' Indexed Job")
@@ -234,8 +230,8 @@ async def test_workers_then_finalize_then_reproduction(cluster, operator):
     assert status["phase"] == "Reproducing" and status["proxy"]["uri"] == TRANSFORMER_REPORT["proxy_uri"]
     assert cluster.condition(NS, "sx", "ProxyReady")["reason"] == "ProxyBuilt"
     expected = ["WorkersCreated", "FinalizeCreated", "ProxyReady", "ReproductionCreated"]
-    await eventually(lambda: _reasons(cluster, "sx") == expected, what=lambda: f"Events {expected}, not "
-                     f"{_reasons(cluster, 'sx')}")  # kopf posts Events from a queue
+    await eventually(lambda: cluster.event_reasons(NS, "sx") == expected, what=lambda: f"Events {expected}, not "
+                     f"{cluster.event_reasons(NS, 'sx')}")  # kopf posts Events from a queue
 
     # A new spec replaces every child of the old one, the finalize Job included.
     await cluster.patch_spec(PROXYMODELS, NS, "sx", {"transformer": {"parallelism": 2}})
