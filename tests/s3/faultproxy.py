@@ -7,8 +7,9 @@ the response back, sometimes past the client's read timeout), "500" (answer 500
 InternalError without forwarding, and close) or "corrupt" (flip one byte of the request
 body on its way to the server). A faulted request is always followed by a
 healthy one, so every request gets through within two tries while faults keep coming.
-`stall_after_up` freezes all client->server traffic once that many bytes went up, to freeze a
-build mid-upload before killing it.
+`stall_after_up` freezes the parts of multipart uploads (UploadPart requests) once that many
+bytes went up, to freeze a build mid-upload before killing it; other requests (commits, small
+objects such as a build's journal) still pass, so what the build finished is recorded.
 """
 
 from __future__ import annotations
@@ -112,11 +113,12 @@ class FaultProxy:
                     state["budget"] = self.rng.randint(0, self.drop_max) if fate == "drop" else None
                     state["hold"] = self.rng.uniform(*self.delay) if fate == "delay" else 0.0
                     state["corrupt"] = fate == "corrupt"
+                    state["part"] = b"partNumber=" in data.split(b"\r\n", 1)[0]
                 if state["corrupt"]:
                     flipped = _flip_body_byte(data)
                     state["corrupt"] = flipped is None  # no body byte yet: flip a later one
                     data = flipped or data
-                while (self.stall_after_up is not None and not self.closed
+                while (self.stall_after_up is not None and state.get("part") and not self.closed
                        and self.bytes_up + len(data) > self.stall_after_up):
                     time.sleep(0.05)  # frozen until the test kills the client (or closes the proxy)
                 with self.lock:

@@ -3,6 +3,7 @@ after being killed mid-upload, without re-uploading what was complete."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -35,6 +36,15 @@ def same_files(got: dict, want: dict) -> None:
             assert got[name] == want[name], name
 
 
+def journaled(client, prefix: str) -> dict:
+    """The files the build's journal records as complete (none while there is no journal)."""
+    try:
+        body = client.get_object(Bucket="proxy", Key=f"{prefix}/{journal_name(0, 1)}")["Body"].read()
+    except client.exceptions.NoSuchKey:
+        return {}
+    return json.loads(body).get("files", {})
+
+
 def server_port(seaweed) -> int:
     return int(seaweed.endpoint_url.rsplit(":", 1)[1])
 
@@ -58,10 +68,11 @@ def test_killed_build_resumes_without_reuploading(seaweed, s3_ckpt, local_proxy,
     shards = sorted(f for f in os.listdir(local_proxy) if f.endswith(".safetensors"))
     first = (local_proxy / shards[0]).stat().st_size
     with FaultProxy(server_port(seaweed)) as net:
-        # Freeze the network once the first shard and one part of the second have gone up,
-        # then kill the build like an evicted pod (SIGKILL: no cleanup runs). Uploads overlap
-        # by one shard, so the second's first part may go up before the first is committed:
-        # wait for the first shard's journal entry (written after its commit) too.
+        # Freeze the part uploads once the first shard and one part of the second have gone
+        # up, then kill the build like an evicted pod (SIGKILL: no cleanup runs). Uploads
+        # overlap by one shard, so the second's first part may go up before the first is
+        # committed: wait for the journal to list the first shard (written after its commit;
+        # the journal exists, empty, from the start).
         net.stall_after_up = first + PART + (256 << 10)
         options = {"endpoint_url": net.endpoint_url, "part_size": PART}
         code = f"from moe_proxy.build.steps import build_proxy; build_proxy({s3_ckpt!r}, {dst!r}, experts={KEEP}, store_options={options!r})"
@@ -69,7 +80,7 @@ def test_killed_build_resumes_without_reuploading(seaweed, s3_ckpt, local_proxy,
         deadline = time.monotonic() + 120
         client = seaweed.client()
         while not (net.bytes_up >= first + PART and incomplete_uploads(seaweed, "proxy", prefix)
-                   and client.list_objects_v2(Bucket="proxy", Prefix=f"{prefix}/{journal_name(0, 1)}").get("KeyCount")):
+                   and shards[0] in journaled(client, prefix)):
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "the build never got to its second shard"
             time.sleep(0.1)
