@@ -198,7 +198,8 @@ async def test_keep_last_retires_the_oldest_and_its_data(cluster, operator, run,
                      what="the retired proxy's objects deleted")
     await eventually(lambda: watch_status(cluster, "ret").get("retiredThrough") == 100)
     assert [p["step"] for p in watch_status(cluster, "ret")["proxyModels"]] == [200, 400]
-    (retired,) = events(cluster, "ProxyModelRetired")
+    # kopf posts Events from a queue: the status can be patched before the Event is posted
+    (retired,) = await eventually(lambda: events(cluster, "ProxyModelRetired"), what="the ProxyModelRetired Event")
     assert "ret-step-100" in retired["message"]
     # A retired step is never made again, even though its checkpoint is still there.
     await polls(cluster, "ret", 2)

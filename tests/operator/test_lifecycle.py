@@ -211,7 +211,7 @@ async def test_a_refusal_recovers_when_its_source_appears(cluster, operator, s3)
     s3.client().put_object(Bucket="ckpt", Key="later/global_step_5/config.json", Body=json.dumps(QWEN3).encode())
     await eventually(lambda: cluster.get(JOBS, NS, "l1-transform-g1"), what="the Job once config.json exists")
     await eventually(lambda: cluster.condition(NS, "l1", "Accepted").get("status") == "True")
-    assert len(_warnings(cluster, "l1", "S3NoSuchKey")) == 1
+    await eventually(lambda: len(_warnings(cluster, "l1", "S3NoSuchKey")) == 1, what="one Warning Event (queued)")
     assert cluster.get(PROXYMODELS, NS, "l1")["metadata"]["generation"] == 1
 
 
