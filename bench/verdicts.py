@@ -515,25 +515,23 @@ def agreement(result: dict, proxy: str) -> dict:
                           "onsets_within": sum(o["within"] for o in onsets), "onset_cells": len(onsets),
                           "runs_equal": same_runs, "runs": runs, "rate_gap": rate_gap, "variants": variants,
                           "onsets": onsets}
-    keys = AGREEMENT_KEYS
     split = [n for n, by_model in result.items() if n in rows and splits(by_model[ORIGINAL]["report"])]
-    return {"scenarios": rows, "all": {k: sum(r[k] for r in rows.values()) for k in keys},
-            "splitting": {k: sum(rows[n][k] for n in split) for k in keys} | {"scenarios": split}}
+    return {"scenarios": rows, "all": {k: sum(r[k] for r in rows.values()) for k in AGREEMENT_KEYS},
+            "splitting": {k: sum(rows[n][k] for n in split) for k in AGREEMENT_KEYS} | {"scenarios": split}}
 
 
 def pooled(agrees: list[dict]) -> dict:
     """Several proxies' agreement as one, their cells together: the random control over its draws."""
-    keys = AGREEMENT_KEYS
     scenarios: dict = {}
     for a in agrees:
         for name, r in a["scenarios"].items():
-            into = scenarios.setdefault(name, dict.fromkeys(keys, 0) | {"disagree": [], "onsets": []})
-            for k in keys:
+            into = scenarios.setdefault(name, dict.fromkeys(AGREEMENT_KEYS, 0) | {"disagree": [], "onsets": []})
+            for k in AGREEMENT_KEYS:
                 into[k] += r[k]
             into["disagree"] += r["disagree"]
             into["onsets"] += r["onsets"]
-    return {"scenarios": scenarios, "all": {k: sum(a["all"][k] for a in agrees) for k in keys},
-            "splitting": {k: sum(a["splitting"][k] for a in agrees) for k in keys}
+    return {"scenarios": scenarios, "all": {k: sum(a["all"][k] for a in agrees) for k in AGREEMENT_KEYS},
+            "splitting": {k: sum(a["splitting"][k] for a in agrees) for k in AGREEMENT_KEYS}
             | {"scenarios": agrees[0]["splitting"]["scenarios"]}}
 
 
