@@ -282,8 +282,10 @@ def test_a_stale_rollout_counts_its_copy_and_snapshots(tmp_path, capsys):
     assert main(["plan", str(tmp_path), "--experts", "4", "--rollout-staleness", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["rollout_copy"] == "bf16" and summary["rollout_snapshots"] == 3
-    assert main(["plan", str(tmp_path), "--experts", "4", "--rollout-staleness", "-1"]) == 2
-    assert "--rollout-staleness -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # repro's declared range, checked by argparse
+        main(["plan", str(tmp_path), "--experts", "4", "--rollout-staleness", "-1"])
+    assert exit_.value.code == 2
+    assert "argument --rollout-staleness: -1: must be at least 0" in capsys.readouterr().err
     spec = {"source": {"uri": "s3://runs/ckpt", "credentialsSecret": "c"}, "output": {"uri": "s3://runs/proxy"},
             "pruning": {"experts": 4}, "reproduction": {"rolloutStaleness": 1}}
     plan = plan_for(QWEN3, parse(spec, "ns", "pm", Settings()), Settings())

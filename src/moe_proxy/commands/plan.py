@@ -7,10 +7,11 @@ import argparse
 import json
 from dataclasses import fields
 
-from moe_proxy.errors import CorruptCheckpoint, InvalidOptions
+from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.commands._common import add_device_args
-from moe_proxy.repro.config import ROLLOUT_KERNELS
-from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, estimate, format_sizing, rollout_copy, rollout_snapshots
+from moe_proxy.options import add_arguments
+from moe_proxy.repro.config import ReproConfig
+from moe_proxy.sizing import SizingOptions, estimate, format_sizing, rollout_copy, rollout_snapshots
 from moe_proxy.step_cost import StepShape
 
 STEP_HELP = {
@@ -20,6 +21,16 @@ STEP_HELP = {
     "updates": "optimizer updates per RL step (PPO mini-batches)",
     "mfu": "achieved fraction of peak FLOP/s in compute-bound phases",
     "hbm_efficiency": "achieved fraction of memory bandwidth in memory-bound phases",
+}
+
+ROLLOUT_OPTIONS = ("rollout_precision", "rollout_kernels", "rollout_staleness")
+ROLLOUT_HELP = {
+    "rollout_precision": "the rollout engine's own weight copy in this precision, resident beside the policy (repro "
+                         "--rollout-precision)",
+    "rollout_kernels": "the rollout engine's own copy with its own experts kernel (repro --rollout-kernels): in "
+                       "--precision unless --rollout-precision says otherwise",
+    "rollout_staleness": "rollouts N steps stale (repro --rollout-staleness): the rollout copy and N + 1 snapshots "
+                         "of the policy's weights beside it",
 }
 
 
@@ -47,15 +58,9 @@ def add_parser(subparsers) -> None:
                           help=f"{help_text} (default {default})")
     step.add_argument("--no-recompute", action="store_true", help="no activation recomputation in training")
     p.add_argument("--no-reference", action="store_true", help="no frozen reference policy (no KL term)")
-    p.add_argument("--rollout-precision", choices=tuple(BYTES_PER_PARAM),
-                   help="the rollout engine's own weight copy in this precision, resident beside the policy (repro "
-                        "--rollout-precision)")
-    p.add_argument("--rollout-kernels", choices=ROLLOUT_KERNELS,
-                   help="the rollout engine's own copy with its own experts kernel (repro --rollout-kernels): in "
-                        "--precision unless --rollout-precision says otherwise")
-    p.add_argument("--rollout-staleness", type=int, default=0, metavar="N",
-                   help="rollouts N steps stale (repro --rollout-staleness): the rollout copy and N + 1 snapshots "
-                        "of the policy's weights beside it")
+    # The rollout engine's flags are repro's own (their choices and ranges declared once, in ReproConfig);
+    # here they say what the plan counts for them.
+    add_arguments(p, ReproConfig, only=ROLLOUT_OPTIONS, helps=ROLLOUT_HELP)
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -86,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
     config = read_config(args.checkpoint, args.endpoint_url)
     known = {f.name for f in fields(SizingOptions)}
     workload = StepShape(**{k: getattr(args, k) for k in STEP_HELP}, recompute=not args.no_recompute)
-    if args.rollout_staleness < 0:
-        raise InvalidOptions(f"--rollout-staleness {args.rollout_staleness}: must be 0 or more steps")
     copy = rollout_copy(args.precision, args.rollout_precision, args.rollout_kernels, args.rollout_staleness)
     opts = SizingOptions(**{k: v for k, v in vars(args).items() if k in known and v is not None},
                          reference=not args.no_reference, workload=workload, rollout_copy=copy,

@@ -134,7 +134,7 @@ class ReproConfig:
     rollout_staleness: int = option(0, "int", "the rollout engine samples with the policy as it was this many "
                                     "steps before (asynchronous RL: prime-rl's async_level, verl's one-step-off-policy, "
                                     "AReaL's max_head_offpolicyness); its own copy of the weights", crd="rolloutStaleness",
-                                    minimum=0)
+                                    minimum=0, metavar="N")
     # The policy loss.
     old_logprobs: str = option("trainer", "str", "old log-probabilities: recomputed by the trainer before the "
                                "update, or the rollout's own (verl's bypass mode)", crd="oldLogprobs",
