@@ -327,7 +327,7 @@ def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, settings: Settings) -
 
 def _unservable_sequential(p: Pruning, settings: Settings) -> tuple[str, str] | None:
     """Why the calibrate Job cannot make sequential statistics for this proxy, with the flags
-    `moe-proxy calibrate --experts N` has (--method, --features, --clustering, --representative,
+    `moe-proxy calibrate --experts N` has (--top-k, --method, --features, --clustering, --representative,
     --no-keep-super), and what would let it; None where it can."""
     if p.auto:
         return ("experts \"auto\" tries several expert counts, and sequential statistics hold for one",
@@ -335,9 +335,6 @@ def _unservable_sequential(p: Pruning, settings: Settings) -> tuple[str, str] | 
     if p.experts is None and not settings.preflight:
         return ("keepRatio needs the planned expert count, which needs the preflight read of config.json "
                 "(disabled in this operator)", "give spec.pruning.experts")
-    if p.top_k is not None:
-        return ("`moe-proxy calibrate --experts N` makes statistics for the source's top-k only",
-                "remove spec.pruning.topK")
     if p.method == "cluster" and p.seed != 0:  # calibrate's --seed is its tokens'; it clusters with seed 0
         return ("with method cluster, `moe-proxy calibrate --experts N` clusters with seed 0 only",
                 "set seed 0, or use method saliency or frequency")

@@ -86,6 +86,31 @@ def test_build_refuses_sequential_statistics_of_another_proxy(three_moe, tmp_pat
     build_proxy(str(root / "src"), str(tmp_path / "q"), calibration=str(root / "one"), reconstruct=False, **options)
 
 
+def test_a_smaller_top_k_gets_its_statistics_from_the_command_the_refusal_names(three_moe, tmp_path, capsys):
+    """`build --top-k` changes the proxy the sequential statistics were scored behind: the build refuses
+    the default's statistics and names the calibrate command for its own, which takes --top-k (the
+    operator and bisect pass it alike, options.SELECTION). That command, run as printed, makes
+    statistics the build accepts."""
+    import re
+    import shlex
+
+    root, _, _ = three_moe
+    build = ["build", str(root / "src"), str(tmp_path / "p"), "--experts", "4", "--method", "saliency",
+             "--top-k", "1", "--calibration"]
+    assert main(build + [str(root / "seq")]) == 2
+    err = capsys.readouterr().err
+    assert "top_k 2 (this build: 1)" in err
+    named = re.search(r"run (moe-proxy calibrate SRC --out STATS [^;]*?) for this proxy", err).group(1)
+    assert "--top-k 1" in named
+    stats = tmp_path / "s1"
+    argv = shlex.split(named)[1:]
+    argv[argv.index("SRC")], argv[argv.index("STATS")] = str(root / "src"), str(stats)
+    assert main(argv + ["--samples", "8", "--seq-len", "16", "--no-progress"]) == 0
+    assert json.loads((stats / cal.SUMMARY).read_text())["made_for"]["top_k"] == 1
+    assert main(build + [str(stats)]) == 0
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["num_experts_per_tok"] == 1
+
+
 def test_cli_sequential_and_mode_change_recomputes(three_moe, tmp_path, capsys):
     root, _, seq = three_moe
     out = str(tmp_path / "s")

@@ -107,12 +107,27 @@ def test_several_workers_calibrate_sequentially_in_the_calibrate_job():
     _same_proxy(calibrate, build)
 
 
+def test_a_smaller_top_k_calibrates_behind_the_proxy_of_that_top_k():
+    """pruning.topK changes the proxy the sequential statistics are scored behind (each later layer
+    sees the earlier ones routing to topK experts): the calibrate Job asks for it too, else the
+    build refuses the statistics. It fell back to one-pass statistics with a note when calibrate
+    had no --top-k; now topK gets the default's sequential statistics and reconstruction."""
+    spec = parse(_spec({"experts": 16, "topK": 4}), "ns", NAME, SETTINGS)
+    assert (spec.pruning.sequential, spec.pruning.reconstruct, spec.pruning.notes) == (True, True, ())
+    body = accepted(pxm(_spec({"experts": 16, "topK": 4})))
+    [create] = only(decide(body, Observed(VALIDATED), SETTINGS), CreateChild)
+    args = _containers(create)
+    calibrate, build = _cli("calibrate", args["calibrate"]), _cli("build", args["transformer"])
+    assert calibrate.top_k == build.top_k == 4
+    _same_proxy(calibrate, build)
+
+
 def _same_proxy(calibrate, build) -> None:
     """What `moe-proxy calibrate --sequential` makes its statistics for (its PruningOptions, the
     rest at their defaults) is what the build's selection key asks (calibrate.statistics)."""
-    for field in ("experts", "method", "features", "representative", "keep_super"):
+    for field in ("experts", "top_k", "method", "features", "representative", "keep_super"):
         assert getattr(calibrate, field) == getattr(build, field), field
-    assert (build.clustering, build.seed, build.top_k) == ("kmeans", 0, None)
+    assert (build.clustering, build.seed) == ("kmeans", 0)
 
 
 def test_turned_off_the_jobs_say_one_pass_and_no_reconstruct():
@@ -127,7 +142,6 @@ def test_turned_off_the_jobs_say_one_pass_and_no_reconstruct():
 @pytest.mark.parametrize("pruning, settings, why", [
     ({"experts": "auto", "maxKL": 0.05}, SETTINGS, "tries several"),
     ({"keepRatio": 0.1}, Settings(preflight=False), "planned expert count"),
-    ({"experts": 16, "topK": 4}, SETTINGS, "top-k"),
     ({"experts": 16, "seed": 7}, SETTINGS, "seed 0"),
 ])
 def test_what_sequential_cannot_serve_falls_back_to_one_pass_with_a_note(pruning, settings, why):
@@ -145,7 +159,6 @@ def test_what_sequential_cannot_serve_falls_back_to_one_pass_with_a_note(pruning
      "tries several"),
     ({"keepRatio": 0.1, "method": "saliency", "sequential": True}, True, {}, Settings(preflight=False),
      "planned expert count"),
-    ({**SEQUENTIAL, "topK": 4}, True, {}, SETTINGS, "remove spec.pruning.topK"),
     ({"experts": 16, "method": "cluster", "seed": 7, "sequential": True}, True, {}, SETTINGS, "seed 0"),
 ])
 def test_spec_refuses_what_the_cli_cannot_make(pruning, calibrated, extra, settings, message):

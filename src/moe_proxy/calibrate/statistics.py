@@ -113,7 +113,7 @@ def selection_key(plan, options) -> dict:
 
 def selection_flags(key: dict) -> str:
     """The options of `moe-proxy calibrate --sequential` / `build` that give this key."""
-    flags = [f"--experts {key['experts']}", f"--method {key['method']}"]
+    flags = [f"--experts {key['experts']}", f"--top-k {key['top_k']}", f"--method {key['method']}"]
     flags += [f"--{name} {key[name]}" for name in ("features", "representative") if name in key]
     flags += [f"{flag(name)} {key[name]:g}" for name in ("super_range_share", "super_outlier") if name in key]
     return " ".join(flags + ([] if key["keep_super"] else ["--no-keep-super"]))
