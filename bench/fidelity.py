@@ -146,6 +146,12 @@ DEFAULT = "seq-recon"  # the variant the targets are checked on: the build's def
 # With build/merge.py (`build --merge`): cluster members merged into their representative.
 MERGE_VARIANTS = [("merge", ONE_PASS | dict(reconstruct=False, merge=True)),
                   ("seq-merge-recon", SEQ | dict(merge=True, reconstruct=True))]
+# The default with a smaller top-k than the original's (`build --top-k`): at 12.5% of a top-4 model
+# 8 experts share each token's 4 slots, and the learning task's tracking misses the floor there
+# (docs/fidelity.md): does fewer experts per token learn more like the original? Built on request
+# (bench/learning.py --builds), on sequential statistics made for that top-k.
+TOPK_VARIANTS = [("seq-recon-top2", SEQ | dict(reconstruct=True, top_k=2)),
+                 ("seq-recon-top1", SEQ | dict(reconstruct=True, top_k=1))]
 # Also built in the super-expert family: `plain` without pinning super experts, and selection by
 # gate mass with and without the super-expert rules (it ranks a rarely routed expert low, where
 # saliency-chosen representatives may pick a massive expert anyway).
@@ -425,8 +431,9 @@ def expert_total(model_config: dict) -> int:
 def sequential_stats(original: Path, out: Path, k: int, options: dict) -> Path:
     """`calibrate --sequential` statistics made for the build of `options` with k experts."""
     made_for = PruningOptions(experts=k, **{n: v for n, v in options.items() if n in ("method", "features",
-                                                                                         "keep_super")})
-    stats = out / f"{made_for.method}-{made_for.features}-{'super' if made_for.keep_super else 'nosuper'}-{k}"
+                                                                                         "keep_super", "top_k")})
+    stats = out / (f"{made_for.method}-{made_for.features}-{'super' if made_for.keep_super else 'nosuper'}-{k}"
+                   + (f"-top{made_for.top_k}" if made_for.top_k else ""))
     code_checked(stats, lambda: calibrate(str(original), str(stats), token_ids=calibration_ids(), sequential=made_for))
     return stats
 

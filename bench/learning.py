@@ -43,11 +43,11 @@ REWARD = "critic/rewards/mean"
 log = logging.getLogger("learning")
 
 
-def runs_of(lab, models: dict[str, Path], out: Path, steps: int, seeds: int) -> dict[int, dict[str, Path]]:
+def runs_of(lab, models: dict[str, Path], out: Path, steps: int, seeds: range) -> dict[int, dict[str, Path]]:
     """seed -> model name -> run directory (the control: the original with another sampling seed)."""
     wrapped = {n: lab.Model(p, 1.0, 1.0) for n, p in models.items()}
     return {seed: lab.run_scenarios(wrapped, {"learning": TASK}, out / f"seed-{seed}", steps, seed=seed)["learning"]
-            for seed in range(seeds)}
+            for seed in seeds}
 
 
 def tracking(lab, runs: dict[int, dict[str, Path]]) -> dict[str, dict]:
@@ -72,7 +72,7 @@ def tracking(lab, runs: dict[int, dict[str, Path]]) -> dict[str, dict]:
     return out
 
 
-def table(figures: dict[str, dict], steps: int) -> str:
+def table(figures: dict[str, dict], steps: int, seeds: range) -> str:
     floor = figures[verdicts._lab().CONTROL]
     lines = [f"| model | reward, first {EDGE} steps -> last {EDGE} (mean of seeds) | tracking: median Pearson per "
              "seed | tracking: mean | reward curve's Pearson: mean | at or above the floor |",
@@ -87,7 +87,7 @@ def table(figures: dict[str, dict], steps: int) -> str:
         lines.append(f"| {name} | {np.mean(f['first']):.2f} -> {np.mean(f['last']):.2f} | "
                      f"{' / '.join(fmt(v) for v in f['median'])} | {fmt(f['mean'])} | {fmt(f['reward_mean'])} | "
                      f"{verdict} |")
-    return "\n".join([f"small-sums, lr {TASK['lr']:g}, {steps} steps, seeds 0-{len(floor['median']) - 1}:", "",
+    return "\n".join([f"small-sums, lr {TASK['lr']:g}, {steps} steps, seeds {seeds[0]}-{seeds[-1]}:", "",
                       *lines]) + "\n"
 
 
@@ -101,9 +101,14 @@ def main() -> int:
                         "(default bench/out/fidelity; quick: bench/out/fidelity-quick)")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"RL steps per run (default {STEPS})")
     parser.add_argument("--seeds", type=int, default=SEEDS, help=f"prompt/sampling seeds (default {SEEDS})")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds FIRST to FIRST + SEEDS - 1 (default 0): "
+                        "a second process on other seeds shares the work, the runs' cache the rest")
     parser.add_argument("--random-draws", type=int, default=1, help="random 50%% controls (default 1)")
     parser.add_argument("--builds", nargs="*", default=[], metavar="NAME-RATIO", help="other builds besides the "
-                        "default's, built where missing (fidelity.VARIANTS: e.g. seq-0.125 recon-0.125)")
+                        "default's, built where missing (fidelity.VARIANTS, MERGE_VARIANTS or TOPK_VARIANTS: e.g. seq-0.125 "
+                        "seq-recon-top2-0.125)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.125], metavar="R",
+                        help="the default proxies' keep ratios (default 0.5 0.25 0.125)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny original, 50%% proxies, "
                         "2 seeds, 3 steps")
     args = parser.parse_args()
@@ -113,7 +118,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)  # the lab's rule on a shared 2-core machine
-    ratios = (0.5, 0.25, 0.125)
+    ratios = tuple(args.ratios)
     if args.quick:
         lab.MODEL.update(lab.QUICK_MODEL)
         lab.TRAIN.update(lab.QUICK_BATCH)
@@ -126,14 +131,15 @@ def main() -> int:
                                 extra=tuple(args.builds))
     models.pop(verdicts.OTHER_SEEDS)  # the verdicts' floor; here the floor is fidelity.CONTROL
     root = lab.OUT / "qwen3" / "learning"
-    runs = runs_of(lab, models, root, args.steps, args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    runs = runs_of(lab, models, root, args.steps, seeds)
     figures = tracking(lab, runs)
-    text = table(figures, args.steps)
+    text = table(figures, args.steps, seeds)
     names = ["original", lab.CONTROL, *(n for n in models if n != "original")]
-    plot = lab.plot_curves([lab.load_run(runs[0][n], n) for n in names], [REWARD, "response_length/mean",
+    plot = lab.plot_curves([lab.load_run(runs[seeds[0]][n], n) for n in names], [REWARD, "response_length/mean",
                            "actor/entropy", "actor/kl_loss", "moe/router_entropy/mean", "actor/grad_norm"], root,
-                           name="learning-seed0.png")
-    text += f"\nSeed 0's curves: {plot[0] if plot else 'none'}\n"
+                           name=f"learning-seed{seeds[0]}.png")
+    text += f"\nSeed {seeds[0]}'s curves: {plot[0] if plot else 'none'}\n"
     print(text)
     (root / "learning.md").write_text(text)
     (root / "learning.json").write_text(json.dumps({"task": TASK, "rl": lab.RL, "steps": args.steps,

@@ -39,6 +39,8 @@ markdown tables (docs/fidelity.md) and writes OUT/qwen3/verdicts/verdicts.json.
     nice -n 10 .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --bisect   # hours on 2 shared cores
     nice -n 10 .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --scenarios kl-drift --models original
     .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --from-cache --bisect   # the tables of what finished
+    .venv/bin/python bench/verdicts.py --out bench/out/mismatch-lab --ratios 0.125 --random-draws 0 \
+        --unpinned-draws 0 --builds seq-recon-top2-0.125 --models original seq-recon-top2-0.125   # another build
     .venv/bin/python bench/verdicts.py --quick --bisect --out /tmp/v   # a smoke run: tiny planted original
 """
 
@@ -212,7 +214,7 @@ def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws
               unpinned: int = 0, build: bool = True, extra: tuple[str, ...] = ()) -> dict[str, Path]:
     """original (twice: OTHER_SEEDS), the default proxies at `ratios` and `draws` random 50% controls
     (and `unpinned` ones that pin no super expert: random_draws), and the `extra` builds (NAME-RATIO, NAME one of
-    fidelity.VARIANTS or MERGE_VARIANTS, e.g. seq-0.125). A proxy with its manifest under
+    fidelity.VARIANTS, MERGE_VARIANTS or TOPK_VARIANTS, e.g. seq-0.125). A proxy with its manifest under
     OUT/qwen3/proxies is reused as it is (another lab process built it, perhaps from another
     version of the code: rebuilding it here would remove it under that process); the missing ones
     are built by fidelity.build_family, or left out without `build`."""
@@ -220,7 +222,7 @@ def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws
     default = next(v for v in lab.VARIANTS if v[0] == lab.DEFAULT)
     wanted = [(default, r) for r in ratios] + [(draw, 0.5) for draw in random_draws(draws)
                                                + random_draws(unpinned, pinned=False)]
-    known = dict(lab.VARIANTS + lab.MERGE_VARIANTS)
+    known = dict(lab.VARIANTS + lab.MERGE_VARIANTS + lab.TOPK_VARIANTS)
     for spec in extra:
         name, _, ratio = spec.rpartition("-")
         if name not in known:
@@ -676,6 +678,11 @@ def main() -> int:
                         "random` with its own --seed (default 3; quick: 1); their mean is the control")
     parser.add_argument("--unpinned-draws", type=int, default=3, help="random 50%% controls built with "
                         "--no-keep-super: no super expert pinned (default 3; quick: 1)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.125], metavar="R",
+                        help="the default proxies' keep ratios (default 0.5 0.25 0.125)")
+    parser.add_argument("--builds", nargs="*", default=[], metavar="NAME-RATIO", help="other builds diagnosed "
+                        "besides the default's, built where missing (fidelity.VARIANTS, MERGE_VARIANTS or "
+                        "TOPK_VARIANTS: e.g. seq-recon-top2-0.125)")
     parser.add_argument("--parallel", type=int, default=2, help="repro processes at a time (default 2)")
     parser.add_argument("--steps", type=int, help="RL steps of every run (default: each scenario's)")
     parser.add_argument("--from-cache", action="store_true", help="tables from the diagnoses already finished "
@@ -690,7 +697,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)  # the lab's rule on a shared 2-core machine (the builds run here)
-    ratios = (0.5, 0.25, 0.125)
+    ratios = tuple(args.ratios)
     scenarios = {name: SCENARIOS[name] for name in args.scenarios}
     builds, growth = BISECT_BUILDS, GROWTH_STEPS
     if args.quick:
@@ -713,7 +720,8 @@ def main() -> int:
         originals[PLANTED] = planted_original(lab, trained, stats)
     wanted = list(dict.fromkeys(s.original for s in scenarios.values()))  # built in the scenarios' order
     models = {kind: {n: p for n, p in models_of(lab, *originals[kind], ratios, args.random_draws,
-                                                          args.unpinned_draws, not args.from_cache).items()
+                                                          args.unpinned_draws, not args.from_cache,
+                                                          tuple(args.builds)).items()
                      if not args.models or n in args.models} for kind in wanted}
     root = lab.OUT / "qwen3" / "verdicts"
     base = rl_flags(lab.RL)
