@@ -104,11 +104,7 @@ def main() -> int:
     parser.add_argument("--first-seed", type=int, default=0, help="seeds FIRST to FIRST + SEEDS - 1 (default 0): "
                         "a second process on other seeds shares the work, the runs' cache the rest")
     parser.add_argument("--random-draws", type=int, default=1, help="random 50%% controls (default 1)")
-    parser.add_argument("--builds", nargs="*", default=[], metavar="NAME-RATIO", help="other builds besides the "
-                        "default's, built where missing (fidelity.VARIANTS, MERGE_VARIANTS or TOPK_VARIANTS: e.g. seq-0.125 "
-                        "seq-recon-top2-0.125)")
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.125], metavar="R",
-                        help="the default proxies' keep ratios (default 0.5 0.25 0.125)")
+    verdicts.add_model_args(parser)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny original, 50%% proxies, "
                         "2 seeds, 3 steps")
     args = parser.parse_args()

@@ -242,6 +242,16 @@ def models_of(lab, original: Path, stats: Path, ratios: tuple[float, ...], draws
     return models
 
 
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--ratios and --builds: the models models_of makes, for this lab and bench/learning.py."""
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.125], metavar="R",
+                        help="the default proxies' keep ratios (default 0.5 0.25 0.125)")
+    parser.add_argument("--builds", nargs="*", default=[], metavar="NAME-RATIO", help="other builds besides the "
+                        "default's, built where missing (fidelity.VARIANTS, MERGE_VARIANTS or TOPK_VARIANTS: e.g. "
+                        "seq-0.125 seq-recon-top2-0.125)")
+
+
 # ---------------------------------------------------------------- diagnoses
 
 def candidate_name(candidate: str) -> str:
@@ -678,11 +688,7 @@ def main() -> int:
                         "random` with its own --seed (default 3; quick: 1); their mean is the control")
     parser.add_argument("--unpinned-draws", type=int, default=3, help="random 50%% controls built with "
                         "--no-keep-super: no super expert pinned (default 3; quick: 1)")
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.125], metavar="R",
-                        help="the default proxies' keep ratios (default 0.5 0.25 0.125)")
-    parser.add_argument("--builds", nargs="*", default=[], metavar="NAME-RATIO", help="other builds diagnosed "
-                        "besides the default's, built where missing (fidelity.VARIANTS, MERGE_VARIANTS or "
-                        "TOPK_VARIANTS: e.g. seq-recon-top2-0.125)")
+    add_model_args(parser)
     parser.add_argument("--parallel", type=int, default=2, help="repro processes at a time (default 2)")
     parser.add_argument("--steps", type=int, help="RL steps of every run (default: each scenario's)")
     parser.add_argument("--from-cache", action="store_true", help="tables from the diagnoses already finished "
