@@ -190,11 +190,22 @@ def test_ascend_wrapper_loads_cann_then_runs_moe_proxy(tmp_path):
     assert result.stdout.strip() == "/usr/local/Ascend/ascend-toolkit/latest|4|repro s3://b/proxy --steps 3"
 
 
-def test_cuda_recipe_takes_its_cuda_version_and_refuses_a_cpu_torch():
+def fake_torch(root, version: str, cuda: str | None):
+    """A `torch` package that answers only what the image's check asks: its version and
+    torch.version.cuda (None in a CPU build). Put first on PYTHONPATH, it stands in for
+    whichever torch the host has, CPU or CUDA build."""
+    (root / "torch").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text(f"__version__ = {version!r}\nfrom . import version\n")
+    (root / "torch" / "version.py").write_text(f"cuda = {cuda!r}\n")
+    return root
+
+
+def test_cuda_recipe_takes_its_cuda_version_and_refuses_a_cpu_torch(tmp_path):
     """docker/cuda/Dockerfile, which no machine here can build (no GPU, no PyTorch index): the
     index its shell computes from CUDA_VERSION, the torch pinned as the transformer image's,
     moe-proxy's requirements without torch (the CUDA build stays), and its check, run against
-    this machine's CPU torch, refusing a torch that is not a CUDA build."""
+    a CPU build and a CUDA build of torch (stand-ins: not the host's, which may be either),
+    refusing the first and taking the second."""
     steps = instructions(DOCKERFILES["cuda"])
     args = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)
     transformer = dict(a.split("=", 1) for w, a in instructions(DOCKERFILES["transformer"]) if w == "ARG" and "=" in a)
@@ -217,8 +228,14 @@ def test_cuda_recipe_takes_its_cuda_version_and_refuses_a_cpu_torch():
     assert computed(CUDA_VERSION="12.8", TORCH_INDEX_URL="https://mirror/whl/cu128") == "https://mirror/whl/cu128"
 
     check = re.search(r'python -W ignore -c "([^"]+)"', torch_step).group(1)
-    refused = subprocess.run([sys.executable, "-W", "ignore", "-c", check], capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 1 and "is not a CUDA build" in refused.stderr  # the tests' torch is a CPU build
+    def checked(torch_root) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(torch_root)}
+        return subprocess.run([sys.executable, "-W", "ignore", "-c", check], env=env, capture_output=True, text=True,
+                              timeout=60)
+    refused = checked(fake_torch(tmp_path / "cpu", "2.13.0+cpu", None))
+    assert refused.returncode == 1 and refused.stderr.strip() == "torch 2.13.0+cpu is not a CUDA build"
+    taken = checked(fake_torch(tmp_path / "cuda", "2.13.0+cu128", "12.8"))
+    assert taken.returncode == 0 and taken.stderr == "", taken.stderr
 
 
 def test_the_gpu_values_name_the_cuda_image_as_its_docs_build_it():
