@@ -74,20 +74,25 @@ def test_probes_equal_repro_metrics_on_a_forward_pass(tiny):
 def test_a_step_sums_its_forward_passes_and_detach_removes_the_hooks(tiny):
     model = _model(tiny)
     probe = probes.attach(model)
-    ids, mask = _batch(model, seed=1)
-    model(input_ids=ids, attention_mask=mask)
-    one = probe.step()
-    model(input_ids=ids, attention_mask=mask)
-    model(input_ids=ids, attention_mask=mask)
+    (a, mask_a), (b, mask_b) = _batch(model, seed=1), _batch(model, seed=3)
+    model(input_ids=torch.cat([a, b]), attention_mask=torch.cat([mask_a, mask_b]))
+    together = probe.step()  # both batches' tokens in one pass
+    model(input_ids=b, attention_mask=mask_b)
+    last = probe.step()
+    model(input_ids=a, attention_mask=mask_a)
+    model(input_ids=b, attention_mask=mask_b)
     two = probe.step()
-    # The same tokens twice: the same shares and entropies (sums over twice the tokens).
-    for key in one:
-        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    # Two passes over different tokens: the figures of one pass over all of them (loads and
+    # entropies summed, maxima maxed), not those of the last pass alone.
+    assert set(two) == set(together)
+    for key in together:
+        assert two[key] == pytest.approx(together[key], rel=1e-5, abs=1e-6), key
+    assert any(two[k] != pytest.approx(last[k], rel=1e-3) for k in together if k.startswith("moe/"))
     with torch.no_grad():  # generation / reference passes: not counted by default
-        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=a, attention_mask=mask_a)
     assert probe.step() == {}
     probe.detach()
-    model(input_ids=ids, attention_mask=mask)
+    model(input_ids=a, attention_mask=mask_a)
     assert probe.step() == {}
 
 
