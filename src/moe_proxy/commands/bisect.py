@@ -17,6 +17,7 @@ CALIBRATION = {"dataset", "samples", "seq_len"}  # calibrate's token options a p
 
 def add_parser(sub) -> None:
     from moe_proxy.options import PruningOptions
+    from moe_proxy.repro.detect import FAIL_ON_CHOICES
 
     p = sub.add_parser("bisect", help="the earliest checkpoint of a run whose proxy reproduces a failure",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR",
                    help="report.json, report.md and probes/step-<N>/ (stats, proxy, run), reused by a rerun")
     p.add_argument("--fail-on", required=True, metavar="SIGNATURE",
-                   help="the failure: overflow, underflow, nan, divergence, collapse, or METRIC>VALUE[:STEPS]")
+                   help=f"the failure: {FAIL_ON_CHOICES}")
     p.add_argument("--pattern", metavar="GLOB", help="checkpoint directories to consider (as in checkpoints)")
     p.add_argument("--step-regex", metavar="RE", help="the step in a checkpoint's path (as in checkpoints)")
     p.add_argument("--good", type=int, metavar="STEP", help="a step known clean: the search starts after it "

@@ -10,7 +10,9 @@ Definitions (thresholds in `Thresholds`):
 - overflow: in a half-precision step (`numerics/half_precision`) the forward pass's hidden
   states are not finite (`numerics/nonfinite_activations`): a value went beyond the dtype's
   range, e.g. a super expert's massive activation in fp16. Loss scaling cannot help; detected
-  at once, besides the nan it causes. Or: gradients hold inf/NaN while the loss was finite.
+  at once, besides the nan it causes. Or: gradients hold inf/NaN while the loss was finite
+  (`numerics/grad_overflow`, or the grad norm not finite: TRL, verl and Megatron log no count,
+  and a NaN grad norm is the same finding from every reader, never a value skipped).
   Without loss scaling such a step is lost: detected at once. With dynamic loss scaling
   skipped steps are normal while the scale settles, so it is an overflow only after
   `overflow_patience` skipped steps in a row or when the scale falls below `min_loss_scale`
@@ -53,6 +55,8 @@ from dataclasses import asdict, dataclass, field
 from moe_proxy.errors import InvalidReproConfig
 
 SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse", "mismatch")
+# What --fail-on takes, as every command's help, its error and the README say it.
+FAIL_ON_CHOICES = f"{', '.join(SIGNATURES)}, or METRIC>VALUE[:STEPS]"
 DIVERGENCE_METRICS = ("actor/grad_norm", "moe/router_logit_max", "numerics/max_activation")
 BASELINE_METRICS = DIVERGENCE_METRICS + ("moe/load_max_share",)
 LAYER_SHARE = "moe/load_max_share/layer_"  # + N: one layer's busiest expert's share of its tokens
@@ -98,8 +102,7 @@ class Signature:
         match = _THRESHOLD.match(text)
         if not match:
             raise InvalidReproConfig(
-                f"--fail-on {text!r}: expected one of {', '.join(SIGNATURES)} or METRIC>VALUE[:STEPS], "
-                "e.g. actor/grad_norm>100:3")
+                f"--fail-on {text!r}: expected {FAIL_ON_CHOICES}, e.g. actor/grad_norm>100:3")
         try:
             value = float(match["value"])
         except ValueError:
@@ -167,7 +170,7 @@ class FailureDetector:
             bad.append("numerics/nonfinite_activations")
         checks["nan"] = (bool(bad), f"not finite: {', '.join(bad)}", 1)
 
-        grads_bad = m.get("numerics/grad_overflow", 0) > 0 and not bad
+        grads_bad = _grads_nonfinite(m) and not bad
         scale = m.get("numerics/loss_scale")
         bad_acts = m.get("numerics/nonfinite_activations", 0)
         if bad_acts > 0 and m.get("numerics/half_precision", 0) > 0:
@@ -176,7 +179,7 @@ class FailureDetector:
             checks["overflow"] = (True, f"{bad_acts:g} hidden-state values not finite in half precision "
                                         "(forward overflow)", 1)
         elif scale is None:  # no loss scaling: a lost step is an overflow at once
-            checks["overflow"] = (grads_bad, "non-finite gradients without loss scaling", 1)
+            checks["overflow"] = (grads_bad, f"non-finite gradients without loss scaling{_norm_note(m)}", 1)
         elif scale < t.min_loss_scale:
             checks["overflow"] = (True, f"loss scale {scale:g} < {t.min_loss_scale:g}", 1)
         else:
@@ -259,3 +262,16 @@ class FailureDetector:
 
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _grads_nonfinite(m: dict[str, float]) -> bool:
+    """Whether the step's gradients held inf/NaN: repro's count, or a grad norm that is not finite
+    (what a framework without the count shows; the divergence check, which needs a finite value,
+    skipped it and a NaN grad norm went unreported)."""
+    norm = m.get("actor/grad_norm")
+    return m.get("numerics/grad_overflow", 0) > 0 or (norm is not None and not _finite(norm))
+
+
+def _norm_note(m: dict[str, float]) -> str:
+    norm = m.get("actor/grad_norm")
+    return f" (actor/grad_norm {norm})" if norm is not None and not _finite(norm) else ""
