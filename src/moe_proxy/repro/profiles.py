@@ -40,7 +40,7 @@ ROLES = {
 NEEDS = {
     "nan": (("policy_loss", "kl", "entropy", "params_nonfinite"), "no loss, KL, entropy or weight check"),
     "overflow": (("loss_scale", "skipped_steps", "nonfinite_activations"),
-                 "no loss scale, skipped-step count or activation check"),
+                 "no loss scale, skipped-step count or activation check; only a grad norm gone non-finite is seen"),
     "underflow": (("dense_grad_zero_frac",), "no share of zero gradients"),
     "divergence": (("grad_norm", "kl", "router_logit_max", "max_activation"),
                    "no grad norm, KL, router logit max or max activation"),
