@@ -48,10 +48,15 @@ def test_an_expert_near_fp16s_range_is_kept_in_any_layer(tmp_path, layer):
     assert kept["super_kept_by"][str(PLANT)]["rule"] == ("reap+fp16-range+layer-outlier" if layer == 0 else
                                                           "fp16-range+layer-outlier")
     assert kept["super_kept_by"][str(PLANT)]["max_abs"] >= SUPER_RANGE_SHARE * FP16_MAX
-    # --no-keep-super leaves it to the selection, and says it was a super expert
-    off = build_proxy(str(src), str(tmp_path / "q"), experts=4, calibration=str(tmp_path / "s"), reconstruct=False,
-                      keep_super=False)
-    assert PLANT in off["layers"][prefix]["super"] + off["layers"][prefix]["super_dropped"]
+    # --no-keep-super leaves it to the selection, and says it was a super expert. Selection by
+    # gate mass ranks a rarely routed expert low: pinned, it is kept; left to it, it is dropped.
+    # (The default's saliency-chosen representatives keep it anyway, docs/fidelity.md.)
+    def by_gate_mass(out: str, **options) -> dict:
+        return build_proxy(str(src), str(tmp_path / out), experts=4, calibration=str(tmp_path / "s"),
+                           reconstruct=False, method="frequency", **options)["layers"][prefix]
+    pinned, off = by_gate_mass("q"), by_gate_mass("r", keep_super=False)
+    assert PLANT in pinned["kept"] and pinned["super"] == [PLANT] and pinned["super_dropped"] == []
+    assert PLANT not in off["kept"] and off["super"] == [] and off["super_dropped"] == [PLANT]
 
 
 def _deepseek(path, bias: float):
@@ -131,8 +136,9 @@ def test_sequential_statistics_carry_their_thresholds(tmp_path):
 
 def test_reconstruction_is_kept_only_when_it_brings_the_proxy_closer(tmp_path):
     """A kept super expert whose massive outputs dominate every squared error: the layer fits
-    lower their block errors but the fitted proxy's KL is 4x the plain one's, so the build keeps
-    the plain selection, says so, and its figure is the plain proxy's (docs/fidelity.md)."""
+    lower their block errors but the fitted proxy's KL is more than twice the plain one's (4x on
+    this model, with room for other torch versions' numerics), so the build keeps the plain
+    selection, says so, and its figure is the plain proxy's (docs/fidelity.md)."""
     src = _qwen(tmp_path / "m", 2, router_scale=1.0)
     stats = str(tmp_path / "s")
     cal.calibrate(str(src), stats, samples=32, seq_len=64)
