@@ -92,10 +92,18 @@ def test_deepseek_v3_proxy_saves_where_total_parameters_cost():
     assert table["total"]["original"] == pytest.approx(sum(table[f]["original"] for f in table if f != "total"))
 
 
+# Total and active parameters, in billions, as their model cards publish them.
+PUBLISHED = {"v3": (DEEPSEEK_V3, 671, 37), "235b": (QWEN3_235B, 235, 22), "30b": (QWEN3_30B, 30.5, 3.3)}
+
+
 def test_published_configs_have_their_published_sizes():
-    sizes = {name: config_params(c) for name, c in (("v3", DEEPSEEK_V3), ("235b", QWEN3_235B), ("30b", QWEN3_30B))}
-    assert {n: (round(p.total / 1e9, 1), round(p.active / 1e9, 1)) for n, p in sizes.items()} == {
-        "v3": (671.0, 37.6), "235b": (235.1, 22.2), "30b": (30.5, 3.4)}
+    """Totals within 0.2% of the published ones; active within 2%, above the cards' rounding to
+    two figures and their conventions on embeddings (this count: 37.6, 22.2, 3.35), below one
+    routed expert per token too many or too few (7%, 8% and 7% of these models' active sizes)."""
+    for name, (config, total, active) in PUBLISHED.items():
+        p = config_params(config)
+        assert p.total / 1e9 == pytest.approx(total, rel=0.002), name
+        assert p.active / 1e9 == pytest.approx(active, rel=0.02), name
 
 
 def test_qwen3_30b_proxy_on_one_node_sends_no_expert_traffic_between_nodes():
