@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.repro.catalogue import CATALOGUE, pick
-from moe_proxy.repro.diagnose import BASELINE, SeedRun, against, cost_of, repro_config, verdict
+from moe_proxy.repro.diagnose import BASELINE, OWN_FLAGS, SeedRun, against, cost_of, repro_config, verdict
 from moe_proxy.repro.verdict import series_rows
 
 from .children import MAX_NAME
@@ -56,9 +56,6 @@ RUN_PENDING, RUN_RUNNING, RUN_DONE, RUN_ERROR = "Pending", "Running", "Succeeded
 RUNNING_CONDITION, COMPLETE_CONDITION, FAILED_CONDITION = "Running", "Complete", "Failed"
 # A ProxyModel whose proxy is built.
 PROXY_BUILT_PHASES = (PROXY_READY, REPRODUCING, REPRODUCED, NOT_REPRODUCED)
-# Flags the diagnosis sets itself (a candidate giving one would break its run's wiring).
-OWN_FLAGS = ("--out", "--fail-on", "--termination-log", "--seed", "--nnodes", "--node-rank", "--nproc-per-node",
-             "--master-addr", "--master-port")
 
 
 class InvalidDiagnosis(ValueError):

@@ -32,8 +32,17 @@ COMMANDS = [
 VERBOSE = ("-v", "--verbose")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad usage is one line, `moe-proxy CMD: error: ...` and where the options are listed, not
+    argparse's usage block (40 lines for diagnose); exit 2 as argparse does. Subcommands' parsers
+    are of their parent's class, so every command gets it."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="moe-proxy",
         description="Build proxy MoE checkpoints (fewer routed experts, same architecture) "
         "to reproduce RL post-training failures cheaply.",

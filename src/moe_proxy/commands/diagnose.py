@@ -8,8 +8,36 @@ import argparse
 import json
 from pathlib import Path
 
-# repro's options a diagnosis sets itself: the run directory, the failure, the Job's log file.
-OWN = {"checkpoint", "out", "fail_on", "termination_log", "no_progress", "help"}
+from moe_proxy.repro.diagnose import RUN_FLAGS
+
+# repro's options a diagnosis sets on each run itself (by their dest), not taken as repro options.
+OWN = {"checkpoint", "help", *(flag.removeprefix("--").replace("-", "_") for flag in RUN_FLAGS)}
+
+
+class _ListCatalogue(argparse.Action):
+    """--list: print the catalogue and exit, as --version does (before required arguments are checked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(catalogue_listing())
+        parser.exit()
+
+
+def catalogue_listing() -> str:
+    """Each catalogue entry: its name, what it changes, its repro flags (at repro's defaults) and
+    the knob it stands for in the frameworks."""
+    from moe_proxy.repro.catalogue import CATALOGUE
+    from moe_proxy.repro.config import ReproConfig
+
+    defaults = ReproConfig()
+    lines = [f"candidates (--candidates NAME,...); flags as they apply at repro's defaults (lr {defaults.lr:g}, "
+             f"{defaults.steps} steps):"]
+    for c in CATALOGUE.values():
+        lines += [f"  {c.name:<20} {c.what}", f"  {'':<20} flags: {' '.join(c.changes(defaults))}",
+                  f"  {'':<20} knob: {c.knobs}"]
+    return "\n".join(lines)
 
 
 class _PassThrough(argparse.Action):
@@ -47,6 +75,7 @@ def pass_through(group, command: str, into: str, skip: set[str], only: set[str] 
 
 def add_parser(sub) -> None:
     from moe_proxy.repro.catalogue import CATALOGUE
+    from moe_proxy.repro.detect import FAIL_ON_CHOICES
 
     p = sub.add_parser("diagnose", help="which fix cures a reproduced failure: the run again with each candidate",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -56,10 +85,10 @@ def add_parser(sub) -> None:
                    help="report.json, report.md, matrix.png, curves.png and runs/<variant>/seed-<s>/ (a rerun "
                         "reuses the runs it finds with the same arguments)")
     p.add_argument("--fail-on", required=True, metavar="SIGNATURE",
-                   help="the failure the baseline reproduces: overflow, underflow, nan, divergence, collapse, or "
-                        "METRIC>VALUE[:STEPS]")
+                   help=f"the failure the baseline reproduces: {FAIL_ON_CHOICES}")
     p.add_argument("--candidates", metavar="LIST", default="",
                    help=f"catalogue names, comma-separated: {', '.join(CATALOGUE)}")
+    p.add_argument("--list", action=_ListCatalogue, help="print the catalogue (what each candidate changes) and exit")
     p.add_argument("--candidate", action="append", default=[], metavar="NAME=FLAGS",
                    help="a custom candidate: repro flags, e.g. 'slow=--lr 1e-6,--warmup-steps 5' (repeatable)")
     p.add_argument("--candidates-file", metavar="FILE",

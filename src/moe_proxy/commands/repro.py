@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moe_proxy.options import add_arguments, from_args
 from moe_proxy.repro.config import OP_FAULT_MODES, Faults, RankFault, ReproConfig
-from moe_proxy.repro.detect import Signature, Thresholds
+from moe_proxy.repro.detect import FAIL_ON_CHOICES, Signature, Thresholds
 
 
 def add_parser(subparsers) -> None:
@@ -23,8 +23,7 @@ def add_parser(subparsers) -> None:
     add_arguments(p, ReproConfig, only=("steps", "seed"))
     p.add_argument("--device", help="cpu, cuda, npu, ... (default: NPU, else CUDA, else CPU)")
     p.add_argument("--fail-on", metavar="SIGNATURE",
-                   help="stop once this failure is seen: overflow, underflow, nan, divergence, collapse, "
-                   "or METRIC>VALUE[:STEPS] (e.g. actor/grad_norm>100:3)")
+                   help=f"stop once this failure is seen: {FAIL_ON_CHOICES} (e.g. actor/grad_norm>100:3)")
     p.add_argument("--termination-log", metavar="PATH",
                    help="also write {reproduced, signature, step, metrics} JSON here (Kubernetes' "
                    "/dev/termination-log)")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> None:
+    from moe_proxy.repro.detect import FAIL_ON_CHOICES
+
     p = subparsers.add_parser(
         "watch", help="follow a training run's metrics file and decide whether a failure came back",
         description="Follow METRICS_FILE as it grows (verl FileLogger lines {step, elapsed_seconds, data} or "
@@ -21,8 +23,8 @@ def add_parser(subparsers) -> None:
                    help="the file or directory to follow (default: $VERL_FILE_LOGGER_PATH)")
     add_reading_options(p)
     p.add_argument("--fail-on", metavar="SIGNATURE",
-                   help="the failure to look for: overflow, underflow, nan, divergence, collapse, or "
-                   "METRIC>VALUE[:STEPS]; without it the verdict names the first failure of any kind")
+                   help=f"the failure to look for: {FAIL_ON_CHOICES}; without it the verdict names the first "
+                   "failure of any kind")
     p.add_argument("--termination-log", metavar="PATH", help="write the verdict JSON here (/dev/termination-log)")
     p.add_argument("--until-file", metavar="PATH",
                    help="the run has ended once this file exists (the verdict is then written); SIGTERM "

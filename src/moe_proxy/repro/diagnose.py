@@ -40,6 +40,13 @@ BASELINE = "baseline"
 RUN_RECORD = "diagnose-run.json"  # a run's arguments and outcome: what a rerun reuses
 VERDICTS = ("fixed", "reproduced", "inconclusive", "error")
 COST_METRICS = {k: COST_SERIES[k] for k in ("reward", "loss")}
+# repro's flags a diagnosis sets on each run itself, never the user's: where it writes, the
+# failure asked for, the Job's log, the progress bar.
+RUN_FLAGS = ("--out", "--fail-on", "--termination-log", "--no-progress")
+# A candidate may not set these either: each run's seed and the ranks' wiring are the baseline's
+# (with them a candidate is no longer the failing run plus one fix). The CLI and the operator
+# refuse a candidate that gives one.
+OWN_FLAGS = RUN_FLAGS + ("--seed", "--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port")
 
 
 @dataclass(frozen=True)
@@ -121,8 +128,8 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
     if dupes := {n for n in names if names.count(n) > 1} | ({BASELINE} & set(names)):
         raise MoeProxyError(f"candidate name(s) {', '.join(map(repr, sorted(dupes)))}: used twice (or reserved)")
     Signature.parse(fail_on)
-    if any(flag in repro_flags for flag in ("--out", "--fail-on", "--termination-log", "--no-progress")):
-        raise MoeProxyError("--out, --fail-on and --termination-log are diagnose's own: give the repro options only")
+    if own := [f for f in repro_flags if f.split("=")[0] in RUN_FLAGS]:
+        raise MoeProxyError(f"{', '.join(own)}: diagnose's own, set on each run: give the repro options only")
     check_source(proxy)
     try:
         baseline = repro_config(proxy, repro_flags)
@@ -136,6 +143,9 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
     base = _flat(baseline)
     for c in candidates:
         flags = c.changes(baseline)
+        if own := [f for f in flags if f.split("=")[0] in OWN_FLAGS]:
+            raise MoeProxyError(f"candidate {c.name!r}: {', '.join(own)}: diagnose's own (it sets each run's seed, "
+                                "ranks, failure and directory): give the fix's flags only")
         try:
             config = repro_config(proxy, [*repro_flags, *flags])
         except MoeProxyError as exc:
