@@ -33,6 +33,10 @@ def add_parser(subparsers) -> None:
                    help="create this file when the failure is seen, so that the run can be ended")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="give up (an error, no verdict) when the run has not ended by then")
+    p.add_argument("--last-step", type=int, metavar="N",
+                   help="the run's last step (verl: trainer.total_training_steps): once it is logged the verdict is "
+                   "given; a log that shows its own end (TRL's train_runtime, trainer_state.json at max_steps) needs "
+                   "no flag")
     p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="how often to read the file")
     p.add_argument("--hold", action="store_true",
                    help="once the verdict is written, stay until SIGTERM (or --until-file): a Kubernetes native "
@@ -102,10 +106,12 @@ def _run(args: argparse.Namespace, ended) -> int:
         if not args.metrics_file:
             raise InvalidReproConfig("no METRICS_FILE given and $VERL_FILE_LOGGER_PATH is not set")
         fail_on = Signature.parse(args.fail_on) if args.fail_on else None
+        if args.last_step is not None and args.last_step < 0:
+            raise InvalidReproConfig(f"--last-step {args.last_step}: a step number, 0 or more")
         options = reading_options(args)
         result = watch(args.metrics_file, fail_on=fail_on, thresholds=Thresholds(), until_file=args.until_file,
                        stop_file=args.stop_file, timeout_s=args.timeout, poll_s=args.poll, ended=ended,
-                       options=options)
+                       options=options, last_step=args.last_step)
     except MoeProxyError as exc:
         if args.termination_log:
             write_termination_log(args.termination_log, error_report(exc))

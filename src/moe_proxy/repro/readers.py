@@ -10,7 +10,11 @@
   directory with `checkpoint-N/` directories (the newest checkpoint's).
 
 Each reader yields rows step -> {name: value} under the framework's names; profiles.py renames
-them to the detectors'. A follower reads what was appended since the last poll (watch).
+them to the detectors'. A follower reads what was appended since the last poll (watch), and says
+when the log itself shows that its writer is done (RunFollower.finished): transformers' Trainer
+logs `train_runtime` once, at the end of train() (TensorBoard: `train/train_runtime`); a
+trainer_state.json whose global_step has reached max_steps; or the step the caller names as the
+last (verl logs no end of its own: its trainer.total_training_steps).
 Torch-free; `tensorboard` is imported only when an event file is read.
 """
 
@@ -36,6 +40,7 @@ FORMATS = {
 }
 EVENTS_GLOB = "events.out.tfevents.*"
 TRAINER_STATE = "trainer_state.json"
+END_NAMES = ("train_runtime", "train/train_runtime")  # the Trainer's speed metrics, logged when training ends
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -176,15 +181,25 @@ def trainer_state_path(path: Path) -> Path:
 
 def trainer_state_rows(path: Path, partial_ok: bool = False) -> dict[int, dict[str, float]]:
     """log_history's entries by step (an entry's numbers; a null is NaN, strings are left out)."""
+    return _history_rows(*_trainer_state(path, partial_ok))
+
+
+def _trainer_state(path: Path, partial_ok: bool) -> tuple[Path, dict | None]:
+    """(the state file, its JSON; None while it is being rewritten and `partial_ok`)."""
     state_file = trainer_state_path(path)
     try:
-        state = json.loads(state_file.read_text())
+        return state_file, json.loads(state_file.read_text())
     except json.JSONDecodeError as exc:
         if partial_ok:  # being rewritten: the next poll reads it whole
-            return {}
+            return state_file, None
         raise MalformedMetrics(f"{state_file}: not JSON ({exc.msg})") from None
     except OSError as exc:
         raise MalformedMetrics(f"{state_file}: cannot read ({exc.strerror})") from None
+
+
+def _history_rows(state_file: Path, state: dict | None) -> dict[int, dict[str, float]]:
+    if state is None:
+        return {}
     history = state.get("log_history") if isinstance(state, dict) else None
     if not isinstance(history, list):
         raise MalformedMetrics(f"{state_file}: no log_history list (not an HF Trainer state)")
@@ -295,25 +310,37 @@ class TrainerStateFollower:
 
     def __init__(self, path: Path):
         self.path, self.given = path, set()
+        self.finished: str | None = None
 
     def rows(self, final: bool = False) -> list[tuple[int, dict[str, float]]]:
         try:
-            rows = trainer_state_rows(self.path, partial_ok=not final)
+            state_file, state = _trainer_state(self.path, partial_ok=not final)
+            rows = _history_rows(state_file, state)
         except MalformedMetrics:
             if final:
                 raise
             return []  # no checkpoint yet
+        self.finished = self.finished or _state_end(state)
         new = sorted(s for s in rows if s not in self.given)
         self.given.update(new)
         return [(s, rows[s]) for s in new]
 
 
+def _state_end(state: dict | None) -> str | None:
+    steps, last = (state.get("global_step"), state.get("max_steps")) if isinstance(state, dict) else (None, None)
+    if isinstance(steps, int) and isinstance(last, int) and 0 < last <= steps:
+        return f"{TRAINER_STATE}: global_step {steps} of max_steps {last}"
+    return None
+
+
 class RunFollower:
     """A growing run in any format, its rows renamed by the profile (detected from the first
-    names seen, unless asked for): what `watch` reads."""
+    names seen, unless asked for): what `watch` reads. `finished` says why the log shows its
+    writer is done (module doc), None while it does not; `last_step`: the run's last step."""
 
-    def __init__(self, path: str | Path, options: ReadOptions | None = None):
-        self.path, self.options = Path(path), options or ReadOptions()
+    def __init__(self, path: str | Path, options: ReadOptions | None = None, last_step: int | None = None):
+        self.path, self.options, self.last_step = Path(path), options or ReadOptions(), last_step
+        self.finished: str | None = None
         self.format = check_format(self.options.format)
         self.added = parse_metric_options(list(self.options.metrics))
         self.profile: Profile | None = None
@@ -335,6 +362,7 @@ class RunFollower:
             self.inner = {"jsonl": JsonlFollower, "tensorboard": EventsFollower,
                           "trainer-state": TrainerStateFollower}[self.format](self._source())
         rows = self.inner.rows(final)
+        self.finished = self.finished or self._end(rows)
         if rows and (self.profile is None or (self.profile.detected and self.profile.name == "verl")):
             names = set().union(*(r for _, r in rows))
             found = profile_for(names, None, self.added)
@@ -342,6 +370,15 @@ class RunFollower:
                 self.profile = found
         profile = self.profile
         return [(s, profile.rename(r)) for s, r in rows] if profile else rows
+
+    def _end(self, rows: list[tuple[int, dict[str, float]]]) -> str | None:
+        # the newest TensorBoard step is held back until a later one comes; it counts here
+        seen = rows + list(getattr(self.inner, "pending", {}).items())
+        if any(name in row for _, row in seen for name in END_NAMES):
+            return "train_runtime logged (the Trainer's end of training)"
+        if self.last_step is not None and any(step >= self.last_step for step, _ in seen):
+            return f"step {self.last_step} logged (--last-step)"
+        return getattr(self.inner, "finished", None)
 
     def _source(self) -> Path:
         if self.format == "jsonl" and self.path.is_dir():

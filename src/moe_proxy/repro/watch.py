@@ -14,6 +14,10 @@ The watch ends:
 - when the run ends: `until_file` appears (a done marker the framework or its wrapper writes),
   or the process is told to stop (SIGTERM: Kubernetes ends a native sidecar so once the main
   container has exited); the rest of the file is read first;
+- when the log itself shows that its writer is done (readers.RunFollower.finished: TRL's
+  `train_runtime`, a trainer_state.json at max_steps, or `last_step` logged, verl's
+  trainer.total_training_steps): the rest is read and the verdict given at once, so a finished
+  log is judged without a done marker (it used to wait for one forever, or to the timeout);
 - after `timeout_s` without either: an error, no verdict (the run did not finish).
 
 The verdict also gives the last step logged and the failures seen besides its own: when the
@@ -102,13 +106,15 @@ def sigterm_ends() -> Iterator[threading.Event]:
 def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresholds: Thresholds | None = None,
           until_file: str | Path | None = None, stop_file: str | Path | None = None,
           timeout_s: float | None = None, poll_s: float = 1.0,
-          ended: threading.Event | None = None, options: ReadOptions | None = None) -> WatchResult:
+          ended: threading.Event | None = None, options: ReadOptions | None = None,
+          last_step: int | None = None) -> WatchResult:
     """Follow `metrics_file` until the verdict is in (see the module docstring). `ended` is the
     run's end as SIGTERM reports it (`sigterm_ends`); without it none is listened for. `options`:
-    the format, name profile and added names (readers.ReadOptions; default: detected)."""
+    the format, name profile and added names (readers.ReadOptions; default: detected).
+    `last_step`: the run's last step; once it is logged the run is judged."""
     path = Path(metrics_file)
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
-    follower = RunFollower(path, options)
+    follower = RunFollower(path, options, last_step)
     rows: dict[int, dict[str, float]] = {}
     started = time.monotonic()
     ended = ended or threading.Event()
@@ -130,6 +136,9 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
     while stopped is None:
         stopped = feed()
         if stopped:
+            break
+        if follower.finished:  # the log says so; the container may still be saving: --hold still holds
+            stopped = feed(final=True) or f"the run's log is finished ({follower.finished})"
             break
         if until_file and Path(until_file).exists():
             stopped, run_ended = feed(final=True) or "the run ended (done marker)", True
