@@ -20,7 +20,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="REPORT_DIR",
                    help="directory for report.json, report.md and curves.png")
     p.add_argument("--metrics", help="comma-separated metrics to compare (default: all common ones)")
-    p.add_argument("--names", help="comma-separated labels for the runs (default: directory names)")
+    p.add_argument("--names", metavar="A,B,...",
+                   help="comma-separated labels for the runs, one each, all distinct (default: each run's shortest "
+                   "path suffix that no other run's path ends with, e.g. orig/runs/DATE_HOST and proxy/runs/DATE_HOST)")
     p.add_argument("--permutations", type=int, default=100, metavar="N",
                    help="shuffled-step control: each run's median Pearson with its steps in N random orders "
                    "(chance level, and p = share scoring at least the actual); 0 turns it off")
@@ -31,14 +33,18 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.commands.watch import reading_options
-    from moe_proxy.repro.compare import compare_runs, load_run, write_report
+    from moe_proxy.repro.compare import compare_runs, load_run, run_labels, write_report
     from moe_proxy.repro.readers import read_run, reading
     from moe_proxy.repro.profiles import coverage_lines
     from moe_proxy.errors import MalformedMetrics
 
-    names = args.names.split(",") if args.names else [None] * len(args.runs)
+    names = args.names.split(",") if args.names else run_labels(args.runs)
     if len(names) != len(args.runs):
         raise MalformedMetrics(f"--names gives {len(names)} labels for {len(args.runs)} runs")
+    if empty := [i for i, n in enumerate(names, start=1) if not n.strip()]:
+        raise MalformedMetrics(f"--names: the label of run {empty[0]} is empty")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise MalformedMetrics(f"--names: {twice[0]!r} labels {names.count(twice[0])} runs; each run needs its own")
     check_output_dir(args.out, "--out")
     options = reading_options(args)
     with reading(options):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -112,6 +113,26 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     default = Path(path).parent.name if Path(path).is_file() else Path(path).name
     return Run(name or default or str(path), str(path), rows, onsets,
                statistics.median(times) if times else None)
+
+
+def run_labels(paths: list[str | Path]) -> list[str]:
+    """Distinct labels for runs: each one's shortest path suffix that ends no other run's path.
+    A file stands for its directory (metrics.jsonl, trainer_state.json, an event file) unless
+    another run's file shares it. Two TRL runs' `runs/<date>_<host>` directories, which share
+    their name, read `orig/runs/<date>_<host>` and `proxy/runs/<date>_<host>`; the same path
+    given twice is told apart by its position (`run #1`, `run #2`)."""
+    where = [Path(os.path.abspath(p)) for p in paths]
+    dirs = [w.parent if w.is_file() else w for w in where]
+    parts = [(d if dirs.count(d) == 1 else w).parts for d, w in zip(dirs, where)]
+    return [_shortest_suffix(mine, parts[:i] + parts[i + 1:]) or f"{Path(*mine[-1:]).as_posix()} #{i + 1}"
+            for i, mine in enumerate(parts)]
+
+
+def _shortest_suffix(mine: tuple[str, ...], others: list[tuple[str, ...]]) -> str | None:
+    for k in range(1, len(mine) + 1):
+        if all(other[-k:] != mine[-k:] for other in others):
+            return Path(*mine[-k:]).as_posix()
+    return None  # the same path as another run's
 
 
 def metric_stats(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], metric: str) -> MetricStats:
