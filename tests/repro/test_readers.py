@@ -20,6 +20,7 @@ from moe_proxy.repro.readers import ReadOptions, RunFollower, detect_format, rea
 from moe_proxy.repro.watch import watch
 
 STEPS = range(1, 9)  # the Trainer's global_step starts at 1
+STEP_S = 0.5  # a live run's step: watch has that long to read a step and stop the run
 
 
 def trl_row(step: int) -> dict[str, float]:
@@ -170,16 +171,19 @@ def test_watch_stops_a_live_tensorboard_run_at_the_divergence(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(log_dir=str(tmp_path / "runs"))
-    stop = tmp_path / "stop"
+    stop, written = tmp_path / "stop", []
 
-    def train():
+    def train():  # a step takes STEP_S, and the trainer stops as soon as the stop file is there
         for step in STEPS:
-            if stop.exists():
-                break
             for key, value in trl_row(step).items():
                 writer.add_scalar(f"train/{key}", value, step)
             writer.flush()
-            time.sleep(0.05)
+            written.append(step)
+            deadline = time.monotonic() + STEP_S
+            while time.monotonic() < deadline and not stop.exists():
+                time.sleep(0.01)
+            if stop.exists():
+                break
         writer.close()
 
     thread = threading.Thread(target=train)
@@ -189,6 +193,9 @@ def test_watch_stops_a_live_tensorboard_run_at_the_divergence(tmp_path):
                    timeout_s=20)
     thread.join()
     assert result.report["signature"] == "divergence" and result.report["step"] == 2 and stop.exists()
+    # Step 2 is read once step 3 follows it: the run stopped there (a step or more later on a
+    # slow machine), not after all 8, which take 8 x STEP_S.
+    assert 3 <= written[-1] < STEPS[-1], written
 
 
 @pytest.mark.parametrize("names, profile", [
@@ -244,7 +251,7 @@ def test_bad_event_files_are_refused(tmp_path, trl_runs):
         read_run(other)
 
 
-def test_an_unreadable_directory_is_one_line(tmp_path, monkeypatch):
+def test_an_unreadable_directory_is_one_line(tmp_path, monkeypatch, capsys):
     from pathlib import Path
 
     def denied(self, pattern):
@@ -255,6 +262,10 @@ def test_an_unreadable_directory_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "rglob", denied)
     with pytest.raises(MalformedMetrics, match="cannot read .*Permission denied"):
         read_run(tmp_path / "runs")
+    # as `watch` reports it: one line on stderr, exit 2, no traceback
+    assert main(["watch", str(tmp_path / "runs"), "--timeout", "5", "--poll", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moe-proxy watch: error: {tmp_path / 'runs'}: cannot read the directory (Permission denied)\n", err
 
 
 def test_compare_without_matplotlib_is_one_line(trl_runs, tmp_path, monkeypatch, capsys):
