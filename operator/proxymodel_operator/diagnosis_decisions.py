@@ -30,7 +30,8 @@ from moe_proxy.repro.verdict import series_rows
 
 from .children import MAX_NAME
 from .outcome import FAILED as OUTCOME_FAILED, RUNNING as OUTCOME_RUNNING, Outcome
-from .reproduction import Naming, headless_service, name_reserve, repro_args, reproduction_workload
+from .reproduction import (ArgsIgnored, Naming, appended, first_container, headless_service, name_reserve,
+                           repro_args, reproduction_workload)
 from .resources import GROUP, LABEL_CHILD, LABEL_ROLE, SERVICES, Resource
 from .runtimes import RUNTIMES
 from .settings import Settings
@@ -279,6 +280,24 @@ def run_name(diagnosis: str, variant: str, seed: int, reserve: int = 0) -> str:
     return f"{base[: limit - len(suffix) - 7].rstrip('-')}-{digest}{suffix}"
 
 
+def run_args(spec: ProxyModelSpec, variant: RunVariant, seed: int) -> tuple[str, ...]:
+    """What a run adds to its first container's args: the variant's, then `--seed S`. A user's
+    framework gets the seed as MOEPROXY_SEED only (its command may pass $(MOEPROXY_SEED) on)."""
+    return (*variant.args, *(("--seed", str(seed)) if spec.reproduction.template is None else ()))
+
+
+def args_reach(baseline: Baseline, v: RunVariant) -> None:
+    """Admission: what the variant's runs add to the first container's args reaches the command
+    it runs (reproduction.appended); else InvalidDiagnosis, CandidateArgsIgnored, with the reason."""
+    args = run_args(baseline.spec, v, baseline.seeds_from)
+    try:
+        appended(first_container(baseline.spec), args)
+    except ArgsIgnored as exc:
+        who = f"candidate {v.name!r}" if v.name != BASELINE else "every run"
+        raise InvalidDiagnosis("CandidateArgsIgnored", f"{who} adds {' '.join(args)} to the args of the first "
+                               f"container of the ProxyModel's reproduction, but {exc}") from None
+
+
 def run_manifest(diagnosis: str, namespace: str, generation: int, baseline: Baseline, variant: RunVariant,
                  seed: int, proxymodel: str) -> tuple[Resource, dict, dict | None]:
     """(resource, workload, headless Service or None) of one run: the ProxyModel's reproduction
@@ -288,10 +307,8 @@ def run_manifest(diagnosis: str, namespace: str, generation: int, baseline: Base
     name = run_name(diagnosis, variant.name, seed, name_reserve(spec, baseline.devices))
     labels = {LABEL_DIAGNOSIS: diagnosis, LABEL_ROLE: DIAGNOSIS_ROLE, LABEL_CHILD: name,
               LABEL_VARIANT: variant.name[:63], LABEL_SEED: str(seed)}
-    # A user's framework gets the seed as MOEPROXY_SEED (its command may pass $(MOEPROXY_SEED) on)
-    seed_flag = ("--seed", str(seed)) if spec.reproduction.template is None else ()
     env = ({"name": SEED_ENV, "value": str(seed)}, *variant.env)
-    naming = Naming(name, labels, (*variant.args, *seed_flag), env)
+    naming = Naming(name, labels, run_args(spec, variant, seed), env)
     manifest = reproduction_workload(proxymodel, namespace, generation, spec, baseline.proxy_uri,
                                      baseline.manifest_sha256, baseline.devices, baseline.experts_per_layer,
                                      baseline.top_k, naming=naming)
@@ -438,6 +455,8 @@ def _start(status: dict, d: DiagnosisSpec, baseline: Baseline, name: str, namesp
     seeds = list(range(baseline.seeds_from, baseline.seeds_from + d.seeds))
     rows = []
     try:
+        for v in variants(d, baseline):
+            args_reach(baseline, v)
         changed = {v.name: changes(baseline, v) for v in variants(d, baseline)}
     except InvalidDiagnosis as exc:
         return refused(status, generation, exc.reason, str(exc), temporary=False)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moe_proxy.options import to_args
@@ -34,6 +36,8 @@ RUN_VOLUME = "moe-proxy-run"  # the emptyDir a user's framework shares with the 
 METRICS_PATH = f"{RUN_DIR}/metrics.jsonl"  # VERL_FILE_LOGGER_PATH unless the template sets it
 STOP_FILE = f"{RUN_DIR}/stop"  # the watcher makes it when the failure is in (failOn.stopOnReproduce)
 READY_FILE = f"{RUN_DIR}/watcher-ready"  # the watcher makes it once SIGTERM cannot kill it unheard
+SHELLS = frozenset({"sh", "bash", "dash", "ash", "ksh", "zsh"})
+SHELL_ZERO = "moe-proxy-run"  # $0 of a `sh -c SCRIPT` given extra args: they are then its "$@"
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,64 @@ def _wrapped(container: dict, prelude: str, stoppable: bool) -> None:
     container["command"] = ["/bin/sh", "-c", script, "moe-proxy-rendezvous", *container["command"]]
 
 
+class ArgsIgnored(ValueError):
+    """Args added to a container would not reach the command it runs: the message says why."""
+
+
+def shell_script(argv: Sequence[str]) -> int | None:
+    """Where SCRIPT is in `argv` when it is `SHELL [options] -c SCRIPT [ARG0 [ARGS]]` (None: it is not)."""
+    if not argv or argv[0].rsplit("/", 1)[-1] not in SHELLS:
+        return None
+    command_mode, i = False, 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-o", "+o", "-O", "+O"):  # an option name follows
+            i += 2
+        elif arg == "--":
+            i += 1
+            break
+        elif arg.startswith("--"):  # --login, --norc, ...
+            i += 1
+        elif arg[:1] in ("-", "+") and len(arg) > 1:
+            command_mode = command_mode or "c" in arg[1:]
+            i += 1
+        else:
+            break
+    return i if command_mode and i < len(argv) else None
+
+
+def appended(container: dict, extra: Sequence[str]) -> list[str]:
+    """The container's args with `extra` added where they reach what it runs. A command takes
+    them after its own args; a `sh -c SCRIPT` only as "$@" (or $*), after a $0 of its own, so a
+    script that reads neither would silently drop them: ArgsIgnored, as for a container without
+    command or args (args would replace the image's CMD)."""
+    own = list(container.get("args") or [])
+    if not extra:
+        return own
+    argv = [*(container.get("command") or []), *own]
+    if not argv:
+        raise ArgsIgnored("it has neither command nor args: added args would replace the image's CMD (give it a "
+                          "command; args then follow it)")
+    script = shell_script(argv)
+    if script is None:
+        return [*own, *extra]
+    if not re.search(r"\$\{?[@*]", argv[script]):
+        raise ArgsIgnored(f"it runs `{argv[0].rsplit('/', 1)[-1]} -c SCRIPT`, whose script reads no arguments: added "
+                          'args would be dropped (end the command that should take them with "$@" in the script, or '
+                          "patch env instead)")
+    return [*own, *([] if script + 1 < len(argv) else [SHELL_ZERO]), *extra]
+
+
+def first_container(spec: ProxyModelSpec) -> dict:
+    """The reproduction's first container as the spec gives it (what a Diagnosis run's args
+    extend): a template's own, else spec.reproduction.workload's command and args or
+    `moe-proxy repro`'s."""
+    r = spec.reproduction
+    if r.template is not None:
+        return r.template["spec"]["containers"][0]
+    return {"command": r.workload.command or ["moe-proxy"], "args": r.workload.args or ["repro"]}
+
+
 def _env_value(env: list[dict], name: str) -> str | None:
     return next((e.get("value") for e in env if e["name"] == name), None)
 
@@ -198,7 +260,9 @@ def watcher(spec: ProxyModelSpec, runtime: Runtime, where: Placement, env: list[
 
 def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, where: Placement,
                  pod_labels: dict[str, str], runtime: Runtime, name: str = "",
-                 experts_per_layer: int | None = None, top_k: int | None = None) -> dict:
+                 experts_per_layer: int | None = None, top_k: int | None = None,
+                 extra_args: Sequence[str] = ()) -> dict:
+    """`extra_args`: added to the first container's (`appended`), before the rendezvous wrapper."""
     r = spec.reproduction
     env = merge_env(s3_env(spec.source), proxy_env(spec, proxy_uri, manifest_sha256, where, experts_per_layer, top_k))
     env = merge_env(env, rendezvous_env(runtime, name, where)) + runtime.pod_env(spec)
@@ -221,6 +285,8 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
                 mounts.append(shared)
             # A crash's last log lines reach the pod's status (outcome.Crash) unless the template says otherwise.
             c.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
+            if i == 0 and extra_args:
+                c["args"] = appended(c, extra_args)
             _wrapped(c, prelude, stoppable and i == 0)
             if i == 0:
                 c["resources"] = _accelerator_resources(c.get("resources"), r.accelerator.resource, where.per_pod)
@@ -238,6 +304,7 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
         launcher = ["env", *(arg for v in runtime.rendezvous.clears for arg in ("-u", v)), "moe-proxy"]
     container["command"] = r.workload.command or launcher
     container["args"] = r.workload.args or repro_args(spec, proxy_uri, runtime, where)
+    container["args"] = appended(container, extra_args)
     container["env"] = merge_env(env, r.workload.env)
     container["resources"] = _accelerator_resources(r.workload.resources, r.accelerator.resource, where.per_pod)
     container["volumeMounts"] = [{"name": "run", "mountPath": RUN_DIR}]
@@ -260,7 +327,7 @@ def name_reserve(spec: ProxyModelSpec, devices: int) -> int:
 class Naming:
     """Another owner's name and labels for a reproduction workload (a Diagnosis run): `labels`
     go on the workload and its pods (with the ProxyModel's Kueue queue label, where the runtime
-    takes one); `args` are added after the container's own arguments."""
+    takes one); `args` are added to the first container's where they take effect (`appended`)."""
 
     name: str
     labels: dict
@@ -289,11 +356,10 @@ def reproduction_workload(proxymodel: str, namespace: str, generation: int, spec
         pod_labels = {**naming.labels, **runtime.pod_labels(spec)}
         workload_labels = {**naming.labels, **queue, **runtime.labels(spec)}
     template = pod_template(spec, proxy_uri, manifest_sha256, where, pod_labels, runtime, name,
-                            experts_per_layer, top_k)
-    if naming is not None and (naming.args or naming.env):
-        for container in template["spec"]["containers"][:1]:
-            container["args"] = [*container.get("args", []), *naming.args]
-            container["env"] = merge_env(container.get("env") or [], list(naming.env))
+                            experts_per_layer, top_k, naming.args if naming else ())
+    if naming is not None and naming.env:
+        first = template["spec"]["containers"][0]
+        first["env"] = merge_env(first.get("env") or [], list(naming.env))
     if runtime.rendezvous.service and where.pods > 1:
         template["spec"]["subdomain"] = name  # the headless Service has the workload's name
     return {"apiVersion": runtime.resource.api_version, "kind": runtime.resource.kind,
