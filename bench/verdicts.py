@@ -287,8 +287,9 @@ def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenar
             if from_cache:
                 report = json.loads((where / "report.json").read_text())
             else:
+                # every cell, also where a proxy's baseline does not reproduce (diagnose stops there by default)
                 report = diagnose(str(path), where, s.fail_on, [*base, *s.flags, "--steps", str(s.steps), *shift],
-                                  fixes(s.candidates), seeds=count, parallel=parallel)
+                                  fixes(s.candidates), seeds=count, parallel=parallel, baseline_first=False)
             if shift:  # paired with the original's seeds 0..count-1, seed by seed
                 report = reseeded(report, -count)
             wall = time.time() - started

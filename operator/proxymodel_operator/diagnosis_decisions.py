@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.repro.catalogue import CATALOGUE, pick
-from moe_proxy.repro.diagnose import BASELINE, OWN_FLAGS, SeedRun, against, cost_of, repro_config, verdict
+from moe_proxy.repro.diagnose import (BASELINE, FIXED, FIXED_BUT, NOT_RUN, OWN_FLAGS, SeedRun, against,
+                                      changed_settings, cost_of, cost_window, findings, repro_config, verdict)
 from moe_proxy.repro.verdict import series_rows
 
 from .children import MAX_NAME
@@ -53,6 +54,8 @@ DIAGNOSIS_FAILED = "Failed"
 DIAGNOSIS_PENDING = "Pending"
 # A run's phase.
 RUN_PENDING, RUN_RUNNING, RUN_DONE, RUN_ERROR = "Pending", "Running", "Succeeded", "Failed"
+RUN_NOT_RUN = "NotRun"  # a candidate's run left out: the baseline reproduced on no seed
+FINISHED = (RUN_DONE, RUN_ERROR, RUN_NOT_RUN)
 # Condition types besides Accepted.
 RUNNING_CONDITION, COMPLETE_CONDITION, FAILED_CONDITION = "Running", "Complete", "Failed"
 # A ProxyModel whose proxy is built.
@@ -258,12 +261,12 @@ def changes(baseline: Baseline, v: RunVariant) -> dict:
                                "(it sets the seed, the failure and where runs write)")
     flags = repro_args(spec, baseline.proxy_uri)[2:]
     try:
-        base = repro_config(baseline.proxy_uri, flags).to_dict()
-        mine = repro_config(baseline.proxy_uri, [*flags, *v.args]).to_dict()
+        base = repro_config(baseline.proxy_uri, flags)
+        mine = repro_config(baseline.proxy_uri, [*flags, *v.args])
     except MoeProxyError as exc:
         raise InvalidDiagnosis("CandidateRefused", f"candidate {v.name!r} ({' '.join(v.args)}): repro refuses it: "
                                f"{exc}") from None
-    return {k: value for k, value in mine.items() if base.get(k) != value}
+    return changed_settings(base, mine)  # as the CLI: a change that changes nothing in the run is none
 
 
 # --- names and manifests ------------------------------------------------------------------------------
@@ -322,12 +325,13 @@ def run_manifest(diagnosis: str, namespace: str, generation: int, baseline: Base
 def seed_run(row: dict) -> SeedRun:
     """A finished run's row as the CLI's SeedRun (reproduced None: it failed to run)."""
     return SeedRun(row.get("reproduced"), row.get("signature"), row.get("step"), int(row.get("stepsCompleted") or 0),
-                   row.get("stopped") or "", error=row.get("message"))
+                   row.get("stopped") or "", dict(row.get("otherFailures") or {}), error=row.get("message"))
 
 
 def finished_row(row: dict, seen: Outcome, steps: int) -> dict:
     """A run's row once its workload has an outcome. The termination message carries the
-    verdict (reproduced, signature, step); a run that did not reproduce counts as having run
+    verdict (reproduced, signature, step) and the other failures seen (`also_seen`, kept as
+    otherFailures: the verdict reports them); a run that did not reproduce counts as having run
     all `steps` unless the message says how many it completed (`steps_completed`)."""
     report = seen.report
     if seen.state == OUTCOME_FAILED or "reproduced" not in report:
@@ -342,14 +346,22 @@ def finished_row(row: dict, seen: Outcome, steps: int) -> dict:
     return {**row, "phase": RUN_DONE, "reproduced": reproduced, "signature": report.get("signature") if reproduced
             else None, "step": report.get("step") if reproduced else None, "stepsCompleted": completed,
             **({"stopped": str(report["stopped"])} if report.get("stopped") else {}), "message": None,
+            **({"otherFailures": others} if (others := _other_failures(report)) else {}),
             # its metrics step by step, kept until its variant's cost is worked out
             **({"series": report["series"]} if isinstance(report.get("series"), dict) else {})}
 
 
-def variant_cost(row: dict, horizon: int, baseline: dict | None = None) -> dict:
+def _other_failures(report: dict) -> dict[str, int]:
+    """A termination message's also_seen (failure -> onset step), what is well-formed of it."""
+    seen = report.get("also_seen")
+    return {str(k): v for k, v in seen.items() if isinstance(v, int)} if isinstance(seen, dict) else {}
+
+
+def variant_cost(row: dict, window: tuple[int, int], baseline: dict | None = None) -> dict:
     """`moe-proxy diagnose`'s cost of a variant (diagnose.cost_of, diagnose.against) from its
-    runs' series; the row's runs lose their series (status keeps the figures only)."""
-    c = cost_of([series_rows(r.get("series")) for r in row["runs"]], horizon)
+    runs' series; the row's runs lose their series (status keeps the figures only). Each run is
+    a workload of its own: time per step is kept."""
+    c = cost_of([series_rows(r.get("series")) for r in row["runs"]], window)
     row["runs"] = [{k: v for k, v in r.items() if k != "series"} for r in row["runs"]]
     return against(c, baseline) if baseline is not None else c
 
@@ -533,10 +545,13 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
                 out.events.append(("Normal" if runs[i]["phase"] == RUN_DONE else "Warning", "RunFinished",
                                    f"{row['name']} seed {run['seed']}: {said}"))
         row["runs"] = runs
-    # start the next ones, the baseline's first, at most `parallelism` running
+    # start the next ones, the baseline's first, at most `parallelism` running; a candidate's only
+    # once the baseline reproduced on some seed (nothing to cure otherwise, as the CLI)
+    base_reproduced = any(r.get("reproduced") for r in base["runs"])
     for row in [base, *cands]:
         for run in row["runs"]:
-            if run["phase"] == RUN_PENDING and running < d.parallelism and baseline is not None:
+            if run["phase"] == RUN_PENDING and running < d.parallelism and baseline is not None \
+                    and (row is base or base_reproduced):
                 resource, manifest, service = run_manifest(name, namespace, generation, baseline,
                                                            variants_by_name[row["name"]], run["seed"], d.proxy_model)
                 run["phase"] = RUN_RUNNING
@@ -556,24 +571,30 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
         else:
             hits = [f"seed {r['seed']} step {r['step']}" for r in base["runs"] if r.get("reproduced")]
             base["verdict"] = "reproduced" if hits else "not reproduced"
-            base["note"] = ", ".join(hits) if hits else f"no {status.get('failOn')} in {steps} steps"
-        if base.get("cost") is None:  # as diagnose.judge: before the baseline's first onset
-            base["cost"] = variant_cost(base, min((r["step"] for r in base["runs"] if r.get("reproduced")),
-                                                  default=steps))
+            base["note"] = "; ".join([", ".join(hits) if hits else f"no {status.get('failOn')} in {steps} steps",
+                                      *findings(base_runs, steps)])[:1024]
+        if base.get("cost") is None:  # as diagnose.judge: up to the baseline's first onset
+            base["cost"] = variant_cost(base, cost_window(base_runs, steps))
+    if base_done and not base_reproduced:
+        _not_run(cands, base["note"])
     for row in cands:
         row["phase"] = _row_phase(row)
         if base_done and row["phase"] == RUN_DONE and not row.get("verdict"):
-            row["verdict"], row["note"] = verdict(base_runs, {r["seed"]: seed_run(r) for r in row["runs"]}, steps)
-            row["cost"] = variant_cost(row, base["cost"]["over_steps"], base["cost"])
-            if not row.get("changes") and not row.get("env"):  # the baseline again under another name, as the CLI says
-                row["note"] = f"no change from the baseline's settings; {row['note']}"
-            out.events.append(("Normal", "CandidateJudged", f"{row['name']}: {row['verdict']} ({row['note']})"[:1024]))
+            own_steps = (row.get("changes") or {}).get("steps") or steps  # a candidate may change them: judged on its own
+            changed = bool(row.get("changes") or row.get("env"))
+            row["verdict"], row["note"] = verdict(base_runs, {r["seed"]: seed_run(r) for r in row["runs"]}, own_steps,
+                                                  changed)
+            window = (base["cost"]["window_first"], base["cost"]["window_last"])
+            row["cost"] = variant_cost(row, window, base["cost"])
+            out.events.append(("Warning" if row["verdict"] == FIXED_BUT else "Normal", "CandidateJudged",
+                               f"{row['name']}: {row['verdict']} ({row['note']})"[:1024]))
     all_runs = [r for row in [base, *cands] for r in row["runs"]]
-    done = sum(r["phase"] in (RUN_DONE, RUN_ERROR) for r in all_runs)
-    fixed = [c["name"] for c in cands if c.get("verdict") == "fixed"]
+    done = sum(r["phase"] in FINISHED for r in all_runs)
+    fixed = [c["name"] for c in cands if c.get("verdict") == FIXED]
+    fixed_but = [c["name"] for c in cands if c.get("verdict") == FIXED_BUT]
     s = patch
     s.update(baseline=base, candidates=cands, progress=f"{done}/{len(all_runs)}", done=done, total=len(all_runs),
-             fixedBy=", ".join(fixed) or None, running=running)
+             fixedBy=", ".join(fixed) or None, fixedWithOtherFailures=", ".join(fixed_but) or None, running=running)
     if done < len(all_runs):
         s["phase"] = DIAGNOSING
         message = f"{done}/{len(all_runs)} runs done, {running} running"
@@ -583,20 +604,39 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
         set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every run finished", generation)
         set_condition(status, s, FAILED_CONDITION, True, "BaselineFailed", s["message"], generation)
         out.events.append(("Warning", "BaselineFailed", s["message"]))
+    elif not base_reproduced:
+        s["phase"] = DIAGNOSED
+        s["message"] = (f"the baseline did not reproduce {status.get('failOn')} on any seed in {steps} steps "
+                        f"({base['note']}): nothing to cure, no candidate was run")[:1024]
+        set_condition(status, s, RUNNING_CONDITION, False, "Finished", "the baseline's runs finished", generation)
+        set_condition(status, s, COMPLETE_CONDITION, True, "BaselineNotReproduced", s["message"], generation)
+        out.events.append(("Warning", "BaselineNotReproduced", s["message"]))
     else:
         s["phase"] = DIAGNOSED
-        said = f"fixed by: {', '.join(fixed)}" if fixed else "no candidate fixed it"
+        said = "; ".join([f"fixed by: {', '.join(fixed)}" if fixed else "no candidate fixed it",
+                          *([f"fixed, but with other failures: {', '.join(fixed_but)}"] if fixed_but else [])])
         s["message"] = said
+        reason = "FixFound" if fixed else "FixWithOtherFailures" if fixed_but else "NoFix"
         set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every run finished", generation)
-        set_condition(status, s, COMPLETE_CONDITION, True, "FixFound" if fixed else "NoFix", said, generation)
-        out.events.append(("Normal", "DiagnosisComplete", said))
+        set_condition(status, s, COMPLETE_CONDITION, True, reason, said, generation)
+        out.events.append(("Warning" if reason == "FixWithOtherFailures" else "Normal", "DiagnosisComplete", said))
     out.status.update(s)
     return out
 
 
+def _not_run(cands: list[dict], why: str) -> None:
+    """The baseline reproduced on no seed: the candidates' runs are left out, said in their rows."""
+    for row in cands:
+        row["runs"] = [{**r, "phase": RUN_NOT_RUN} if r["phase"] == RUN_PENDING else r for r in row["runs"]]
+        if not row.get("verdict"):
+            row["verdict"], row["note"] = NOT_RUN, f"the baseline did not reproduce ({why})"[:1024]
+
+
 def _row_phase(row: dict) -> str:
     phases = [r["phase"] for r in row["runs"]]
-    if all(p in (RUN_DONE, RUN_ERROR) for p in phases):
+    if all(p == RUN_NOT_RUN for p in phases):
+        return RUN_NOT_RUN
+    if all(p in FINISHED for p in phases):
         return RUN_DONE
     return RUN_RUNNING if any(p != RUN_PENDING for p in phases) else RUN_PENDING
 
@@ -604,9 +644,10 @@ def _row_phase(row: dict) -> str:
 def _said(row: dict) -> str:
     if row["phase"] == RUN_ERROR:
         return f"error: {row.get('message')}"
+    others = "".join(f"; {name} at step {step}" for name, step in (row.get("otherFailures") or {}).items())
     if row.get("reproduced"):
-        return f"{row['signature']} at step {row['step']}"
-    return f"not reproduced in {row.get('stepsCompleted')} steps"
+        return f"{row['signature']} at step {row['step']}{others}"
+    return f"not reproduced in {row.get('stepsCompleted')} steps{others}"
 
 
 def refused_create(status: dict, workload: str, message: str) -> dict:

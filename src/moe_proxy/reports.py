@@ -15,6 +15,7 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and its answer is "no" (verify found a problem)
 EXIT_BAD_INPUT = 2  # a MoeProxyError: retrying the same input cannot help (the operator's podFailurePolicy)
+EXIT_NOT_REPRODUCED = 3  # diagnose: the baseline did not reproduce the failure on any seed, nothing to cure
 
 TERMINATION_LOG_LIMIT = 4096  # bytes the kubelet keeps of a termination message
 ERROR_MESSAGE_LIMIT = 3000  # an error's text, leaving room for the rest of its payload
@@ -46,13 +47,16 @@ def error_report(exc: BaseException) -> dict:
 
 
 def repro_report(reproduced: bool, signature: str | None, step: int | None, metrics: dict,
-                 steps_completed: int | None = None, stopped: str | None = None) -> dict:
+                 steps_completed: int | None = None, stopped: str | None = None,
+                 also_seen: dict[str, int] | None = None) -> dict:
     """A reproduction's verdict and its headline metrics (finite floats or None); with how many
-    steps ran and why it stopped, where known (a run stopped early by another failure is no cure:
-    the operator's Diagnosis judges with it)."""
+    steps ran, why it stopped and the failures seen besides the verdict's own (name -> onset
+    step), where known: a run stopped early or showing another failure is no clean cure, and the
+    operator's Diagnosis judges with them."""
     return {"reproduced": reproduced, "signature": signature, "step": step, "metrics": metrics,
             **({"steps_completed": steps_completed} if steps_completed is not None else {}),
-            **({"stopped": stopped[:200]} if stopped else {})}
+            **({"stopped": stopped[:200]} if stopped else {}),
+            **({"also_seen": dict(also_seen)} if also_seen else {})}
 
 
 def encode(payload: dict) -> str:

@@ -214,7 +214,8 @@ def test_a_run_that_reported_no_verdict_is_an_error_and_steps_completed_is_read_
     body = _finish_all(body, pm, {("baseline", 0): _done(1),
                                   ("fp32", 0): _done(None, steps_completed=2, stopped="nan")})
     fp32 = body["status"]["candidates"][0]
-    assert fp32["verdict"] == "inconclusive" and "stopped at step 2" in fp32["note"]
+    # past the baseline's onset (step 1), then stopped: a cure with a failure of its own, said
+    assert fp32["verdict"] == "fixed-but" and "seed 0 stopped after 2 of 4 steps (nan)" in fp32["note"]
     assert seed_run(fp32["runs"][0]).steps == 2
     no_report = decide(diagnosis({"candidates": ["fp32"]}), pm, {}, SETTINGS)
     body = apply(diagnosis({"candidates": ["fp32"], "seeds": 1}), no_report)
@@ -233,9 +234,10 @@ def test_run_names_are_dns_labels_of_63_characters_at_most():
 def test_every_catalogue_candidate_makes_a_run():
     pm = built()
     body = diagnosis({"candidates": list(CATALOGUE), "seeds": 1, "parallelism": len(CATALOGUE) + 1})
-    decision = decide(body, pm, {}, SETTINGS)
-    assert len(decision.create) == len(CATALOGUE) + 1
-    for (_, manifest), name in zip(decision.create[1:], CATALOGUE):
+    body = apply(body, decide(body, pm, {}, SETTINGS))  # the baseline first; it reproduces: every candidate
+    decision = decide(body, pm, {"dx-baseline-s0": _done(1)}, SETTINGS)
+    assert len(decision.create) == len(CATALOGUE)
+    for (_, manifest), name in zip(decision.create, CATALOGUE):
         assert args_of(manifest)[-2:] == ["--seed", "0"]
         assert manifest["metadata"]["labels"]["moeproxy.io/variant"] == name
 
@@ -283,9 +285,11 @@ def test_a_template_proxymodel_runs_env_and_args_patches_of_its_first_container(
     body = diagnosis({"candidates": [{"name": "fix", "env": [{"name": "FIX", "value": "1"}]},
                                      {"name": "low-lr", "args": ["actor.optim.lr=1e-7"]}], "seeds": 1,
                       "parallelism": 3})
-    decision = decide(body, built(template=template), {}, SETTINGS)
-    assert decision.status["phase"] == DIAGNOSING and len(decision.create) == 3
-    pods = {m["metadata"]["name"]: m["spec"]["template"]["spec"] for _, m in decision.create}
+    pm = built(template=template)
+    first = decide(body, pm, {}, SETTINGS)  # the baseline first; once it reproduced, the candidates
+    decision = decide(apply(body, first), pm, {"dx-baseline-s0": _done(1)}, SETTINGS)
+    assert decision.status["phase"] == DIAGNOSING and (len(first.create), len(decision.create)) == (1, 2)
+    pods = {m["metadata"]["name"]: m["spec"]["template"]["spec"] for _, m in first.create + decision.create}
     first = {n: p["containers"][0] for n, p in pods.items()}
     assert first["dx-low-lr-s0"]["args"] == ["trainer.total_epochs=1", "actor.optim.lr=1e-7"]
     assert first["dx-baseline-s0"]["args"] == ["trainer.total_epochs=1"]  # no --seed: MOEPROXY_SEED instead
@@ -304,8 +308,9 @@ def test_a_candidate_that_changes_nothing_says_so_as_the_cli_does():
     rows = {c["name"]: c for c in body["status"]["candidates"]}
     assert rows["lower-lr"]["changes"] == {"lr": pytest.approx(0.01)} and rows["grad-clip"]["changes"] == {}
     body = _finish_all(body, pm, {("baseline", 0): _done(1), ("lower-lr", 0): _done(), ("grad-clip", 0): _done(1)})
-    note = {c["name"]: c["note"] for c in body["status"]["candidates"]}["grad-clip"]
-    assert note == "no change from the baseline's settings; seed 0 step 1"
+    said = {c["name"]: (c["verdict"], c["note"]) for c in body["status"]["candidates"]}["grad-clip"]
+    assert said == ("no-change", "changes none of the baseline's settings; its runs end as the baseline's "
+                                 "(seed 0 step 1)")
 
 
 @pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob"])
@@ -331,7 +336,8 @@ def _series_outcome(step, rewards, losses, times):
 
 def test_each_candidates_cost_is_the_clis_from_its_runs_termination_messages():
     """The cost columns of `moe-proxy diagnose` (diagnose.cost_of / against: mean reward and
-    loss before the baseline's first onset, over the seeds; time per step), from the series the
+    loss up to and including the baseline's first onset, over the seeds; time per step with its
+    standard deviation), from the series the
     runs' termination messages carry; status keeps the figures, not the series."""
     pm = built()
     body = diagnosis({"candidates": ["lower-lr"], "parallelism": 2})
@@ -343,12 +349,15 @@ def test_each_candidates_cost_is_the_clis_from_its_runs_termination_messages():
     body = apply(body, decide(body, pm, {}, SETTINGS))
     body = _finish_all(body, pm, {k: outcome for k, (outcome, _) in runs.items()})
     s = body["status"]
-    base = cost_of([runs[("baseline", 0)][1], runs[("baseline", 1)][1]], 2)  # the first onset: step 2
-    assert base["over_steps"] == 2 and base["reward_mean"] == pytest.approx(0.2) and base["time_per_step_s"] == 1.5
+    base = cost_of([runs[("baseline", 0)][1], runs[("baseline", 1)][1]], (0, 2))  # the first onset: step 2
+    assert (base["window_first"], base["window_last"]) == (0, 2)
+    assert base["reward_mean"] == pytest.approx(0.2) and base["time_per_step_s"] == 1.5
+    assert base["time_per_step_sd"] == pytest.approx(0.5345, abs=1e-4)  # four steps at 1 s, four at 2 s
     assert s["baseline"]["cost"] == pytest.approx(base)
     lower = s["candidates"][0]["cost"]
-    assert lower == pytest.approx(against(cost_of([runs[("lower-lr", 0)][1], runs[("lower-lr", 1)][1]], 2), base))
-    assert lower["reward_vs_baseline"] == pytest.approx(0.025 - 0.2) and lower["time_vs_baseline"] == 2.0
+    assert lower == pytest.approx(against(cost_of([runs[("lower-lr", 0)][1], runs[("lower-lr", 1)][1]], (0, 2)),
+                                          base))
+    assert lower["reward_vs_baseline"] == pytest.approx(0.05 - 0.2) and lower["time_vs_baseline"] == 2.0
     assert "series" not in json.dumps(s)
 
 

@@ -77,9 +77,9 @@ def test_a_diagnosis_equals_its_runs_made_one_by_one(proxy, tmp_path, capsys):
     assert base["reproduced"] and base["signature"] == "divergence"
     lower, again = report["candidates"]["lower-lr"], report["candidates"]["again"]
     assert lower["verdict"] == "fixed" and lower["changes"] == {"lr": pytest.approx(0.01)}
-    # the baseline under another name: reproduced at the baseline's step
-    assert again["verdict"] == "reproduced" and again["seeds"]["0"]["step"] == base["step"]
-    assert again["changes"] == {} and again["note"].startswith("no change from the baseline's settings")
+    # the baseline under another name: no-change, its run failing at the baseline's step
+    assert again["verdict"] == "no-change" and again["seeds"]["0"]["step"] == base["step"]
+    assert again["changes"] == {} and again["note"].startswith("changes none of the baseline's settings; its runs end")
     assert report["fixed_by"] == ["lower-lr"] and "fixed by: lower-lr" in printed
     for name in ("report.md", "matrix.png", "curves.png"):
         assert (out / name).stat().st_size > 0

@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BaselineFailed, MoeProxyError
+    from moe_proxy.reports import EXIT_NOT_REPRODUCED
     from moe_proxy.repro.diagnose import diagnose
 
     if args.parallel < 1:
@@ -145,12 +146,19 @@ def run(args: argparse.Namespace) -> int:
     except BaselineFailed as exc:
         print(f"moe-proxy diagnose: error: {exc}", file=sys.stderr)
         return 1
+    if report.get("stopped"):  # the baseline first: nothing to cure, no candidate ran
+        print(f"{report['stopped']}; no candidate was run (exit {EXIT_NOT_REPRODUCED}; report: "
+              f"{Path(args.out) / 'report.md'})")
+        return EXIT_NOT_REPRODUCED
     width = max(len(n) for n in ["baseline", *report["candidates"]])
     seeds = report["baseline"]["seeds"]
     print(f"{'baseline':<{width}}  " + ", ".join(
         f"seed {s}: {o['signature']} at step {o['step']}" if o["reproduced"] else f"seed {s}: not reproduced"
-        for s, o in seeds.items()))
+        for s, o in seeds.items()) + "".join(f"; {f}" for f in report["baseline"]["findings"]))
     for name, c in report["candidates"].items():
         print(f"{name:<{width}}  {c['verdict']}: {c['note']}")
-    print(f"fixed by: {', '.join(report['fixed_by']) or 'none'}\nreport: {Path(args.out) / 'report.md'}")
+    print(f"fixed by: {', '.join(report['fixed_by']) or 'none'}")
+    if report["fixed_with_other_failures"]:
+        print(f"fixed, but with other failures: {', '.join(report['fixed_with_other_failures'])}")
+    print(f"report: {Path(args.out) / 'report.md'}")
     return 0

@@ -6,6 +6,8 @@ candidate is never a special case inside diagnose: what it runs is `moe-proxy re
 those flags, which a user can run by hand. A few depend on the baseline (lr / 10, a quarter
 of the steps). `knobs` names the setting in the frameworks users run, for carrying a cure back
 to the original's job. Custom candidates (`NAME=--flag value,--flag value`) are the same shape.
+Every entry acts at every step count (a candidate that changes nothing is diagnose's
+`no-change`, never a cure or a failure).
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ CATALOGUE: dict[str, Fix] = {c.name: c for c in [
               "torch: GradScaler", _fixed("--precision", "fp16", "--loss-scaling", "dynamic")),
     Fix("lower-lr", "the learning rate / 10", "verl: actor.optim.lr; Megatron: --lr; TRL: learning_rate",
               lambda c: ["--lr", f"{c.lr / 10:g}"]),
-    Fix("warmup", "linear warm-up over the first quarter of the steps",
+    # 2 steps at least: a warm-up of 1 step runs step 0 at the full rate, which changes nothing.
+    Fix("warmup", "linear warm-up over the first quarter of the steps (2 at least)",
               "verl: actor.optim.lr_warmup_steps(_ratio); Megatron: --lr-warmup-iters; TRL: warmup_ratio",
-              lambda c: ["--warmup-steps", str(max(1, c.steps // 4))]),
+              lambda c: ["--warmup-steps", str(max(2, c.steps // 4))]),
     Fix("grad-clip", "clip the gradient norm at 1.0", "verl: actor.grad_clip; Megatron: --clip-grad; "
               "TRL: max_grad_norm", _fixed("--grad-clip", "1.0")),
     Fix("z-loss", "router z-loss 1e-3 (ST-MoE): keeps router logits small",

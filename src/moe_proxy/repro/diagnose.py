@@ -8,13 +8,22 @@ before anything runs) -> `run_all` (each run is a `moe-proxy repro` process in
 `judge` (verdicts and costs, pure) -> `write_report` (report.json, report.md, matrix.png,
 curves.png).
 
-Verdicts, per candidate, over the seeds where the baseline reproduced:
-- fixed: on every such seed the candidate ran all the steps without the failure;
+The baseline runs first: when it reproduces on no seed there is nothing to cure, and no
+candidate runs (report.json's `stopped` says so; the CLI exits 3).
+
+Verdicts, per candidate (`verdict`): the failure asked for is judged on the seeds where the
+baseline reproduced; every other finding (another failure, a run stopped early) on any seed:
+- fixed: on every such seed the candidate ran past the baseline's onset without the failure,
+  and no seed shows another failure or stopped early;
+- fixed-but: as fixed, but some seed shows another failure or stopped early (the note says
+  which, e.g. "collapse at step 3 on seeds 0, 1"): a trade, not a clean cure;
 - reproduced: the failure came back on some seed ("delayed" when later than the baseline's on
   every seed where both failed);
-- inconclusive: the baseline reproduced on no seed, or a run stopped early for another reason
-  (another failure, e.g. NaN while divergence was asked for);
-- error: a run of the candidate failed to run (its message kept).
+- no-change: the candidate's settings are the baseline's (its runs are a check of the method);
+- inconclusive: the baseline reproduced on no seed, or a candidate's run stopped before the
+  baseline's onset on a seed where the baseline failed (the note says what stopped it);
+- error: a run of the candidate failed to run (its message kept);
+- not-run: the baseline reproduced on no seed, so the candidate was not run.
 """
 
 from __future__ import annotations
@@ -38,7 +47,9 @@ log = logging.getLogger(__name__)
 
 BASELINE = "baseline"
 RUN_RECORD = "diagnose-run.json"  # a run's arguments and outcome: what a rerun reuses
-VERDICTS = ("fixed", "reproduced", "inconclusive", "error")
+FIXED, FIXED_BUT, REPRODUCED, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN = (
+    "fixed", "fixed-but", "reproduced", "no-change", "inconclusive", "error", "not-run")
+VERDICTS = (FIXED, FIXED_BUT, REPRODUCED, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN)
 COST_METRICS = {k: COST_SERIES[k] for k in ("reward", "loss")}
 # repro's flags a diagnosis sets on each run itself, never the user's: where it writes, the
 # failure asked for, the Job's log, the progress bar.
@@ -55,6 +66,7 @@ class Variant:
     flags: list[str]  # repro flags added to the baseline's
     what: str = ""
     changes: dict = field(default_factory=dict)  # ReproConfig fields that differ from the baseline's
+    steps: int = 0  # its own --steps (a candidate may change them): judged on those
 
 
 @dataclass
@@ -94,6 +106,8 @@ class SeedRun:
     def as_json(self) -> dict:
         out = {"reproduced": self.reproduced, "signature": self.signature, "step": self.step,
                "steps_completed": self.steps}
+        if self.stopped and self.stopped != "completed":
+            out["stopped"] = self.stopped
         if self.others:
             out["also_seen"] = self.others
         if self.error:
@@ -139,8 +153,7 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
         from moe_proxy.repro.device import pick_device
 
         pick_device(repro_flags[repro_flags.index("--device") + 1])
-    variants = [Variant(BASELINE, [], "the failing run, as given")]
-    base = _flat(baseline)
+    variants = [Variant(BASELINE, [], "the failing run, as given", steps=baseline.steps)]
     for c in candidates:
         flags = c.changes(baseline)
         if own := [f for f in flags if f.split("=")[0] in OWN_FLAGS]:
@@ -150,8 +163,7 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
             config = repro_config(proxy, [*repro_flags, *flags])
         except MoeProxyError as exc:
             raise MoeProxyError(f"candidate {c.name!r} ({' '.join(flags)}): repro refuses it: {exc}") from None
-        changes = {k: v for k, v in _flat(config).items() if base.get(k) != v}
-        variants.append(Variant(c.name, flags, c.what, changes))
+        variants.append(Variant(c.name, flags, c.what, changed_settings(baseline, config), config.steps))
     first = baseline.seed
     return Diagnosis(proxy, Path(out), fail_on, list(repro_flags), list(range(first, first + seeds)), baseline,
                      variants)
@@ -163,15 +175,32 @@ def _flat(config: ReproConfig) -> dict:
     return d | {f"faults.{k}": v for k, v in faults.items()}
 
 
+# What sets the learning rate of each step (ReproConfig.lr_at): a change to these that leaves
+# every step's rate as it was (e.g. --warmup-steps 1: step 0 at the full rate) changes nothing.
+LR_FIELDS = ("lr", "warmup_steps", "lr_schedule", "faults.lr_spike_step", "faults.lr_spike_factor")
+
+
+def changed_settings(baseline: ReproConfig, config: ReproConfig) -> dict:
+    """The settings `config` changes from the baseline's (flat: faults.NAME), without those that
+    change nothing in the run ({}: the baseline again under another name)."""
+    base = _flat(baseline)
+    out = {k: v for k, v in _flat(config).items() if base.get(k) != v}
+    steps = range(max(baseline.steps, config.steps))
+    if all(baseline.lr_at(s) == config.lr_at(s) for s in steps):
+        out = {k: v for k, v in out.items() if k not in LR_FIELDS}
+    return out
+
+
 # --- run: one `moe-proxy repro` process per variant and seed -------------------------------
 
 
-def run_all(d: Diagnosis, parallel: int = 1) -> dict[str, dict[int, SeedRun]]:
-    """Every variant on every seed, `parallel` processes at a time (the baseline's first)."""
-    jobs = [(v, s) for v in d.variants for s in d.seeds]
-    results: dict[str, dict[int, SeedRun]] = {v.name: {} for v in d.variants}
+def run_all(d: Diagnosis, parallel: int = 1, variants: list[Variant] | None = None) -> dict[str, dict[int, SeedRun]]:
+    """Every variant (or those given) on every seed, `parallel` processes at a time."""
+    variants = d.variants if variants is None else variants
+    jobs = [(v, s) for v in variants for s in d.seeds]
+    results: dict[str, dict[int, SeedRun]] = {v.name: {} for v in variants}
     threads = max(1, (os.cpu_count() or 1) // parallel)
-    log.info("diagnose: %d runs (%d variants x %d seeds), %d at a time, in %s", len(jobs), len(d.variants),
+    log.info("diagnose: %d runs (%d variants x %d seeds), %d at a time, in %s", len(jobs), len(variants),
              len(d.seeds), parallel, d.out / "runs")
     with ThreadPoolExecutor(parallel, thread_name_prefix="diagnose") as pool:
         slots = iter(range(len(jobs)))
@@ -227,25 +256,66 @@ def _outcome(directory: Path, code: int, error: str | None, wall: float) -> Seed
 # --- judge: verdicts and what each fix costs (pure) -----------------------------------------
 
 
-def verdict(baseline: dict[int, SeedRun], candidate: dict[int, SeedRun], steps: int) -> tuple[str, str]:
-    """(verdict, note) of one candidate against the baseline, seed by seed (module doc)."""
+def verdict(baseline: dict[int, SeedRun], candidate: dict[int, SeedRun], steps: int,
+            changed: bool = True) -> tuple[str, str]:
+    """(verdict, note) of one candidate against the baseline, seed by seed (module doc); `steps`:
+    the candidate's own, `changed`: whether its settings differ from the baseline's."""
     failed = {s: o.error for s, o in candidate.items() if o.reproduced is None}
     if failed:
-        return "error", "; ".join(f"seed {s}: {e}" for s, e in sorted(failed.items()))
+        return ERROR, "; ".join(f"seed {s}: {e}" for s, e in sorted(failed.items()))
+    if not changed:
+        return NO_CHANGE, _as_baseline(baseline, candidate)
     judged = sorted(s for s, o in baseline.items() if o.reproduced)
     if not judged:
-        return "inconclusive", "the baseline did not reproduce on any seed: nothing to cure"
+        return INCONCLUSIVE, "the baseline did not reproduce on any seed: nothing to cure"
+    others = "; ".join(findings(candidate, steps))
     back = {s: o.step for s, o in candidate.items() if o.reproduced}
     if back:
         both = [s for s in back if s in judged]
         later = bool(both) and all(back[s] > baseline[s].step for s in both)
-        return "reproduced", ("delayed: " if later else "") + ", ".join(f"seed {s} step {t}" for s, t in sorted(back.items()))
-    short = {s: candidate[s] for s in judged if candidate[s].steps < steps}
+        said = ("delayed: " if later else "") + ", ".join(f"seed {s} step {t}" for s, t in sorted(back.items()))
+        return REPRODUCED, said + (f"; also {others}" if others else "")
+    short = [s for s in judged if candidate[s].steps <= baseline[s].step]  # stopped before the onset: no cure seen
     if short:
-        return "inconclusive", "; ".join(
-            f"seed {s} stopped at step {o.steps} ({', '.join(f'{n} at step {t}' for n, t in o.others.items()) or o.stopped})"
-            for s, o in sorted(short.items()))
-    return "fixed", f"ran all {steps} steps on seed{'s' * (len(judged) > 1)} {', '.join(map(str, judged))}"
+        return INCONCLUSIVE, "; ".join([*(f"seed {s} did not get past the baseline's onset at step {baseline[s].step}"
+                                          + (f" in its {steps} steps" if candidate[s].steps == steps else "")
+                                          for s in short), *([others] if others else [])])
+    if others:
+        return FIXED_BUT, f"{others} (no {_asked(baseline)} on {_seeds(judged)})"
+    return FIXED, f"ran all {steps} steps on {_seeds(judged)}"
+
+
+def findings(runs: dict[int, SeedRun], steps: int) -> list[str]:
+    """What a variant's runs show besides the failure asked for, on any seed: each other failure
+    at its onset, with the seeds that show it, and each run that stopped before its `steps`."""
+    seen: dict[tuple[int, str], list[int]] = {}
+    for s, o in sorted(runs.items()):
+        for name, step in o.others.items():
+            seen.setdefault((step, name), []).append(s)
+    out = [f"{name} at step {step} on {_seeds(seeds)}" for (step, name), seeds in sorted(seen.items())]
+    return out + [f"{_seeds([s])} stopped after {o.steps} of {steps} steps" + ("" if o.others else f" ({o.stopped})")
+                  for s, o in sorted(runs.items()) if o.reproduced is False and o.steps < steps]
+
+
+def _seeds(seeds: list[int]) -> str:
+    return f"seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
+
+
+def _asked(baseline: dict[int, SeedRun]) -> str:
+    return next(o.signature for o in baseline.values() if o.reproduced)
+
+
+def _as_baseline(baseline: dict[int, SeedRun], candidate: dict[int, SeedRun]) -> str:
+    """A no-change candidate's note: its runs should be the baseline's (the method's own check)."""
+    def outcome(o: SeedRun | None) -> tuple:
+        return (None,) if o is None else (o.reproduced, o.step, o.steps)
+
+    differ = [s for s in sorted(candidate) if outcome(candidate[s]) != outcome(baseline.get(s))]
+    ends = ", ".join(f"seed {s} {f'step {o.step}' if o.reproduced else 'clean'}" for s, o in sorted(candidate.items()))
+    if not differ:
+        return f"changes none of the baseline's settings; its runs end as the baseline's ({ends})"
+    return (f"changes none of the baseline's settings, yet its runs ({ends}) differ from the baseline's on "
+            f"{_seeds(differ)}: the runs are not deterministic here, so no verdict can be trusted")
 
 
 def _rows(directory: Path) -> dict[int, dict[str, float]]:
@@ -257,24 +327,34 @@ def _rows(directory: Path) -> dict[int, dict[str, float]]:
         return {}
 
 
-def cost(d: Diagnosis, name: str, horizon: int) -> dict:
-    """Mean reward and loss over the steps before `horizon` (the baseline's first onset), and
-    mean time per step, over the seeds."""
-    return cost_of([_rows(d.run_dir(name, s)) for s in d.seeds], horizon)  # each metrics file read once
+def cost_window(baseline: dict[int, SeedRun], steps: int) -> tuple[int, int]:
+    """The steps over which reward and loss are compared (first, last, both included): up to and
+    including the baseline's first onset (never empty), or the whole run when it did not fail."""
+    onsets = [o.step for o in baseline.values() if o.reproduced]
+    return 0, min(onsets) if onsets else steps - 1
 
 
-def cost_of(runs: list[dict[int, dict[str, float]]], horizon: int) -> dict:
-    """`cost` from each seed's metrics rows (pure: the operator's Diagnosis gives the rows its
-    runs' termination messages carry, verdict.series_rows)."""
-    def mean_of(metric: str, before: int | None) -> float | None:
-        values = [v for rows in runs for step, row in rows.items()
-                  if (before is None or step < before) and isinstance(v := row.get(metric), (int, float))
-                  and v == v]
-        return statistics.fmean(values) if values else None
+def cost(d: Diagnosis, name: str, window: tuple[int, int], timed: bool) -> dict:
+    """`cost_of` over the variant's seeds (each metrics file read once)."""
+    return cost_of([_rows(d.run_dir(name, s)) for s in d.seeds], window, timed)
 
-    out = {f"{k}_mean": mean_of(metric, horizon) for k, metric in COST_METRICS.items()}
-    out["time_per_step_s"] = mean_of(COST_SERIES["time"], None)
-    out["over_steps"] = horizon
+
+def cost_of(runs: list[dict[int, dict[str, float]]], window: tuple[int, int], timed: bool = True) -> dict:
+    """Mean reward and loss over the steps of `window` and time per step (mean and standard
+    deviation over every step; None when not `timed`: runs that shared the machine), over the
+    seeds' metrics rows (pure: the operator's Diagnosis gives the rows its runs' termination
+    messages carry, verdict.series_rows)."""
+    def values(metric: str, within: tuple[int, int] | None) -> list[float]:
+        return [v for rows in runs for step, row in rows.items()
+                if (within is None or within[0] <= step <= within[1])
+                and isinstance(v := row.get(metric), (int, float)) and v == v]
+
+    out: dict = {f"{k}_mean": statistics.fmean(v) if (v := values(metric, window)) else None
+                 for k, metric in COST_METRICS.items()}
+    times = values(COST_SERIES["time"], None) if timed else []
+    out["time_per_step_s"] = statistics.fmean(times) if times else None
+    out["time_per_step_sd"] = statistics.stdev(times) if len(times) > 1 else None
+    out["window_first"], out["window_last"] = window  # steps, both included
     return out
 
 
@@ -290,28 +370,38 @@ def against(c: dict, base: dict) -> dict:
     return out
 
 
-def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]]) -> dict:
-    """report.json's content."""
+def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]], parallel: int = 1) -> dict:
+    """report.json's content; a candidate without results was not run (the baseline first)."""
     base = results[BASELINE]
-    onsets = [o.step for o in base.values() if o.reproduced]
-    horizon = min(onsets) if onsets else d.baseline.steps
-    base_cost = cost(d, BASELINE, horizon)
+    window = cost_window(base, d.baseline.steps)
+    timed = parallel == 1  # runs that shared the machine time each other, not the fix
+    base_cost = cost(d, BASELINE, window, timed)
     report = {
         "proxy": d.proxy, "fail_on": d.fail_on, "steps": d.baseline.steps, "seeds": d.seeds,
+        "cost_window": f"steps {window[0]}-{window[1]}" + (" (up to the baseline's first onset)"
+                                                            if window[1] < d.baseline.steps - 1 else ""),
+        "time_left_out": None if timed else f"{parallel} runs at a time shared the machine",
         "baseline": {"settings": {"flags": d.repro_flags} | _flat(d.baseline),
-                     "seeds": {str(s): o.as_json() for s, o in sorted(base.items())}, "cost": base_cost},
+                     "seeds": {str(s): o.as_json() for s, o in sorted(base.items())}, "cost": base_cost,
+                     "findings": findings(base, d.baseline.steps)},
         "candidates": {},
     }
+    if not any(o.reproduced for o in base.values()):
+        report["stopped"] = (f"the baseline did not reproduce {d.fail_on} on any seed "
+                             f"({', '.join(map(str, d.seeds))}) in {d.baseline.steps} steps: nothing to cure")
     for v in d.variants[1:]:
+        entry = {"changes": v.changes, "flags": v.flags, "what": v.what, "steps": v.steps}
+        if v.name not in results:
+            report["candidates"][v.name] = entry | {"verdict": NOT_RUN, "note": "the baseline did not reproduce",
+                                                    "seeds": {}, "cost": None}
+            continue
         mine = results[v.name]
-        name, note = verdict(base, mine, d.baseline.steps)
-        if not v.changes:  # e.g. grad-clip at repro's default of 1.0: the baseline again, under another name
-            note = f"no change from the baseline's settings; {note}"
-        c = against(cost(d, v.name, horizon), base_cost)
-        report["candidates"][v.name] = {"changes": v.changes, "flags": v.flags, "what": v.what, "verdict": name,
-                                        "note": note, "seeds": {str(s): o.as_json() for s, o in sorted(mine.items())},
-                                        "cost": c}
-    report["fixed_by"] = [n for n, c in report["candidates"].items() if c["verdict"] == "fixed"]
+        name, note = verdict(base, mine, v.steps, changed=bool(v.changes))
+        report["candidates"][v.name] = entry | {
+            "verdict": name, "note": note, "seeds": {str(s): o.as_json() for s, o in sorted(mine.items())},
+            "cost": against(cost(d, v.name, window, timed), base_cost)}
+    report["fixed_by"] = [n for n, c in report["candidates"].items() if c["verdict"] == FIXED]
+    report["fixed_with_other_failures"] = [n for n, c in report["candidates"].items() if c["verdict"] == FIXED_BUT]
     return report
 
 
@@ -324,27 +414,33 @@ def write_report(d: Diagnosis, report: dict) -> list[Path]:
 
     d.out.mkdir(parents=True, exist_ok=True)
     (d.out / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
-    rows = [(BASELINE, {int(s): _cell(o) for s, o in report["baseline"]["seeds"].items()}, "baseline")]
-    rows += [(n, {int(s): _cell(o) for s, o in c["seeds"].items()}, c["verdict"])
-             for n, c in report["candidates"].items()]
+    variants = [(BASELINE, report["baseline"] | {"steps": report["steps"], "verdict": "baseline"}),
+                *report["candidates"].items()]
+    rows = [(n, {int(s): _cell(o, v["steps"]) for s, o in v["seeds"].items()}, v["verdict"]) for n, v in variants]
     files = [plot_matrix(rows, d.seeds, d.out / "matrix.png", f"{d.fail_on}: verdict per candidate and seed")]
     runs = []
-    for v in d.variants:  # the first seed's curves of every variant that ran
-        directory = d.run_dir(v.name, d.seeds[0])
-        if (directory / "metrics.jsonl").is_file():
-            runs.append(load_run(directory, v.name))
+    for name, v in variants:  # the first seed's curves of every variant that ran
+        directory = d.run_dir(name, d.seeds[0])
+        if v["seeds"] and (directory / "metrics.jsonl").is_file():
+            runs.append(load_run(directory, name))
     metrics = [m for m in KEY_METRICS if any(m in row for r in runs for row in r.rows.values())]
     files += plot_curves(runs, metrics, d.out, "curves.png", notes=plot_notes()) if runs else []
     (d.out / "report.md").write_text(_markdown(report, [f.name for f in files]))
     return [d.out / "report.json", d.out / "report.md", *files]
 
 
-def _cell(o: dict) -> tuple[str, str]:
-    """(state, text) of one run in the matrix."""
+def _cell(o: dict, steps: int) -> tuple[str, str]:
+    """(state, text) of one run in the matrix: the failure asked for, else another one (or an
+    early stop), else clean."""
     if o["reproduced"] is None:
         return "error", "error"
     if o["reproduced"]:
         return "failed", f"step {o['step']}"
+    if seen := o.get("also_seen"):
+        name, step = min(seen.items(), key=lambda item: item[1])
+        return "other", f"{name} step {step}"
+    if o["steps_completed"] < steps:
+        return "other", f"stopped {o['steps_completed']}"
     return "clean", f"clean {o['steps_completed']}"
 
 
@@ -352,29 +448,41 @@ def _fmt(x, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _time(c: dict) -> str:
+    """Time per step: mean ± standard deviation."""
+    if c.get("time_per_step_s") is None:
+        return "-"
+    return f"{_fmt(c['time_per_step_s'])} ± {_fmt(c.get('time_per_step_sd'), '.2g')} s"
+
+
 def _markdown(report: dict, pictures: list[str]) -> str:
     seeds = report["seeds"]
     head = "| candidate | verdict | " + " | ".join(f"seed {s}" for s in seeds) + \
         " | reward (vs baseline) | loss (vs baseline) | time/step (x baseline) | changes |"
+    left_out = report.get("time_left_out")
     lines = [f"# Diagnosis: {report['fail_on']} on {report['proxy']}", "",
+             *([f"**Stopped: {report['stopped']}.** No candidate was run.", ""] if report.get("stopped") else []),
              f"{report['steps']} steps per run; seeds {', '.join(map(str, seeds))}. Fixed by: "
-             f"{', '.join(report['fixed_by']) or 'none'}. Costs are means over the steps before the baseline's first "
-             f"onset (step {report['baseline']['cost']['over_steps']}).", "", head,
-             "|" + "---|" * (len(seeds) + 6)]
+             f"{', '.join(report['fixed_by']) or 'none'}. Fixed, but with another failure or an early stop: "
+             f"{', '.join(report['fixed_with_other_failures']) or 'none'}.", "",
+             f"Reward and loss are means over {report['cost_window']}, every seed. Time per step: "
+             + (f"left out ({left_out})." if left_out else "mean ± standard deviation over every step of every seed."),
+             "", head, "|" + "---|" * (len(seeds) + 6)]
 
-    def seed_cells(runs: dict) -> list[str]:
-        return [_cell(runs[str(s)])[1] if str(s) in runs else "-" for s in seeds]
+    def seed_cells(runs: dict, steps: int) -> list[str]:
+        return [_cell(runs[str(s)], steps)[1] if str(s) in runs else "-" for s in seeds]
 
     b = report["baseline"]
-    lines.append(f"| baseline | {'reproduced' if any(o['reproduced'] for o in b['seeds'].values()) else 'not reproduced'}"
-                 f" | {' | '.join(seed_cells(b['seeds']))} | {_fmt(b['cost']['reward_mean'])} | "
-                 f"{_fmt(b['cost']['loss_mean'])} | {_fmt(b['cost']['time_per_step_s'])} s | {' '.join(b['settings']['flags'])} |")
+    said = "reproduced" if any(o["reproduced"] for o in b["seeds"].values()) else "not reproduced"
+    lines.append(f"| baseline | {said}{'; ' + '; '.join(b['findings']) if b.get('findings') else ''}"
+                 f" | {' | '.join(seed_cells(b['seeds'], report['steps']))} | {_fmt(b['cost']['reward_mean'])} | "
+                 f"{_fmt(b['cost']['loss_mean'])} | {_time(b['cost'])} | {' '.join(b['settings']['flags'])} |")
     for name, c in report["candidates"].items():
-        k = c["cost"]
-        lines.append(f"| {name} | **{c['verdict']}** {c['note']} | {' | '.join(seed_cells(c['seeds']))} | "
-                     f"{_fmt(k['reward_mean'])} ({_fmt(k['reward_vs_baseline'], '+.3g')}) | "
-                     f"{_fmt(k['loss_mean'])} ({_fmt(k['loss_vs_baseline'], '+.3g')}) | "
-                     f"{_fmt(k['time_vs_baseline'], '.2f')} | {' '.join(c['flags'])} |")
+        k = c["cost"] or {}
+        lines.append(f"| {name} | **{c['verdict']}** {c['note']} | {' | '.join(seed_cells(c['seeds'], c['steps']))} | "
+                     f"{_fmt(k.get('reward_mean'))} ({_fmt(k.get('reward_vs_baseline'), '+.3g')}) | "
+                     f"{_fmt(k.get('loss_mean'))} ({_fmt(k.get('loss_vs_baseline'), '+.3g')}) | "
+                     f"{_fmt(k.get('time_vs_baseline'), '.2f')} ({_time(k)}) | {' '.join(c['flags'])} |")
     lines += ["", *[f"![{p.removesuffix('.png')}]({p})" for p in pictures], ""]
     return "\n".join(lines)
 
@@ -385,15 +493,23 @@ def _jsonable(value):
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
+
 def diagnose(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Fix],
-             seeds: int = 2, parallel: int = 1) -> dict:
-    """Plan, run, judge and report; returns report.json's content."""
+             seeds: int = 2, parallel: int = 1, baseline_first: bool = True) -> dict:
+    """Plan, run, judge and report; returns report.json's content. The baseline runs first: when
+    it reproduces on no seed, no candidate runs (`stopped` in the report) unless not
+    `baseline_first` (the fidelity lab compares every cell)."""
     d = plan_diagnosis(proxy, out, fail_on, repro_flags, candidates, seeds)
-    results = run_all(d, max(1, parallel))
-    if all(o.reproduced is None for o in results[BASELINE].values()):
-        raise BaselineFailed(f"the baseline failed to run on every seed: {results[BASELINE][d.seeds[0]].error} "
-                           f"(see {d.run_dir(BASELINE, d.seeds[0]) / 'repro.log'})")
-    report = judge(d, results)
+    parallel = max(1, parallel)
+    results = run_all(d, parallel, d.variants[:1])
+    base = results[BASELINE]
+    if all(o.reproduced is None for o in base.values()):
+        raise BaselineFailed(f"the baseline failed to run on every seed: {base[d.seeds[0]].error} "
+                             f"(see {d.run_dir(BASELINE, d.seeds[0]) / 'repro.log'})")
+    if any(o.reproduced for o in base.values()) or not baseline_first:
+        results |= run_all(d, parallel, d.variants[1:])
+    else:
+        log.info("diagnose: the baseline did not reproduce %s on any seed: no candidate runs", fail_on)
+    report = judge(d, results, parallel)
     write_report(d, report)
     return report
-

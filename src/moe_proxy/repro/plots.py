@@ -74,16 +74,18 @@ def plot_curves(runs: list[Curves], metrics: list[str], out_dir: Path, name: str
     return [path]
 
 
-# A run's state in a diagnosis matrix, and each candidate's verdict: colours a reader knows.
-STATE_COLOURS = {"failed": "#d62728", "clean": "#2ca02c", "error": "#444444"}
-VERDICT_COLOURS = {"fixed": "#2ca02c", "reproduced": "#d62728", "inconclusive": "#999999", "error": "#444444",
-                   "baseline": "#1f77b4"}
+# A run's state in a diagnosis matrix, and each candidate's verdict: colours a reader knows
+# (amber: no failure asked for, but another one or an early stop; light grey: not run).
+STATE_COLOURS = {"failed": "#d62728", "clean": "#2ca02c", "other": "#ff7f0e", "error": "#444444", "none": "#cccccc"}
+VERDICT_COLOURS = {"fixed": "#2ca02c", "fixed-but": "#ff7f0e", "reproduced": "#d62728", "no-change": "#7f7f7f",
+                   "inconclusive": "#999999", "error": "#444444", "not-run": "#bbbbbb", "baseline": "#1f77b4"}
 
 
 def plot_matrix(rows: list[tuple[str, dict[int, tuple[str, str]], str]], seeds: list[int], path: Path,
                 title: str) -> Path:
-    """Candidates x seeds: each cell a run (red: the failure at the step written in it, green:
-    clean, grey: error), each row labelled with its verdict in the verdict's colour."""
+    """Candidates x seeds: each cell a run (red: the failure at the step written in it, amber:
+    another failure or an early stop, as written, green: clean, dark grey: error, light grey:
+    not run), each row labelled with its verdict in the verdict's colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +96,7 @@ def plot_matrix(rows: list[tuple[str, dict[int, tuple[str, str]], str]], seeds: 
     for r, (name, cells, verdict) in enumerate(rows):
         y = len(rows) - 1 - r
         for c, seed in enumerate(seeds):
-            state, text = cells.get(seed, ("error", "-"))
+            state, text = cells.get(seed, ("none", "-"))
             ax.add_patch(Rectangle((c, y), 0.95, 0.9, color=STATE_COLOURS[state], alpha=0.85))
             ax.text(c + 0.475, y + 0.45, text, ha="center", va="center", color="white", fontsize=8)
         ax.text(len(seeds) + 0.1, y + 0.45, verdict, va="center", fontsize=9, fontweight="bold",

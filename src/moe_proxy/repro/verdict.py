@@ -40,13 +40,15 @@ def stop_reason(detector: FailureDetector, fail_on: Signature | None) -> str | N
 def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: dict[int, dict[str, float]],
                    stopped: str | None = None) -> dict:
     """The termination message of a finished run (reports.repro_report): the verdict's step with
-    that step's headline metrics (the last step's when nothing was found)."""
+    that step's headline metrics (the last step's when nothing was found), and every other
+    failure seen at its onset (a Diagnosis never reads a run that collapsed as clean)."""
     signature, step = first_failure(detector, fail_on)
     shown = rows.get(step) if step is not None else None
     if shown is None:
         shown = rows[max(rows)] if rows else {}
     headline = {k: finite_or_none(shown.get(k)) for k in HEADLINE if k in shown}
-    report = repro_report(signature is not None, signature, step, headline, len(rows), stopped)
+    others = {name: onset.step for name, onset in detector.onsets.items() if name != signature}
+    report = repro_report(signature is not None, signature, step, headline, len(rows), stopped, others)
     return {**report, "series": cost_series(rows)} if rows else report
 
 
