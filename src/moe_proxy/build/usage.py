@@ -1,7 +1,8 @@
 """Usage-aware selection for one MoE block, from `moe-proxy calibrate` statistics.
 
 - Dead experts (calibration.DEAD_SHARE) are never kept unless pinned.
-- Super experts (calibration.super_experts) are pinned, unless `keep_super` is off.
+- Super experts (calibration.super_experts) are pinned, unless `keep_super` is off; a super
+  expert is never dead, however rarely it is routed (`super_rarely_routed` in the manifest).
 - `--method frequency` keeps the experts with the most gate mass, `--method saliency` the
   highest REAP saliency, both within routing groups.
 - `--method cluster` clusters the alive experts on `--features` (`routing`: router logits
@@ -33,7 +34,7 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: d
     n = block.n_experts
     if len(stats.gate_mass) != n:
         raise MoeProxyError(f"{block.prefix}: statistics cover {len(stats.gate_mass)} experts, the checkpoint {n}")
-    dead = set(stats.dead(DEAD_SHARE))
+    dead = set(stats.dead(DEAD_SHARE, supers))
     alive = np.array([e not in dead for e in range(n)])
     per, k_per = n // n_group, k // n_group
     peak = stats.max_abs.tolist()
@@ -82,6 +83,8 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: d
         "super_dropped": sorted(e for e in supers if e not in sel.kept),
         "dead": sorted(dead),
     }
+    if rare := stats.rarely_routed(supers):  # super although the gate-mass rule would call it dead
+        sel.record["super_rarely_routed"] = rare
     if left_out:  # more super experts than the layer (or its routing group) keeps
         sel.record["super_not_kept"] = figures(left_out)
     return sel

@@ -30,7 +30,11 @@ method and the options that decide the selection) and per layer the experts kept
 build for another proxy is refused (`CalibrationStatistics.check_target`).
 
 Criteria (also applied by `build --calibration`):
-- dead: gate-mass share below DEAD_SHARE x the uniform share 1/E (default 1% of uniform);
+- dead: gate-mass share below DEAD_SHARE x the uniform share 1/E (default 1% of uniform), unless
+  super: an expert whose output is massive is never dead, however rarely it is routed (the super
+  experts of real models fire on a handful of tokens, the first one and delimiters: arXiv
+  2507.23279). Before, one routed to 7 of 2048 tokens at 300x its layer's median max |output|
+  was dead, and dropped. Such experts are listed per layer as `super_rarely_routed`;
 - super (REAP's `model_util.get_super_expert_indices`, after "Unveiling Super Experts in MoE
   LLMs", arXiv 2507.23279, where super experts are a handful in a whole model): max_abs above
   both the SUPER_PERCENTILE (99.5th) percentile of the max_abs of every routed expert of every
@@ -38,7 +42,8 @@ Criteria (also applied by `build --calibration`):
   largest one; as REAP does by default (`--perserve_super_experts`), only experts of the first
   SUPER_LAYERS (75%, int(0.75 x the MoE layer count)) of the MoE layers are flagged, since the
   last layers' large outputs are their normal scale. Two departures: a model with a single MoE
-  layer keeps it eligible (REAP's int(0.75) would flag nothing), and a dead expert is never super.
+  layer keeps it eligible (REAP's int(0.75) would flag nothing), and an expert never routed to a
+  calibration token is never super (its max_abs comes from the probe tokens alone).
   That rule is made for pruning to deploy; this project prunes to reproduce failures, and a
   massive activation is what overflows in half precision (issue 30). So in every MoE layer, the
   last ones included, a live expert is super too when its max_abs reaches a share of fp16's range
@@ -54,6 +59,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -144,9 +150,17 @@ class LayerStats:
         total = self.gate_mass.sum()
         return self.gate_mass / total if total > 0 else torch.zeros_like(self.gate_mass)
 
-    def dead(self, threshold: float = DEAD_SHARE) -> list[int]:
+    def dead(self, threshold: float = DEAD_SHARE, supers: Collection[int] = ()) -> list[int]:
+        """Experts under `threshold` x uniform of the gate mass, the layer's `supers` left out."""
         n = len(self.gate_mass)
-        return [e for e in range(n) if self.share[e] < threshold / n]
+        return [e for e in range(n) if self.share[e] < threshold / n and e not in supers]
+
+    def rarely_routed(self, supers: Collection[int]) -> dict[str, dict]:
+        """The `supers` the gate-mass rule alone would call dead, with their figures (the manifest's
+        and calibration.json's `super_rarely_routed`)."""
+        n, rare = len(self.gate_mass), set(self.dead()) & set(supers)
+        return {str(e): {"tokens": int(self.tokens[e]), "gate_share_of_uniform": round(float(self.share[e]) * n, 6),
+                         "max_abs": round(float(self.max_abs[e]), 6)} for e in sorted(rare)}
 
     def load_imbalance(self) -> float:
         """Most-loaded expert's tokens over the mean (1.0 = perfectly balanced)."""
@@ -158,8 +172,9 @@ def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None,
                   range_share: float = SUPER_RANGE_SHARE, outlier: float = SUPER_OUTLIER) -> dict[str, dict[int, str]]:
     """Per layer, its super experts and the rules that made each one: REAP's ("reap", the module
     docstring's), and in every layer the experts whose output comes within `range_share` of fp16's
-    range ("fp16-range") or is `outlier` times its layer's median ("layer-outlier"); never a dead
-    expert. `moe_layers`: how many MoE layers the model has, where `layers` holds only the first
+    range ("fp16-range") or is `outlier` times its layer's median over live experts ("layer-outlier");
+    any expert routed to a calibration token is judged, however rarely; never one routed to none.
+    `moe_layers`: how many MoE layers the model has, where `layers` holds only the first
     ones (sequential statistics)."""
     if not layers:
         return {}
@@ -169,10 +184,11 @@ def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None,
     out: dict[str, dict[int, str]] = {}
     for p, stats in layers.items():
         dead = set(stats.dead())
-        live = [(e, v) for e, v in enumerate(stats.max_abs.tolist()) if e not in dead]
-        median = float(torch.tensor([v for _, v in live], dtype=torch.float64).quantile(0.5)) if live else 0.0
+        live = [v for e, v in enumerate(stats.max_abs.tolist()) if e not in dead]
+        median = float(torch.tensor(live, dtype=torch.float64).quantile(0.5)) if live else 0.0
+        routed = [(e, v) for e, v in enumerate(stats.max_abs.tolist()) if stats.tokens[e] > 0]
         found: dict[int, str] = {}
-        for e, v in live:
+        for e, v in routed:
             rules = [rule for rule, hit in (("reap", p in first and v > threshold),
                                             ("fp16-range", v >= range_share * FP16_MAX),
                                             ("layer-outlier", median > 0 and v >= outlier * median)) if hit]
@@ -428,8 +444,9 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
         "criteria": thresholds(**rule),
         "experts": expert_count(layout.arch, ckpt.config),
         "layers": {
-            p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(), "super": sorted(supers[p]),
-                "super_rules": {str(e): rule for e, rule in sorted(supers[p].items())},
+            p: {"layer": s.layer, "tokens_routed": int(s.tokens.sum()), "dead": s.dead(supers=supers[p]),
+                "super": sorted(supers[p]), "super_rules": {str(e): rule for e, rule in sorted(supers[p].items())},
+                "super_rarely_routed": s.rarely_routed(supers[p]),
                 "load_imbalance": round(s.load_imbalance(), 4)}
             | ({"kept": proxy.kept[p]} if proxy is not None else {})
             for p, s in layers.items()
