@@ -243,6 +243,51 @@ class _Recorder(logging.Handler):
                                    ref.get("namespace"), ref.get("name"), bool(record.exc_info)))
 
 
+class _EventQueue:
+    """kopf queues the Events the handlers post (kopf.event, kopf.warn, and object-logger records
+    above its posting level) and a background task posts them: how many were queued and how
+    many posts have ended (posted, or given up on), counted at kopf's two ends of the queue.
+    Queued is counted before the event enters the queue, so posted == queued means drained."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.queued = self.posted = 0
+
+    def reset(self) -> None:  # a new operator: what a stopped one left queued is gone with it
+        with self._lock:
+            self.queued = self.posted = 0
+
+    def count(self, attr: str) -> None:
+        with self._lock:
+            setattr(self, attr, getattr(self, attr) + 1)
+
+    def drained(self) -> bool:
+        with self._lock:
+            return self.queued == self.posted
+
+    def install(self) -> None:
+        """Wrap kopf's enqueue and post (kopf._core.engines.posting looks both up at call time)."""
+        from kopf._core.engines import posting
+
+        enqueue, post = posting.enqueue, posting.events.post_event
+
+        def counted_enqueue(*args, **kwargs):
+            self.count("queued")
+            return enqueue(*args, **kwargs)
+
+        async def counted_post(*args, **kwargs):
+            try:
+                return await post(*args, **kwargs)
+            finally:
+                self.count("posted")
+
+        posting.enqueue, posting.events.post_event = counted_enqueue, counted_post
+
+
+EVENT_QUEUE = _EventQueue()
+EVENT_QUEUE.install()
+
+
 # What kopf logs when a handler raised something other than kopf's Temporary/PermanentError (it
 # then retries it, or for event handlers, drops it), and what asyncio logs for a task that died.
 HANDLER_ERRORS = ("failed with an exception", "Task exception was never retrieved", "Unhandled error")
@@ -277,6 +322,7 @@ class Operator:
         ready = threading.Event()
         self.stop_flag = threading.Event()
         self.starting.append(len(self.records))
+        EVENT_QUEUE.reset()
         for name in ("kopf", "proxymodel_operator"):  # INFO at least: handlers report outcomes there
             logger = logging.getLogger(name)
             if logger.getEffectiveLevel() > logging.INFO:
@@ -298,6 +344,13 @@ class Operator:
         for name in ("kopf", "proxymodel_operator", "asyncio"):
             logging.getLogger(name).removeHandler(self._recorder)
         assert self.error is None, f"the operator failed: {self.error!r}"
+
+    async def events_posted(self, timeout: float = 20.0) -> None:
+        """Wait until every Event the operator has queued so far is posted (or given up on):
+        kopf posts them from a queue, after the status patch that ends a handler. Count Events
+        after this, once whatever could queue a duplicate has run."""
+        await eventually(EVENT_QUEUE.drained, timeout, what=lambda: f"kopf to post its queued Events "
+                         f"({EVENT_QUEUE.posted} of {EVENT_QUEUE.queued} posted)")
 
     def mark(self) -> int:
         """A point in the operator's log: `logged(..., since=mark)` looks only after it."""

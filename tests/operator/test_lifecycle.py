@@ -11,6 +11,7 @@ import kmock
 import pytest
 
 from proxymodel_operator import rbac
+from proxymodel_operator.handlers import RECHECK_ANNOTATION
 from proxymodel_operator.resources import JOBS, PODS, PROXYMODELS, SECRETS, VOLCANO_JOBS
 
 from .harness import ACCESS_KEY, QWEN3, SECRET_KEY, eventually, proxymodel
@@ -116,6 +117,7 @@ async def test_bad_input_is_refused_before_any_job(cluster, operator, caplog, ch
     assert done.message.startswith("Handler 'pipeline' refused the ProxyModel: " + reason), done.message
     assert cluster.names(JOBS, NS) == []
     await eventually(lambda: _warnings(cluster, "bad", reason), what="the Warning Event")  # posted from a queue
+    await operator.events_posted()  # and any other still queued
     assert len(_warnings(cluster, "bad", reason)) == 1
     assert "wrong-secret-value" not in caplog.text + json.dumps(_everything(cluster))
     # Logs never call a refused ProxyModel a success.
@@ -194,6 +196,7 @@ async def test_a_refusal_is_not_judged_again_on_restart(cluster, operator):
         await operator.logged("not judged again", "o1", since=mark)
         await operator.handled("pipeline", "o1", since=mark)
     await eventually(lambda: _warnings(cluster, "o1", "NotMoE"), what="the Warning Event")
+    await operator.events_posted()  # and any other still queued
     assert len(_warnings(cluster, "o1", "NotMoE")) == 1
     assert len(operator.found("refused: NotMoE", "o1")) == 1  # judged once, in the first operator
     assert cluster.status(NS, "o1")["refusal"] == refusal and cluster.names(JOBS, NS) == []
@@ -208,10 +211,15 @@ async def test_a_refusal_recovers_when_its_source_appears(cluster, operator, s3)
     await eventually(lambda: cluster.condition(NS, "l1", "Accepted").get("reason") == "S3NoSuchKey")
     assert cluster.status(NS, "l1")["phase"] == "Failed"
     assert cluster.status(NS, "l1")["refusal"]["dependencies"]["source"] == "absent"
+    # Judged again while it is still absent (a user asked): refused for the same reason, no new Warning.
+    mark = operator.mark()
+    await cluster.patch(PROXYMODELS, NS, "l1", {"metadata": {"annotations": {RECHECK_ANNOTATION: "now"}}})
+    await operator.logged("refused: S3NoSuchKey", "l1", since=mark)
     s3.client().put_object(Bucket="ckpt", Key="later/global_step_5/config.json", Body=json.dumps(QWEN3).encode())
     await eventually(lambda: cluster.get(JOBS, NS, "l1-transform-g1"), what="the Job once config.json exists")
     await eventually(lambda: cluster.condition(NS, "l1", "Accepted").get("status") == "True")
-    await eventually(lambda: len(_warnings(cluster, "l1", "S3NoSuchKey")) == 1, what="one Warning Event (queued)")
+    await operator.events_posted()  # kopf posts Events from a queue: count them once it is empty
+    assert len(_warnings(cluster, "l1", "S3NoSuchKey")) == 1
     assert cluster.get(PROXYMODELS, NS, "l1")["metadata"]["generation"] == 1
 
 
