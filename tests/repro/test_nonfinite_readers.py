@@ -1,10 +1,11 @@
 """A non-finite grad norm is a finding, the same from every reader (issue 41, section 6).
 
 The same TRL run (a NaN or inf `grad_norm` at step 2, every other value finite, as transformers'
-Trainer logs a step whose gradients broke while its loss did not) written three ways by the
+Trainer logs a step whose gradients broke while its loss did not) written four ways by the
 writers themselves: TensorBoard events by torch's SummaryWriter under transformers'
-`train/<name>` tags, an HF `trainer_state.json` by TrainerState.save_to_json, and verl
-FileLogger lines (orjson writes NaN and inf as null). `watch` and `compare` used to call all
+`train/<name>` tags (scalars) and by tensorboard's own Writer (tensor summaries), an HF
+`trainer_state.json` by TrainerState.save_to_json, and verl FileLogger lines (orjson writes NaN
+and inf as null). `watch` and `compare` used to call all
 three clean: the detector read a grad norm only as a divergence magnitude, which must be finite.
 """
 
@@ -35,13 +36,20 @@ def write_all(root, bad: float) -> dict:
         for key, value in row(s, bad).items():
             writer.add_scalar(f"train/{key}", value, s)
     writer.close()
+    from tensorboard.summary import Writer
+
+    writer = Writer(str(root / "tb-tensors"))
+    for s in STEPS:
+        for key, value in row(s, bad).items():
+            writer.add_scalar(f"train/{key}", value, s)
+    writer.close()
     state = TrainerState(global_step=max(STEPS), max_steps=max(STEPS))
     state.log_history = [{**row(s, bad), "step": s} for s in STEPS]
     (root / "state").mkdir()
     state.save_to_json(str(root / "state" / "trainer_state.json"))
     null = {s: {k: (None if not math.isfinite(v) else v) for k, v in row(s, bad).items()} for s in STEPS}
     (root / "verl.jsonl").write_text("".join(json.dumps({"step": s, "data": null[s]}) + "\n" for s in STEPS))
-    return {"tensorboard": root / "tb", "trainer-state": root / "state" / "trainer_state.json",
+    return {"tensorboard": root / "tb", "tensor-summaries": root / "tb-tensors", "trainer-state": root / "state" / "trainer_state.json",
             "jsonl": root / "verl.jsonl"}
 
 
