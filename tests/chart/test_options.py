@@ -66,16 +66,23 @@ def _cli(argv: list[str]):
     return build_parser().parse_args(argv)
 
 
-@pytest.mark.parametrize("pruning", [
-    {"experts": 16, "method": "saliency", "representative": "medoid", "keepSuper": False, "merge": True,
-     "pin": ["3:17", "3:2", "10:5"], "topK": 4, "seed": 3, "clustering": "agglomerative", "features": "weights",
-     "superRangeShare": 0.25, "superOutlier": 40},
-    {"keepRatio": 0.25, "heal": True, "reconstruct": False},
-    {"experts": "auto", "maxKL": 0.05},
-    {"experts": 8},
+@pytest.mark.parametrize("pruning, stated", [  # spec.pruning, and the options it states (not defaults)
+    ({"experts": 16, "method": "saliency", "representative": "medoid", "keepSuper": False, "merge": True,
+      "pin": ["3:17", "3:2", "10:5"], "topK": 4, "seed": 3, "clustering": "agglomerative", "features": "weights",
+      "superRangeShare": 0.25, "superOutlier": 40},
+     {"experts": 16, "method": "saliency", "representative": "medoid", "keep_super": False, "merge": True,
+      "pins": {3: [17, 2], 10: [5]}, "top_k": 4, "seed": 3, "clustering": "agglomerative", "features": "weights",
+      "super_range_share": 0.25, "super_outlier": 40.0}),
+    ({"keepRatio": 0.25, "heal": True, "reconstruct": False}, {"keep_ratio": 0.25, "heal": True, "reconstruct": False}),
+    ({"experts": "auto", "maxKL": 0.05}, {"experts": "auto", "max_kl": 0.05}),
+    ({"experts": 8}, {"experts": 8}),
 ])
-def test_the_jobs_args_parse_back_to_the_specs_options(pruning):
-    """spec.pruning -> the Job's `moe-proxy build` args -> the CLI's parser -> the same options."""
+def test_the_jobs_args_parse_back_to_the_specs_options(pruning, stated):
+    """spec.pruning -> the Job's `moe-proxy build` args -> the CLI's parser -> the same options,
+    and each value the spec states among them (a field the spec parser dropped would default on
+    both sides of the round trip)."""
+    fields = {opt.crd: name for name, opt, _ in options_of(PruningOptions) if opt.crd}
+    assert {fields[key] for key in pruning} == set(stated)  # the table states every key of the spec
     calibrated = pruning != {"experts": 8}
     spec = parse({**SPEC, "pruning": pruning, **({"calibration": {"samples": 8}} if calibrated else {})},
                  "ns", "pm", Settings())
@@ -83,6 +90,7 @@ def test_the_jobs_args_parse_back_to_the_specs_options(pruning):
     parsed = from_args(PruningOptions, _cli(args)).resolved()  # as build_proxy takes them
     want = replace(spec.pruning.options, calibration=spec.calibration_uri if calibrated else None)
     assert parsed == want, args
+    assert {name: getattr(parsed, name) for name in stated} == stated, args
     if calibrated and (spec.pruning.experts is not None or not spec.pruning.sequential):  # (else: once planned)
         tokens = from_args(TokenOptions, _cli(calibrate_args(spec)))
         assert replace(tokens, batch_size=spec.calibration.batch_size) == spec.calibration
