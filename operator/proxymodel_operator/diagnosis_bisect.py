@@ -119,7 +119,7 @@ def start(status: dict, b: BisectSpec, raw: dict, checkpoints: list[dict], gener
                "probes": [], "firstBad": None, "monotone": None, "progress": f"0 probed of {n}", "done": 0,
                "total": n}
     said = (f"{n} checkpoints, steps {checkpoints[0]['step']}..{checkpoints[-1]['step']}: at most "
-            f"{math.ceil(math.log2(n)) + 2} probes, one at a time")
+            f"{math.ceil(math.log2(n)) + 3} probes, one at a time")  # the last, the halves, both boundary neighbours
     set_condition(status, started, ACCEPTED, True, "SpecValid", said, generation)
     set_condition(status, started, RUNNING_CONDITION, True, "Bisecting", said, generation)
     return DiagnosisDecision(started, [], [("Normal", "BisectionStarted", said)])

@@ -261,11 +261,12 @@ async def test_a_bisection_finds_the_first_planted_checkpoint_end_to_end(cluster
     assert status["phase"] == DIAGNOSED, status.get("message")
     assert status["firstBad"] == {"checkpoint": f"{prefix}/global_step_30/{HF}", "step": 30}
     assert status["monotone"] is True and status["boundary"] == "confirmed: step 20, the checkpoint before, ran clean"
-    # the CLI's search order (40, 20, 30) and each probe's verdict as its run's summary says
+    # the CLI's search order (40, 20, 30, then 10 before the last clean one) and each probe's
+    # verdict as its run's summary says
     assert [(p["step"], p["reproduced"], p["signature"], p["onset"]) for p in status["probes"]] == [
-        (40, True, "overflow", 0), (20, False, None, None), (30, True, "overflow", 0)]
-    assert {s: summaries[s]["reproduced"] for s in summaries} == {40: True, 20: False, 30: True}
-    assert sorted(cluster.names(PROXYMODELS, NS)) == ["bx-step-20", "bx-step-30", "bx-step-40"]
+        (40, True, "overflow", 0), (20, False, None, None), (30, True, "overflow", 0), (10, False, None, None)]
+    assert {s: summaries[s]["reproduced"] for s in summaries} == {40: True, 20: False, 30: True, 10: False}
+    assert sorted(cluster.names(PROXYMODELS, NS)) == ["bx-step-10", "bx-step-20", "bx-step-30", "bx-step-40"]
     complete = next(c for c in status["conditions"] if c["type"] == "Complete")
     assert (complete["status"], complete["reason"]) == ("True", "FirstBadFound")
     wanted = {"BisectionStarted", "ProbeCreated", "RunCreated", "ProbeFinished", "BisectionComplete"}

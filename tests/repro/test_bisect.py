@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ def _probing(bad_from: int, flips=()):
 def test_the_search_finds_the_first_bad_in_log_n_probes(n, bad_from):
     first, probes = search([_Ckpt(i) for i in range(n)], _probing(bad_from), good_given=False)
     assert first == bad_from
-    assert len(probes) <= math.ceil(math.log2(n)) + 2  # and the one after the first bad
+    assert len(probes) <= math.ceil(math.log2(n)) + 3  # and the ones after the first bad, before the last clean
     if bad_from > 0:  # the checkpoint before was probed clean: the boundary is confirmed
         assert any(i == bad_from - 1 and not p.reproduced for i, p in probes)
 
@@ -46,6 +45,7 @@ def test_probes_that_are_not_monotone_are_said(monkeypatch, tmp_path):
     that the probes contradict each other, and the report says so with them."""
     ckpts = [_Ckpt(i) for i in range(8)]
     monkeypatch.setattr(bisect_module, "sources", lambda *a, **k: ckpts)
+    monkeypatch.setattr(bisect_module, "check_counts", lambda *a, **k: None)  # no checkpoint to read
     monkeypatch.setattr(bisect_module, "probe", lambda c, out, s: _probing(5, flips={6})(c.step))
     report = bisect_module.bisect("run", tmp_path, ProbeSettings("nan", [], [], []))
     assert report["first_bad"]["step"] == 5 and [p["step"] for p in report["probes"]] == [7, 3, 5, 4, 6]
@@ -56,20 +56,11 @@ def test_probes_that_are_not_monotone_are_said(monkeypatch, tmp_path):
 def planted_run(root: Path, steps, planted) -> Path:
     """A run in verl's layout under `root`/run, one tiny Qwen3-MoE checkpoint per step; those in
     `planted` carry a dense MLP whose output overflows fp16 (its down_proj x 1e6)."""
-    from safetensors.torch import load_file, save_file
-
+    from moe_proxy.demo.run import OVERFLOWS, write_run
     from moe_proxy.demo.tiny import make_tiny
 
     make_tiny("qwen3_moe", root / "base")
-    for step in steps:
-        ckpt = root / "run" / f"global_step_{step}" / "actor" / "huggingface"
-        shutil.copytree(root / "base", ckpt)
-        if step in planted:
-            tensors = load_file(ckpt / "model.safetensors")
-            name = next(k for k in tensors if "layers.0.mlp.down_proj" in k)
-            tensors[name] = tensors[name] * 1e6
-            save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
-    return root / "run"
+    return write_run(root / "base", root / "run", {step: OVERFLOWS if step in planted else 1 for step in steps})
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +91,22 @@ def test_a_bisection_finds_the_first_planted_checkpoint(run, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--good", "15"], "--good 15: no complete checkpoint at that step"),
-    (["--good", "70", "--bad", "70"], "1 complete checkpoint(s) with a step in the range given"),
+    (["--good", "80"], "1 complete checkpoint(s) with a step in the range given"),
     (["--experts", "0"], "the build options:"),
     (["--lr", "-1"], "the repro options:"),
     (["--samples", "4"], "need --dataset"),
+    # #41: said as it is, and checked against the checkpoints before anything is written
+    (["--good", "30", "--bad", "10"], "--good 30 is not before --bad 10"),
+    (["--experts", "99"], "cannot keep 99 experts per layer: the model has 8 routed experts per layer"),
+    (["--top-k", "5"], "--top-k 5 must be between 1 and 4 with 4 experts kept"),
+    (["--seeds", "0"], "--seeds 0: at least 1"),
 ])
 def test_bad_input_is_one_line_and_runs_nothing(run, tmp_path, capsys, extra, message):
     out = tmp_path / "b"
     assert main(["bisect", str(run), "--out", str(out), *ARGS, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moe-proxy bisect: error:") and message in err and "\n" not in err, err
-    assert not (out / "probes").exists()
+    assert not out.exists()
 
 
 def test_a_size_is_required(run, tmp_path, capsys):

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--good", type=int, metavar="STEP", help="a step known clean: the search starts after it "
                    "(probed, to confirm)")
     p.add_argument("--bad", type=int, metavar="STEP", help="a step known to reproduce: the search ends there")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="runs per probe, on seeds --seed, --seed+1, ...: a checkpoint is bad when it reproduces on "
+                   "any seed, clean when every seed ran all its steps without it, else inconclusive")
     p.set_defaults(func=run, build_flags=[], calibrate_flags=[], repro_flags=[])
     only = {f.name for f in fields(PruningOptions)} - NOT_BUILD | {"pin"}  # --pin: dest pin, field pins
     pass_through(p.add_argument_group("build options (each probe's proxy; see moe-proxy build -h)"), "build",
@@ -46,16 +49,17 @@ def add_parser(sub) -> None:
 def settings_of(args: argparse.Namespace):
     """The probes' settings, every flag checked by its command's parser before anything runs."""
     from moe_proxy.errors import MoeProxyError
-    from moe_proxy.options import SELECTION, PruningOptions, from_args, to_args
-    from moe_proxy.repro.bisect import ProbeSettings
+    from moe_proxy.options import SELECTION, to_args
+    from moe_proxy.repro.bisect import ProbeSettings, build_options
     from moe_proxy.repro.detect import Signature
     from moe_proxy.repro.diagnose import repro_config
     from moe_proxy.repro.processes import parse_as
 
     Signature.parse(args.fail_on)
+    if args.seeds < 1:
+        raise MoeProxyError(f"--seeds {args.seeds}: at least 1")
     try:
-        options = from_args(PruningOptions, parse_as("build", ["SRC", "DST", *args.build_flags])).resolved()
-        options.validate()
+        options = build_options(args.build_flags)
     except MoeProxyError as exc:
         raise MoeProxyError(f"the build options: {exc}") from None
     calibrate = []
@@ -67,28 +71,31 @@ def settings_of(args: argparse.Namespace):
                                             if isinstance(options.experts, int) else ["--one-pass"])
         parse_as("calibrate", ["SRC", "--out", "STATS", *calibrate])
     try:
-        repro_config("PROXY", args.repro_flags)
+        first_seed = repro_config("PROXY", args.repro_flags).seed
     except MoeProxyError as exc:
         raise MoeProxyError(f"the repro options: {exc}") from None
-    return ProbeSettings(args.fail_on, list(args.build_flags), calibrate, list(args.repro_flags))
+    return ProbeSettings(args.fail_on, list(args.build_flags), calibrate, list(args.repro_flags), args.seeds,
+                         first_seed)
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
     from moe_proxy.commands._common import check_output_dir
-    from moe_proxy.errors import BaselineFailed
-    from moe_proxy.repro.bisect import bisect, where
+    from moe_proxy.repro.bisect import BisectStopped, bisect, where
 
     check_output_dir(args.out, "--out")
     settings = settings_of(args)
     try:
         report = bisect(args.prefix, args.out, settings, args.pattern, args.step_regex, args.good, args.bad)
-    except BaselineFailed as exc:
-        print(f"moe-proxy bisect: error: {exc}", file=sys.stderr)
-        return 1
+    except BisectStopped as exc:
+        print(f"moe-proxy bisect: {'' if exc.interrupted else 'error: '}{exc}; "
+              f"partial report: {args.out}/report.md", file=sys.stderr)
+        return 130 if exc.interrupted else 1
     print(f"first bad checkpoint: {where(report['first_bad'])}")
     print(report["boundary"])
+    if report["inconclusive"]:
+        print("could not judge: " + "; ".join(f"step {c['step']} ({c['why']})" for c in report["inconclusive"]))
     if not report["monotone"]:
         print("not monotone: " + "; ".join(report["not_monotone"]))
     print(f"report: {args.out}/report.md")

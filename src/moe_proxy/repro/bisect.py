@@ -2,51 +2,86 @@
 
 The run's complete checkpoints (the `checkpoints` listing) are probed by binary search: a probe
 builds the checkpoint's proxy (with `--dataset`, calibrated on that checkpoint first, as the
-default calibrated build does; else the data-free build) and runs the reproduction from it. The
-last checkpoint (or `--bad`) is probed first: if it does not reproduce there is nothing to find.
-The boundary is confirmed: the checkpoint just before the first bad one was probed clean (it
-is the search's last clean probe), unless the first checkpoint already reproduces. O(log n)
-builds; every probe is kept in `DIR/probes/step-<N>/` (stats, proxy, run) and reused by a rerun
-with the same settings.
+default calibrated build does; else the data-free build) and runs the reproduction from it on
+`seeds` seeds. The last checkpoint (or `--bad`) is probed first: if it does not reproduce there
+is nothing to find. O(log n) builds; every probe is kept in `DIR/probes/step-<N>/` (stats,
+proxy, runs/seed-<s>/) and reused by a rerun with the same settings.
 
-Monotone: a failure that a checkpoint carries, every later one carries too. A clean probe
-after a reproducing one says it is not (the verdict is then one probe's word: say so).
+A probe says one of three things: reproduced (on any seed, as diagnose judges a baseline),
+clean (every seed ran all its steps without the failure), or inconclusive (a seed's run was
+stopped by another failure, NaN say, before the asked-for one could come, or failed to run):
+the search steps around an inconclusive checkpoint, and the result names it. A probe whose
+build fails, or whose every run fails, stops the bisection with a partial report.
+
+Monotone: a failure that a checkpoint carries, every later one carries too. The search checks
+it around the boundary it found: the checkpoint after the first bad one must reproduce, the one
+before the last clean one must not. A clean probe after a reproducing one says the run is not
+monotone (the verdict is then one probe's word: the report says so).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.errors import BaselineFailed, InvalidRange, TooFewCheckpoints
+from moe_proxy.repro.diagnose import SeedRun, _outcome as seed_outcome
 from moe_proxy.repro.processes import run_recorded
 
 log = logging.getLogger(__name__)
 
 PROBE_RECORD = "bisect-run.json"
+LOG_TAIL = 30  # lines of a failed probe's log kept in the partial report
 
 
 @dataclass
 class Probe:
     checkpoint: str
     step: int
-    reproduced: bool
+    reproduced: bool | None  # None: inconclusive, `note` says why
     signature: str | None
     onset: int | None
+    note: str = ""
+    seeds: dict[str, dict] = field(default_factory=dict)  # seed -> its run's outcome
+
+    @property
+    def state(self) -> str:
+        return {True: "reproduced", False: "clean", None: "inconclusive"}[self.reproduced]
 
 
 @dataclass(frozen=True)
 class ProbeSettings:
     """How each probe is made: build flags, calibration flags (empty: a data-free build) and
-    the reproduction's flags, as written."""
+    the reproduction's flags, as written; its runs use seeds first_seed .. first_seed + seeds - 1."""
 
     fail_on: str
     build_flags: list[str]
     calibrate_flags: list[str]
     repro_flags: list[str]
+    seeds: int = 1
+    first_seed: int = 0
+
+
+class BisectStopped(BaselineFailed):
+    """The bisection ended before an answer (a probe failed, or it was interrupted); `report`
+    is the partial report it wrote."""
+
+    def __init__(self, message: str, report: dict, interrupted: bool = False):
+        super().__init__(message)
+        self.report, self.interrupted = report, interrupted
+
+
+class ProbeFailed(BaselineFailed):
+    """A probe's build, calibration or every run failed: `failure` says which, with its log."""
+
+    def __init__(self, checkpoint, what: str, error: str | None, log_file: Path):
+        super().__init__(f"step {checkpoint.step} ({checkpoint.uri}): {what} failed: {error}")
+        lines = log_file.read_text(errors="replace").splitlines() if log_file.is_file() else []
+        self.failure = {"step": checkpoint.step, "checkpoint": checkpoint.uri, "what": what, "error": error,
+                        "log": str(log_file), "log_tail": lines[-LOG_TAIL:]}
 
 
 def sources(prefix: str, pattern: str | None, step_regex: str | None, good: int | None, bad: int | None,
@@ -54,6 +89,8 @@ def sources(prefix: str, pattern: str | None, step_regex: str | None, good: int 
     """The run's complete source checkpoints with a step, in step order, within [good, bad]."""
     from moe_proxy.checkpoint.listing import list_checkpoints
 
+    if good is not None and bad is not None and good >= bad:
+        raise InvalidRange(f"--good {good} is not before --bad {bad}: the known-clean step must come first")
     found = [c for c in list_checkpoints(prefix, pattern, step_regex, **(store_options or {}))
              if c.source and c.complete and c.step is not None]
     if good is not None:
@@ -70,67 +107,144 @@ def sources(prefix: str, pattern: str | None, step_regex: str | None, good: int 
     return found
 
 
+def build_options(build_flags: list[str]):
+    """The probes' PruningOptions, as `moe-proxy build SRC DST <build_flags>` reads them (checked)."""
+    from moe_proxy.options import PruningOptions, from_args
+    from moe_proxy.repro.processes import parse_as
+
+    options = from_args(PruningOptions, parse_as("build", ["SRC", "DST", *build_flags])).resolved()
+    options.validate()
+    return options
+
+
+def check_counts(checkpoint, build_flags: list[str], store_options: dict | None = None) -> None:
+    """The expert count (or ratio) and top-k against the run's checkpoint, from its config alone,
+    as the build will check them: a count the model cannot take is refused before any probe."""
+    from moe_proxy.architectures import detect
+    from moe_proxy.build.expert_plan import proxy_counts
+    from moe_proxy.checkpoint.reader import open_checkpoint
+
+    options = build_options(build_flags)
+    if isinstance(options.experts, int) or options.keep_ratio is not None:
+        config = open_checkpoint(checkpoint.uri, **(store_options or {})).config
+        proxy_counts(detect(config), config, options)
+
+
+# --- a probe: build the checkpoint's proxy, run it on every seed ---------------------------
+
+
 def probe(checkpoint, out: Path, s: ProbeSettings) -> Probe:
-    """Build `checkpoint`'s proxy (calibrated first with calibrate flags) and reproduce from it."""
+    """Build `checkpoint`'s proxy (calibrated first with calibrate flags), reproduce from it on
+    each seed, and judge the seeds together (judge_probe)."""
     home = out / "probes" / f"step-{checkpoint.step}"
-    proxy, stats, run = home / "proxy", home / "stats", home / "run"
+    proxy = _build(checkpoint, home, s)
+    runs = {seed: _run(checkpoint, proxy, home, s, seed)
+            for seed in range(s.first_seed, s.first_seed + s.seeds)}
+    if all(o.reproduced is None for o in runs.values()):  # nothing ran: the probe failed, not the checkpoint
+        seed = min(runs)
+        raise ProbeFailed(checkpoint, f"repro (seed {seed})", runs[seed].error,
+                          home / "runs" / f"seed-{seed}" / "repro.log")
+    reproduced, note = judge_probe(runs)
+    onsets = {o.step: o.signature for o in runs.values() if o.reproduced}
+    onset = min(onsets) if onsets else None
+    return Probe(checkpoint.uri, checkpoint.step, reproduced, onsets.get(onset), onset, note,
+                 {str(seed): o.as_json() for seed, o in runs.items()})
+
+
+def _build(checkpoint, home: Path, s: ProbeSettings) -> Path:
+    proxy, stats = home / "proxy", home / "stats"
     build = ["build", checkpoint.uri, str(proxy), *s.build_flags, "--no-progress"]
     if s.calibrate_flags:
         ran = run_recorded(["calibrate", checkpoint.uri, "--out", str(stats), *s.calibrate_flags, "--no-progress"],
                            home, f"calibrate.{PROBE_RECORD}", "calibrate.log", done="stats/calibration.json")
-        _ok(ran, "calibrate", checkpoint)
+        _ok(ran, "calibrate", checkpoint, home / "calibrate.log")
         build += ["--calibration", str(stats)]
-    _ok(run_recorded(build, home, f"build.{PROBE_RECORD}", "build.log", done=f"proxy/{MANIFEST}"), "build", checkpoint)
-    repro = ["repro", str(proxy), "--out", str(run), *s.repro_flags, "--fail-on", s.fail_on, "--no-progress"]
-    _ok(run_recorded(repro, home, f"repro.{PROBE_RECORD}", "repro.log", done="run/summary.json"), "repro", checkpoint)
-    summary = json.loads((run / "summary.json").read_text())
-    first = summary.get("first_failure") or {}
-    reproduced = bool(summary.get("reproduced"))
-    return Probe(checkpoint.uri, checkpoint.step, reproduced, first.get("signature") if reproduced else None,
-                 first.get("step") if reproduced else None)
+    ran = run_recorded(build, home, f"build.{PROBE_RECORD}", "build.log", done=f"proxy/{MANIFEST}")
+    _ok(ran, "build", checkpoint, home / "build.log")
+    return proxy
 
 
-def _ok(ran, what: str, checkpoint) -> None:
+def _run(checkpoint, proxy: Path, home: Path, s: ProbeSettings, seed: int) -> SeedRun:
+    run = home / "runs" / f"seed-{seed}"
+    argv = ["repro", str(proxy), "--out", str(run), *s.repro_flags, "--seed", str(seed), "--fail-on", s.fail_on,
+            "--no-progress"]
+    ran = run_recorded(argv, run, PROBE_RECORD, "repro.log", done="summary.json")
+    outcome = seed_outcome(run, ran.returncode, ran.error, ran.wall_s)
+    log.info("  step %d seed %d: %s", checkpoint.step, seed, _seed_said(outcome) or "clean")
+    return outcome
+
+
+def _ok(ran, what: str, checkpoint, log_file: Path) -> None:
     if ran.returncode != 0:
-        raise BaselineFailed(f"step {checkpoint.step} ({checkpoint.uri}): {what} failed: {ran.error}")
+        raise ProbeFailed(checkpoint, what, ran.error, log_file)
+
+
+def judge_probe(runs: dict[int, SeedRun]) -> tuple[bool | None, str]:
+    """(reproduced, note) of one checkpoint from its seeds' runs: reproduced when any seed
+    reproduced; clean when every seed ran all its steps without it; else None, inconclusive (a
+    seed stopped early by another failure, or its run failed: that seed cannot say clean)."""
+    bad = sorted(s for s, o in runs.items() if o.reproduced)
+    unjudged = {s: why for s, o in sorted(runs.items()) if not o.reproduced and (why := _seed_said(o))}
+    others = "; ".join(f"seed {s}: {why}" for s, why in unjudged.items())
+    if bad:
+        if len(bad) == len(runs):
+            return True, ""
+        return True, f"on seed{'s' * (len(bad) > 1)} {', '.join(map(str, bad))} of {len(runs)}" + \
+            (f"; {others}" if others else "; the others ran clean")
+    if unjudged:
+        return None, others
+    seen = [f"seed {s}: also {', '.join(f'{n} at step {t}' for n, t in o.others.items())}"
+            for s, o in sorted(runs.items()) if o.others]
+    return False, "; ".join(seen)
+
+
+def _seed_said(o: SeedRun) -> str:
+    """Why a seed's run cannot say clean ('' when it can, or when it reproduced)."""
+    if o.reproduced is None:
+        return f"error: {o.error}"
+    if o.reproduced or o.stopped in ("", "completed"):
+        return ""
+    why = ", ".join(f"{name} at step {step}" for name, step in o.others.items()) or o.stopped
+    return f"stopped after {o.steps} step{'s' * (o.steps != 1)} by {why}"
+
+
+# --- the search (pure) ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Next:
     """What the search does next: probe index `probe`, or (probe None) it is over and `first_bad`
-    is the answer (None: the last checkpoint is clean, nothing to find)."""
+    is the answer (None: the last checkpoint is clean or could not be judged, nothing to find)."""
 
     probe: int | None
     first_bad: int | None = None
 
 
-def next_probe(n: int, results: dict[int, bool], good_given: bool) -> Next:
+def next_probe(n: int, results: dict[int, bool | None], good_given: bool) -> Next:
     """The binary search as a pure function of what the probes said so far (`results`: index ->
-    reproduced), so a caller that probes one at a time across restarts (the operator's Diagnosis)
-    and `search` follow the same rule. The last is probed first (nothing to find if it is clean);
-    with `good_given`, the first too (it must be clean); then the one after the first bad,
-    unless probed already."""
-    hi = n - 1
-    if hi not in results:
-        return Next(hi)
-    if not results[hi]:
+    reproduced, None for inconclusive), so a caller that probes one at a time across restarts
+    (the operator's Diagnosis) and `search` follow the same rule. The last is probed first
+    (nothing to find unless it reproduces); with `good_given`, the first too (it must be clean).
+    Then halves between the last clean checkpoint before the earliest bad one and that bad one,
+    stepping around inconclusive ones; at the end, the boundary's neighbours (after it, before
+    it) are probed, unless probed already: they show a run that is not monotone."""
+    last = n - 1
+    if last not in results:
+        return Next(last)
+    bad = [i for i, r in results.items() if r]
+    if not bad:
         return Next(None, None)
-    lo = -1  # the last index known clean (-1: before the first)
-    if good_given:
-        if 0 not in results:
-            return Next(0)
-        if results[0]:
-            return Next(None, 0)
-        lo = 0
-    while hi - lo > 1:
+    if good_given and 0 not in results:
+        return Next(0)
+    hi = min(bad)
+    lo = max((i for i, r in results.items() if r is False and i < hi), default=-1)
+    untried = [i for i in range(lo + 1, hi) if i not in results]  # the others between are inconclusive
+    if untried:
         mid = (lo + hi) // 2
-        if mid not in results:
-            return Next(mid)
-        hi, lo = (mid, lo) if results[mid] else (hi, mid)
-    # The search only ever goes left of a failure: one probe after it checks that the failure,
-    # once there, stays (a clean one there says the probes are not monotone).
-    if hi + 1 < n and hi + 1 not in results:
-        return Next(hi + 1)
+        return Next(min(untried, key=lambda i: (abs(i - mid), i)))
+    for neighbour in (hi + 1, lo - 1):
+        if 0 <= neighbour < n and neighbour not in results:
+            return Next(neighbour)
     return Next(None, hi)
 
 
@@ -143,54 +257,109 @@ def search(checkpoints: list, test, good_given: bool) -> tuple[int | None, list[
     return step.first_bad, probes
 
 
+# --- what the probes say (pure) ---------------------------------------------------------------
+
+
 def findings(first: int | None, probes: list[tuple[int, Probe]], checkpoints: list) -> dict:
     """What a finished search says (report.json's first_bad, boundary, probes, builds, monotone
-    and, when not, not_monotone), pure: the CLI's report and the operator's status both hold it.
-    `checkpoints` are in step order, each with `uri` and `step`."""
+    and, when not, not_monotone; inconclusive: the checkpoints it could not judge), pure: the
+    CLI's report and the operator's status both hold it. `checkpoints` are in step order, each
+    with `uri` and `step`."""
     ordered = sorted((p for _, p in probes), key=lambda p: p.step)
     bad_steps = [p.step for p in ordered if p.reproduced]
-    contradicting = [p for p in ordered if not p.reproduced and bad_steps and p.step > min(bad_steps)]
+    contradicting = [p for p in ordered if p.reproduced is False and bad_steps and p.step > min(bad_steps)]
     out = {
         "first_bad": ({"checkpoint": checkpoints[first].uri, "step": checkpoints[first].step}
                       if first is not None else None),
         "boundary": _boundary(first, checkpoints, probes),
-        "probes": [asdict(p) for _, p in probes], "builds": len(probes), "monotone": not contradicting,
+        "probes": [{**asdict(p), "state": p.state} for _, p in probes], "builds": len(probes),
+        "monotone": not contradicting,
+        "inconclusive": [{"step": p.step, "checkpoint": p.checkpoint, "why": p.note}
+                         for p in ordered if p.reproduced is None],
     }
     if contradicting:
         out["not_monotone"] = [f"step {p.step} clean after step {min(bad_steps)} reproduced" for p in contradicting]
     return out
 
 
-def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str | None = None,
-           step_regex: str | None = None, good: int | None = None, bad: int | None = None,
-           store_options: dict | None = None) -> dict:
-    """List, search, report: returns report.json's content."""
-    checkpoints = sources(prefix, pattern, step_regex, good, bad, store_options)
-    out = Path(out)
-    log.info("bisect: %d checkpoints, steps %d..%d; a probe builds a proxy and reproduces from it",
-             len(checkpoints), checkpoints[0].step, checkpoints[-1].step)
-
-    def test(i: int) -> Probe:
-        p = probe(checkpoints[i], out, settings)
-        log.info("probe step %d: %s", p.step, f"{p.signature} at step {p.onset}" if p.reproduced else "clean")
-        return p
-
-    found = findings(*search(checkpoints, test, good is not None), checkpoints)
-    report = {"prefix": prefix, "fail_on": settings.fail_on, "checkpoints": [c.step for c in checkpoints],
-              **found, "settings": asdict(settings)}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(_markdown(report))
-    return report
-
-
 def _boundary(first: int | None, checkpoints: list, probes: list[tuple[int, Probe]]) -> str:
+    said = {i: p for i, p in probes}
     if first is None:
+        last = said.get(len(checkpoints) - 1)
+        if last is not None and last.reproduced is None:
+            return f"the last checkpoint (step {last.step}) could not be judged ({last.note}): nothing found"
         return "the last checkpoint does not reproduce: no checkpoint carries the failure"
     if first == 0:
         return "the first checkpoint listed already reproduces: the failure began at or before it"
-    before = next(p for i, p in probes if i == first - 1)
-    return f"confirmed: step {before.step}, the checkpoint before, ran clean"
+    before = said.get(first - 1)
+    if before is not None and before.reproduced is False:
+        return f"confirmed: step {before.step}, the checkpoint before, ran clean"
+    clean = max((i for i, p in said.items() if p.reproduced is False and i < first), default=None)
+    unjudged = [said[i].step for i in range(first - 1, -1 if clean is None else clean, -1) if i in said]
+    since = f"after step {checkpoints[clean].step}, " if clean is not None else ""
+    return (f"not confirmed: step{'s' * (len(unjudged) > 1)} {', '.join(map(str, sorted(unjudged)))} before it "
+            f"could not be judged; the failure began {since}at or before step {checkpoints[first].step}")
+
+
+# --- the bisection and its report --------------------------------------------------------------
+
+
+def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str | None = None,
+           step_regex: str | None = None, good: int | None = None, bad: int | None = None,
+           store_options: dict | None = None) -> dict:
+    """List, search, report: returns report.json's content. A bisection that ends before an
+    answer (a probe failed, Ctrl-C) writes a partial report and raises BisectStopped."""
+    checkpoints = sources(prefix, pattern, step_regex, good, bad, store_options)
+    check_counts(checkpoints[-1], settings.build_flags, store_options)
+    out = Path(out)
+    log.info("bisect: %d checkpoints, steps %d..%d; a probe builds a proxy and reproduces from it on %d seed(s)",
+             len(checkpoints), checkpoints[0].step, checkpoints[-1].step, settings.seeds)
+    done: list[tuple[int, Probe]] = []
+    current: list = []  # the checkpoint being probed
+
+    def test(i: int) -> Probe:
+        current[:] = [checkpoints[i]]
+        log.info("probe %d: step %d (%s)", len(done) + 1, checkpoints[i].step, checkpoints[i].uri)
+        p = probe(checkpoints[i], out, settings)
+        done.append((i, p))
+        log.info("probe %d: step %d: %s", len(done), p.step, said(p))
+        return p
+
+    head = {"prefix": prefix, "fail_on": settings.fail_on, "checkpoints": [c.step for c in checkpoints]}
+    try:
+        report = {**head, "status": "complete", **findings(*search(checkpoints, test, good is not None), checkpoints)}
+    except ProbeFailed as exc:
+        report = _stopped(head, done, checkpoints, "failed", f"probe step {exc.failure['step']}: {exc}")
+        report["failed_probe"] = exc.failure
+        _write(out, {**report, "settings": asdict(settings)})
+        raise BisectStopped(str(exc), report) from None
+    except KeyboardInterrupt:
+        what = f"probe {len(done) + 1} (step {current[0].step})" if current else "the bisection"
+        report = _stopped(head, done, checkpoints, "interrupted", f"interrupted during {what}")
+        _write(out, {**report, "settings": asdict(settings)})
+        raise BisectStopped(report["stopped"], report, interrupted=True) from None
+    report["settings"] = asdict(settings)
+    _write(out, report)
+    return report
+
+
+def _stopped(head: dict, done: list[tuple[int, Probe]], checkpoints: list, status: str, why: str) -> dict:
+    """The partial report of a bisection that stopped: the probes so far, no answer."""
+    found = findings(None, done, checkpoints)
+    return {**head, "status": status, "stopped": why, **found, "first_bad": None,
+            "boundary": f"not found: the bisection stopped ({why}) after {len(done)} probe(s)"}
+
+
+def _write(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(_markdown(report))
+
+
+def said(p: Probe) -> str:
+    """A probe's verdict in a few words."""
+    head = f"{p.signature} at step {p.onset}" if p.reproduced else p.state
+    return f"{head} ({p.note})" if p.note else head
 
 
 def where(first_bad: dict | None) -> str:
@@ -198,14 +367,23 @@ def where(first_bad: dict | None) -> str:
 
 
 def _markdown(r: dict) -> str:
-    fb = r["first_bad"]
-    lines = [f"# Bisection: {r['fail_on']} over {r['prefix']}", "",
-             f"First bad checkpoint: {where(fb)}; "
-             f"{r['boundary']}. {r['builds']} probe builds over {len(r['checkpoints'])} checkpoints.", ""]
+    lines = [f"# Bisection: {r['fail_on']} over {r['prefix']}", ""]
+    if r["status"] != "complete":
+        lines += [f"**Stopped before an answer** ({r['status']}): {r['stopped']}. The probes so far are below; "
+                  "rerun the same command to resume (finished probes are reused).", ""]
+    lines += [f"First bad checkpoint: {where(r['first_bad'])}; "
+              f"{r['boundary']}. {r['builds']} probe builds over {len(r['checkpoints'])} checkpoints.", ""]
+    if r["inconclusive"]:
+        lines += ["**Could not judge**: " + "; ".join(f"step {c['step']} ({c['why']})" for c in r["inconclusive"])
+                  + ". Rerun with more steps or other seeds to judge them.", ""]
     if not r["monotone"]:
         lines += ["**Not monotone**: " + "; ".join(r["not_monotone"]) + ". One probe per checkpoint decides "
-                  "nothing then: rerun with more steps or another seed.", ""]
-    lines += ["| probe | step | verdict | onset |", "|---|---|---|---|"]
-    lines += [f"| {n} | {p['step']} | {'reproduced' if p['reproduced'] else 'clean'} | "
-              f"{p['onset'] if p['onset'] is not None else '-'} |" for n, p in enumerate(r["probes"], 1)]
+                  "nothing then: rerun with more steps or more seeds (--seeds).", ""]
+    lines += ["| probe | step | verdict | onset | note |", "|---|---|---|---|---|"]
+    lines += [f"| {n} | {p['step']} | {p['state']} | {p['onset'] if p['onset'] is not None else '-'} | "
+              f"{p['note'] or ''} |" for n, p in enumerate(r["probes"], 1)]
+    if failed := r.get("failed_probe"):
+        lines += ["", f"## The probe that failed: step {failed['step']}, {failed['what']}", "",
+                  f"{failed['error']}", "", f"Its log, `{failed['log']}`, ends:", "", "```",
+                  *failed["log_tail"], "```"]
     return "\n".join(lines) + "\n"
