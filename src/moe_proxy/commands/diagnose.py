@@ -96,11 +96,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seeds", type=int, default=2, metavar="N",
                    help="sampling seeds per variant, from repro's --seed on (default 2)")
     p.add_argument("--parallel", type=int, default=1, metavar="P",
-                   help="runs at a time (local processes; with --device cuda/npu each gets devices of its own, as "
-                        "many as it has ranks; default 1)")
-    p.add_argument("--replace", action="store_true",
-                   help="--out holds another diagnosis (other settings): delete it and start again (without this, "
-                        "refused; the same settings resume)")
+                   help="runs at a time (local processes; one device each with --device cuda/npu; default 1)")
     p.set_defaults(func=run, repro_flags=[])
 
     # Every other repro option, passed through to each run as written.
@@ -139,16 +135,14 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BaselineFailed, MoeProxyError
     from moe_proxy.reports import EXIT_NOT_REPRODUCED
-    from moe_proxy.repro.diagnose import diagnose, reused_runs
-    from moe_proxy.repro.processes import signals_interrupt
+    from moe_proxy.repro.diagnose import diagnose
 
     if args.parallel < 1:
         raise MoeProxyError(f"--parallel {args.parallel}: at least 1")
     check_output_dir(args.out, "--out")
     try:
-        with signals_interrupt():  # Ctrl-C or SIGTERM: the runs stop, a partial report (processes.Interrupted)
-            report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args),
-                              seeds=args.seeds, parallel=args.parallel, replace=args.replace)
+        report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args), seeds=args.seeds,
+                          parallel=args.parallel)
     except BaselineFailed as exc:
         print(f"moe-proxy diagnose: error: {exc}", file=sys.stderr)
         return 1
@@ -166,7 +160,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"fixed by: {', '.join(report['fixed_by']) or 'none'}")
     if report["fixed_with_other_failures"]:
         print(f"fixed, but with other failures: {', '.join(report['fixed_with_other_failures'])}")
-    if reused := reused_runs(report):
-        print(f"reused (same proxy content, moe-proxy version and flags): {', '.join(reused)}")
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0
