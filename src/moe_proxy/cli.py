@@ -12,6 +12,7 @@ import sys
 
 from moe_proxy import __version__
 from moe_proxy.errors import MoeProxyError
+from moe_proxy.repro.processes import Interrupted
 from moe_proxy.reports import EXIT_BAD_INPUT
 
 # Subcommand modules, in the order `moe-proxy --help` lists them.
@@ -119,9 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     except MoeProxyError as exc:
         print(f"moe-proxy {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Interrupted as exc:  # a command that stopped its runs and says what it kept
+        print(f"moe-proxy {args.command}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
-        print("interrupted: no manifest was written, so the destination is not a complete proxy; "
-              "rerun the same command to finish", file=sys.stderr)
+        if args.command in ("build", "calibrate"):
+            print("interrupted: no manifest was written, so the destination is not a complete proxy; "
+                  "rerun the same command to finish", file=sys.stderr)
+        else:
+            print(f"moe-proxy {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

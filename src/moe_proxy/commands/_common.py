@@ -51,6 +51,13 @@ def device_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in DEVICE_OPTIONS if getattr(args, k, None) is not None}
 
 
+def add_replace_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """--replace, for a command whose --out holds one piece of work (processes.claim_out)."""
+    p.add_argument("--replace", action="store_true",
+                   help=f"--out holds another {what} (other settings): delete it and start again (without this: "
+                        "refused, exit 2; the same settings resume)")
+
+
 def check_output_dir(location: str, what: str) -> None:
     """Refuse, before any work, a local output directory that is a file or lies under one
     (the write at the end would fail). s3:// prefixes have no such case."""

@@ -74,6 +74,7 @@ def pass_through(group, command: str, into: str, skip: set[str], only: set[str] 
 
 
 def add_parser(sub) -> None:
+    from moe_proxy.commands._common import add_replace_arg
     from moe_proxy.repro.catalogue import CATALOGUE
     from moe_proxy.repro.detect import FAIL_ON_CHOICES
 
@@ -96,7 +97,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seeds", type=int, default=2, metavar="N",
                    help="sampling seeds per variant, from repro's --seed on (default 2)")
     p.add_argument("--parallel", type=int, default=1, metavar="P",
-                   help="runs at a time (local processes; one device each with --device cuda/npu; default 1)")
+                   help="runs at a time (local processes; with --device cuda/npu each gets devices of its own, as "
+                        "many as it has ranks; default 1)")
+    add_replace_arg(p, "diagnosis")
     p.set_defaults(func=run, repro_flags=[])
 
     # Every other repro option, passed through to each run as written.
@@ -135,14 +138,16 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BaselineFailed, MoeProxyError
     from moe_proxy.reports import EXIT_NOT_REPRODUCED
-    from moe_proxy.repro.diagnose import diagnose
+    from moe_proxy.repro.diagnose import diagnose, reused_runs
+    from moe_proxy.repro.processes import signals_interrupt
 
     if args.parallel < 1:
         raise MoeProxyError(f"--parallel {args.parallel}: at least 1")
     check_output_dir(args.out, "--out")
     try:
-        report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args), seeds=args.seeds,
-                          parallel=args.parallel)
+        with signals_interrupt():  # Ctrl-C or SIGTERM: the runs stop, a partial report (processes.Interrupted)
+            report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args),
+                              seeds=args.seeds, parallel=args.parallel, replace=args.replace)
     except BaselineFailed as exc:
         print(f"moe-proxy diagnose: error: {exc}", file=sys.stderr)
         return 1
@@ -160,5 +165,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"fixed by: {', '.join(report['fixed_by']) or 'none'}")
     if report["fixed_with_other_failures"]:
         print(f"fixed, but with other failures: {', '.join(report['fixed_with_other_failures'])}")
+    if reused := reused_runs(report):
+        print(f"reused (same proxy content, moe-proxy version and flags): {', '.join(reused)}")
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0

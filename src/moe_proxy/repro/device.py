@@ -4,6 +4,7 @@ CUDA, else the CPU."""
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 
@@ -52,3 +53,41 @@ def _import_torch_npu() -> bool:
     except ImportError:
         return False
     return True
+
+
+# The variable that says which devices of a kind a process sees (and numbers from 0).
+VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def device_slots(requested: str | None, ranks: int, parallel: int) -> list[dict[str, str]]:
+    """The environment of each of `parallel` concurrent runs of `ranks` ranks (one device each)
+    on this machine: `slot_envs` with the devices visible here."""
+    if parallel == 1:
+        return [{}]  # one run has the machine as it is
+    device = pick_device(requested)
+    variable = VISIBLE.get(device.type)
+    if variable is None:
+        return [{}] * parallel
+    count = getattr(torch, device.type).device_count()
+    visible = os.environ.get(variable)  # numbers of the devices this process sees, in its order
+    ids = visible.split(",")[:count] if visible else [str(i) for i in range(count)]
+    return slot_envs(requested or device.type, ranks, parallel, ids)
+
+
+def slot_envs(device: str, ranks: int, parallel: int, ids: list[str]) -> list[dict[str, str]]:
+    """Slot i of `parallel` gets devices i*ranks .. (i+1)*ranks-1 of `ids` (the devices seen here),
+    through CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES: a run sees only its own, numbered
+    from 0, so its ranks use them all. One run alone (parallel 1), or a CPU run, sets nothing.
+    Refused: a device index (`cuda:1`, one device) shared by runs at a time, and more devices
+    than there are."""
+    kind, _, index = device.partition(":")
+    variable = VISIBLE.get(kind)
+    if parallel == 1 or variable is None:
+        return [{}] * parallel
+    if index:
+        raise InvalidReproConfig(f"--device {device} names one device, which {parallel} runs at a time would share: "
+                                 f"give --device {kind} (each run gets devices of its own), or --parallel 1")
+    if ranks * parallel > len(ids):
+        raise InvalidReproConfig(f"--parallel {parallel} runs of {ranks} rank(s) need {ranks * parallel} {kind} "
+                                 f"devices, one per rank; {len(ids)} are visible here: lower --parallel")
+    return [{variable: ",".join(ids[i * ranks:(i + 1) * ranks])} for i in range(parallel)]

@@ -32,21 +32,23 @@ import argparse
 import json
 import logging
 import os
+import signal
 import statistics
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from moe_proxy.errors import BaselineFailed, MoeProxyError
 from moe_proxy.repro.catalogue import Fix
 from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.processes import parse_as, run_recorded
+from moe_proxy.repro.processes import (Interrupted, Recipe, RunsInterrupted, claim_out, content_key, parse_as,
+                                       reusable, run_each, run_recorded)
 from moe_proxy.repro.verdict import COST_SERIES
 
 log = logging.getLogger(__name__)
 
 BASELINE = "baseline"
 RUN_RECORD = "diagnose-run.json"  # a run's arguments and outcome: what a rerun reuses
+OUTPUTS = ("runs", "report.json", "report.md", "matrix.png", "curves.png")  # what a diagnosis writes in --out
 FIXED, FIXED_BUT, REPRODUCED, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN = (
     "fixed", "fixed-but", "reproduced", "no-change", "inconclusive", "error", "not-run")
 VERDICTS = (FIXED, FIXED_BUT, REPRODUCED, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN)
@@ -80,9 +82,19 @@ class Diagnosis:
     seeds: list[int]
     baseline: ReproConfig
     variants: list[Variant]  # the baseline first
+    proxy_key: str = ""  # the proxy's content (processes.content_key): a run of another is not reused
 
     def run_dir(self, variant: str, seed: int) -> Path:
         return self.out / "runs" / variant / f"seed-{seed}"
+
+    def recipe(self, variant: Variant, seed: int) -> Recipe:
+        """What makes one run: its record is reused only when all of it is the same."""
+        return Recipe(self.argv(variant, seed), {self.proxy: self.proxy_key})
+
+    def settings(self) -> dict:
+        """What the user asked for: another diagnosis into the same --out is refused (claim_out)."""
+        return {"PROXY": self.proxy, "--fail-on": self.fail_on, "repro options": self.repro_flags, "seeds": self.seeds,
+                "candidates": {v.name: v.flags for v in self.variants[1:]}}
 
     def argv(self, variant: Variant, seed: int) -> list[str]:
         """The `moe-proxy repro` arguments of one run (the seed and the failure asked for last)."""
@@ -102,10 +114,13 @@ class SeedRun:
     others: dict[str, int] = field(default_factory=dict)  # failures seen that were not asked for
     error: str | None = None
     wall_s: float = 0.0
+    reused: bool = False  # the record of the same run made before (processes.Recipe), not run again
 
     def as_json(self) -> dict:
         out = {"reproduced": self.reproduced, "signature": self.signature, "step": self.step,
                "steps_completed": self.steps}
+        if self.reused:
+            out["reused"] = True
         if self.stopped and self.stopped != "completed":
             out["stopped"] = self.stopped
         if self.others:
@@ -166,7 +181,7 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
         variants.append(Variant(c.name, flags, c.what, changed_settings(baseline, config), config.steps))
     first = baseline.seed
     return Diagnosis(proxy, Path(out), fail_on, list(repro_flags), list(range(first, first + seeds)), baseline,
-                     variants)
+                     variants, content_key(proxy))
 
 
 def _flat(config: ReproConfig) -> dict:
@@ -195,21 +210,41 @@ def changed_settings(baseline: ReproConfig, config: ReproConfig) -> dict:
 
 
 def run_all(d: Diagnosis, parallel: int = 1, variants: list[Variant] | None = None) -> dict[str, dict[int, SeedRun]]:
-    """Every variant (or those given) on every seed, `parallel` processes at a time."""
+    """Every variant (or those given) on every seed, `parallel` processes at a time, each on
+    devices no other running run holds (run_slots). Interrupted (SIGINT, or SIGTERM within
+    processes.signals_interrupt): no queued run starts, the running ones are stopped, a partial
+    report is written, and Interrupted says what was stopped."""
     variants = d.variants if variants is None else variants
     jobs = [(v, s) for v in variants for s in d.seeds]
     results: dict[str, dict[int, SeedRun]] = {v.name: {} for v in variants}
+    slots = run_slots(d, parallel)
     threads = max(1, (os.cpu_count() or 1) // parallel)
     log.info("diagnose: %d runs (%d variants x %d seeds), %d at a time, in %s", len(jobs), len(variants),
              len(d.seeds), parallel, d.out / "runs")
-    with ThreadPoolExecutor(parallel, thread_name_prefix="diagnose") as pool:
-        slots = iter(range(len(jobs)))
-        futures = {pool.submit(_run, d, v, s, next(slots) % parallel, threads): (v, s) for v, s in jobs}
-        for done, future in enumerate(as_completed(futures), 1):
-            v, s = futures[future]
-            outcome = results[v.name][s] = future.result()
-            log.info("[%d/%d] %s seed %d: %s", done, len(jobs), v.name, s, _said(outcome, d.fail_on))
+
+    def finished(job: tuple[Variant, int], outcome: SeedRun) -> None:
+        v, s = job
+        results[v.name][s] = outcome
+        log.info("[%d/%d] %s seed %d: %s", sum(map(len, results.values())), len(jobs), v.name, s,
+                 ("reused: " if outcome.reused else "") + _said(outcome, d.fail_on))
+
+    try:
+        run_each(jobs, slots, lambda job, env: _run(d, *job, env, threads), finished)
+    except RunsInterrupted as stop:
+        raise _interrupted(d, stop) from None
     return results
+
+
+def run_slots(d: Diagnosis, parallel: int) -> list[dict[str, str]]:
+    """The device environment of each of `parallel` concurrent runs: as many devices as a run has
+    ranks (--nproc-per-node), none shared (device.slot_envs); nothing set when one run has the
+    machine. Bad input (too few devices) raises before anything runs."""
+    if parallel == 1:
+        return [{}]
+    from moe_proxy.repro.device import device_slots
+
+    args = parse_as("repro", [d.proxy, "--out", os.devnull, *d.repro_flags])
+    return device_slots(args.device, args.nproc_per_node or 1, parallel)
 
 
 def _said(o: SeedRun, fail_on: str) -> str:
@@ -221,27 +256,51 @@ def _said(o: SeedRun, fail_on: str) -> str:
     return f"no {fail_on} in {o.steps} steps" + (f" ({o.stopped})" if o.stopped != "completed" else "") + others
 
 
-def _run(d: Diagnosis, variant: Variant, seed: int, slot: int, threads: int) -> SeedRun:
-    """One run, or the record of the same run done before (same arguments, it ran to its end)."""
+def _run(d: Diagnosis, variant: Variant, seed: int, env: dict[str, str], threads: int) -> SeedRun:
+    """One run, or the record of the same run made before (processes.Recipe), with `env`'s devices."""
     directory = d.run_dir(variant.name, seed)
-    env = _device_env(d.repro_flags + variant.flags, slot)
+    env = dict(env)
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
-    ran = run_recorded(d.argv(variant, seed), directory, RUN_RECORD, "repro.log", env, done="summary.json")
-    return _outcome(directory, ran.returncode, ran.error, ran.wall_s)
+    r = d.recipe(variant, seed)
+    ran = run_recorded(r.argv, directory, RUN_RECORD, "repro.log", env, done="summary.json", inputs=r.inputs)
+    return _outcome(directory, ran.returncode, ran.error, ran.wall_s, ran.reused)
 
 
-def _device_env(flags: list[str], slot: int) -> dict[str, str]:
-    """One device per concurrent run where the runs use devices (a single-rank run uses device 0)."""
-    device = flags[flags.index("--device") + 1] if "--device" in flags[:-1] else ""
-    if device.startswith("cuda"):
-        return {"CUDA_VISIBLE_DEVICES": str(slot)}
-    if device.startswith("npu"):
-        return {"ASCEND_RT_VISIBLE_DEVICES": str(slot)}
-    return {}
+def _interrupted(d: Diagnosis, stop: RunsInterrupted) -> Interrupted:
+    """Write the partial report (the runs that finished, in this call or before) and say what was
+    interrupted."""
+    finished = {v.name: {s: _outcome(d.run_dir(v.name, s), 0, None, rec.get("wall_s", 0.0), rec.get("reused", False))
+                         for s in d.seeds
+                         if (rec := reusable(d.run_dir(v.name, s), RUN_RECORD, d.recipe(v, s), "summary.json"))}
+                for v in d.variants}
+    stopped = [f"{v.name} seed {s}" for v, s in stop.stopped]
+    not_started = [f"{v.name} seed {s}" for v in d.variants for s in d.seeds  # queued, or never queued
+                   if s not in finished[v.name] and f"{v.name} seed {s}" not in stopped]
+    interrupted = {"signal": signal.Signals(stop.signum).name, "stopped": stopped, "not_started": not_started,
+                   "finished_runs": sum(map(len, finished.values()))}
+    complete = [v for v in d.variants if len(finished[v.name]) == len(d.seeds)]
+    if complete and complete[0].name == BASELINE:
+        partial = replace(d, variants=complete)
+        report = judge(partial, {v.name: finished[v.name] for v in complete}) | {"interrupted": interrupted}
+        write_report(partial, report)
+    else:  # no baseline to judge against: the runs that finished, as they are
+        d.out.mkdir(parents=True, exist_ok=True)
+        report = {"proxy": d.proxy, "fail_on": d.fail_on, "interrupted": interrupted,
+                  "runs": {n: {str(s): o.as_json() for s, o in runs.items()} for n, runs in finished.items() if runs}}
+        (d.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (d.out / "report.md").write_text(f"# Diagnosis interrupted: {d.fail_on} on {d.proxy}\n\n"
+                                         f"{_interrupted_line(interrupted)}\n")
+    return Interrupted(stop.signum, f"interrupted by {interrupted['signal']}: {_interrupted_line(interrupted)}; "
+                                    f"partial report: {d.out / 'report.md'}; the same command resumes")
 
 
-def _outcome(directory: Path, code: int, error: str | None, wall: float) -> SeedRun:
+def _interrupted_line(i: dict) -> str:
+    return (f"stopped {', '.join(i['stopped']) or 'no running run'}; {len(i['not_started'])} run(s) not started; "
+            f"{i['finished_runs']} finished run(s) kept")
+
+
+def _outcome(directory: Path, code: int, error: str | None, wall: float, reused: bool = False) -> SeedRun:
     summary_file = directory / "summary.json"
     if code != 0 or not summary_file.is_file():
         return SeedRun(None, error=error or f"exit code {code}, no summary.json", wall_s=wall)
@@ -251,7 +310,7 @@ def _outcome(directory: Path, code: int, error: str | None, wall: float) -> Seed
     asked = first.get("signature") if reproduced else None
     others = {name: onset["step"] for name, onset in (s.get("failures") or {}).items() if name != asked}
     return SeedRun(reproduced, asked, first.get("step") if reproduced else None, int(s.get("steps_completed", 0)),
-                   s.get("stopped", ""), others, wall_s=wall)
+                   s.get("stopped", ""), others, wall_s=wall, reused=reused)
 
 
 # --- judge: verdicts and what each fix costs (pure) -----------------------------------------
@@ -387,7 +446,7 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]], parallel: int = 
                      "findings": findings(base, d.baseline.steps)},
         "candidates": {},
     }
-    if not any(o.reproduced for o in base.values()) and len(results) < len(d.variants):  # the candidates not run
+    if not any(o.reproduced for o in base.values()):
         report["stopped"] = (f"the baseline did not reproduce {d.fail_on} on any seed "
                              f"({', '.join(map(str, d.seeds))}) in {d.baseline.steps} steps: nothing to cure")
     for v in d.variants[1:]:
@@ -464,6 +523,10 @@ def _markdown(report: dict, pictures: list[str]) -> str:
     left_out = report.get("time_left_out")
     lines = [f"# Diagnosis: {report['fail_on']} on {report['proxy']}", "",
              *([f"**Stopped: {report['stopped']}.** No candidate was run.", ""] if report.get("stopped") else []),
+             *([f"**Interrupted ({i['signal']})**: {_interrupted_line(i)}; the same command resumes.", ""]
+               if (i := report.get("interrupted")) else []),
+             *([f"Reused (the same proxy content, moe-proxy version and flags): {', '.join(r)}.", ""]
+               if (r := reused_runs(report)) else []),
              f"{report['steps']} steps per run; seeds {', '.join(map(str, seeds))}. Fixed by: "
              f"{', '.join(report['fixed_by']) or 'none'}. Fixed, but with another failure or an early stop: "
              f"{', '.join(report['fixed_with_other_failures']) or 'none'}.", "",
@@ -489,20 +552,28 @@ def _markdown(report: dict, pictures: list[str]) -> str:
     return "\n".join(lines)
 
 
+def reused_runs(report: dict) -> list[str]:
+    """'VARIANT seed S' of every run taken from its record instead of run again."""
+    variants = {BASELINE: report["baseline"], **report["candidates"]}
+    return [f"{name} seed {s}" for name, v in variants.items() for s, o in v["seeds"].items() if o.get("reused")]
+
+
 def _jsonable(value):
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
-
 def diagnose(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Fix],
-             seeds: int = 2, parallel: int = 1, baseline_first: bool = True) -> dict:
+             seeds: int = 2, parallel: int = 1, baseline_first: bool = True, replace: bool = False) -> dict:
     """Plan, run, judge and report; returns report.json's content. The baseline runs first: when
     it reproduces on no seed, no candidate runs (`stopped` in the report) unless not
-    `baseline_first` (the fidelity lab compares every cell)."""
+    `baseline_first` (the fidelity lab compares every cell). An --out holding another diagnosis
+    is refused unless `replace` (processes.claim_out)."""
     d = plan_diagnosis(proxy, out, fail_on, repro_flags, candidates, seeds)
     parallel = max(1, parallel)
+    run_slots(d, parallel)  # too few devices: refused before --out is touched
+    claim_out(d.out, "diagnose", d.settings(), OUTPUTS, replace)
     results = run_all(d, parallel, d.variants[:1])
     base = results[BASELINE]
     if all(o.reproduced is None for o in base.values()):
