@@ -446,7 +446,7 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]], parallel: int = 
                      "findings": findings(base, d.baseline.steps)},
         "candidates": {},
     }
-    if not any(o.reproduced for o in base.values()):
+    if not any(o.reproduced for o in base.values()) and len(results) < len(d.variants):  # the candidates not run
         report["stopped"] = (f"the baseline did not reproduce {d.fail_on} on any seed "
                              f"({', '.join(map(str, d.seeds))}) in {d.baseline.steps} steps: nothing to cure")
     for v in d.variants[1:]:
