@@ -3,7 +3,11 @@
 Generates a small DeepSeek-V3-style checkpoint (grouped routing, shared experts, an MTP
 layer, several shards) with transformers, builds a 32 -> 8 expert proxy, verifies it (hashes,
 config vs tensors, a transformers forward pass) and prints the summary; then does the same
-from and to S3 on an embedded SeaweedFS (demo_s3.py).
+from and to S3 on an embedded SeaweedFS (demo_s3.py); last, writes the checkpoints of a short
+training run of that checkpoint (demo/run.py) for `moe-proxy bisect` to search.
+
+Only the demo's own outputs in --out (DEMO_OUTPUTS) are replaced by a rerun: what the user
+wrote there (the diagnoses and runs the docs suggest) is kept.
 """
 
 from __future__ import annotations
@@ -19,18 +23,27 @@ from moe_proxy.build.steps import build_proxy
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.commands.build import summary
 from moe_proxy.checkpoint.summary import summarize, text
+from moe_proxy.demo.run import OVERFLOWS, write_run
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.build.verify import text as verify_text
 from moe_proxy.build.verify import verify
 
 
+# What the demo writes in --out, replaced by a rerun; anything else there is the user's and stays.
+DEMO_OUTPUTS = ("original", "proxy", "seaweedfs", "run")
+# The short run: a massive activation grows in the dense MLP and leaves fp16's range at step 40.
+RUN_GROWTH = {10: 1, 20: 1, 30: 100, 40: OVERFLOWS, 50: OVERFLOWS}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="demo-out", help="working directory (replaced)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="demo-out",
+                        help=f"working directory: its {', '.join(DEMO_OUTPUTS)} are replaced, anything else is kept")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
+    for own in DEMO_OUTPUTS:
+        shutil.rmtree(out / own, ignore_errors=True)
     src, dst = out / "original", out / "proxy"
 
     print("== 1. a tiny DeepSeek-V3-style checkpoint, made with transformers")
@@ -48,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n== 4. the same build from and to S3 (an embedded SeaweedFS on 127.0.0.1)")
     s3_ok = demo_s3.run(src, out / "seaweedfs", experts=8)
+
+    print(f"\n== 5. a short training run's checkpoints, steps {', '.join(map(str, RUN_GROWTH))} (a massive "
+          f"activation grows in them: fp16 overflows from step 40)")
+    print(f"  {write_run(src, out / 'run', RUN_GROWTH)}/global_step_<N>/actor/huggingface")
+    kept = sorted(p.name for p in out.iterdir() if p.name not in DEMO_OUTPUTS)
+    if kept:
+        print(f"\n(kept in {out} from before: {', '.join(kept)})")
     print(NEXT.format(src=src, dst=dst, out=out))
     return 0 if report.ok and s3_ok else 1
 
@@ -62,7 +82,9 @@ NEXT = """
   .venv/bin/moe-proxy diagnose {dst} --out {out}/diagnosis --fail-on divergence --steps 6 --lr 0.05 \\
     --candidates lower-lr,warmup,z-loss --seeds 2 --parallel 2   # which fix cures it (docs/diagnosis.md)
   .venv/bin/moe-proxy calibrate {src} --out {out}/stats --experts 8 && \\
-    .venv/bin/moe-proxy build {src} {out}/proxy-calibrated --experts 8 --calibration {out}/stats"""
+    .venv/bin/moe-proxy build {src} {out}/proxy-calibrated --experts 8 --calibration {out}/stats
+  .venv/bin/moe-proxy bisect {out}/run --out {out}/bisect --fail-on overflow --experts 8 --steps 1 \\
+    --precision fp16   # the first checkpoint whose proxy overflows: step 40 (docs/diagnosis.md)"""
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ def _run(checkpoint, proxy: Path, home: Path, s: ProbeSettings, seed: int) -> Se
             "--no-progress"]
     ran = run_recorded(argv, run, PROBE_RECORD, "repro.log", done="summary.json")
     outcome = seed_outcome(run, ran.returncode, ran.error, ran.wall_s)
-    log.info("  step %d seed %d: %s", checkpoint.step, seed, _seed_said(outcome) or "clean")
+    said_seed = f"{outcome.signature} at step {outcome.step}" if outcome.reproduced else _seed_said(outcome) or "clean"
+    log.info("  step %d seed %d: %s", checkpoint.step, seed, said_seed)
     return outcome
 
 
