@@ -30,6 +30,7 @@ from moe_proxy.repro.diagnose import (BASELINE, FIXED, FIXED_BUT, NOT_RUN, OWN_F
 from moe_proxy.repro.verdict import series_rows
 
 from .children import MAX_NAME
+from .diagnosis_baseline import changes as baseline_changes, pin
 from .outcome import FAILED as OUTCOME_FAILED, RUNNING as OUTCOME_RUNNING, Outcome
 from .reproduction import (ArgsIgnored, Naming, appended, first_container, headless_service, name_reserve,
                            repro_args, reproduction_workload)
@@ -166,6 +167,7 @@ class Baseline:
     devices: int
     experts_per_layer: int | None
     top_k: int | None
+    pinned: dict = field(default_factory=dict)  # what status.proxyModel records of it (diagnosis_baseline.pin)
 
     @property
     def steps(self) -> int:
@@ -229,7 +231,7 @@ def baseline_of(d: DiagnosisSpec, proxymodel: dict | None, namespace: str, setti
     proxy = status["proxy"]
     experts = proxy.get("expertsPerLayer") or {}
     return Baseline(spec, proxy["uri"], proxy.get("manifestSha256") or "", int(devices), experts.get("after"),
-                    experts.get("topK"))
+                    experts.get("topK"), pin(proxymodel))
 
 
 def variants(d: DiagnosisSpec, baseline: Baseline) -> list[RunVariant]:
@@ -480,7 +482,8 @@ def _start(status: dict, d: DiagnosisSpec, baseline: Baseline, name: str, namesp
     r = baseline.spec.reproduction
     started = {
         "observedGeneration": generation, "message": None,
-        "proxyModel": {"name": d.proxy_model, "uri": baseline.proxy_uri, "runtime": r.runtime,
+        # the pinned baseline: what every run is made from (a later change starts no run: _wind_down)
+        "proxyModel": {"name": d.proxy_model, **baseline.pinned, "uri": baseline.proxy_uri, "runtime": r.runtime,
                        "devices": baseline.devices, "failOn": d.fail_on},
         "failOn": r.fail_on.cli(), "steps": baseline.steps, "seeds": seeds, "parallelism": d.parallelism,
         "baseline": rows[0], "candidates": rows[1:], "fixedBy": None,
@@ -502,8 +505,13 @@ def _progress(status: dict, d: DiagnosisSpec, proxymodel: dict | None, seen: dic
     d = replace(d, proxy_model=recorded.get("name") or d.proxy_model, fail_on=recorded.get("failOn"),
                 steps=status.get("steps") or d.steps, parallelism=status.get("parallelism") or d.parallelism)
     baseline = None
-    if any(r.get("phase") == RUN_PENDING for r in _rows(status)) or \
-            any(w not in seen for w in recorded_running(status)):
+    to_create = any(r.get("phase") == RUN_PENDING for r in _rows(status)) or \
+        any(w not in seen for w in recorded_running(status))
+    changed = status.get("baselineChanged") or (
+        to_create and proxymodel is not None and "; ".join(baseline_changes(recorded, proxymodel)))
+    if changed:
+        return _wind_down(status, d, name, namespace, generation, seen, changed)
+    if to_create:
         try:  # runs are still to be created: the ProxyModel gives their manifests
             baseline = baseline_of(d, proxymodel, namespace, settings)
         except (NotYet, InvalidDiagnosis) as exc:
@@ -515,6 +523,42 @@ def _progress(status: dict, d: DiagnosisSpec, proxymodel: dict | None, seen: dic
             out.events.append(("Warning", "ProxyModelLost", message))
             return out
     return _advance(status, {}, d, baseline, name, namespace, generation, seen, out)
+
+
+def _wind_down(status: dict, d: DiagnosisSpec, name: str, namespace: str, generation: int, seen: dict[str, Outcome],
+               changed: str) -> DiagnosisDecision:
+    """The ProxyModel is no longer the pinned baseline: no new run starts (a run recorded but never
+    created goes back to Pending), the running ones are followed to their end and judged as
+    usual, then the Diagnosis fails with BaselineChanged. Said once, when first seen."""
+    out = DiagnosisDecision()
+    message = f"ProxyModel {d.proxy_model} changed after the runs started: {changed}. No new run starts"
+    if not status.get("baselineChanged"):
+        out.events.append(("Warning", "BaselineChanged", message))
+    held = {**status, **_unstarted(status, seen)}
+    out = _advance(held, {}, d, None, name, namespace, generation, seen, out)
+    s = out.status
+    s["baselineChanged"] = changed
+    if s.get("phase") != DIAGNOSING:
+        return out  # nothing was left to run after all (the verdicts say why)
+    if s["running"]:
+        s["message"] = f"{message}; waiting for the {s['running']} running to finish"[:1024]
+        set_condition(status, s, RUNNING_CONDITION, True, "BaselineChanged", s["message"], generation)
+    else:
+        s["phase"] = DIAGNOSIS_FAILED
+        s["message"] = (f"{message}; the runs that finished are in status: create another Diagnosis for the new "
+                        "baseline")[:1024]
+        set_condition(status, s, RUNNING_CONDITION, False, "BaselineChanged", s["message"], generation)
+        set_condition(status, s, FAILED_CONDITION, True, "BaselineChanged", s["message"], generation)
+    return out
+
+
+def _unstarted(status: dict, seen: dict[str, Outcome]) -> dict:
+    """The rows with each run recorded as running but without a workload set back to Pending."""
+    def row(r: dict) -> dict:
+        runs = [{**run, "phase": RUN_PENDING} if run["phase"] == RUN_RUNNING and run["workload"] not in seen else run
+                for run in r["runs"]]
+        return {**r, "runs": runs}
+    return {"baseline": row(status["baseline"]), "candidates": [row(c) for c in status.get("candidates") or []]}
 
 
 def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | None, name: str, namespace: str,

@@ -13,14 +13,15 @@ import sys
 import pytest
 import yaml
 
-from proxymodel_operator import diagnosis, reproduction
+from proxymodel_operator import reproduction
 from proxymodel_operator.diagnosis_decisions import LABEL_DIAGNOSIS, decide
 from proxymodel_operator.resources import DIAGNOSES, JOBS, PROXYMODELS
 from proxymodel_operator.settings import Settings
 
 from ..checkpoints.crd_schema import ROOT
 from .controllers import CONTROLLERS
-from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel, registry_copy, tiny_report
+from .diagnoses import diagnosis_status, with_diagnoses
+from .harness import ACCESS_KEY, SECRET_KEY, eventually, proxymodel, tiny_report
 from .kubelet import Kubelet
 
 NS = "team-tmpl"
@@ -37,13 +38,11 @@ with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
 
 @pytest.fixture()
 def registry():
-    registry = registry_copy()
-    diagnosis.register(TICK, registry)
-    return registry
+    return with_diagnoses(TICK)
 
 
 def _status(cluster, name: str) -> dict:
-    return (cluster.get(DIAGNOSES, NS, name) or {}).get("status") or {}
+    return diagnosis_status(cluster, NS, name)
 
 
 def _runs(cluster, name: str) -> list[dict]:
