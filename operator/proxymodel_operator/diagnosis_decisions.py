@@ -624,7 +624,7 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
     for row in cands:
         row["phase"] = _row_phase(row)
         if base_done and row["phase"] == RUN_DONE and not row.get("verdict"):
-            own_steps = (row.get("changes") or {}).get("steps") or steps  # a candidate may change them: judged on its own
+            own_steps = (row.get("changes") or {}).get("steps") or steps  # a candidate changing them: judged on its own
             changed = bool(row.get("changes") or row.get("env"))
             row["verdict"], row["note"] = verdict(base_runs, {r["seed"]: seed_run(r) for r in row["runs"]}, own_steps,
                                                   changed)

@@ -76,7 +76,8 @@ def test_a_baseline_that_reproduces_on_no_seed_starts_no_candidate():
     s = body["status"]
     assert {c["verdict"] for c in s["candidates"]} == {"not-run"}
     assert {r["phase"] for c in s["candidates"] for r in c["runs"]} == {"NotRun"}
-    assert s["baseline"]["note"] == "no divergence in 4 steps; nan at step 2 on seed 1; seed 1 stopped after 3 of 4 steps"
+    assert s["baseline"]["note"] == ("no divergence in 4 steps; nan at step 2 on seed 1; seed 1 stopped after 3 of 4 "
+                                     "steps")
     complete = next(c for c in s["conditions"] if c["type"] == "Complete")
     assert complete["reason"] == "BaselineNotReproduced" and complete["message"].endswith("no candidate was run")
     assert ("Warning", "BaselineNotReproduced", complete["message"]) in events

@@ -113,7 +113,8 @@ def test_a_clean_baseline_stops_the_report_only_where_no_candidate_ran(tmp_path)
     d = _diagnosis(tmp_path, Variant("fp32", ["--precision", "fp32"], changes={"precision": "fp32"}, steps=STEPS))
     base = {BASELINE: {0: clean(), 1: clean(collapse=2)}}
     stopped = judge(d, base)
-    assert stopped["stopped"] == "the baseline did not reproduce divergence on any seed (0, 1) in 6 steps: nothing to cure"
+    assert stopped["stopped"] == ("the baseline did not reproduce divergence on any seed (0, 1) in 6 steps: nothing "
+                                  "to cure")
     assert stopped["candidates"]["fp32"]["verdict"] == "not-run"
     assert stopped["baseline"]["findings"] == ["collapse at step 2 on seed 1"]
     ran = judge(d, base | {"fp32": {0: clean(), 1: clean()}})  # the fidelity lab's baseline_first=False
