@@ -2,7 +2,7 @@
 run is the same (its arguments, the moe-proxy version, the content of what it read: a proxy's
 manifest sha256, a checkpoint's content key), and a reused run says so in stdout and the report.
 An --out that holds another diagnosis is refused, untouched, unless --replace; the same settings
-resume."""
+resume, and other candidates extend it."""
 
 from __future__ import annotations
 
@@ -92,6 +92,10 @@ def test_another_diagnosis_into_the_same_out_is_refused_untouched(proxies, diagn
                           "(repro options: --steps 4 --lr 0.1 there, --steps 4 --lr 0.05 here): "), err
     assert "--replace" in err and "\n" not in err
     assert _files(diagnosed) == before
+    # other candidates with the same baseline and seeds extend it: the baseline's run is reused
+    assert main(["diagnose", str(proxies / "proxy"), "--out", str(diagnosed), *FLAGS[:-1], "grad-clip"]) == 0
+    assert "reused (same proxy content, moe-proxy version and flags): baseline seed 0\n" in capsys.readouterr().out
+    assert (diagnosed / "runs" / "lower-lr").is_dir()
 
 
 def test_an_out_with_a_diagnosis_of_unknown_settings_is_refused(proxies, diagnosed, tmp_path, capsys):

@@ -92,9 +92,10 @@ class Diagnosis:
         return Recipe(self.argv(variant, seed), {self.proxy: self.proxy_key})
 
     def settings(self) -> dict:
-        """What the user asked for: another diagnosis into the same --out is refused (claim_out)."""
-        return {"PROXY": self.proxy, "--fail-on": self.fail_on, "repro options": self.repro_flags, "seeds": self.seeds,
-                "candidates": {v.name: v.flags for v in self.variants[1:]}}
+        """What makes a diagnosis (its baseline and seeds): another one into the same --out is
+        refused (claim_out). Other candidates extend the same one: the report covers those asked
+        for, the others' runs stay (a record names its flags: one of them is reused only as it was)."""
+        return {"PROXY": self.proxy, "--fail-on": self.fail_on, "repro options": self.repro_flags, "seeds": self.seeds}
 
     def argv(self, variant: Variant, seed: int) -> list[str]:
         """The `moe-proxy repro` arguments of one run (the seed and the failure asked for last)."""
