@@ -213,6 +213,8 @@ def baseline_of(d: DiagnosisSpec, proxymodel: dict | None, namespace: str, setti
                                f"(spec.reproduction.template): the catalogue's {', '.join(catalogue)} are moe-proxy "
                                "repro flags; give {name, env, args} patches of its first container instead "
                                f"(where frameworks set them: {knobs})")
+    for v in (RunVariant(BASELINE, ()), *(RunVariant(c.name, c.args) for c in d.candidates if c.args)):
+        args_reach(spec, v)  # a catalogue entry's flags go where the baseline's --seed goes
     if not proxy_built(proxymodel):
         if status.get("phase") == "Failed" and not status.get("proxy"):
             raise NotYet("ProxyModelFailed", f"ProxyModel {d.proxy_model} failed before its proxy was built: "
@@ -291,12 +293,13 @@ def run_args(spec: ProxyModelSpec, variant: RunVariant, seed: int) -> tuple[str,
     return (*variant.args, *(("--seed", str(seed)) if spec.reproduction.template is None else ()))
 
 
-def args_reach(baseline: Baseline, v: RunVariant) -> None:
-    """Admission: what the variant's runs add to the first container's args reaches the command
-    it runs (reproduction.appended); else InvalidDiagnosis, CandidateArgsIgnored, with the reason."""
-    args = run_args(baseline.spec, v, baseline.seeds_from)
+def args_reach(spec: ProxyModelSpec, v: RunVariant) -> None:
+    """Admission (before the proxy is built): what the variant's runs add to the first container's
+    args reaches the command it runs (reproduction.appended); else InvalidDiagnosis,
+    CandidateArgsIgnored, with the reason."""
+    args = run_args(spec, v, spec.reproduction.config.seed)
     try:
-        appended(first_container(baseline.spec), args)
+        appended(first_container(spec), args)
     except ArgsIgnored as exc:
         who = f"candidate {v.name!r}" if v.name != BASELINE else "every run"
         raise InvalidDiagnosis("CandidateArgsIgnored", f"{who} adds {' '.join(args)} to the args of the first "
@@ -469,8 +472,6 @@ def _start(status: dict, d: DiagnosisSpec, baseline: Baseline, name: str, namesp
     seeds = list(range(baseline.seeds_from, baseline.seeds_from + d.seeds))
     rows = []
     try:
-        for v in variants(d, baseline):
-            args_reach(baseline, v)
         changed = {v.name: changes(baseline, v) for v in variants(d, baseline)}
     except InvalidDiagnosis as exc:
         return refused(status, generation, exc.reason, str(exc), temporary=False)

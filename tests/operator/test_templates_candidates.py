@@ -49,16 +49,23 @@ def _runs(cluster, name: str) -> list[dict]:
     return [j for j in cluster.objects_of("jobs", NS) if (j["metadata"].get("labels") or {}).get(LABEL_DIAGNOSIS) == name]
 
 
-async def _framework(cluster, tmp_path, name: str, script: str) -> None:
-    """A ProxyModel whose template runs `sh -c SCRIPT` (its proxy built)."""
+async def _framework(cluster, tmp_path, name: str, script: str, built: bool = True) -> dict:
+    """A ProxyModel whose template runs `sh -c SCRIPT`, its proxy built unless `built` is false
+    (then its transformer Job is returned, running)."""
     template = {"spec": {"containers": [{"name": "verl", "image": "verl:test", "command": ["sh", "-c"],
                                          "args": [script]}]}}
     await cluster.create(PROXYMODELS, NS, proxymodel(name, reproduction={
         "runtime": "Job", "maxSteps": 4, "template": template, "failOn": {"signature": "nan"},
         "accelerator": {"devices": 1, "devicesPerNode": 1}}))
     transformer = await eventually(lambda: cluster.get(JOBS, NS, f"{name}-transform-g1"), 30, "transformer Job")
+    if built:
+        await _built(cluster, tmp_path, transformer)
+    return transformer
+
+
+async def _built(cluster, tmp_path, transformer: dict) -> None:
     await cluster.finish_pod(NS, transformer, "transformer", 0, tiny_report(tmp_path / "proxy"))
-    await cluster.job_condition(NS, f"{name}-transform-g1", "Complete")
+    await cluster.job_condition(NS, transformer["metadata"]["name"], "Complete")
 
 
 async def _run(cluster, tmp_path, job: dict) -> None:
@@ -139,14 +146,18 @@ async def test_a_candidates_args_reach_a_sh_c_script_that_passes_them_on(cluster
 
 async def test_a_candidates_args_that_a_sh_c_script_would_drop_are_refused_at_admission(cluster, operator, tmp_path):
     await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    await _framework(cluster, tmp_path, "fw", "exec python3 /app/main_ppo.py trainer.total_training_steps=4")
+    transformer = await _framework(cluster, tmp_path, "fw", "exec python3 /app/main_ppo.py trainer.steps=4",
+                                   built=False)
     await cluster.create(DIAGNOSES, NS, {"metadata": {"name": "dropped"}, "spec": {
         "proxyModel": "fw", "candidates": [{"name": "env", "env": [{"name": "FIX", "value": "1"}]},
                                            {"name": "fix", "args": ["fix=1"]}]}})
-    # env patches alone: accepted, its runs start
+    # env patches alone: accepted, its runs start once the proxy is built
     await cluster.create(DIAGNOSES, NS, {"metadata": {"name": "env-only"}, "spec": {
         "proxyModel": "fw", "candidates": [{"name": "env", "env": [{"name": "FIX", "value": "1"}]}]}})
+    # refused at once, while the proxy is still being built (hours, for a real model)
     await eventually(lambda: _status(cluster, "dropped").get("phase") == "Failed", 20, "the refusal")
+    assert cluster.status(NS, "fw").get("phase") == "Transforming"
+    await _built(cluster, tmp_path, transformer)
     accepted = next(c for c in _status(cluster, "dropped")["conditions"] if c["type"] == "Accepted")
     assert (accepted["status"], accepted["reason"]) == ("False", "CandidateArgsIgnored")
     assert accepted["message"].startswith("candidate 'fix' adds fix=1 to the args of the first container")
