@@ -36,18 +36,16 @@ def _wait_for(path: Path, timeout: float) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_stops_the_diagnosis_and_keeps_what_finished(tiny_qwen3, tmp_path, sig):
-    out = tmp_path / "d"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _diagnose_until(tiny, out: Path, extra: list[str], started: Path, sig: int) -> tuple[int, str]:
+    """Start a diagnosis, send `sig` once the run writing `started` has begun (its imports take
+    seconds: it is running, not done), and return its exit status and stderr, checking that it
+    stopped within seconds and that no run's process outlived it."""
     diagnosis = subprocess.Popen(
-        [sys.executable, "-m", "moe_proxy", "diagnose", str(tiny_qwen3), "--out", str(out), "--fail-on", "divergence",
-         "--steps", "200", "--lr", "0.1", "--candidates", "lower-lr", "--seeds", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [sys.executable, "-m", "moe_proxy", "diagnose", str(tiny), "--out", str(out), "--fail-on", "divergence",
+         "--steps", "200", "--lr", "0.1", *extra],  # the baseline diverges at step 1; lr / 10 runs on
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        # seed 0 diverges at step 1 and ends; seed 1 starts (seconds of imports) and the signal comes
-        _wait_for(out / "runs" / "baseline" / "seed-0" / "diagnose-run.json", 120)
-        _wait_for(out / "runs" / "baseline" / "seed-1" / "repro.log", 30)
+        _wait_for(started, 120)
         time.sleep(0.2)
         diagnosis.send_signal(sig)
         sent = time.monotonic()
@@ -57,21 +55,42 @@ def test_a_signal_stops_the_diagnosis_and_keeps_what_finished(tiny_qwen3, tmp_pa
             diagnosis.kill()
     took = time.monotonic() - sent
     assert took < 10, f"took {took:.1f} s to stop"
-    assert diagnosis.returncode == 128 + sig, err
-    name = signal.Signals(sig).name
-    line = err.strip().splitlines()[-1]
-    assert line.startswith(f"moe-proxy diagnose: interrupted by {name}: stopped baseline seed 1;"), err
-    assert "2 run(s) not started" in line and "1 finished run(s) kept" in line
     assert not _processes_under(out), "a run's process outlived the diagnosis"
+    return diagnosis.returncode, err
+
+
+def test_ctrl_c_during_the_baseline(tiny_qwen3, tmp_path):
+    out = tmp_path / "d"
+    code, err = _diagnose_until(tiny_qwen3, out, ["--candidates", "lower-lr", "--seeds", "2"],
+                                out / "runs" / "baseline" / "seed-1" / "repro.log", signal.SIGINT)
+    assert code == 130, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("moe-proxy diagnose: interrupted by SIGINT: stopped baseline seed 1; 2 run(s) not "
+                           "started; 1 finished run(s) kept; partial report: "), err
     # kept: the finished run's record; the stopped one has none; the candidate never started
     assert json.loads((out / "runs" / "baseline" / "seed-0" / "diagnose-run.json").read_text())["returncode"] == 0
     assert not (out / "runs" / "baseline" / "seed-1" / "diagnose-run.json").exists()
     assert not (out / "runs" / "lower-lr").exists()
     report = json.loads((out / "report.json").read_text())
-    assert report["interrupted"] == {"signal": name, "stopped": ["baseline seed 1"],
+    assert report["interrupted"] == {"signal": "SIGINT", "stopped": ["baseline seed 1"],
                                      "not_started": ["lower-lr seed 0", "lower-lr seed 1"], "finished_runs": 1}
-    assert report["runs"]["baseline"]["0"]["reproduced"] is True
+    assert report["runs"]["baseline"]["0"]["reproduced"] is True  # no baseline to judge against yet
     assert "stopped baseline seed 1" in (out / "report.md").read_text()
+
+
+def test_sigterm_during_the_candidates(tiny_qwen3, tmp_path):
+    out = tmp_path / "d"
+    code, err = _diagnose_until(tiny_qwen3, out, ["--candidates", "lower-lr,fp32", "--seeds", "1"],
+                                out / "runs" / "lower-lr" / "seed-0" / "repro.log", signal.SIGTERM)
+    assert code == 143, err
+    assert "interrupted by SIGTERM: stopped lower-lr seed 0; 1 run(s) not started" in err, err
+    assert not (out / "runs" / "fp32").exists() and not (out / "runs" / "lower-lr" / "seed-0" / "diagnose-run.json").exists()
+    # the partial report judges what finished: the baseline, no candidate
+    report = json.loads((out / "report.json").read_text())
+    assert report["baseline"]["seeds"]["0"]["reproduced"] is True and report["candidates"] == {}
+    assert report["interrupted"] == {"signal": "SIGTERM", "stopped": ["lower-lr seed 0"], "not_started": ["fp32 seed 0"],
+                                     "finished_runs": 1}
+    assert "**Interrupted (SIGTERM)**: stopped lower-lr seed 0" in (out / "report.md").read_text()
 
 
 ONE_AT_A_TIME = """

@@ -271,8 +271,7 @@ def _run(d: Diagnosis, variant: Variant, seed: int, env: dict[str, str], threads
 def _interrupted(d: Diagnosis, stop: RunsInterrupted) -> Interrupted:
     """Write the partial report (the runs that finished, in this call or before) and say what was
     interrupted."""
-    finished = {v.name: {s: _outcome(d.run_dir(v.name, s), 0, None, rec.get("wall_s", 0.0), rec.get("reused", False))
-                         for s in d.seeds
+    finished = {v.name: {s: _outcome(d.run_dir(v.name, s), 0, None, rec.get("wall_s", 0.0)) for s in d.seeds
                          if (rec := reusable(d.run_dir(v.name, s), RUN_RECORD, d.recipe(v, s), "summary.json"))}
                 for v in d.variants}
     stopped = [f"{v.name} seed {s}" for v, s in stop.stopped]

@@ -257,7 +257,7 @@ def run_each(jobs: list, slots: list[dict[str, str]], run, finished) -> None:
         except KeyboardInterrupt:
             pool.shutdown(wait=False, cancel_futures=True)
             signum = stop_children()
-            wait(futures)
+            wait([f for f in futures if not f.cancelled()])  # one cancelled by shutdown never reads as done
             stopped, queued = [], []
             for future, i in futures.items():
                 if future.cancelled() or (isinstance(future.exception(), Stopped) and i not in started):
