@@ -148,7 +148,7 @@ class _Children:
         try:
             code = child.wait()
         except KeyboardInterrupt:  # a caller running children one at a time, in the main thread
-            self.stop(_SIGNALLED[-1] if _SIGNALLED else signal.SIGINT)
+            self.stop(_signalled())
             raise
         finally:
             with self._lock:
@@ -191,6 +191,11 @@ def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _signalled() -> int:
+    """The signal that raised the KeyboardInterrupt (SIGINT where Python's own handler did)."""
+    return _SIGNALLED[-1] if _SIGNALLED else signal.SIGINT
+
+
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
     """Within: SIGTERM, like SIGINT, raises KeyboardInterrupt in the main thread (by default it
@@ -211,9 +216,8 @@ def signals_interrupt() -> Iterator[None]:
 
 def stop_children() -> int:
     """Stop the running children (no new one starts) after an interrupt; returns its signal number."""
-    signum = _SIGNALLED[-1] if _SIGNALLED else signal.SIGINT
-    _CHILDREN.stop(signum)
-    return signum
+    _CHILDREN.stop(_signalled())
+    return _signalled()
 
 
 # --- runs at a time, each on device slots no other running run holds ---------------------------
