@@ -60,6 +60,18 @@ def test_each_row_gives_the_crds_default_range_and_fields():
             assert f"`{sub}`" in values + meaning, (name, sub)
 
 
+def test_the_printed_columns_are_the_crds():
+    """Every `kubectl get pxd` shown (README, docs/operator.md) has the CRD's printer columns."""
+    version = load_crd("diagnoses.moeproxy.io")["spec"]["versions"][0]
+    columns = ["NAME", *(c["name"].upper() for c in version["additionalPrinterColumns"])]
+    for doc in (ROOT / "README.md", DOC):
+        lines = doc.read_text().splitlines()
+        shown = [lines[i + 1] for i, line in enumerate(lines) if line.endswith("get pxd")]
+        assert shown, f"{doc.name} shows no kubectl get pxd"
+        for header in shown:
+            assert re.split(r"\s{2,}", header.strip()) == columns, (doc.name, header)
+
+
 def test_the_readme_names_the_diagnosis_resource_and_its_short_name():
     readme = (ROOT / "README.md").read_text()
     crd = load_crd("diagnoses.moeproxy.io")["spec"]["names"]
