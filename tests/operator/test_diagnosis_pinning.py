@@ -1,5 +1,6 @@
-"""A Diagnosis pins its baseline when its runs start: the ProxyModel's uid, reproduction settings,
-the rest of its spec (digests) and its proxy (URI, manifest sha256) are in status.proxyModel. A
+"""A Diagnosis pins its baseline when its runs start: the ProxyModel's uid, reproduction settings
+(structured ones as digests), the rest of its spec (digests) and its proxy (URI, manifest sha256)
+are in status.proxyModel. A
 ProxyModel edited or rebuilt mid-way starts no more runs (the runs of two baselines are never
 mixed): a Warning Event and the BaselineChanged condition say what changed, the runs already
 running are followed to their end, then the Diagnosis fails. Through kopf and the API emulator
@@ -64,7 +65,10 @@ async def test_a_proxymodel_edited_mid_way_starts_no_more_runs_and_says_what_cha
     pinned = _status(cluster, "dx")["proxyModel"]
     assert (pinned["name"], pinned["uid"], pinned["uri"], pinned["manifestSha256"]) == (
         "pm", pm["metadata"]["uid"], "/nowhere/proxy", "ab" * 32)
-    assert pinned["reproduction"] == pm["spec"]["reproduction"]
+    settings = pm["spec"]["reproduction"]
+    assert pinned["reproduction"] == {**settings, "failOn": pinned["reproduction"]["failOn"],
+                                      "accelerator": pinned["reproduction"]["accelerator"]}
+    assert pinned["reproduction"]["lr"] == 0.1 and pinned["reproduction"]["failOn"].startswith("sha256:")
     assert sorted(pinned["specDigests"]) == ["pruning", "source"]
 
     # the team edits the ProxyModel while the baseline runs: its pipeline starts over (a new proxy)
@@ -139,6 +143,17 @@ def test_only_what_changes_the_baseline_stops_the_diagnosis(change):
     pm["spec"]["pruning"]["experts"] = 8  # and on top of it, a change that does
     decision = decide(body, pm, {}, Settings())
     assert decision.create == [] and decision.status["baselineChanged"] == "spec.pruning changed"
+
+
+def test_structured_settings_are_pinned_as_digests_and_their_values_never_copied():
+    pm = _proxymodel()
+    pm["spec"]["reproduction"]["env"] = [{"name": "HF_TOKEN", "value": "hf_not_for_status"}]
+    body = _started(pm)
+    assert "hf_not_for_status" not in json.dumps(body["status"])
+    pm["spec"]["reproduction"]["env"][0]["value"] = "hf_rotated"
+    decision = decide(body, pm, {}, Settings())
+    assert decision.create == [] and decision.status["baselineChanged"] == "spec.reproduction.env changed"
+    assert "hf_" not in json.dumps(decision.status) + json.dumps(decision.events)
 
 
 def test_a_baseline_pinned_by_an_older_operator_is_compared_on_what_it_recorded():
