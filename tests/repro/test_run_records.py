@@ -83,6 +83,29 @@ def test_a_record_of_another_version_or_proxy_content_is_not_reused(proxies, tmp
     assert original.startswith("source identity:") and original != content_key(str(proxies / "proxy"))
 
 
+def test_what_a_diagnosis_reads_is_part_of_its_runs_recipe(proxies, tmp_path):
+    """The proxy and a --prompts file, by content: a file or a directory (calibration statistics)
+    rewritten at the same path has another key."""
+    from moe_proxy.repro.catalogue import pick
+    from moe_proxy.repro.diagnose import plan_diagnosis
+    from moe_proxy.repro.processes import content_key
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    d = plan_diagnosis(str(proxies / "proxy"), tmp_path / "d", "divergence", ["--prompts", str(prompts)],
+                       pick(["lower-lr"]), 1)
+    keys = d.recipe(d.variants[1], 0).inputs
+    assert keys == {str(proxies / "proxy"): content_key(str(proxies / "proxy")), str(prompts): content_key(str(prompts))}
+    prompts.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    assert content_key(str(prompts)) != keys[str(prompts)]
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    (stats / "calibration.json").write_text("{}")
+    before = content_key(str(stats))
+    (stats / "calibration.json").write_text('{"tokens": 1}')
+    assert content_key(str(stats)) != before and before.startswith("files sha256:")
+
+
 def test_another_diagnosis_into_the_same_out_is_refused_untouched(proxies, diagnosed, capsys):
     before = _files(diagnosed)
     other = [*FLAGS[:4], "--lr", "0.05", *FLAGS[6:]]

@@ -82,14 +82,14 @@ class Diagnosis:
     seeds: list[int]
     baseline: ReproConfig
     variants: list[Variant]  # the baseline first
-    proxy_key: str = ""  # the proxy's content (processes.content_key): a run of another is not reused
+    inputs: dict[str, str] = field(default_factory=dict)  # what the runs read (proxy, --prompts) -> content key
 
     def run_dir(self, variant: str, seed: int) -> Path:
         return self.out / "runs" / variant / f"seed-{seed}"
 
     def recipe(self, variant: Variant, seed: int) -> Recipe:
         """What makes one run: its record is reused only when all of it is the same."""
-        return Recipe(self.argv(variant, seed), {self.proxy: self.proxy_key})
+        return Recipe(self.argv(variant, seed), self.inputs)
 
     def settings(self) -> dict:
         """What makes a diagnosis (its baseline and seeds): another one into the same --out is
@@ -182,7 +182,13 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
         variants.append(Variant(c.name, flags, c.what, changed_settings(baseline, config), config.steps))
     first = baseline.seed
     return Diagnosis(proxy, Path(out), fail_on, list(repro_flags), list(range(first, first + seeds)), baseline,
-                     variants, content_key(proxy))
+                     variants, _inputs(proxy, [[*repro_flags, *v.flags] for v in variants]))
+
+
+def _inputs(proxy: str, runs_flags: list[list[str]]) -> dict[str, str]:
+    """What the runs read, each with its content key: the proxy and any --prompts file."""
+    prompts = {parse_as("repro", [proxy, "--out", os.devnull, *flags]).prompts for flags in runs_flags}
+    return {where: content_key(where) for where in [proxy, *sorted(p for p in prompts if p)]}
 
 
 def _flat(config: ReproConfig) -> dict:

@@ -96,20 +96,27 @@ def reusable(directory: Path, record: str, recipe: Recipe, done: str | None = No
 
 
 def content_key(location: str) -> str:
-    """What tells one checkpoint's content from another's, without reading its weights: the
-    sha256 of a proxy's manifest (which holds every file's sha256), else the checkpoint's source
-    identity (config, tensor table and router bytes)."""
+    """What tells one input's content from another's: a proxy by the sha256 of its manifest
+    (which holds every file's sha256), another checkpoint by its source identity (config, tensor
+    table and router bytes: its weights are not read), any other directory by its files' sha256
+    (calibration statistics), a file by its sha256 (--prompts)."""
     from moe_proxy.checkpoint.reader import MANIFEST, open_checkpoint
-    from moe_proxy.storage import open_store
+    from moe_proxy.storage import open_store, sha256_of
 
     store = open_store(location)
     if store.exists(MANIFEST):
         return "manifest sha256:" + hashlib.sha256(store.read_bytes(MANIFEST)).hexdigest()
-    from moe_proxy.architectures import detect
-    from moe_proxy.checkpoint.layout import find_layout, source_identity
+    if store.exists("config.json"):
+        from moe_proxy.architectures import detect
+        from moe_proxy.checkpoint.layout import find_layout, source_identity
 
-    ckpt = open_checkpoint(store)
-    return "source identity:" + source_identity(ckpt, find_layout(ckpt, detect(ckpt.config)))
+        ckpt = open_checkpoint(store)
+        return "source identity:" + source_identity(ckpt, find_layout(ckpt, detect(ckpt.config)))
+    if files := store.list():
+        listing = "".join(f"{name} {sha256_of(store, name)}\n" for name in files)
+        return "files sha256:" + hashlib.sha256(listing.encode()).hexdigest()
+    folder, _, name = location.rstrip("/").rpartition("/")
+    return "sha256:" + sha256_of(open_store(folder or "."), name)
 
 
 def last_error(path: Path) -> str:
