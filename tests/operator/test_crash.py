@@ -75,15 +75,18 @@ def test_non_finite_values_before_the_crash_come_first():
     assert reproduced["crash"]["exitCode"] == 1
 
 
-def test_a_diagnosis_run_that_crashed_is_inconclusive_not_fixed():
+@pytest.mark.parametrize("onset, verdict", [(1, "fixed-but"), (2, "inconclusive")])
+def test_a_diagnosis_run_that_crashed_is_never_fixed(onset, verdict):
+    """Crashed after 2 steps: past the baseline's onset at step 1, a cure with a crash of its own;
+    before its onset at step 2, no cure seen. The crash is in the note either way."""
     crashed = outcome(JOBS, FAILED_JOB, [_pod(_watched(last=2, steps_completed=2), 1, LOG)])
     pm = built()
     body = diagnosis({"candidates": ["fp32"], "seeds": 1})
     body = apply(body, decide(body, pm, {}, SETTINGS))
-    body = _finish_all(body, pm, {("baseline", 0): _done(1), ("fp32", 0): crashed})
+    body = _finish_all(body, pm, {("baseline", 0): _done(onset), ("fp32", 0): crashed})
     fp32 = body["status"]["candidates"][0]
-    assert fp32["verdict"] == "inconclusive", fp32
-    assert "stopped at step 2 (crashed: container verl of pod r-0 exited with code 1" in fp32["note"]
+    assert fp32["verdict"] == verdict, fp32
+    assert "seed 0 stopped after 2 of 4 steps (crashed: container verl of pod r-0 exited with code 1" in fp32["note"]
 
 
 def test_without_a_watchers_verdict_or_a_crash_the_failure_is_the_workloads_as_before():

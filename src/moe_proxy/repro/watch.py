@@ -155,13 +155,12 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
     if stop_file and stopped.startswith(("reproduced", "loss or weights")):
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
         Path(stop_file).write_text(stopped + "\n")
-    return WatchResult(ending(verdict_report(detector, fail_on, rows), detector, rows), len(rows), stopped,
+    return WatchResult(ending(verdict_report(detector, fail_on, rows), rows), len(rows), stopped,
                        detector.to_dict(), run_ended, follower.profile, set().union(*rows.values()) if rows else set())
 
 
-def ending(report: dict, detector: FailureDetector, rows: dict) -> dict:
+def ending(report: dict, rows: dict) -> dict:
     """The verdict with what the operator needs should the framework crash after it: the last
-    step logged and the failures seen besides the verdict's own, each at its onset (a NaN
-    before a crash is the finding, outcome.with_crash)."""
-    seen = {name: onset.step for name, onset in detector.onsets.items() if name != report.get("signature")}
-    return {**report, "last_step": max(rows) if rows else None, **({"also_seen": seen} if seen else {})}
+    step logged (the failures seen besides the verdict's own are the verdict's `also_seen`, each
+    at its onset: a NaN before a crash is the finding, outcome.with_crash)."""
+    return {**report, "last_step": max(rows) if rows else None}
