@@ -148,22 +148,68 @@ def test_a_probe_that_fails_leaves_a_partial_report(tmp_path, capsys):
     assert "## The probe that failed: step 10, build" in (out / "report.md").read_text()
 
 
-def test_ctrl_c_stops_within_seconds_with_a_partial_report(tmp_path):
-    """SIGINT while the second probe runs: exit 130 within seconds, the first probe kept in the
-    report, the interrupted one named; the run in flight is not left behind."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_stops_within_seconds_with_a_partial_report(tmp_path, sig):
+    """Ctrl-C or SIGTERM while the second probe runs: exit 128 + the signal within seconds, the
+    first probe kept in the report, the interrupted one named; its child is stopped, and the same
+    command resumes from the first probe's records."""
     run = planted_run(tmp_path, (10, 20, 30), (30,))
     out = tmp_path / "b"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-m", "moe_proxy", "bisect", str(run), "--out", str(out), *ARGS],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
-    while not (out / "probes" / "step-10").exists():
+    while not (out / "probes" / "step-10" / "build.log").exists():
         assert child.poll() is None and time.monotonic() < deadline, child.communicate()
         time.sleep(0.2)
     sent = time.monotonic()
-    child.send_signal(signal.SIGINT)
+    child.send_signal(sig)
     _, err = child.communicate(timeout=30)
-    assert child.returncode == 130 and time.monotonic() - sent < 10, err
-    assert "interrupted during probe 2 (step 10)" in err and "partial report" in err
+    assert child.returncode == 128 + sig and time.monotonic() - sent < 10, err
+    assert f"interrupted by {sig.name} during probe 2 (step 10)" in err and "partial report" in err, err
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "interrupted" and [p["step"] for p in report["probes"]] == [30]
+    assert not (out / "probes" / "step-10" / "build.bisect-run.json").exists()  # stopped: no record
+
+
+def test_a_rerun_reuses_only_what_the_same_content_made_and_refuses_another_bisection(tmp_path, capsys):
+    """Steps 10 (clean) and 20 (overflows): a rerun reuses both probes and says so. Step 10
+    rewritten in place (another training run's weights, overflowing): its probe builds and runs
+    again and reproduces, where a record keyed by arguments kept 'clean'; step 20's is reused.
+    Another bisection (--experts 2) into the same --out is refused, exit 2, its report untouched."""
+    from moe_proxy.demo.run import OVERFLOWS, write_run
+    from moe_proxy.demo.tiny import make_tiny
+
+    run = planted_run(tmp_path, (10, 20), (20,))
+    out = tmp_path / "b"
+    command = ["bisect", str(run), "--out", str(out), *ARGS]
+    assert main(command) == 0 and main(command) == 0
+    assert "reused (same checkpoint content, moe-proxy version and flags): probes of step(s) 20, 10" in \
+        capsys.readouterr().out
+    make_tiny("qwen3_moe", tmp_path / "restarted", seed=1)
+    write_run(tmp_path / "restarted", run, {10: OVERFLOWS})
+    assert main(command) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert {p["step"]: (p["reproduced"], p["reused"]) for p in report["probes"]} == {20: (True, True),
+                                                                                     10: (True, False)}
+    assert report["first_bad"]["step"] == 10
+    before = (out / "report.json").read_text()
+    capsys.readouterr()
+    assert main([*command, "--experts", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"moe-proxy bisect: error: --out {out} holds another moe-proxy bisect") and \
+        "--replace" in err and "\n" not in err, err
+    assert (out / "report.json").read_text() == before
+
+
+def test_a_long_error_is_cut_between_words(tmp_path):
+    """A failed probe's error line (kept in its record and printed) is cut at 500 characters
+    between words: it was cut mid-word ('... representati; partial report')."""
+    from moe_proxy.repro.processes import last_error
+
+    log = tmp_path / "build.log"
+    words = " ".join(f"representation{i}" for i in range(60))
+    log.write_text(f"Writing model shards: 100%\nmoe-proxy build: error: already holds a different proxy ({words})\n")
+    said = last_error(log)
+    assert len(said) <= 500 and said.endswith(" ...")
+    assert said.removesuffix(" ...").split()[-1] in f"({words})".split()

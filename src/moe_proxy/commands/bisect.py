@@ -16,6 +16,7 @@ CALIBRATION = {"dataset", "samples", "seq_len"}  # calibrate's token options a p
 
 
 def add_parser(sub) -> None:
+    from moe_proxy.commands._common import add_replace_arg
     from moe_proxy.options import PruningOptions
     from moe_proxy.repro.detect import FAIL_ON_CHOICES
 
@@ -35,6 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seeds", type=int, default=1, metavar="N",
                    help="runs per probe, on seeds --seed, --seed+1, ...: a checkpoint is bad when it reproduces on "
                    "any seed, clean when every seed ran all its steps without it, else inconclusive")
+    add_replace_arg(p, "bisection")
     p.set_defaults(func=run, build_flags=[], calibrate_flags=[], repro_flags=[])
     only = {f.name for f in fields(PruningOptions)} - NOT_BUILD | {"pin"}  # --pin: dest pin, field pins
     pass_through(p.add_argument_group("build options (each probe's proxy; see moe-proxy build -h)"), "build",
@@ -83,21 +85,25 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.repro.bisect import BisectStopped, bisect, where
+    from moe_proxy.repro.processes import signals_interrupt
 
     check_output_dir(args.out, "--out")
     settings = settings_of(args)
     try:
-        report = bisect(args.prefix, args.out, settings, args.pattern, args.step_regex, args.good, args.bad)
+        with signals_interrupt():  # Ctrl-C or SIGTERM: the probe's child stops, a partial report (Interrupted)
+            report = bisect(args.prefix, args.out, settings, args.pattern, args.step_regex, args.good, args.bad,
+                            replace=args.replace)
     except BisectStopped as exc:
-        print(f"moe-proxy bisect: {'' if exc.interrupted else 'error: '}{exc}; "
-              f"partial report: {args.out}/report.md", file=sys.stderr)
-        return 130 if exc.interrupted else 1
+        print(f"moe-proxy bisect: error: {exc}; partial report: {args.out}/report.md", file=sys.stderr)
+        return 1
     print(f"first bad checkpoint: {where(report['first_bad'])}")
     print(report["boundary"])
     if report["inconclusive"]:
         print("could not judge: " + "; ".join(f"step {c['step']} ({c['why']})" for c in report["inconclusive"]))
     if not report["monotone"]:
         print("not monotone: " + "; ".join(report["not_monotone"]))
+    if reused := [str(p["step"]) for p in report["probes"] if p["reused"]]:
+        print(f"reused (same checkpoint content, moe-proxy version and flags): probes of step(s) {', '.join(reused)}")
     print(f"report: {args.out}/report.md")
     return 0
 

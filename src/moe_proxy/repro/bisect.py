@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moe_proxy.checkpoint.reader import MANIFEST
-from moe_proxy.errors import BaselineFailed, InvalidRange, TooFewCheckpoints
+from moe_proxy.errors import BaselineFailed, InvalidRange, MoeProxyError, TooFewCheckpoints
 from moe_proxy.repro.diagnose import SeedRun, _outcome as seed_outcome
-from moe_proxy.repro.processes import run_recorded
+from moe_proxy.repro.processes import Interrupted, Stopped, claim_out, content_key, run_recorded, stop_children
 
 log = logging.getLogger(__name__)
 
 PROBE_RECORD = "bisect-run.json"
+OUTPUTS = ("probes", "report.json", "report.md")  # what a bisection writes in its --out (claim_out)
 LOG_TAIL = 30  # lines of a failed probe's log kept in the partial report
 
 
@@ -46,6 +48,7 @@ class Probe:
     onset: int | None
     note: str = ""
     seeds: dict[str, dict] = field(default_factory=dict)  # seed -> its run's outcome
+    reused: bool = False  # every step of it was the record of the same made before (processes.Recipe)
 
     @property
     def state(self) -> str:
@@ -66,12 +69,12 @@ class ProbeSettings:
 
 
 class BisectStopped(BaselineFailed):
-    """The bisection ended before an answer (a probe failed, or it was interrupted); `report`
-    is the partial report it wrote."""
+    """A probe failed and the bisection ended before an answer; `report` is the partial report
+    it wrote."""
 
-    def __init__(self, message: str, report: dict, interrupted: bool = False):
+    def __init__(self, message: str, report: dict):
         super().__init__(message)
-        self.report, self.interrupted = report, interrupted
+        self.report = report
 
 
 class ProbeFailed(BaselineFailed):
@@ -137,8 +140,9 @@ def probe(checkpoint, out: Path, s: ProbeSettings) -> Probe:
     """Build `checkpoint`'s proxy (calibrated first with calibrate flags), reproduce from it on
     each seed, and judge the seeds together (judge_probe)."""
     home = out / "probes" / f"step-{checkpoint.step}"
-    proxy = _build(checkpoint, home, s)
-    runs = {seed: _run(checkpoint, proxy, home, s, seed)
+    proxy, built_before = _build(checkpoint, home, s)
+    made = {str(proxy): content_key(str(proxy))}  # its runs' record: this proxy's manifest sha256
+    runs = {seed: _run(checkpoint, proxy, made, home, s, seed)
             for seed in range(s.first_seed, s.first_seed + s.seeds)}
     if all(o.reproduced is None for o in runs.values()):  # nothing ran: the probe failed, not the checkpoint
         seed = min(runs)
@@ -148,28 +152,46 @@ def probe(checkpoint, out: Path, s: ProbeSettings) -> Probe:
     onsets = {o.step: o.signature for o in runs.values() if o.reproduced}
     onset = min(onsets) if onsets else None
     return Probe(checkpoint.uri, checkpoint.step, reproduced, onsets.get(onset), onset, note,
-                 {str(seed): o.as_json() for seed, o in runs.items()})
+                 {str(seed): o.as_json() for seed, o in runs.items()},
+                 reused=built_before and all(o.reused for o in runs.values()))
 
 
-def _build(checkpoint, home: Path, s: ProbeSettings) -> Path:
+def _build(checkpoint, home: Path, s: ProbeSettings) -> tuple[Path, bool]:
+    """The probe's proxy (and whether its build was reused): each step's record is keyed by the
+    content it read (the checkpoint's, the dataset's, the statistics'), so a checkpoint or dataset
+    rewritten in place, or statistics made with other --samples, build again."""
     proxy, stats = home / "proxy", home / "stats"
-    build = ["build", checkpoint.uri, str(proxy), *s.build_flags, "--no-progress"]
+    source = {checkpoint.uri: _checkpoint_key(checkpoint.uri)}
+    # --overwrite: a proxy there that its record does not vouch for is stale (the probe's own directory)
+    build = ["build", checkpoint.uri, str(proxy), *s.build_flags, "--overwrite", "--no-progress"]
+    inputs = dict(source)
     if s.calibrate_flags:
+        dataset = s.calibrate_flags[s.calibrate_flags.index("--dataset") + 1]
         ran = run_recorded(["calibrate", checkpoint.uri, "--out", str(stats), *s.calibrate_flags, "--no-progress"],
-                           home, f"calibrate.{PROBE_RECORD}", "calibrate.log", done="stats/calibration.json")
+                           home, f"calibrate.{PROBE_RECORD}", "calibrate.log", done="stats/calibration.json",
+                           inputs={**source, dataset: content_key(dataset)})
         _ok(ran, "calibrate", checkpoint, home / "calibrate.log")
         build += ["--calibration", str(stats)]
-    ran = run_recorded(build, home, f"build.{PROBE_RECORD}", "build.log", done=f"proxy/{MANIFEST}")
+        inputs[str(stats)] = content_key(str(stats))  # its files' sha256
+    ran = run_recorded(build, home, f"build.{PROBE_RECORD}", "build.log", done=f"proxy/{MANIFEST}", inputs=inputs)
     _ok(ran, "build", checkpoint, home / "build.log")
-    return proxy
+    return proxy, ran.reused
 
 
-def _run(checkpoint, proxy: Path, home: Path, s: ProbeSettings, seed: int) -> SeedRun:
+def _checkpoint_key(uri: str) -> str:
+    """The checkpoint's content key; one that cannot be read has none (its build fails, and says why)."""
+    try:
+        return content_key(uri)
+    except MoeProxyError as exc:
+        return f"unreadable: {exc}"
+
+
+def _run(checkpoint, proxy: Path, made: dict[str, str], home: Path, s: ProbeSettings, seed: int) -> SeedRun:
     run = home / "runs" / f"seed-{seed}"
     argv = ["repro", str(proxy), "--out", str(run), *s.repro_flags, "--seed", str(seed), "--fail-on", s.fail_on,
             "--no-progress"]
-    ran = run_recorded(argv, run, PROBE_RECORD, "repro.log", done="summary.json")
-    outcome = seed_outcome(run, ran.returncode, ran.error, ran.wall_s)
+    ran = run_recorded(argv, run, PROBE_RECORD, "repro.log", done="summary.json", inputs=made)
+    outcome = seed_outcome(run, ran.returncode, ran.error, ran.wall_s, ran.reused)
     said_seed = f"{outcome.signature} at step {outcome.step}" if outcome.reproduced else _seed_said(outcome) or "clean"
     log.info("  step %d seed %d: %s", checkpoint.step, seed, said_seed)
     return outcome
@@ -307,12 +329,15 @@ def _boundary(first: int | None, checkpoints: list, probes: list[tuple[int, Prob
 
 def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str | None = None,
            step_regex: str | None = None, good: int | None = None, bad: int | None = None,
-           store_options: dict | None = None) -> dict:
-    """List, search, report: returns report.json's content. A bisection that ends before an
-    answer (a probe failed, Ctrl-C) writes a partial report and raises BisectStopped."""
+           store_options: dict | None = None, replace: bool = False) -> dict:
+    """List, search, report: returns report.json's content. `out` holds one bisection: another
+    one's (other prefix or probe settings) is refused unless `replace` (processes.claim_out). A
+    bisection that ends before an answer writes a partial report, and raises BisectStopped (a
+    probe failed) or processes.Interrupted (SIGINT, or SIGTERM within signals_interrupt)."""
     checkpoints = sources(prefix, pattern, step_regex, good, bad, store_options)
     check_counts(checkpoints[-1], settings.build_flags, store_options)
     out = Path(out)
+    claim_out(out, "bisect", {"prefix": prefix, **asdict(settings)}, OUTPUTS, replace)
     log.info("bisect: %d checkpoints, steps %d..%d; a probe builds a proxy and reproduces from it on %d seed(s)",
              len(checkpoints), checkpoints[0].step, checkpoints[-1].step, settings.seeds)
     done: list[tuple[int, Probe]] = []
@@ -323,7 +348,7 @@ def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str |
         log.info("probe %d: step %d (%s)", len(done) + 1, checkpoints[i].step, checkpoints[i].uri)
         p = probe(checkpoints[i], out, settings)
         done.append((i, p))
-        log.info("probe %d: step %d: %s", len(done), p.step, said(p))
+        log.info("probe %d: step %d: %s%s", len(done), p.step, said(p), " (reused)" if p.reused else "")
         return p
 
     head = {"prefix": prefix, "fail_on": settings.fail_on, "checkpoints": [c.step for c in checkpoints]}
@@ -334,11 +359,13 @@ def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str |
         report["failed_probe"] = exc.failure
         _write(out, {**report, "settings": asdict(settings)})
         raise BisectStopped(str(exc), report) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped):
+        signum = stop_children()  # the probe's child is stopped already; none starts after this
         what = f"probe {len(done) + 1} (step {current[0].step})" if current else "the bisection"
-        report = _stopped(head, done, checkpoints, "interrupted", f"interrupted during {what}")
-        _write(out, {**report, "settings": asdict(settings)})
-        raise BisectStopped(report["stopped"], report, interrupted=True) from None
+        why = f"interrupted by {signal.Signals(signum).name} during {what}"
+        _write(out, {**_stopped(head, done, checkpoints, "interrupted", why), "settings": asdict(settings)})
+        raise Interrupted(signum, f"{why}; {len(done)} finished probe(s) kept; partial report: {out / 'report.md'}; "
+                                  "the same command resumes") from None
     report["settings"] = asdict(settings)
     _write(out, report)
     return report

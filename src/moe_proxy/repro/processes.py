@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -120,9 +121,11 @@ def content_key(location: str) -> str:
 
 
 def last_error(path: Path) -> str:
+    """The last line of a log that names an error (else its last line), at most 500 characters,
+    cut between words (the whole log stays beside the record)."""
     lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["no output"])[-1][:500]
+    return textwrap.shorten((errors or lines or ["no output"])[-1], 500, placeholder=" ...")
 
 
 # --- interrupts: stop the children, start no new one ------------------------------------------
