@@ -124,18 +124,23 @@ async def observe(namespace: str, diagnosis: str, status: dict) -> dict:
 async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec: kopf.Spec, namespace: str,
                     name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     generation = meta.get("generation") or 1
-    current = dict(status)
+    # Only this timer writes a Diagnosis's status, and kopf's body can lag its last write by a watch
+    # event (seconds, under load): a tick decides from both, or a stale body decides (and says) again.
+    ours = memo.setdefault("status_written", {})
+    current = {**dict(status), **ours}
+    as_written = {**dict(body), "status": current}
     if current.get("phase") in (DIAGNOSED, DIAGNOSIS_FAILED) and current.get("observedGeneration") == generation:
         return  # finished: read nothing
     if bisection.is_bisection(dict(spec)):
-        decision = await bisect(dict(body), current, namespace, name, memo.settings)
+        decision = await bisect(as_written, current, namespace, name, memo.settings)
     else:
         proxy_model = spec.get("proxyModel")
         proxymodel = await _proxymodel(namespace, proxy_model) if isinstance(proxy_model, str) and proxy_model \
             else None
-        decision = decide(dict(body), proxymodel, await observe(namespace, name, current), memo.settings)
+        decision = decide(as_written, proxymodel, await observe(namespace, name, current), memo.settings)
     if any(current.get(k) != v for k, v in decision.status.items()):  # a tick that saw nothing new writes nothing
         await kube.patch_status(DIAGNOSES, namespace, name, decision.status)
+        ours.update(decision.status)
     written, refused = {**current, **decision.status}, set()
     for resource, manifest in decision.create:
         if manifest["metadata"]["name"] in refused:
@@ -154,6 +159,7 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
             errored = refused_create(written, manifest["metadata"]["name"], message)
             written.update(errored)
             await kube.patch_status(DIAGNOSES, namespace, name, errored)
+            ours.update(errored)
             continue
         logger.info("%s %s", what, "created" if created else "already exists")
     for kind, reason, message in decision.events:
