@@ -5,13 +5,16 @@ builds the checkpoint's proxy (with `--dataset`, calibrated on that checkpoint f
 default calibrated build does; else the data-free build) and runs the reproduction from it on
 `seeds` seeds. The last checkpoint (or `--bad`) is probed first: if it does not reproduce there
 is nothing to find. O(log n) builds; every probe is kept in `DIR/probes/step-<N>/` (stats,
-proxy, runs/seed-<s>/) and reused by a rerun with the same settings.
+proxy, runs/seed-<s>/). A rerun resumes: each step of a probe is reused only when what made it
+is the same (its arguments, the moe-proxy version, the content it read: processes.Recipe), and
+`DIR` holds one bisection (another one's settings are refused, processes.claim_out).
 
 A probe says one of three things: reproduced (on any seed, as diagnose judges a baseline),
 clean (every seed ran all its steps without the failure), or inconclusive (a seed's run was
 stopped by another failure, NaN say, before the asked-for one could come, or failed to run):
 the search steps around an inconclusive checkpoint, and the result names it. A probe whose
-build fails, or whose every run fails, stops the bisection with a partial report.
+build fails, or whose every run fails, stops the bisection with a partial report; so does an
+interrupt (SIGINT, or SIGTERM within processes.signals_interrupt), which stops the probe's child.
 
 Monotone: a failure that a checkpoint carries, every later one carries too. The search checks
 it around the boundary it found: the checkpoint after the first bad one must reproduce, the one
