@@ -62,6 +62,23 @@ class BaselineFailed(RuntimeError):
     """diagnose / bisect: the failing run itself could not run (not bad input: exit 1)."""
 
 
+class ProbeFailed(BaselineFailed):
+    """bisect: a probe's build, calibration or every run failed; `failure` says which, with its log."""
+
+    def __init__(self, message: str, failure: dict):
+        super().__init__(message)
+        self.failure = failure
+
+
+class BisectStopped(BaselineFailed):
+    """bisect: a probe failed and the bisection ended before an answer; `report` is the partial
+    report it wrote."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
 class TooFewCheckpoints(MoeProxyError):
     """A bisection's prefix (or range) holds fewer than 2 complete checkpoints with a step."""
 

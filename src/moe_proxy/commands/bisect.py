@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from moe_proxy.commands._common import check_output_dir
-    from moe_proxy.repro.bisect import BisectStopped, bisect, where
+    from moe_proxy.errors import BisectStopped
+    from moe_proxy.repro.bisect import bisect, where
     from moe_proxy.repro.processes import signals_interrupt
 
     check_output_dir(args.out, "--out")

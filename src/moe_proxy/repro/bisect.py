@@ -31,15 +31,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moe_proxy.checkpoint.reader import MANIFEST
-from moe_proxy.errors import BaselineFailed, InvalidRange, MoeProxyError, TooFewCheckpoints
-from moe_proxy.repro.diagnose import SeedRun, _outcome as seed_outcome
+from moe_proxy.errors import BisectStopped, InvalidRange, MoeProxyError, ProbeFailed, TooFewCheckpoints
+from moe_proxy.repro.diagnose import SeedRun, seed_outcome
 from moe_proxy.repro.processes import Interrupted, Stopped, claim_out, content_key, run_recorded, stop_children
 
 log = logging.getLogger(__name__)
 
 PROBE_RECORD = "bisect-run.json"
-OUTPUTS = ("probes", "report.json", "report.md")  # what a bisection writes in its --out (claim_out)
-LOG_TAIL = 30  # lines of a failed probe's log kept in the partial report
+BISECTION_FILES = ("probes", "report.json", "report.md")  # what a bisection writes in its --out (claim_out)
+FAILED_LOG_LINES = 30  # the end of a failed probe's log, kept in the partial report
 
 
 @dataclass
@@ -69,25 +69,6 @@ class ProbeSettings:
     repro_flags: list[str]
     seeds: int = 1
     first_seed: int = 0
-
-
-class BisectStopped(BaselineFailed):
-    """A probe failed and the bisection ended before an answer; `report` is the partial report
-    it wrote."""
-
-    def __init__(self, message: str, report: dict):
-        super().__init__(message)
-        self.report = report
-
-
-class ProbeFailed(BaselineFailed):
-    """A probe's build, calibration or every run failed: `failure` says which, with its log."""
-
-    def __init__(self, checkpoint, what: str, error: str | None, log_file: Path):
-        super().__init__(f"step {checkpoint.step} ({checkpoint.uri}): {what} failed: {error}")
-        lines = log_file.read_text(errors="replace").splitlines() if log_file.is_file() else []
-        self.failure = {"step": checkpoint.step, "checkpoint": checkpoint.uri, "what": what, "error": error,
-                        "log": str(log_file), "log_tail": lines[-LOG_TAIL:]}
 
 
 def sources(prefix: str, pattern: str | None, step_regex: str | None, good: int | None, bad: int | None,
@@ -125,15 +106,15 @@ def build_options(build_flags: list[str]):
 
 def check_counts(checkpoint, build_flags: list[str], store_options: dict | None = None) -> None:
     """The expert count (or ratio) and top-k against the run's checkpoint, from its config alone,
-    as the build will check them: a count the model cannot take is refused before any probe."""
-    from moe_proxy.architectures import detect
-    from moe_proxy.build.expert_plan import proxy_counts
+    by the rule plan and build use (sizing.estimate): a count the model cannot take is refused
+    before any probe."""
     from moe_proxy.checkpoint.reader import open_checkpoint
+    from moe_proxy.sizing import SizingOptions, estimate
 
     options = build_options(build_flags)
     if isinstance(options.experts, int) or options.keep_ratio is not None:
         config = open_checkpoint(checkpoint.uri, **(store_options or {})).config
-        proxy_counts(detect(config), config, options)
+        estimate(config, SizingOptions(experts=options.experts, keep_ratio=options.keep_ratio, top_k=options.top_k))
 
 
 # --- a probe: build the checkpoint's proxy, run it on every seed ---------------------------
@@ -149,8 +130,8 @@ def probe(checkpoint, out: Path, s: ProbeSettings) -> Probe:
             for seed in range(s.first_seed, s.first_seed + s.seeds)}
     if all(o.reproduced is None for o in runs.values()):  # nothing ran: the probe failed, not the checkpoint
         seed = min(runs)
-        raise ProbeFailed(checkpoint, f"repro (seed {seed})", runs[seed].error,
-                          home / "runs" / f"seed-{seed}" / "repro.log")
+        raise _probe_failed(checkpoint, f"repro (seed {seed})", runs[seed].error,
+                           home / "runs" / f"seed-{seed}" / "repro.log")
     reproduced, note = judge_probe(runs)
     onsets = {o.step: o.signature for o in runs.values() if o.reproduced}
     onset = min(onsets) if onsets else None
@@ -202,7 +183,15 @@ def _run(checkpoint, proxy: Path, made: dict[str, str], home: Path, s: ProbeSett
 
 def _ok(ran, what: str, checkpoint, log_file: Path) -> None:
     if ran.returncode != 0:
-        raise ProbeFailed(checkpoint, what, ran.error, log_file)
+        raise _probe_failed(checkpoint, what, ran.error, log_file)
+
+
+def _probe_failed(checkpoint, what: str, error: str | None, log_file: Path) -> ProbeFailed:
+    """The failure of a probe's `what`, with the end of its log (for the partial report)."""
+    lines = log_file.read_text(errors="replace").splitlines() if log_file.is_file() else []
+    return ProbeFailed(f"step {checkpoint.step} ({checkpoint.uri}): {what} failed: {error}",
+                       {"step": checkpoint.step, "checkpoint": checkpoint.uri, "what": what, "error": error,
+                        "log": str(log_file), "log_tail": lines[-FAILED_LOG_LINES:]})
 
 
 def judge_probe(runs: dict[int, SeedRun]) -> tuple[bool | None, str]:
@@ -340,7 +329,7 @@ def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str |
     checkpoints = sources(prefix, pattern, step_regex, good, bad, store_options)
     check_counts(checkpoints[-1], settings.build_flags, store_options)
     out = Path(out)
-    claim_out(out, "bisect", {"prefix": prefix, **asdict(settings)}, OUTPUTS, replace)
+    claim_out(out, "bisect", {"prefix": prefix, **asdict(settings)}, BISECTION_FILES, replace)
     log.info("bisect: %d checkpoints, steps %d..%d; a probe builds a proxy and reproduces from it on %d seed(s)",
              len(checkpoints), checkpoints[0].step, checkpoints[-1].step, settings.seeds)
     done: list[tuple[int, Probe]] = []

@@ -271,13 +271,13 @@ def _run(d: Diagnosis, variant: Variant, seed: int, env: dict[str, str], threads
         env["OMP_NUM_THREADS"] = str(threads)
     r = d.recipe(variant, seed)
     ran = run_recorded(r.argv, directory, RUN_RECORD, "repro.log", env, done="summary.json", inputs=r.inputs)
-    return _outcome(directory, ran.returncode, ran.error, ran.wall_s, ran.reused)
+    return seed_outcome(directory, ran.returncode, ran.error, ran.wall_s, ran.reused)
 
 
 def _interrupted(d: Diagnosis, stop: RunsInterrupted) -> Interrupted:
     """Write the partial report (the runs that finished, in this call or before) and say what was
     interrupted."""
-    finished = {v.name: {s: _outcome(d.run_dir(v.name, s), 0, None, rec.get("wall_s", 0.0)) for s in d.seeds
+    finished = {v.name: {s: seed_outcome(d.run_dir(v.name, s), 0, None, rec.get("wall_s", 0.0)) for s in d.seeds
                          if (rec := reusable(d.run_dir(v.name, s), RUN_RECORD, d.recipe(v, s), "summary.json"))}
                 for v in d.variants}
     stopped = [f"{v.name} seed {s}" for v, s in stop.stopped]
@@ -306,7 +306,8 @@ def _interrupted_line(i: dict) -> str:
             f"{i['finished_runs']} finished run(s) kept")
 
 
-def _outcome(directory: Path, code: int, error: str | None, wall: float, reused: bool = False) -> SeedRun:
+def seed_outcome(directory: Path, code: int, error: str | None, wall: float, reused: bool = False) -> SeedRun:
+    """One repro run's outcome from its exit code and summary.json (diagnose's runs, bisect's probes)."""
     summary_file = directory / "summary.json"
     if code != 0 or not summary_file.is_file():
         return SeedRun(None, error=error or f"exit code {code}, no summary.json", wall_s=wall)
