@@ -19,6 +19,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# Writes demo-out/ (original, proxy, run, seaweedfs): a rerun replaces those and keeps what you
+# wrote there; `make clean` removes it all.
 demo: $(STAMP)
 	$(BIN)/python -m moe_proxy.demo
 

@@ -184,8 +184,8 @@ def test_a_rerun_reuses_only_what_the_same_content_made_and_refuses_another_bise
     out = tmp_path / "b"
     command = ["bisect", str(run), "--out", str(out), *ARGS]
     assert main(command) == 0 and main(command) == 0
-    assert "reused (same checkpoint content, moe-proxy version and flags): probes of step(s) 20, 10" in \
-        capsys.readouterr().out
+    said = "reused (same checkpoint content, moe-proxy version and flags): the probes of step(s) 20, 10"
+    assert said in capsys.readouterr().out and said.capitalize() in (out / "report.md").read_text()
     make_tiny("qwen3_moe", tmp_path / "restarted", seed=1)
     write_run(tmp_path / "restarted", run, {10: OVERFLOWS})
     assert main(command) == 0

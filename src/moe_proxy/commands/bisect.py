@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     if not report["monotone"]:
         print("not monotone: " + "; ".join(report["not_monotone"]))
     if reused := [str(p["step"]) for p in report["probes"] if p["reused"]]:
-        print(f"reused (same checkpoint content, moe-proxy version and flags): probes of step(s) {', '.join(reused)}")
+        print(f"reused (same checkpoint content, moe-proxy version and flags): the probes of step(s) "
+              f"{', '.join(reused)}")
     print(f"report: {args.out}/report.md")
     return 0
 

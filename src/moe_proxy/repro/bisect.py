@@ -399,6 +399,9 @@ def _markdown(r: dict) -> str:
     if not r["monotone"]:
         lines += ["**Not monotone**: " + "; ".join(r["not_monotone"]) + ". One probe per checkpoint decides "
                   "nothing then: rerun with more steps or more seeds (--seeds).", ""]
+    if reused := [str(p["step"]) for p in r["probes"] if p["reused"]]:
+        lines += [f"Reused (same checkpoint content, moe-proxy version and flags): the probes of step(s) "
+                  f"{', '.join(reused)}.", ""]
     lines += ["| probe | step | verdict | onset | note |", "|---|---|---|---|---|"]
     lines += [f"| {n} | {p['step']} | {p['state']} | {p['onset'] if p['onset'] is not None else '-'} | "
               f"{p['note'] or ''} |" for n, p in enumerate(r["probes"], 1)]
