@@ -32,8 +32,10 @@ from pathlib import Path
 
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.errors import BisectStopped, InvalidRange, MoeProxyError, ProbeFailed, TooFewCheckpoints
+from moe_proxy.options import PruningOptions, from_args
 from moe_proxy.repro.diagnose import SeedRun, seed_outcome
-from moe_proxy.repro.processes import Interrupted, Stopped, claim_out, content_key, run_recorded, stop_children
+from moe_proxy.repro.processes import (Interrupted, Stopped, claim_out, content_key, parse_as, run_recorded,
+                                       stop_children)
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +96,8 @@ def sources(prefix: str, pattern: str | None, step_regex: str | None, good: int 
     return found
 
 
-def build_options(build_flags: list[str]):
+def build_options(build_flags: list[str]) -> PruningOptions:
     """The probes' PruningOptions, as `moe-proxy build SRC DST <build_flags>` reads them (checked)."""
-    from moe_proxy.options import PruningOptions, from_args
-    from moe_proxy.repro.processes import parse_as
-
     options = from_args(PruningOptions, parse_as("build", ["SRC", "DST", *build_flags])).resolved()
     options.validate()
     return options
