@@ -49,9 +49,9 @@ log = logging.getLogger(__name__)
 BASELINE = "baseline"
 RUN_RECORD = "diagnose-run.json"  # a run's arguments and outcome: what a rerun reuses
 OUTPUTS = ("runs", "report.json", "report.md", "matrix.png", "curves.png")  # what a diagnosis writes in --out
-FIXED, FIXED_BUT, REPRODUCED, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN = (
+FIXED, FIXED_BUT, REPRODUCED_AGAIN, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN = (
     "fixed", "fixed-but", "reproduced", "no-change", "inconclusive", "error", "not-run")
-VERDICTS = (FIXED, FIXED_BUT, REPRODUCED, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN)
+VERDICTS = (FIXED, FIXED_BUT, REPRODUCED_AGAIN, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN)
 COST_METRICS = {k: COST_SERIES[k] for k in ("reward", "loss")}
 # repro's flags a diagnosis sets on each run itself, never the user's: where it writes, the
 # failure asked for, the Job's log, the progress bar.
@@ -341,7 +341,7 @@ def verdict(baseline: dict[int, SeedRun], candidate: dict[int, SeedRun], steps: 
         both = [s for s in back if s in judged]
         later = bool(both) and all(back[s] > baseline[s].step for s in both)
         said = ("delayed: " if later else "") + ", ".join(f"seed {s} step {t}" for s, t in sorted(back.items()))
-        return REPRODUCED, said + (f"; also {others}" if others else "")
+        return REPRODUCED_AGAIN, said + (f"; also {others}" if others else "")
     short = [s for s in judged if candidate[s].steps <= baseline[s].step]  # stopped before the onset: no cure seen
     if short:
         return INCONCLUSIVE, "; ".join([*(f"seed {s} did not get past the baseline's onset at step {baseline[s].step}"
