@@ -67,8 +67,14 @@ def test_quick_verdict_lab_compares_proxies_with_the_original(tmp_path):
     for proxy in ("seq-recon-0.5", "random-0.5", "random-nosuper-0.5"):
         figures = result["agreement"][proxy]
         assert "super-fp16" in figures["splitting"]["scenarios"]
-        assert figures["scenarios"][scenario]["cells"] == 2 and 0 <= figures["scenarios"][scenario]["verdicts_equal"] <= 2
         assert figures["scenarios"][scenario]["onset_cells"] == 2  # the baseline's and lower-lr's overflow
+    # verdict agreement is the diagnoses' own: per scenario, the candidates whose verdict is the original's
+    for name, diagnosed in result["diagnoses"].items():
+        original = diagnosed["original"]["verdicts"]
+        for proxy in ("seq-recon-0.5", "random-0.5", "random-nosuper-0.5", "original-other-seeds"):
+            mine, row = diagnosed[proxy]["verdicts"], result["agreement"][proxy]["scenarios"][name]
+            assert set(mine) == set(original) and row["cells"] == 2, (name, proxy)
+            assert row["verdicts_equal"] == sum(mine[c] == original[c] for c in original), (name, proxy, mine, original)
     checks = {c["scenario"]: c for c in result["one_by_one"]}
     assert set(checks) == set(result["diagnoses"])
     for check in checks.values():
