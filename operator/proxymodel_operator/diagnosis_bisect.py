@@ -6,8 +6,11 @@ A probe is the CLI's: the proxy of one checkpoint (a ProxyModel child `<diagnosi
 made from the template as a CheckpointWatch makes its own, its reproduction off) and one
 reproduction run from it (`diagnosis_decisions.run_manifest`, the workload a candidate run is,
 judged by the same `finished_row`). Which checkpoint comes next, and what the probes say in the
-end, are `moe_proxy.repro.bisect.next_probe` and `findings`: the CLI's search rule itself.
-Probes run one at a time (each depends on the last).
+end, are `moe_proxy.repro.bisect.next_probe` and `findings`: the CLI's search rule itself, and
+a probe's run is judged by its `judge_probe` (a run stopped early by another failure, NaN say, is
+inconclusive, never clean: the search steps around it and status.inconclusive names it). One
+seed per probe (the CLI's --seeds is not yet the Diagnosis's). Probes run one at a time (each
+depends on the last).
 
 Status is the single source of truth, as for the matrix: the listed checkpoints and the spec
 they were listed with (`status.bisection`) are fixed once recorded, and a probe's row says
@@ -22,13 +25,13 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from moe_proxy.repro.bisect import Probe, findings, next_probe
+from moe_proxy.repro.bisect import PROBE_STATES, Probe, findings, judge_probe, next_probe
 
 from .diagnosis_decisions import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
                                   FAILED_CONDITION, LABEL_DIAGNOSIS, RUN_DONE, RUN_ERROR, RUN_RUNNING,
                                   RUNNING_CONDITION, DiagnosisDecision, DiagnosisSpec, InvalidDiagnosis, NotYet,
                                   RunVariant, baseline_of, condition_changed, finished_row, proxy_built, refused,
-                                  run_manifest, set_condition)
+                                  run_manifest, seed_run, set_condition)
 from .outcome import RUNNING as OUTCOME_RUNNING, Outcome
 from .resources import LABEL_ROLE, PROXYMODELS, SERVICES
 from .settings import Settings
@@ -158,7 +161,7 @@ def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings:
         if failed:
             return _failed(status, probes, current, failed, generation, out)
     if in_flight({"probes": probes}) is None:
-        done = {p["index"]: bool(p["reproduced"]) for p in probes}
+        done = {p["index"]: p["reproduced"] for p in probes}  # None: inconclusive, stepped around
         nxt = next_probe(len(checkpoints), done, rec.get("good") is not None)
         if nxt.probe is not None:
             c = checkpoints[nxt.probe]
@@ -221,10 +224,13 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
     row = finished_row({}, outcome, baseline.steps)
     if row["phase"] == RUN_ERROR:
         return f"the run of probe step {p['step']} failed: {row['message']}"
-    p.update(phase=RUN_DONE, reproduced=row["reproduced"], signature=row["signature"], onset=row["step"],
-             stepsCompleted=row["stepsCompleted"])
-    said = f"{row['signature']} at step {row['step']}" if row["reproduced"] else "clean"
-    out.events.append(("Normal", "ProbeFinished", f"step {p['step']}: {said}"))
+    # the CLI's rule for a probe: a run stopped early by another failure (NaN) cannot say clean
+    reproduced, note = judge_probe({p["seed"]: seed_run(row)})
+    p.update(phase=RUN_DONE, reproduced=reproduced, state=PROBE_STATES[reproduced], note=note or None,
+             signature=row["signature"], onset=row["step"], stepsCompleted=row["stepsCompleted"])
+    said = f"{row['signature']} at step {row['step']}" if reproduced else PROBE_STATES[reproduced]
+    out.events.append(("Normal" if reproduced is not None else "Warning", "ProbeFinished",
+                       f"step {p['step']}: {said}" + (f" ({note})" if note else "")))
     return None
 
 
@@ -243,21 +249,25 @@ def _failed(status: dict, probes: list[dict], p: dict, message: str, generation:
 
 def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: int | None, generation: int,
               out: DiagnosisDecision) -> DiagnosisDecision:
-    as_probes = [(p["index"], Probe(p["checkpoint"], p["step"], bool(p["reproduced"]), p.get("signature"),
-                                    p.get("onset"))) for p in probes]
+    as_probes = [(p["index"], Probe(p["checkpoint"], p["step"], p["reproduced"], p.get("signature"), p.get("onset"),
+                                    p.get("note") or "")) for p in probes]
     found = findings(first, as_probes, [SimpleNamespace(**c) for c in checkpoints])
     s = out.status
     said = (f"first bad checkpoint: step {found['first_bad']['step']} ({found['first_bad']['checkpoint']}); "
             if found["first_bad"] else "no checkpoint reproduces; ") + found["boundary"]
     if not found["monotone"]:
         said += "; not monotone: " + "; ".join(found["not_monotone"])
+    if found["inconclusive"]:
+        said += "; could not judge step " + ", ".join(str(i["step"]) for i in found["inconclusive"])
     s.update(probes=probes, firstBad=found["first_bad"], boundary=found["boundary"], monotone=found["monotone"],
-             notMonotone=found.get("not_monotone"), builds=found["builds"], phase=DIAGNOSED, message=said[:1024],
+             notMonotone=found.get("not_monotone"), inconclusive=found["inconclusive"] or None,
+             builds=found["builds"], phase=DIAGNOSED, message=said[:1024],
              done=len(probes), progress=f"{len(probes)} probed of {len(checkpoints)}")
     set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every probe finished", generation)
     set_condition(status, s, COMPLETE_CONDITION, True, "FirstBadFound" if found["first_bad"] else "NoneBad", said,
          generation)
-    out.events.append(("Normal" if found["monotone"] else "Warning", "BisectionComplete", said))
+    out.events.append(("Normal" if found["monotone"] and not found["inconclusive"] else "Warning",
+                       "BisectionComplete", said))
     return out
 
 

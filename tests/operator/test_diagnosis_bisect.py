@@ -70,8 +70,9 @@ def _apply(body: dict, decision) -> dict:
     return body
 
 
-def _bisect_without_a_cluster(n: int, bad_from: int, restart_at: int | None = None):
-    """Drive the decisions over `n` checkpoints (those from `bad_from` on reproduce at step 0):
+def _bisect_without_a_cluster(n: int, bad_from: int, restart_at: int | None = None, nan_at: frozenset = frozenset()):
+    """Drive the decisions over `n` checkpoints (those from `bad_from` on reproduce at step 0,
+    those in `nan_at` stop at step 0 on NaN before the failure could come):
     each tick's ProxyModel and run exist once created (`restart_at`: the probe number whose
     ProxyModel and run creations are lost once, as when the operator stops between the status
     write and the create). Returns the final body and every (kind, name) created."""
@@ -90,7 +91,9 @@ def _bisect_without_a_cluster(n: int, bad_from: int, restart_at: int | None = No
             reproduced = probe["index"] >= bad_from
             seen[probe["workload"]] = Outcome(SUCCEEDED, report={
                 "reproduced": reproduced, "signature": "overflow" if reproduced else None,
-                "step": 0 if reproduced else None, "steps_completed": 1})
+                "step": 0 if reproduced else None, "steps_completed": 1} | (
+                {"steps_completed": 1, "stopped": "loss or weights are NaN; later steps would be meaningless",
+                 "also_seen": {"nan": 0}} if probe["index"] in nan_at else {}))
         decision = progress(body, child, seen, Settings())
         body = _apply(body, decision)
         for _, manifest in decision.create:
@@ -128,6 +131,26 @@ def test_the_probes_follow_the_clis_search_to_the_same_first_bad(n, bad_from):
     run = made[f"bx-step-{steps[-1]}-s0"]
     assert run["metadata"]["labels"][LABEL_DIAGNOSIS] == "bx" and run["spec"]["template"]["spec"]["containers"][0][
         "args"][1] == f"s3://proxies/bx-step-{steps[-1]}/"
+
+
+def test_a_probe_stopped_by_nan_is_inconclusive_and_stepped_around_as_the_clis_search_does():
+    """A run stopped on NaN before the failure asked for cannot say clean (it read clean before):
+    the probe is inconclusive, the search steps around it as the CLI's does, status names it."""
+    n, bad_from, nan_at = 8, 5, 3
+    body, _, _ = _bisect_without_a_cluster(n, bad_from, nan_at=frozenset({nan_at}))
+    status = body["status"]
+    steps = [10 * (i + 1) for i in range(n)]
+    first, expected = search([SimpleNamespace(step=s, uri=f"u{s}") for s in steps],
+                             lambda i: Probe(f"u{steps[i]}", steps[i], None if i == nan_at else i >= bad_from,
+                                             None, None), good_given=False)
+    assert nan_at in [i for i, _ in expected]  # the planted NaN lies on the search's path
+    assert [(p["index"], p["reproduced"]) for p in status["probes"]] == [(i, p.reproduced) for i, p in expected]
+    row = next(p for p in status["probes"] if p["index"] == nan_at)
+    assert row["state"] == "inconclusive" and row["note"] == "seed 0: stopped after 1 step by nan at step 0"
+    assert status["firstBad"]["step"] == steps[first] == steps[bad_from]
+    assert status["inconclusive"] == [{"step": steps[nan_at], "checkpoint": f"s3://{BUCKET}/run/global_step_"
+                                       f"{steps[nan_at]}/{HF}", "why": row["note"]}]
+    assert f"could not judge step {steps[nan_at]}" in status["message"]
 
 
 def test_a_probe_lost_between_status_and_create_is_made_again_under_its_name():

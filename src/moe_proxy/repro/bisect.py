@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 PROBE_RECORD = "bisect-run.json"
 BISECTION_FILES = ("probes", "report.json", "report.md")  # what a bisection writes in its --out (claim_out)
 FAILED_LOG_LINES = 30  # the end of a failed probe's log, kept in the partial report
+PROBE_STATES = {True: "reproduced", False: "clean", None: "inconclusive"}  # by Probe.reproduced
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Probe:
 
     @property
     def state(self) -> str:
-        return {True: "reproduced", False: "clean", None: "inconclusive"}[self.reproduced]
+        return PROBE_STATES[self.reproduced]
 
 
 @dataclass(frozen=True)
