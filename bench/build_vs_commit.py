@@ -1,7 +1,7 @@
 """The same build by today's tree and by an older commit's, each timed spawn to exit.
 
 Benchmarks that start the clock inside the process see only what runs after the imports they
-did first. Before the torch-free line (#15), `import moe_proxy.build` imported torch and
+did first. Before the torch-free line (#15), `import moe_proxy.pruning` imported torch and
 scikit-learn, so bench/build.py's old in-process clock left out about 5 CPU s that a user's
 `moe-proxy build` pays; after it, those imports happen inside `build_proxy` and were counted.
 This script settles such comparisons: the 1 GB benchmark checkpoint on a local SeaweedFS,
@@ -31,7 +31,7 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 def cpu(): u = resource.getrusage(resource.RUSAGE_SELF); return u.ru_utime + u.ru_stime
 a = json.loads(sys.argv[1])
-from moe_proxy.build import build_proxy  # every tree has it there (a module before #15, a package after)
+from moe_proxy.pruning import build_proxy  # every tree has it there (a module before #15, a package after)
 from moe_proxy.storage import open_store
 c, t = cpu(), time.perf_counter()
 src, dst = (open_store(u, endpoint_url=a["endpoint"]) for u in (a["src"], a["dst"]))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from moe_proxy.checkpoint.reader import INDEX, ITEMSIZE
 from moe_proxy.checkpoint.listing import CountingStore, list_checkpoints
-from moe_proxy.build.writer import OutTensor, header_bytes
+from moe_proxy.pruning.writer import OutTensor, header_bytes
 from moe_proxy.storage import LocalStore
 
 DSV3 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,

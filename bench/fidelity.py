@@ -65,15 +65,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "src"))
 
 from moe_proxy.options import PruningOptions  # noqa: E402
-from moe_proxy.build.steps import build_proxy  # noqa: E402
+from moe_proxy.pruning.steps import build_proxy  # noqa: E402
 from moe_proxy.calibrate.statistics import calibrate  # noqa: E402
 from moe_proxy.errors import InvalidExpertCount  # noqa: E402
 from moe_proxy.calibrate.statistics import load as load_calibration  # noqa: E402
-from moe_proxy.repro.compare import KEY_METRICS, compare_runs, load_run  # noqa: E402
+from moe_proxy.metrics.compare import KEY_METRICS, compare_runs, load_run  # noqa: E402
 from moe_proxy.sizing import SizingOptions, estimate  # noqa: E402
-from moe_proxy.repro.plots import plot_curves  # noqa: E402
-from moe_proxy.repro.config import Faults, ReproConfig  # noqa: E402
-from moe_proxy.repro.runner import run_repro  # noqa: E402
+from moe_proxy.metrics.plots import plot_curves  # noqa: E402
+from moe_proxy.rl.config import Faults, ReproConfig  # noqa: E402
+from moe_proxy.rl.runner import run_repro  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "fidelity"
 PACKAGE = Path(sys.modules["moe_proxy"].__file__).resolve().parent.parent  # where the moe_proxy in use lives
@@ -143,7 +143,7 @@ VARIANTS = [
     ("saliency-seq-recon", SEQ | dict(method="saliency", reconstruct=True)),
 ]
 DEFAULT = "seq-recon"  # the variant the targets are checked on: the build's default with --calibration
-# With build/merge.py (`build --merge`): cluster members merged into their representative.
+# With pruning/merge.py (`build --merge`): cluster members merged into their representative.
 MERGE_VARIANTS = [("merge", ONE_PASS | dict(reconstruct=False, merge=True)),
                   ("seq-merge-recon", SEQ | dict(merge=True, reconstruct=True))]
 # The default with a smaller top-k than the original's (`build --top-k`): at 12.5% of a top-4 model
@@ -999,7 +999,7 @@ def main() -> int:
     if (PACKAGE / "moe_proxy" / "build" / "merge.py").exists() and "merge" in inspect.signature(build_proxy).parameters:
         variants = VARIANTS + MERGE_VARIANTS
     else:
-        log.warning("build_proxy has no merge option (build/merge.py): merged variants skipped")
+        log.warning("build_proxy has no merge option (pruning/merge.py): merged variants skipped")
     if args.variants:
         only: dict[str, list[float]] = {}  # name -> its ratios ([] for every ratio)
         for spec in args.variants:

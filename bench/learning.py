@@ -2,7 +2,7 @@
 
 On the fidelity lab's tasks the reward is flat within a run (two-digit sums: the lab's small
 originals answer them with any two digits), so tracking there measures sampling noise. Here the
-task is one where the reward rises within the run: `small-sums` (moe_proxy.repro.task: one-digit
+task is one where the reward rises within the run: `small-sums` (moe_proxy.rl.task: one-digit
 sums, scored 1 - |answer - sum| / 10). The lab's trained original answers "3+4=" with two digits
 (reward about 0.05 at step 0) and learns to answer small numbers within about 20 steps at lr 1e-4
 (reward about 0.6): a change of its answers' first token and length that GRPO's advantages reach at

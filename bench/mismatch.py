@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.metrics_io import read_metrics
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.metrics.readers import read_metrics
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,11 +20,11 @@ import threadpoolctl
 if sys.argv[2] == "default":  # the pools as scikit-learn leaves them
     threadpoolctl.threadpool_limits = lambda **kw: contextlib.nullcontext()
 from moe_proxy.architectures import detect
-from moe_proxy.build.expert_plan import plan_experts
+from moe_proxy.pruning.expert_plan import plan_experts
 from moe_proxy.options import PruningOptions
 from moe_proxy.checkpoint.layout import find_layout
 from moe_proxy.checkpoint.reader import open_checkpoint
-import moe_proxy.build.features, moe_proxy.build.selection, sklearn.cluster  # imports are not planning
+import moe_proxy.pruning.features, moe_proxy.pruning.selection, sklearn.cluster  # imports are not planning
 ckpt = open_checkpoint(sys.argv[1])
 layout = find_layout(ckpt, detect(ckpt.config))
 cpu, wall = time.process_time(), time.perf_counter()

@@ -64,8 +64,8 @@ def rank_load(checkpoint: str) -> dict:
     import torch
 
     from moe_proxy.checkpoint.reader import open_checkpoint
-    from moe_proxy.repro.distributed import join, shard
-    from moe_proxy.repro.sharded_load import load_shards, meta_model
+    from moe_proxy.rl.distributed import join, shard
+    from moe_proxy.rl.sharded_load import load_shards, meta_model
     from moe_proxy.layerwise.load import load_causal_lm
 
     torch.set_num_threads(1)
@@ -90,8 +90,8 @@ def rank_step(checkpoint: str, out: str) -> dict:
     """One rank: one repro step."""
     import torch
 
-    from moe_proxy.repro.config import ReproConfig
-    from moe_proxy.repro.runner import run_repro
+    from moe_proxy.rl.config import ReproConfig
+    from moe_proxy.rl.runner import run_repro
 
     torch.set_num_threads(1)
     run_repro(checkpoint, out, ReproConfig(steps=1, batch_size=BATCH, group_size=GROUP, max_new_tokens=NEW_TOKENS,

@@ -87,7 +87,7 @@ def measure_cpu(quick: bool) -> Accelerator:
 
 
 def make_models(out: Path, width: int) -> dict[str, Path]:
-    from moe_proxy.build.steps import build_proxy
+    from moe_proxy.pruning.steps import build_proxy
     from moe_proxy.demo.tiny import make_tiny
     from moe_proxy.options import PruningOptions
 
@@ -128,8 +128,8 @@ def predict(path: Path, cpu: Accelerator, sequences: int, prompt: int, response:
 
 
 def run_and_compare(out: Path, width: int, cpu: Accelerator, config) -> list[Row]:
-    from moe_proxy.repro.metrics_io import read_metrics
-    from moe_proxy.repro.runner import run_repro
+    from moe_proxy.metrics.readers import read_metrics
+    from moe_proxy.rl.runner import run_repro
 
     rows = []
     for name, path in make_models(out, width).items():
@@ -183,7 +183,7 @@ def main() -> int:
 
     import torch
 
-    from moe_proxy.repro.config import ReproConfig
+    from moe_proxy.rl.config import ReproConfig
 
     torch.set_num_threads(1)  # the figures are one core's: the machine is shared
     if args.table or args.quick:

@@ -123,10 +123,10 @@ def fused_adamw():
 
 def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, tokens: int,
                    fused: bool = False) -> Timing:
-    from moe_proxy.repro.config import ReproConfig
-    from moe_proxy.repro.metrics_io import read_metrics
-    from moe_proxy.repro.routers import RouterTap
-    from moe_proxy.repro.runner import ActivationWatch, _Loop, run_repro
+    from moe_proxy.rl.config import ReproConfig
+    from moe_proxy.metrics.readers import read_metrics
+    from moe_proxy.rl.routers import RouterTap
+    from moe_proxy.rl.runner import ActivationWatch, _Loop, run_repro
 
     config = ReproConfig(steps=steps, batch_size=batch, group_size=group, max_new_tokens=tokens, precision="fp32",
                          mini_batches=1, kl_coef=0.04, lr=1e-5)
@@ -166,7 +166,7 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
-    from moe_proxy.repro.task import make_prompts
+    from moe_proxy.rl.task import make_prompts
 
     prompts = [p for step in range(steps) for p in make_prompts("arithmetic", 0, step, batch)]
     dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})

@@ -25,7 +25,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent / "src"))  # after PY
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from moe_proxy.build import build_proxy  # noqa: E402
+from moe_proxy.pruning import build_proxy  # noqa: E402
 from moe_proxy.calibrate import statistics as cal  # noqa: E402
 from moe_proxy.demo.tiny import tiny_config  # noqa: E402
 

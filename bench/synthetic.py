@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_proxy.build.writer import OutTensor, header_bytes
+from moe_proxy.pruning.writer import OutTensor, header_bytes
 
 KEYS = ("bench-access-key", "bench-secret-key")
 GB = 1 << 30

@@ -5,7 +5,7 @@ For each scenario (a failing run: a learning rate the model's own dynamics canno
 without the KL penalty, fp16 without loss scaling, fp16 on an original with a super expert planted
 past its range, router logits scaled by an injected fault, a bf16 rollout beside the fp32 trainer
 at a high learning rate, rollouts two steps stale as in asynchronous RL), `moe-proxy diagnose`
-(moe_proxy.repro.diagnose.diagnose, the function behind
+(moe_proxy.investigate.diagnose.diagnose, the function behind
 the command: each run a `moe-proxy repro` process) runs the baseline and 4-7 catalogue candidates
 that apply to it, on 2 seeds (4 for the routing collapses: Scenario.seeds), on the lab's trained Qwen3-MoE original (bench/fidelity.py: 4 layers,
 64 experts, top-4, trained on text), on its default proxies (`calibrate --experts N` + `build
@@ -79,7 +79,7 @@ class Scenario:
     flags: tuple[str, ...]  # repro flags after the lab's RL settings (the last value of a flag wins)
     fail_on: str
     steps: int
-    candidates: tuple[str, ...]  # catalogue names (moe_proxy.repro.catalogue), or NAME=--flag value (custom)
+    candidates: tuple[str, ...]  # catalogue names (moe_proxy.investigate.catalogue), or NAME=--flag value (custom)
     original: str = TRAINED  # which lab original it runs on (and its proxies)
     seeds: int | None = None  # sampling seeds of its runs (None: --seeds)
 
@@ -261,7 +261,7 @@ def candidate_name(candidate: str) -> str:
 
 def fixes(names: tuple[str, ...]) -> list:
     """Catalogue entries by name; NAME=--flag value,... a custom candidate (as `diagnose --candidate`)."""
-    from moe_proxy.repro.catalogue import custom, pick
+    from moe_proxy.investigate.catalogue import custom, pick
 
     return [custom(n) if "=" in n else pick([n])[0] for n in names]
 
@@ -271,7 +271,7 @@ def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenar
     """scenario -> model -> {"report": report.json, "wall_s", "runs_wall_s", "runs", "reused"}; `models`:
     original -> model name -> checkpoint. With `from_cache`, the finished diagnoses' reports as they
     are (nothing runs; the others left out)."""
-    from moe_proxy.repro.diagnose import RUN_RECORD, diagnose
+    from moe_proxy.investigate.diagnose import RUN_RECORD, diagnose
 
     out: dict = {}
     for scenario, s in scenarios.items():
@@ -326,8 +326,8 @@ def one_by_one(result: dict, root: Path, check_model: str, parallel: int, run: b
     does it fail at the same step, with the same key curves? The candidate: the first whose verdict
     is `reproduced`, else the first. A check made before (same arguments) is reused; without `run`,
     the scenarios without one are left out."""
-    from moe_proxy.repro.diagnose import RUN_RECORD
-    from moe_proxy.repro.metrics_io import read_metrics
+    from moe_proxy.investigate.diagnose import RUN_RECORD
+    from moe_proxy.metrics.readers import read_metrics
 
     checks = []
     for scenario, by_model in result.items():

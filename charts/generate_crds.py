@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the option fields of the ProxyModel CRD (crds/proxymodels.moeproxy.io.yaml) from the
 options models (src/moe_proxy/options.py): spec.pruning from PruningOptions,
-spec.calibration from TokenOptions, spec.reproduction's RL settings from repro.config.ReproConfig.
+spec.calibration from TokenOptions, spec.reproduction's RL settings from rl.config.ReproConfig.
 The fields only the operator has are kept as they are (for pruning and calibration: only those
 listed below), after the generated ones. The Diagnosis CRD (crds/diagnoses.moeproxy.io.yaml)
 takes its spec.failOn from the ProxyModel's spec.reproduction.failOn, its description kept.
@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from moe_proxy.options import PruningOptions, TokenOptions, crd_properties
-from moe_proxy.repro.config import ReproConfig
+from moe_proxy.rl.config import ReproConfig
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "proxymodels.moeproxy.io.yaml"
 DIAGNOSIS_CRD = CRD.with_name("diagnoses.moeproxy.io.yaml")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from moe_proxy.cli import main, subcommands, build_parser
-from moe_proxy.repro.catalogue import CATALOGUE
-from moe_proxy.repro.detect import SIGNATURES
+from moe_proxy.investigate.catalogue import CATALOGUE
+from moe_proxy.metrics.detect import SIGNATURES
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -55,7 +55,7 @@ def test_every_list_of_signatures_is_detects_own():
     for name, text in helps.items():
         assert choices in text, f"{name} --help does not list {choices}"
     with pytest.raises(Exception) as refused:
-        from moe_proxy.repro.detect import Signature
+        from moe_proxy.metrics.detect import Signature
 
         Signature.parse("garbage")
     assert choices in str(refused.value)

@@ -12,7 +12,7 @@ One kopf timer per Diagnosis. Every `tick` seconds (settings' diagnosis_tick) it
 A finished Diagnosis (Complete or Failed for its generation) reads nothing more.
 
 A bisection (spec.checkpoints, diagnosis_bisect) lists the run's checkpoints once (its
-CheckpointWatch's prefix, or its own; `moe_proxy.repro.bisect.sources`, the CLI's listing),
+CheckpointWatch's prefix, or its own; `moe_proxy.investigate.bisect.sources`, the CLI's listing),
 then reads only its probe in flight: that probe's ProxyModel and run.
 
 Registered (`register`) by the operator's main at start-up, as checkpoint_watch is (kopf takes
@@ -28,7 +28,7 @@ from typing import Any
 import kopf
 
 from moe_proxy.errors import InvalidRange, MoeProxyError, StorageError, TooFewCheckpoints
-from moe_proxy.repro.bisect import sources
+from moe_proxy.investigate.bisect import sources
 
 from . import diagnosis_bisect as bisection, handlers, kube  # noqa: F401 - handlers' startup handler: settings
 from .checkpoint_watch import CHECKPOINT_WATCHES, REASONS

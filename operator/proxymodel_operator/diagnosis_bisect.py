@@ -6,7 +6,7 @@ A probe is the CLI's: the proxy of one checkpoint (a ProxyModel child `<diagnosi
 made from the template as a CheckpointWatch makes its own, its reproduction off) and one
 reproduction run from it (`diagnosis_decisions.run_manifest`, the workload a candidate run is,
 judged by the same `finished_row`). Which checkpoint comes next, and what the probes say in the
-end, are `moe_proxy.repro.bisect.next_probe` and `findings`: the CLI's search rule itself, and
+end, are `moe_proxy.investigate.bisect.next_probe` and `findings`: the CLI's search rule itself, and
 a probe's run is judged by its `judge_probe` (a run stopped early by another failure, NaN say, is
 inconclusive, never clean: the search steps around it and status.inconclusive names it). One
 seed per probe (the CLI's --seeds is not yet the Diagnosis's). Probes run one at a time (each
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from moe_proxy.repro.bisect import PROBE_STATES, Probe, findings, judge_probe, next_probe
+from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_probe
 
 from .diagnosis_decisions import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
                                   FAILED_CONDITION, LABEL_DIAGNOSIS, RUN_DONE, RUN_ERROR, RUN_RUNNING,

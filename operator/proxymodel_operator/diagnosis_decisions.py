@@ -7,7 +7,7 @@ baseline: its reproduction, as its spec and plan say) and the same run with each
 (the baseline's container arguments plus the candidate's repro flags), on every seed, each
 run one reproduction workload of the planned size (`reproduction.reproduction_workload`, the
 builder the ProxyModel's own reproduction uses). Candidates come from the CLI's catalogue
-(`moe_proxy.repro.catalogue`) and verdicts from its rule (`moe_proxy.repro.diagnose.verdict`),
+(`moe_proxy.investigate.catalogue`) and verdicts from its rule (`moe_proxy.investigate.diagnose.verdict`),
 so the cluster judges exactly as the CLI does.
 
 Status is the single source of truth: every run has a row (`status.baseline.runs`,
@@ -24,10 +24,10 @@ import hashlib
 from dataclasses import dataclass, field, replace
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.repro.catalogue import CATALOGUE, pick
-from moe_proxy.repro.diagnose import (BASELINE, FIXED, FIXED_BUT, NOT_RUN, OWN_FLAGS, SeedRun, against,
+from moe_proxy.investigate.catalogue import CATALOGUE, pick
+from moe_proxy.investigate.diagnose import (BASELINE, FIXED, FIXED_BUT, NOT_RUN, OWN_FLAGS, SeedRun, against,
                                       changed_settings, cost_of, cost_window, findings, repro_config, verdict)
-from moe_proxy.repro.verdict import series_rows
+from moe_proxy.metrics.verdict import series_rows
 
 from .children import MAX_NAME
 from .diagnosis_baseline import changes as baseline_changes, pin

@@ -61,7 +61,7 @@ def repro_args(spec: ProxyModelSpec, proxy_uri: str, runtime: Runtime | None = N
                where: Placement | None = None) -> list[str]:
     """`moe-proxy repro` for one pod: with a placement, this node's ranks of the whole run."""
     r = spec.reproduction
-    # spec.reproduction's RL settings as the CLI spells them (the same model: repro.config.ReproConfig);
+    # spec.reproduction's RL settings as the CLI spells them (the same model: rl.config.ReproConfig);
     # steps and precision always, as their ProxyModel defaults are not the CLI's.
     args = ["repro", proxy_uri, "--out", RUN_DIR] + to_args(r.config, always=("steps", "precision"))
     if r.fail_on:

@@ -13,8 +13,8 @@ from typing import Any
 
 from moe_proxy.errors import InvalidOptions, MoeProxyError
 from moe_proxy.options import S3_URI, PruningOptions, TokenOptions, calibration_needs, from_crd, reconstructs
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.detect import SIGNATURES as DETECTED_SIGNATURES
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.metrics.detect import SIGNATURES as DETECTED_SIGNATURES
 from moe_proxy.storage import overlap
 
 from .runtimes import RUNTIMES

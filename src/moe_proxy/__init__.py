@@ -28,19 +28,21 @@ TORCH_FREE = (
     "moe_proxy.checkpoint.layout",
     "moe_proxy.checkpoint.listing",  # the listing (`checkpoints`, the operator's CheckpointWatch)
     "moe_proxy.checkpoint.summary",  # `inspect`
-    "moe_proxy.build.writer",
-    "moe_proxy.build.config",
-    "moe_proxy.repro.compare",  # numpy only
-    "moe_proxy.repro.plots",  # matplotlib when a plot is drawn
-    "moe_proxy.repro",
-    "moe_proxy.repro.config",
-    "moe_proxy.repro.detect",
-    "moe_proxy.repro.metrics_io",
-    "moe_proxy.repro.source",  # a run's checkpoint, checked before torch loads
-    "moe_proxy.repro.catalogue",  # diagnose's candidate fixes: repro flags
-    "moe_proxy.repro.diagnose",  # runs are child processes: torch loads in them
-    "moe_proxy.repro.processes",
-    "moe_proxy.repro.bisect",
+    "moe_proxy.pruning.writer",
+    "moe_proxy.pruning.config",
+    "moe_proxy.rl",
+    "moe_proxy.rl.config",
+    "moe_proxy.rl.source",  # a run's checkpoint, checked before torch loads
+    "moe_proxy.metrics",
+    "moe_proxy.metrics.compare",  # numpy only
+    "moe_proxy.metrics.plots",  # matplotlib when a plot is drawn
+    "moe_proxy.metrics.detect",
+    "moe_proxy.metrics.metrics_io",
+    "moe_proxy.investigate",
+    "moe_proxy.investigate.catalogue",  # diagnose's candidate fixes: repro flags
+    "moe_proxy.investigate.diagnose",  # runs are child processes: torch loads in them
+    "moe_proxy.investigate.processes",
+    "moe_proxy.investigate.bisect",
     "moe_proxy.cli",
     "moe_proxy.commands",
     "moe_proxy.commands._common",

@@ -12,7 +12,7 @@ import sys
 
 from moe_proxy import __version__
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.repro.processes import Interrupted
+from moe_proxy.investigate.processes import Interrupted
 from moe_proxy.reports import EXIT_BAD_INPUT
 
 # Subcommand modules, in the order `moe-proxy --help` lists them.

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_proxy.repro.routers import find_routers, moe_metrics, router_output
+from moe_proxy.rl.routers import find_routers, moe_metrics, router_output
 
 # The decoder layers whose output (the residual stream) is watched: runner.ActivationWatch's rule.
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")

@@ -41,7 +41,7 @@ def test_code_version_follows_what_the_lab_imports_directly_or_not(lab, tmp_path
 def test_the_real_lab_key_covers_the_library_code_it_runs(lab):
     package = lab.PACKAGE.resolve() / "moe_proxy"
     sources = set(lab.imported_sources(BENCH / "fidelity.py"))
-    for module in ("repro/runner.py", "build/steps.py", "calibrate/statistics.py", "layerwise/model.py",
+    for module in ("rl/runner.py", "pruning/steps.py", "calibrate/statistics.py", "layerwise/model.py",
                    "storage/__init__.py", "sizing.py"):
         assert package / module in sources, module
     assert (BENCH / "fidelity.py").resolve() in sources and package / "cli.py" not in sources

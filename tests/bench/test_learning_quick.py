@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from moe_proxy.repro.metrics_io import read_jsonl
+from moe_proxy.metrics.metrics_io import read_jsonl
 
 from .conftest import BENCH
 

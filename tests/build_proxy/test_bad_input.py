@@ -7,13 +7,13 @@ import pytest
 import torch
 import transformers
 
-import moe_proxy.build.steps as build_module
-from moe_proxy.build.steps import build_proxy
+import moe_proxy.pruning.steps as build_module
+from moe_proxy.pruning.steps import build_proxy
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, InvalidExpertCount, NotMoE, UnsupportedArchitecture
 from moe_proxy.demo.tiny import make_tiny
-from moe_proxy.build.verify import verify
+from moe_proxy.pruning.verify import verify
 
 from .corrupt import edit_config, edit_shard, renumber_expert, shard_of
 

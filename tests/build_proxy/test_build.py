@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.build.steps import build_proxy, prepare, write_share
+from moe_proxy.pruning.steps import build_proxy, prepare, write_share
 from moe_proxy.options import PruningOptions
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.cli import main
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.storage import LocalStore
 from moe_proxy.demo.tiny import make_tiny
-from moe_proxy.build.verify import verify
+from moe_proxy.pruning.verify import verify
 
 
 def rewrite_tensors(path, fn):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moe_proxy.build import build_proxy
+from moe_proxy.pruning import build_proxy
 from moe_proxy.cli import main
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.sizing import SizingOptions, estimate

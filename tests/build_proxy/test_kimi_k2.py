@@ -8,15 +8,15 @@ import pytest
 import torch
 import transformers
 
-from moe_proxy.build import heal
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.pruning import heal
+from moe_proxy.pruning.steps import build_proxy
 from moe_proxy.calibrate.statistics import calibrate
 from moe_proxy.layerwise.load import load_causal_lm
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.metrics_io import read_metrics
-from moe_proxy.repro.runner import run_repro
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.metrics.readers import read_metrics
+from moe_proxy.rl.runner import run_repro
 from moe_proxy.demo.tiny import make_tiny_kimi_k2
-from moe_proxy.build.verify import verify
+from moe_proxy.pruning.verify import verify
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Selecting experts while the shards stream (build/plan_ahead.py, issue 31 item 2): the same bytes as
+"""Selecting experts while the shards stream (pruning/plan_ahead.py, issue 31 item 2): the same bytes as
 selecting first, at any number of workers, each worker selecting only its own layers; resumable;
 and selecting first where a layer's experts are split over shards."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from moe_proxy.build import plan_ahead
-from moe_proxy.build.steps import build_proxy, build_share, finalize_build, journal_name, prepare
+from moe_proxy.pruning import plan_ahead
+from moe_proxy.pruning.steps import build_proxy, build_share, finalize_build, journal_name, prepare
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.options import PruningOptions

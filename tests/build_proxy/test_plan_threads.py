@@ -3,7 +3,7 @@
 from threadpoolctl import threadpool_info
 
 from moe_proxy.architectures import detect
-from moe_proxy.build.expert_plan import plan_experts
+from moe_proxy.pruning.expert_plan import plan_experts
 from moe_proxy.options import PruningOptions
 from moe_proxy.checkpoint.layout import find_layout
 from moe_proxy.checkpoint.reader import open_checkpoint

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.build.selection import select
+from moe_proxy.pruning.selection import select
 
 
 def planted(groups: int, per: int, dim: int = 16, seed: int = 0, noise: float = 1e-3):

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.pruning.steps import build_proxy
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.demo.tiny import make_tiny
-from moe_proxy.build.verify import verify
+from moe_proxy.pruning.verify import verify
 
 from .corrupt import edit_config, edit_shard, renumber_expert, shard_of
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from moe_proxy.build.steps import assign_shards, build_proxy, build_share, finalize_build, journal_name
+from moe_proxy.pruning.steps import assign_shards, build_proxy, build_share, finalize_build, journal_name
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint
-from moe_proxy.build.verify import verify
+from moe_proxy.pruning.verify import verify
 
 
 @pytest.fixture
@@ -66,8 +66,8 @@ def test_partition_is_balanced_and_complete(src, tmp_path):
     """Every shard once; no worker's bytes above 1.02 x the mean, unless one shard alone is (the
     embeddings' here, at 5 workers: it then sets the most loaded worker). Split in file order,
     round robin or in runs, the heaviest worker gets 1.2-1.7 x the mean."""
-    from moe_proxy.build.steps import prepare
-    from moe_proxy.build.writer import shard_size
+    from moe_proxy.pruning.steps import prepare
+    from moe_proxy.pruning.writer import shard_size
     from moe_proxy.options import PruningOptions
 
     p = prepare(str(src), str(tmp_path / "x"), PruningOptions(experts=8), False, False, None)
@@ -81,7 +81,7 @@ def test_partition_is_balanced_and_complete(src, tmp_path):
 
 
 def test_split_balances_bytes_where_largest_first_does_not():
-    from moe_proxy.build.writer import OutTensor, shard_size
+    from moe_proxy.pruning.writer import OutTensor, shard_size
 
     # The 8 GB benchmark checkpoint's proxy shards: two with the embeddings, 18 equal layer shards.
     # Largest-first alone gives two workers 5 shards' worth more: 518 MB against a 451 MB mean.
@@ -102,7 +102,7 @@ def _two_workers(src, dst):
 def test_finalize_takes_the_workers_plan(src, tmp_path, monkeypatch):
     import sys
 
-    import moe_proxy.build.steps as pipeline
+    import moe_proxy.pruning.steps as pipeline
 
     single = tmp_path / "single"
     build_proxy(str(src), str(single), experts=8)
@@ -212,7 +212,7 @@ class RecordingDestination:
 
 def test_uploads_overlap_by_one_shard_and_commit_in_order(src, tmp_path):
     from moe_proxy.options import PruningOptions
-    from moe_proxy.build.steps import prepare, write_share
+    from moe_proxy.pruning.steps import prepare, write_share
 
     dst = RecordingDestination(tmp_path / "dst")
     p = prepare(str(src), dst, PruningOptions(experts=8), False, False, None)

@@ -1,4 +1,4 @@
-"""`--experts auto --max-kl` as a search (build/auto.py, issue 31): one pass measures every
+"""`--experts auto --max-kl` as a search (pruning/auto.py, issue 31): one pass measures every
 count's plain proxy, then full builds (fits and figure) go only where the answer can change.
 The full builds and the measurement passes are counted as they happen; the answers are checked
 against builds made independently, count by count."""
@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-import moe_proxy.build.fidelity as fidelity
-import moe_proxy.build.reconstruct as reconstruct
-from moe_proxy.build.auto import Search
+import moe_proxy.pruning.fidelity as fidelity
+import moe_proxy.pruning.reconstruct as reconstruct
+from moe_proxy.pruning.auto import Search
 from moe_proxy.errors import FidelityTargetNotMet
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.pruning.steps import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.demo.tiny import make_tiny
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-import moe_proxy.build.reconstruct as rec
+import moe_proxy.pruning.reconstruct as rec
 from moe_proxy.options import reconstructs
 from moe_proxy.cli import main
 from moe_proxy.demo.tiny import make_tiny

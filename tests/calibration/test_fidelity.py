@@ -1,4 +1,4 @@
-"""The fidelity figure of a calibrated build (build/fidelity.py): checked against the full
+"""The fidelity figure of a calibrated build (pruning/fidelity.py): checked against the full
 transformers models on the same held-out tokens, zero for a proxy that keeps every expert,
 recorded in the manifest and shown by build, verify and the termination report; and
 `--experts auto --max-kl`, whose answer is known from independent measurements."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from moe_proxy.build.fidelity import held_out
+from moe_proxy.pruning.fidelity import held_out
 from moe_proxy.errors import FidelityTargetNotMet
-from moe_proxy.build.steps import build_proxy, build_share
-from moe_proxy.build.verify import as_json, text, verify
+from moe_proxy.pruning.steps import build_proxy, build_share
+from moe_proxy.pruning.verify import as_json, text, verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main
 from moe_proxy.commands.build import summary

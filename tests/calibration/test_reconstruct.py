@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from moe_proxy.build import reconstruct as rec
-from moe_proxy.build.steps import build_proxy, build_share, finalize_build, fit_for_workers
-from moe_proxy.build.verify import verify
+from moe_proxy.pruning import reconstruct as rec
+from moe_proxy.pruning.steps import build_proxy, build_share, finalize_build, fit_for_workers
+from moe_proxy.pruning.verify import verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
 from moe_proxy.layerwise.blocks import block_io
@@ -149,8 +149,8 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
     """A 2-worker build that fits (reconstruct, merge, heal) writes the same shards as a 1-worker
     build; with a fit step first, every layer is fitted once: neither the workers nor finalize
     fit again (counted), and the fits are gone once the proxy is published."""
-    from moe_proxy.build import expert_plan
-    from moe_proxy.build.steps import fits_name
+    from moe_proxy.pruning import expert_plan
+    from moe_proxy.pruning.steps import fits_name
     from moe_proxy.checkpoint.reader import MANIFEST
 
     src = tmp_path / "src"
@@ -166,7 +166,7 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
         fitted.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("moe_proxy.build.steps.plan_experts", counted)
+    monkeypatch.setattr("moe_proxy.pruning.steps.plan_experts", counted)
     dst = tmp_path / "two"
     done = fit_for_workers(str(src), str(dst), workers=2, **common)
     assert done and (dst / done).exists() and len(fitted) == 1

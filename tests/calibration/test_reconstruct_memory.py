@@ -25,8 +25,8 @@ LAYER_BYTES = 32 * 3 * 256 * 1024 * 2
 # the test's process); a few fit steps: memory, not quality, is measured.
 PEAK = """
 import sys
-import moe_proxy.build.reconstruct as rec
-from moe_proxy.build.steps import build_proxy
+import moe_proxy.pruning.reconstruct as rec
+from moe_proxy.pruning.steps import build_proxy
 rec.RECON_STEPS = rec.RECON_PATIENCE = 3
 build_proxy(sys.argv[1], sys.argv[2], experts=16, method="saliency", calibration=sys.argv[3], reconstruct=True)
 print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])

@@ -13,7 +13,7 @@ import yaml
 from moe_proxy.cli import build_parser
 from moe_proxy.options import (CLI_ONLY, PruningOptions, TokenOptions, crd_properties, flag, from_args,
                                options_of)
-from moe_proxy.repro.config import Faults, ReproConfig
+from moe_proxy.rl.config import Faults, ReproConfig
 from proxymodel_operator.reproduction import repro_args
 from proxymodel_operator.settings import Settings
 from proxymodel_operator.spec import parse

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from moe_proxy.checkpoint.reader import INDEX, ITEMSIZE, MANIFEST
-from moe_proxy.build.writer import OutTensor, header_bytes
+from moe_proxy.pruning.writer import OutTensor, header_bytes
 
 QWEN3_TINY = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 128,

@@ -14,7 +14,7 @@ PACKAGES = ("moe_proxy", "proxymodel_operator")
 
 @dataclass(frozen=True)
 class Module:
-    name: str  # dotted: moe_proxy.build.heal
+    name: str  # dotted: moe_proxy.pruning.heal
     path: Path
     tree: ast.Module
 

@@ -12,7 +12,7 @@ from fnmatch import fnmatch
 from .sources import REPO, modules
 
 KNOWN = {  # constant -> why it is still defined twice (remove the entry when it is not)
-    "SIGNATURES": "repro/detect.py's detected signatures, and the operator spec's accepted ones (those and "
+    "SIGNATURES": "metrics/detect.py's detected signatures, and the operator spec's accepted ones (those and "
                   "`threshold`): both files are being reworked into the options model",
     "FAILED": "a workload's outcome (outcome.py) and a ProxyModel's phase (status.py, imported as PHASE_FAILED)",
 }
@@ -63,8 +63,8 @@ def test_the_known_pairs_are_still_there():
 # Names that had two or three meanings (#25) and were renamed: the word -> what it means now.
 RETIRED_MODULES = {
     "pipeline": "the operator's ProxyModel steps only (proxymodel_operator.pipeline); the build's "
-                "streaming is moe_proxy.build.steps",
-    "describe": "gone: checkpoint.summary (inspect), build.fidelity.figure_lines, build.merge.merge_record",
+                "streaming is moe_proxy.pruning.steps",
+    "describe": "gone: checkpoint.summary (inspect), pruning.fidelity.figure_lines, pruning.merge.merge_record",
     "watch_plan": "proxymodel_operator.watch_decisions: `plan` is the sizing of devices and ExpertPlan",
 }
 

@@ -17,7 +17,7 @@ def test_imports_without_torch(module):
     assert r.returncode == 0, f"{module} needs a blocked package:\n{r.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("module", ["moe_proxy.build.features", "moe_proxy.build.merge", "sklearn.cluster"])
+@pytest.mark.parametrize("module", ["moe_proxy.pruning.features", "moe_proxy.pruning.merge", "sklearn.cluster"])
 def test_the_blocker_blocks(module):
     """A module that does need torch (features), scipy (merge) or scikit-learn fails to import,
     so a pass above means something. (selection loads scikit-learn only when it clusters.)"""

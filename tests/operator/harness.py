@@ -193,7 +193,7 @@ TRANSFORMER_REPORT = {
 def tiny_proxy_in(root) -> object:
     """A tiny Qwen3-MoE (8 experts, top-2) under `root`/original and its proxy at 4 experts
     (returned: `root`/proxy), in local directories, for runs as local processes."""
-    from moe_proxy.build import build_proxy
+    from moe_proxy.pruning import build_proxy
     from moe_proxy.demo.tiny import make_tiny
 
     make_tiny("qwen3_moe", root / "original")

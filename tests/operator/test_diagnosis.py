@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from moe_proxy.repro.diagnose import SeedRun, against, cost_of, verdict
-from moe_proxy.repro.metrics_io import read_metrics
-from moe_proxy.repro.verdict import cost_series, series_rows
+from moe_proxy.investigate.diagnose import SeedRun, against, cost_of, verdict
+from moe_proxy.metrics.readers import read_metrics
+from moe_proxy.metrics.verdict import cost_series, series_rows
 from proxymodel_operator import diagnosis
 from proxymodel_operator.diagnosis_decisions import LABEL_DIAGNOSIS
 from proxymodel_operator.resources import DIAGNOSES, JOBS, PROXYMODELS

@@ -1,6 +1,6 @@
 """A Diagnosis's bisection mode (spec.checkpoints, #26 item 4): `moe-proxy bisect` on the cluster.
 
-The decisions without a cluster: the probes follow the CLI's search (`repro.bisect.search`) to
+The decisions without a cluster: the probes follow the CLI's search (`investigate.bisect.search`) to
 the same first bad checkpoint, a restart re-creates a recorded probe under its own name only,
 and bad input is refused. Then end to end through kopf and the API emulator: a run of 4 tiny
 checkpoints on SeaweedFS whose last 2 carry a planted massive activation (a dense MLP's output
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import kmock
 import pytest
 
-from moe_proxy.repro.bisect import Probe, search
+from moe_proxy.investigate.bisect import Probe, search
 from proxymodel_operator.checkpoint_watch import CHECKPOINT_WATCHES
 from proxymodel_operator.diagnosis_bisect import BUILDING, PROBE_ROLE, in_flight, parse_bisection, progress, start
 from proxymodel_operator.diagnosis_decisions import (DIAGNOSED, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS, RUN_DONE,
@@ -232,7 +232,7 @@ def _unfinished(cluster, name: str) -> list[dict]:
 async def _transform(cluster, job: dict, local_run, proxies) -> None:
     """The transformer's part: build the probe checkpoint's proxy (as moe-proxy build does) and
     report it."""
-    from moe_proxy.build import build_proxy
+    from moe_proxy.pruning import build_proxy
 
     pm = cluster.get(PROXYMODELS, NS, job["metadata"]["name"].removesuffix("-transform-g1"))
     step = int(pm["metadata"]["labels"][LABEL_STEP])

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from moe_proxy.repro.catalogue import CATALOGUE
+from moe_proxy.investigate.catalogue import CATALOGUE
 from moe_proxy.reports import TERMINATION_LOG_LIMIT, encode, repro_report
-from moe_proxy.repro.diagnose import SeedRun, against, cost_of, verdict
-from moe_proxy.repro.verdict import HEADLINE, SERIES_BYTES, cost_series, series_rows
+from moe_proxy.investigate.diagnose import SeedRun, against, cost_of, verdict
+from moe_proxy.metrics.verdict import HEADLINE, SERIES_BYTES, cost_series, series_rows
 from proxymodel_operator.diagnosis_decisions import (DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS,
                                                      RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING,
                                                      WAITING_FOR_PROXY, InvalidDiagnosis, decide, parse_diagnosis,

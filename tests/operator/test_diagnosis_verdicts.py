@@ -6,8 +6,8 @@ on its own steps; a change that changes nothing is `no-change`."""
 
 from __future__ import annotations
 
-from moe_proxy.repro.detect import FailureDetector, Onset, Signature
-from moe_proxy.repro.verdict import verdict_report
+from moe_proxy.metrics.detect import FailureDetector, Onset, Signature
+from moe_proxy.metrics.verdict import verdict_report
 from moe_proxy.reports import encode, parse_termination_log
 from proxymodel_operator.diagnosis_decisions import DIAGNOSED, decide, recorded_running
 from proxymodel_operator.outcome import SUCCEEDED, Outcome

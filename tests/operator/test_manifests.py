@@ -52,7 +52,7 @@ def test_transformer_args_are_what_moe_proxy_build_parses():
 
 
 def test_repro_args_are_what_moe_proxy_repro_parses():
-    from moe_proxy.repro.detect import Signature
+    from moe_proxy.metrics.detect import Signature
 
     args = _cli("repro", repro_args(_parse(), "s3://b/proxy"))
     assert (args.checkpoint, args.steps, args.precision) == ("s3://b/proxy", 40, "fp16")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.runner import run_repro
-from moe_proxy.repro.metrics_io import read_metrics
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.rl.runner import run_repro
+from moe_proxy.metrics.readers import read_metrics
 from moe_proxy.demo.tiny import TINY, make_tiny
 
 # MoE layers of the tiny checkpoints: some start with a dense layer 0.

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from moe_proxy.cli import main
-from moe_proxy.repro import bisect as bisect_module
-from moe_proxy.repro.bisect import Probe, ProbeSettings, search
+from moe_proxy.investigate import bisect as bisect_module
+from moe_proxy.investigate.bisect import Probe, ProbeSettings, search
 
 
 class _Ckpt:

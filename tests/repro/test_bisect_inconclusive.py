@@ -19,9 +19,9 @@ import pytest
 
 from moe_proxy.cli import main
 from moe_proxy.demo.run import checkpoint_dir
-from moe_proxy.repro import bisect as bisect_module
-from moe_proxy.repro.bisect import Probe, findings, search
-from moe_proxy.repro.diagnose import SeedRun
+from moe_proxy.investigate import bisect as bisect_module
+from moe_proxy.investigate.bisect import Probe, findings, search
+from moe_proxy.investigate.diagnose import SeedRun
 
 from .test_bisect import _Ckpt, planted_run
 
@@ -205,7 +205,7 @@ def test_a_rerun_reuses_only_what_the_same_content_made_and_refuses_another_bise
 def test_a_long_error_is_cut_between_words(tmp_path):
     """A failed probe's error line (kept in its record and printed) is cut at 500 characters
     between words: it was cut mid-word ('... representati; partial report')."""
-    from moe_proxy.repro.processes import last_error
+    from moe_proxy.investigate.processes import last_error
 
     log = tmp_path / "build.log"
     words = " ".join(f"representation{i}" for i in range(60))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_proxy.cli import main
-from moe_proxy.repro.compare import compare_runs, load_run
+from moe_proxy.metrics.compare import compare_runs, load_run
 from moe_proxy.errors import MalformedMetrics
 
 STEPS = 30
@@ -180,7 +180,7 @@ def test_load_shares_are_compared_as_multiples_of_uniform(tmp_path):
 
 
 def test_curves_spanning_decades_are_drawn_on_a_log_scale():
-    from moe_proxy.repro.plots import log_scale
+    from moe_proxy.metrics.plots import log_scale
 
     assert log_scale([1.0, 10.0, 1e5]) and not log_scale([0.5, 0.7]) and not log_scale([-1.0, 1e5])
     assert not log_scale([])

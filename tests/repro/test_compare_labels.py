@@ -49,7 +49,7 @@ def test_two_trl_runs_with_the_same_directory_name_are_labelled_apart(tmp_path, 
 
 
 def test_labels_are_the_shortest_distinguishing_suffixes(tmp_path):
-    from moe_proxy.repro.compare import run_labels
+    from moe_proxy.metrics.compare import run_labels
 
     for d in ("a/x", "b/x", "c/y"):
         (tmp_path / d).mkdir(parents=True)

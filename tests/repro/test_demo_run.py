@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from moe_proxy.cli import main
-from moe_proxy.repro.bisect import sources
+from moe_proxy.investigate.bisect import sources
 
 
 def test_the_demo_keeps_the_users_files_and_writes_a_run_to_bisect(tmp_path, capsys):

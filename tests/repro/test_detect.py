@@ -2,7 +2,7 @@
 
 import math
 
-from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
+from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
 
 
 def feed(detector, rows):

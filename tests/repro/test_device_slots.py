@@ -13,8 +13,8 @@ import time
 import pytest
 
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.device import slot_envs
-from moe_proxy.repro.processes import run_each
+from moe_proxy.rl.device import slot_envs
+from moe_proxy.investigate.processes import run_each
 
 
 @pytest.mark.parametrize("device, ranks, parallel, ids, expected", [

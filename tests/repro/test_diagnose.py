@@ -9,8 +9,8 @@ import json
 import pytest
 
 from moe_proxy.cli import main
-from moe_proxy.repro.catalogue import CATALOGUE, custom, from_file
-from moe_proxy.repro.diagnose import BASELINE, SeedRun, repro_config, verdict
+from moe_proxy.investigate.catalogue import CATALOGUE, custom, from_file
+from moe_proxy.investigate.diagnose import BASELINE, SeedRun, repro_config, verdict
 
 
 def _o(step=None, steps=6, error=None, **others):
@@ -57,7 +57,7 @@ def test_every_catalogue_entry_is_repro_flags_repro_accepts(tmp_path):
 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory):
-    from moe_proxy.build import build_proxy
+    from moe_proxy.pruning import build_proxy
     from moe_proxy.demo.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("diagnose")

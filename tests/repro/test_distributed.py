@@ -16,9 +16,9 @@ import pytest
 
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.config import Faults, ReproConfig
-from moe_proxy.repro.metrics_io import read_metrics
-from moe_proxy.repro.runner import run_repro
+from moe_proxy.rl.config import Faults, ReproConfig
+from moe_proxy.metrics.readers import read_metrics
+from moe_proxy.rl.runner import run_repro
 
 from ..ports import listen_port
 
@@ -110,7 +110,7 @@ def test_a_rank_that_hangs_ends_the_run_at_the_collective_timeout(tiny_qwen3, tm
 def test_more_ranks_than_devices_is_refused(tiny_qwen3, tmp_path, monkeypatch, capsys):
     import torch
 
-    from moe_proxy.repro.distributed import check_local_ranks
+    from moe_proxy.rl.distributed import check_local_ranks
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(InvalidReproConfig, match="--nproc-per-node 4: this node has 2 cuda device"):

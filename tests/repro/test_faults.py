@@ -3,9 +3,9 @@ the same run without the fault shows no failure."""
 
 import pytest
 
-from moe_proxy.repro.config import Faults, ReproConfig
-from moe_proxy.repro.runner import run_repro
-from moe_proxy.repro.metrics_io import read_metrics
+from moe_proxy.rl.config import Faults, ReproConfig
+from moe_proxy.rl.runner import run_repro
+from moe_proxy.metrics.readers import read_metrics
 
 K = 4  # the injection step: after the detector's 3 baseline steps
 

@@ -96,7 +96,7 @@ def test_sigterm_during_the_candidates(tiny_qwen3, tmp_path):
 ONE_AT_A_TIME = """
 import sys
 from pathlib import Path
-from moe_proxy.repro.processes import run_recorded, signals_interrupt, stop_children
+from moe_proxy.investigate.processes import run_recorded, signals_interrupt, stop_children
 
 out = Path(sys.argv[1])
 with signals_interrupt():

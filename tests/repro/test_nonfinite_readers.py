@@ -17,7 +17,7 @@ import math
 import pytest
 
 from moe_proxy.cli import main
-from moe_proxy.repro.detect import FailureDetector
+from moe_proxy.metrics.detect import FailureDetector
 
 STEPS = range(1, 7)
 

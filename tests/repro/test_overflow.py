@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.repro.detect import FailureDetector
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.runner import run_repro
-from moe_proxy.repro.metrics_io import read_metrics
+from moe_proxy.metrics.detect import FailureDetector
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.rl.runner import run_repro
+from moe_proxy.metrics.readers import read_metrics
 
 FP16_MAX = 65504.0
 
@@ -82,8 +82,8 @@ def test_planted_weights_really_changed(massive, tiny_qwen3):
 def test_router_rows_without_gradient_are_not_underflow(tiny_qwen3):
     """An expert no token chose gets no router gradient (renormalised top-k): exact zeros there
     are not fp16 flushing; zeros in a dense weight are."""
-    from moe_proxy.repro.distributed import Comm
-    from moe_proxy.repro.runner import _Loop
+    from moe_proxy.rl.distributed import Comm
+    from moe_proxy.rl.runner import _Loop
 
     loop = _Loop(tiny_qwen3, ReproConfig(steps=1), Comm())
     for p in loop.params:

@@ -12,9 +12,9 @@ import torch
 
 from moe_proxy import probes
 from moe_proxy.demo.tiny import make_tiny
-from moe_proxy.repro.metrics_io import read_jsonl
-from moe_proxy.repro.routers import RouterTap
-from moe_proxy.repro.runner import ActivationWatch
+from moe_proxy.metrics.metrics_io import read_jsonl
+from moe_proxy.rl.routers import RouterTap
+from moe_proxy.rl.runner import ActivationWatch
 
 from .trl_grpo import char_tokenizer
 
@@ -137,7 +137,7 @@ def test_a_non_finite_activation_is_counted_and_max_activation_is_inf(tiny):
 
 
 def test_in_half_precision_a_non_finite_activation_is_the_detectors_overflow(tiny):
-    from moe_proxy.repro.detect import FailureDetector
+    from moe_proxy.metrics.detect import FailureDetector
 
     found = {}
     for dtype in (torch.float32, torch.bfloat16):

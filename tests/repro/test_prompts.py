@@ -6,10 +6,10 @@ import pytest
 
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.metrics_io import read_metrics
-from moe_proxy.repro.runner import run_repro
-from moe_proxy.repro.task import PromptSet, load_prompts
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.metrics.readers import read_metrics
+from moe_proxy.rl.runner import run_repro
+from moe_proxy.rl.task import PromptSet, load_prompts
 
 
 def verl_rows(n=6):
@@ -54,7 +54,7 @@ def test_prompt_set_walks_shuffled_epochs():
 
 
 def load_prompts_from(rows):
-    from moe_proxy.repro.task import _prompt
+    from moe_proxy.rl.task import _prompt
 
     return [_prompt(row, f"row {i}") for i, row in enumerate(rows)]
 

@@ -14,10 +14,10 @@ import pytest
 
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidReproConfig, MalformedMetrics
-from moe_proxy.repro.compare import load_run
-from moe_proxy.repro.profiles import coverage, profile_for
-from moe_proxy.repro.readers import ReadOptions, RunFollower, detect_format, read_run, reading
-from moe_proxy.repro.watch import watch
+from moe_proxy.metrics.compare import load_run
+from moe_proxy.metrics.profiles import coverage, profile_for
+from moe_proxy.metrics.readers import ReadOptions, RunFollower, detect_format, read_run, reading
+from moe_proxy.metrics.watch import watch
 
 STEPS = range(1, 9)  # the Trainer's global_step starts at 1
 STEP_S = 0.5  # a live run's step: watch has that long to read a step and stop the run
@@ -188,7 +188,7 @@ def test_watch_stops_a_live_tensorboard_run_at_the_divergence(tmp_path):
 
     thread = threading.Thread(target=train)
     thread.start()
-    from moe_proxy.repro.detect import Signature
+    from moe_proxy.metrics.detect import Signature
     result = watch(tmp_path / "runs", fail_on=Signature.parse("divergence"), stop_file=stop, poll_s=0.02,
                    timeout_s=20)
     thread.join()

@@ -6,10 +6,10 @@ import pytest
 
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.detect import Signature
-from moe_proxy.repro.runner import run_repro
-from moe_proxy.repro.metrics_io import read_metrics
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.metrics.detect import Signature
+from moe_proxy.rl.runner import run_repro
+from moe_proxy.metrics.readers import read_metrics
 
 VERL_NAMES = ["actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/kl_loss",
               "actor/pg_clipfrac", "actor/lr", "critic/rewards/mean", "critic/score/mean", "response_length/mean",
@@ -111,7 +111,7 @@ def test_signature_parsing():
 
 
 def test_learning_rate_schedule_and_spike():
-    from moe_proxy.repro.config import Faults
+    from moe_proxy.rl.config import Faults
 
     cosine = ReproConfig(steps=10, lr=1.0, lr_schedule="cosine", warmup_steps=2,
                          faults=Faults(lr_spike_step=6, lr_spike_factor=50))

@@ -18,14 +18,14 @@ import torch
 
 from moe_proxy.cli import main
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.config import Faults, ReproConfig
-from moe_proxy.repro.detect import FailureDetector
-from moe_proxy.repro.metrics_io import read_metrics
-from moe_proxy.repro.policy_loss import importance_ratio, rollout_is_weights
-from moe_proxy.repro.precision import compute_in_fp32, fp32_modules
-from moe_proxy.repro.routers import Router, find_routers
-from moe_proxy.repro.routing import RoutingRecorder, RoutingReplay
-from moe_proxy.repro.runner import _Loop, run_repro
+from moe_proxy.rl.config import Faults, ReproConfig
+from moe_proxy.metrics.detect import FailureDetector
+from moe_proxy.metrics.readers import read_metrics
+from moe_proxy.rl.policy_loss import importance_ratio, rollout_is_weights
+from moe_proxy.rl.precision import compute_in_fp32, fp32_modules
+from moe_proxy.rl.routers import Router, find_routers
+from moe_proxy.rl.routing import RoutingRecorder, RoutingReplay
+from moe_proxy.rl.runner import _Loop, run_repro
 
 from .test_distributed import assert_same_metrics
 
@@ -299,8 +299,8 @@ def test_a_stale_engine_holds_the_policys_weights_of_n_steps_before(peaked):
     at step s - 2, exactly (the starting weights for the first 2 steps)."""
     from transformers import AutoModelForCausalLM
 
-    from moe_proxy.repro.distributed import Comm
-    from moe_proxy.repro.rollout import RolloutEngine
+    from moe_proxy.rl.distributed import Comm
+    from moe_proxy.rl.rollout import RolloutEngine
 
     policy = AutoModelForCausalLM.from_pretrained(peaked, dtype=torch.float32)
     probe = "model.layers.0.mlp.gate.weight"

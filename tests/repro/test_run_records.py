@@ -21,7 +21,7 @@ FLAGS = ["--fail-on", "divergence", "--steps", "4", "--lr", "0.1", "--seeds", "1
 @pytest.fixture(scope="module")
 def proxies(tmp_path_factory):
     """Two proxies of one tiny checkpoint (4 and 2 experts) and the checkpoint itself."""
-    from moe_proxy.build import build_proxy
+    from moe_proxy.pruning import build_proxy
     from moe_proxy.demo.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("records")
@@ -64,7 +64,7 @@ def test_a_rerun_reuses_its_runs_and_says_so(proxies, diagnosed, capsys):
 def test_a_record_of_another_version_or_proxy_content_is_not_reused(proxies, tmp_path):
     """A proxy rebuilt at the same path (other experts), or a record written by another moe-proxy,
     runs again; the same recipe is reused. (`moe-proxy --version` as the run: a second's work.)"""
-    from moe_proxy.repro.processes import content_key, run_recorded
+    from moe_proxy.investigate.processes import content_key, run_recorded
 
     proxy = tmp_path / "proxy"
     shutil.copytree(proxies / "proxy", proxy)
@@ -86,9 +86,9 @@ def test_a_record_of_another_version_or_proxy_content_is_not_reused(proxies, tmp
 def test_what_a_diagnosis_reads_is_part_of_its_runs_recipe(proxies, tmp_path):
     """The proxy and a --prompts file, by content: a file or a directory (calibration statistics)
     rewritten at the same path has another key."""
-    from moe_proxy.repro.catalogue import pick
-    from moe_proxy.repro.diagnose import plan_diagnosis
-    from moe_proxy.repro.processes import content_key
+    from moe_proxy.investigate.catalogue import pick
+    from moe_proxy.investigate.diagnose import plan_diagnosis
+    from moe_proxy.investigate.processes import content_key
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')

@@ -1,4 +1,4 @@
-"""Loading straight into FSDP2 shards (repro/sharded_load.py): each rank reads only the rows it
+"""Loading straight into FSDP2 shards (rl/sharded_load.py): each rank reads only the rows it
 owns, and the shards put together are exactly the model from_pretrained loads, buffers (rotary
 tables) and tied weights included. Three ranks, so that shards are uneven (8 experts, 2 heads of
 key/value: some ranks get fewer rows, some none)."""
@@ -32,8 +32,8 @@ def rank_loads(path: str) -> dict:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from moe_proxy.repro.distributed import join, shard
-    from moe_proxy.repro.sharded_load import load_shards, meta_model
+    from moe_proxy.rl.distributed import join, shard
+    from moe_proxy.rl.sharded_load import load_shards, meta_model
     from moe_proxy.layerwise.load import load_causal_lm
 
     torch.set_num_threads(1)

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.task import distance_reward, make_prompts, reward
+from moe_proxy.rl.task import distance_reward, make_prompts, reward
 
 
 def test_small_sums_are_one_digit_sums_scored_by_distance():

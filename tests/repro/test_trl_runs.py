@@ -29,7 +29,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A tiny Qwen3-MoE and its proxy at 4 experts."""
-    from moe_proxy.build import build_proxy
+    from moe_proxy.pruning import build_proxy
     from moe_proxy.demo.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("trl")
@@ -77,7 +77,7 @@ def test_a_run_gone_non_finite_is_nan_though_trl_hides_it_and_the_run_crashes(ch
                                                                              capsys):
     with pytest.raises(RuntimeError, match="probability tensor contains"):  # step 3's sampling
         _run(monkeypatch, checkpoints / "proxy", tmp_path, nan_at=2)
-    from moe_proxy.repro.readers import read_run
+    from moe_proxy.metrics.readers import read_run
 
     rows, _ = read_run(tmp_path / "tb")
     assert sorted(rows) == [1, 2]  # the crash came before step 3 logged anything

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from moe_proxy.cli import main
-from moe_proxy.repro.catalogue import CATALOGUE
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.detect import FailureDetector, Onset, Signature
-from moe_proxy.repro.diagnose import (BASELINE, Diagnosis, SeedRun, Variant, changed_settings, cost_of, judge,
+from moe_proxy.investigate.catalogue import CATALOGUE
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.metrics.detect import FailureDetector, Onset, Signature
+from moe_proxy.investigate.diagnose import (BASELINE, Diagnosis, SeedRun, Variant, changed_settings, cost_of, judge,
                                       repro_config, verdict, write_report)
-from moe_proxy.repro.verdict import verdict_report
+from moe_proxy.metrics.verdict import verdict_report
 
 STEPS = 6
 

@@ -123,8 +123,8 @@ def test_another_nodes_watch_ends_cleanly_on_sigterm_with_no_verdict(tmp_path):
 def test_a_failure_not_asked_for_is_named_with_its_step_not_contradicted():
     """`--fail-on collapse` on a run that diverged: the verdict says collapse was not reproduced
     and names the divergence with its step, instead of "no failure" after "divergence detected"."""
-    from moe_proxy.repro.detect import Signature
-    from moe_proxy.repro.verdict import verdict_lines
+    from moe_proxy.metrics.detect import Signature
+    from moe_proxy.metrics.verdict import verdict_lines
 
     failures = {"divergence": {"step": 3, "detail": "grad_norm 40x its median"}}
     lines = verdict_lines(Signature.parse("collapse"), None, None, 6, failures)

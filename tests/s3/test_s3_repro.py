@@ -32,7 +32,7 @@ def test_repro_missing_s3_checkpoint_is_one_line(seaweed, monkeypatch, tmp_path,
 def test_ranks_read_only_their_shards_from_s3_and_give_the_one_process_metrics(seaweed, s3_ckpt, monkeypatch,
                                                                                 tmp_path):
     """Two ranks: neither copies the weights, each reads its rows by range from SeaweedFS."""
-    from moe_proxy.repro.metrics_io import read_metrics
+    from moe_proxy.metrics.readers import read_metrics
     from tests.repro.test_distributed import assert_same_metrics
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint_url)

@@ -22,7 +22,7 @@ table, router bytes), the tokens' sha256 and origin, and per layer the dead and 
 experts under the default criteria below.
 
 Two modes (`mode` in calibration.json). One-pass (the default): every layer is scored on the
-original's hidden states. Sequential (`--sequential --experts N --method M`, build/sequential.py):
+original's hidden states. Sequential (`--sequential --experts N --method M`, pruning/sequential.py):
 each MoE layer is scored on hidden states that went through the already-pruned layers before
 it, its experts are selected right after it is scored, and the hidden states then go
 through the pruned layer; `made_for` records the proxy it was made for (expert count, top-k,
@@ -390,7 +390,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     """Compute and store the statistics; returns the summary (also `calibration.json`).
     `token_ids` ([samples, seq_len]): the caller's own tokens instead of `dataset` (library use,
     e.g. a byte-level model without a tokenizer). `sequential`: the PruningOptions of the proxy
-    to calibrate for (build/sequential.py); None: one pass over the original."""
+    to calibrate for (pruning/sequential.py); None: one pass over the original."""
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
     out_store = open_store(out, **(store_options or {})) if isinstance(out, str) else out
@@ -413,7 +413,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     if sequential is not None:
         # The one import of build from calibrate, when it runs: the build's own selection is what
         # sequential statistics interleave with the scoring (tests/house/test_imports.py lists it).
-        from moe_proxy.build.sequential import SequentialProxy
+        from moe_proxy.pruning.sequential import SequentialProxy
 
         proxy = SequentialProxy(ckpt, layout, sequential)
     mode = {"mode": SEQUENTIAL, "made_for": proxy.key} if proxy is not None else {"mode": ONE_PASS}
@@ -460,7 +460,7 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
 
 
 class SequentialTarget(Protocol):
-    """The proxy sequential statistics are made for (build.sequential.SequentialProxy)."""
+    """The proxy sequential statistics are made for (pruning.sequential.SequentialProxy)."""
 
     key: dict  # what decides its kept experts: the artifact's `made_for`
     supers: dict[str, list[int]]  # per MoE block selected so far: its super experts

@@ -27,7 +27,7 @@ PART = READ_PART  # bytes per read task, at most
 
 
 class Sourced(Protocol):
-    """A tensor to write and where its bytes come from (build.writer.OutTensor)."""
+    """A tensor to write and where its bytes come from (pruning.writer.OutTensor)."""
 
     # (start, length) ranges of the source shard, in order, or a function that returns the bytes
     source: list[tuple[int, int]] | Callable[[], bytes]

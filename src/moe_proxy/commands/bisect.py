@@ -18,7 +18,7 @@ CALIBRATION = {"dataset", "samples", "seq_len"}  # calibrate's token options a p
 def add_parser(sub) -> None:
     from moe_proxy.commands._common import add_replace_arg
     from moe_proxy.options import PruningOptions
-    from moe_proxy.repro.detect import FAIL_ON_CHOICES
+    from moe_proxy.metrics.detect import FAIL_ON_CHOICES
 
     p = sub.add_parser("bisect", help="the earliest checkpoint of a run whose proxy reproduces a failure",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,10 +52,10 @@ def settings_of(args: argparse.Namespace):
     """The probes' settings, every flag checked by its command's parser before anything runs."""
     from moe_proxy.errors import MoeProxyError
     from moe_proxy.options import SELECTION, to_args
-    from moe_proxy.repro.bisect import ProbeSettings, build_options
-    from moe_proxy.repro.detect import Signature
-    from moe_proxy.repro.diagnose import repro_config
-    from moe_proxy.repro.processes import parse_as
+    from moe_proxy.investigate.bisect import ProbeSettings, build_options
+    from moe_proxy.metrics.detect import Signature
+    from moe_proxy.investigate.diagnose import repro_config
+    from moe_proxy.investigate.processes import parse_as
 
     Signature.parse(args.fail_on)
     if args.seeds < 1:
@@ -85,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BisectStopped
-    from moe_proxy.repro.bisect import bisect, where
-    from moe_proxy.repro.processes import signals_interrupt
+    from moe_proxy.investigate.bisect import bisect, where
+    from moe_proxy.investigate.processes import signals_interrupt
 
     check_output_dir(args.out, "--out")
     settings = settings_of(args)

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.build import steps  # torch and scikit-learn load only when a build runs
+    from moe_proxy.pruning import steps  # torch and scikit-learn load only when a build runs
     from moe_proxy.reports import build_report, error_report, worker_report, write_termination_log
     from moe_proxy.sizing import SizingOptions
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(m: dict) -> str:
-    from moe_proxy.build.fidelity import figure_lines
+    from moe_proxy.pruning.fidelity import figure_lines
     from moe_proxy.checkpoint.summary import human
 
     e, p, b = m["experts"], m["params"], m["bytes"]

@@ -33,9 +33,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.commands.watch import reading_options
-    from moe_proxy.repro.compare import compare_runs, load_run, run_labels, write_report
-    from moe_proxy.repro.readers import read_run, reading
-    from moe_proxy.repro.profiles import coverage_lines
+    from moe_proxy.metrics.compare import compare_runs, load_run, run_labels, write_report
+    from moe_proxy.metrics.readers import read_run, reading
+    from moe_proxy.metrics.profiles import coverage_lines
     from moe_proxy.errors import MalformedMetrics
 
     names = args.names.split(",") if args.names else run_labels(args.runs)
@@ -74,7 +74,7 @@ def add_coverage(out, runs, profiles) -> None:
     with, the roles found and the signatures its metrics cannot judge (not "no failure")."""
     import json
 
-    from moe_proxy.repro.profiles import coverage
+    from moe_proxy.metrics.profiles import coverage
 
     entries = []
     for r, profile in zip(runs, profiles):

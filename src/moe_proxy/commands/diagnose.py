@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_proxy.repro.diagnose import RUN_FLAGS
+from moe_proxy.investigate.diagnose import RUN_FLAGS
 
 # repro's options a diagnosis sets on each run itself (by their dest), not taken as repro options.
 OWN = {"checkpoint", "help", *(flag.removeprefix("--").replace("-", "_") for flag in RUN_FLAGS)}
@@ -28,8 +28,8 @@ class _ListCatalogue(argparse.Action):
 def catalogue_listing() -> str:
     """Each catalogue entry: its name, what it changes, its repro flags (at repro's defaults) and
     the knob it stands for in the frameworks."""
-    from moe_proxy.repro.catalogue import CATALOGUE
-    from moe_proxy.repro.config import ReproConfig
+    from moe_proxy.investigate.catalogue import CATALOGUE
+    from moe_proxy.rl.config import ReproConfig
 
     defaults = ReproConfig()
     lines = [f"candidates (--candidates NAME,...); flags as they apply at repro's defaults (lr {defaults.lr:g}, "
@@ -75,8 +75,8 @@ def pass_through(group, command: str, into: str, skip: set[str], only: set[str] 
 
 def add_parser(sub) -> None:
     from moe_proxy.commands._common import add_replace_arg
-    from moe_proxy.repro.catalogue import CATALOGUE
-    from moe_proxy.repro.detect import FAIL_ON_CHOICES
+    from moe_proxy.investigate.catalogue import CATALOGUE
+    from moe_proxy.metrics.detect import FAIL_ON_CHOICES
 
     p = sub.add_parser("diagnose", help="which fix cures a reproduced failure: the run again with each candidate",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -109,7 +109,7 @@ def add_parser(sub) -> None:
 
 def _candidates(args: argparse.Namespace) -> list:
     from moe_proxy.errors import MoeProxyError
-    from moe_proxy.repro.catalogue import custom, from_file, pick
+    from moe_proxy.investigate.catalogue import custom, from_file, pick
 
     names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     out = pick(names) + [custom(text) for text in args.candidate]
@@ -138,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BaselineFailed, MoeProxyError
     from moe_proxy.reports import EXIT_NOT_REPRODUCED
-    from moe_proxy.repro.diagnose import diagnose, reused_runs
-    from moe_proxy.repro.processes import signals_interrupt
+    from moe_proxy.investigate.diagnose import diagnose, reused_runs
+    from moe_proxy.investigate.processes import signals_interrupt
 
     if args.parallel < 1:
         raise MoeProxyError(f"--parallel {args.parallel}: at least 1")

@@ -10,7 +10,7 @@ from dataclasses import fields
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.commands._common import add_device_args
 from moe_proxy.options import add_arguments
-from moe_proxy.repro.config import ReproConfig
+from moe_proxy.rl.config import ReproConfig
 from moe_proxy.sizing import SizingOptions, estimate, format_sizing, rollout_copy, rollout_snapshots
 from moe_proxy.step_cost import StepShape
 

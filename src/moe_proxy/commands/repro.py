@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from moe_proxy.options import add_arguments, from_args
-from moe_proxy.repro.config import OP_FAULT_MODES, Faults, RankFault, ReproConfig
-from moe_proxy.repro.detect import FAIL_ON_CHOICES, Signature, Thresholds
+from moe_proxy.rl.config import OP_FAULT_MODES, Faults, RankFault, ReproConfig
+from moe_proxy.metrics.detect import FAIL_ON_CHOICES, Signature, Thresholds
 
 
 def add_parser(subparsers) -> None:
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import InvalidReproConfig, MoeProxyError
     from moe_proxy.reports import error_report, write_termination_log
-    from moe_proxy.repro.source import check_source
+    from moe_proxy.rl.source import check_source
 
     if args.no_progress:  # read by huggingface_hub when transformers loads (here, or in each rank)
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_dir(args.out, "--out")
         check_source(args.checkpoint)
         if args.device:  # whether this torch has the device asked for
-            from moe_proxy.repro.device import pick_device
+            from moe_proxy.rl.device import pick_device
 
             pick_device(args.device)
     except MoeProxyError as exc:
@@ -126,18 +126,18 @@ def run(args: argparse.Namespace) -> int:
             write_termination_log(args.termination_log, error_report(exc))
         raise
 
-    from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, launched
+    from moe_proxy.rl.distributed import DEFAULT_TIMEOUT_S, RankFailed, launched
     common = dict(device=args.device, termination_log=args.termination_log, prompts=args.prompts,
                   timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S, rank_fault=rank_fault)
     if (args.nproc_per_node or args.nnodes > 1) and not launched():
-        from moe_proxy.repro.device import pick_device
-        from moe_proxy.repro.distributed import check_local_ranks
-        from moe_proxy.repro.launch import launch
+        from moe_proxy.rl.device import pick_device
+        from moe_proxy.rl.distributed import check_local_ranks
+        from moe_proxy.rl.launch import launch
 
         nproc = args.nproc_per_node or 1
         check_local_ranks(pick_device(args.device).type, nproc)
         if args.prompts:  # bad data is refused here, before any rank starts
-            from moe_proxy.repro.task import load_prompts
+            from moe_proxy.rl.task import load_prompts
 
             load_prompts(args.prompts)
         try:
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         _print_verdict(args, fail_on, signature, step, summary["steps_completed"], summary.get("failures") or {})
         return 0
 
-    from moe_proxy.repro.runner import run_repro  # torch and transformers load only when a run starts
+    from moe_proxy.rl.runner import run_repro  # torch and transformers load only when a run starts
 
     try:
         result = run_repro(args.checkpoint, args.out, config, fail_on=fail_on, thresholds=Thresholds(), **common)
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_verdict(args, fail_on, signature: str | None, step: int | None, steps: int, failures: dict) -> None:
-    from moe_proxy.repro.verdict import verdict_lines
+    from moe_proxy.metrics.verdict import verdict_lines
 
     print("\n".join(verdict_lines(fail_on, signature, step, steps, failures)))
     print(f"metrics: {args.out}/metrics.jsonl  summary: {args.out}/summary.json")

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.build.verify import as_json, text, verify  # torch and transformers load only when it runs
+    from moe_proxy.pruning.verify import as_json, text, verify  # torch and transformers load only when it runs
 
     report = verify(args.dst, forward=not args.no_forward, progress=not args.no_progress,
                     store_options=store_options(args))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> None:
-    from moe_proxy.repro.detect import FAIL_ON_CHOICES
+    from moe_proxy.metrics.detect import FAIL_ON_CHOICES
 
     p = subparsers.add_parser(
         "watch", help="follow a training run's metrics file and decide whether a failure came back",
@@ -63,8 +63,8 @@ def add_reading_options(p) -> None:
 
 
 def reading_options(args: argparse.Namespace):
-    from moe_proxy.repro.profiles import parse_metric_options, profile_for
-    from moe_proxy.repro.readers import ReadOptions, check_format
+    from moe_proxy.metrics.profiles import parse_metric_options, profile_for
+    from moe_proxy.metrics.readers import ReadOptions, check_format
 
     check_format(args.format)
     if args.profile is not None:
@@ -81,7 +81,7 @@ def _wait_for_end(ended, until_file: str | None, poll: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.repro.watch import sigterm_ends
+    from moe_proxy.metrics.watch import sigterm_ends
 
     with sigterm_ends() as ended:  # first: from here on SIGTERM ends the watch, not the process
         return _run(args, ended)
@@ -89,10 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, ended) -> int:
     from moe_proxy.errors import InvalidReproConfig, MoeProxyError
-    from moe_proxy.repro.detect import Signature, Thresholds
-    from moe_proxy.repro.profiles import coverage_lines
-    from moe_proxy.repro.verdict import verdict_lines
-    from moe_proxy.repro.watch import watch
+    from moe_proxy.metrics.detect import Signature, Thresholds
+    from moe_proxy.metrics.profiles import coverage_lines
+    from moe_proxy.metrics.verdict import verdict_lines
+    from moe_proxy.metrics.watch import watch
     from moe_proxy.reports import error_report, write_termination_log
 
     if args.ready_file:

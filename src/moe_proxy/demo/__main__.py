@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 
 from moe_proxy.demo import s3 as demo_s3
-from moe_proxy.build.steps import build_proxy
+from moe_proxy.pruning.steps import build_proxy
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.commands.build import summary
 from moe_proxy.checkpoint.summary import summarize, text
 from moe_proxy.demo.run import OVERFLOWS, write_run
 from moe_proxy.demo.tiny import make_tiny
-from moe_proxy.build.verify import text as verify_text
-from moe_proxy.build.verify import verify
+from moe_proxy.pruning.verify import text as verify_text
+from moe_proxy.pruning.verify import verify
 
 
 # What the demo writes in --out, replaced by a rerun; anything else there is the user's and stays.

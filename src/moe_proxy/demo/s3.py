@@ -12,7 +12,7 @@ import secrets
 from pathlib import Path
 
 from moe_proxy import cli
-from moe_proxy.build import build_proxy
+from moe_proxy.pruning import build_proxy
 from moe_proxy.checkpoint.summary import human
 from moe_proxy.commands.build import summary as build_summary
 from moe_proxy.demo.seaweed import SeaweedFS

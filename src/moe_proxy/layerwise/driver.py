@@ -10,7 +10,7 @@ A walk without hidden states loads only the layers its pass visits. What a pass 
 back from the walk as the pass's own result.
 
 Torch-free at import (the model is imported when a walk starts), so a module that declares a
-pass keeps torch-free imports (build/fidelity.py: verify and the CLI read its figures).
+pass keeps torch-free imports (pruning/fidelity.py: verify and the CLI read its figures).
 """
 
 from __future__ import annotations

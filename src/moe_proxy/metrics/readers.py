@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_proxy.errors import MalformedMetrics
-from moe_proxy.repro.metrics_io import METRICS_FILE, parse_line
-from moe_proxy.repro.profiles import Profile, parse_metric_options, profile_for
+from moe_proxy.metrics.metrics_io import METRICS_FILE, parse_line
+from moe_proxy.metrics.profiles import Profile, parse_metric_options, profile_for
 
 FORMATS = {
     "jsonl": "JSON lines, verl's FileLogger {step, data} or flat {step, metric: value}",
@@ -290,10 +290,38 @@ def tensorboard_rows(path: Path) -> dict[int, dict[str, float]]:
     return dict(EventsFollower(path).rows(final=True))
 
 
+class MetricsFollower:
+    """Reads the complete lines appended to a file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.number, self.partial = path, 0, 0, b""
+
+    def lines(self, final: bool = False) -> list[tuple[str, str]]:
+        """(line, where) of each new complete line; `final` also takes an unterminated last line."""
+        if not self.path.is_file():
+            return []
+        size = self.path.stat().st_size
+        if size < self.offset:  # truncated or replaced: a new run starts over
+            raise MalformedMetrics(f"{self.path}: the file shrank from {self.offset} to {size} bytes while "
+                                   "being watched; a run's metrics file must only grow")
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        chunks = (self.partial + data).split(b"\n")
+        self.partial = chunks.pop()
+        if final and self.partial:
+            chunks.append(self.partial)
+            self.partial = b""
+        out = []
+        for chunk in chunks:
+            self.number += 1
+            out.append((chunk.decode("utf-8", errors="replace"), f"{self.path}:{self.number}"))
+        return out
+
+
 class JsonlFollower:
     def __init__(self, path: Path):
-        from moe_proxy.repro.watch import MetricsFollower
-
         self.lines = MetricsFollower(path)
 
     def rows(self, final: bool = False) -> list[tuple[int, dict[str, float]]]:
@@ -394,13 +422,19 @@ def read_run(path: str | Path, options: ReadOptions | None = None) -> tuple[dict
         raise MalformedMetrics(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
+def read_metrics(run: str | Path) -> dict[int, dict[str, float]]:
+    """step -> {metric: value} under the detectors' names, from any format this module knows
+    (detected, or as reading() asks), renamed by the run's name profile."""
+    return read_run(run)[0]
+
+
 def _read_run(path: Path, options: ReadOptions) -> tuple[dict[int, dict[str, float]], Profile]:
     fmt = check_format(options.format) or detect_format(path)
     if fmt is None:
         raise MalformedMetrics(f"{path}: no such file or directory, or an empty one (no {METRICS_FILE}, "
                                f"{EVENTS_GLOB} or {TRAINER_STATE} there)")
     if fmt == "jsonl":
-        from moe_proxy.repro.metrics_io import read_jsonl
+        from moe_proxy.metrics.metrics_io import read_jsonl
         rows = read_jsonl(path)
     elif fmt == "tensorboard":
         rows = tensorboard_rows(path)

@@ -3,7 +3,7 @@
 Non-finite values are written as the bare tokens NaN / Infinity, as Python's json writes them.
 Readers accept that format and flat lines (`{"step": N, "metric": value}`); a `null` value is
 read as NaN (verl's FileLogger serialises with orjson, which writes NaN and Infinity as null).
-read_metrics also reads the other formats readers.py knows (TensorBoard, trainer_state.json)."""
+readers.read_metrics reads these and the other formats readers.py knows (TensorBoard, trainer_state.json)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,6 @@ def metrics_path(run: str | Path) -> Path:
     if not path.is_file():
         raise MalformedMetrics(f"{run}: no {METRICS_FILE} there (pass a run directory or a .jsonl file)")
     return path
-
-
-def read_metrics(run: str | Path) -> dict[int, dict[str, float]]:
-    """step -> {metric: value} under the detectors' names, from any format readers.py knows
-    (detected, or as readers.reading() asks), renamed by the run's name profile."""
-    from moe_proxy.repro.readers import read_run
-
-    return read_run(run)[0]
 
 
 def read_jsonl(run: str | Path) -> dict[int, dict[str, float]]:

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_proxy.errors import MalformedMetrics, WatchTimeout
-from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.repro.profiles import Profile
-from moe_proxy.repro.readers import ReadOptions, RunFollower
-from moe_proxy.repro.verdict import stop_reason, verdict_report
+from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
+from moe_proxy.metrics.profiles import Profile
+from moe_proxy.metrics.readers import ReadOptions, RunFollower
+from moe_proxy.metrics.verdict import stop_reason, verdict_report
 
 log = logging.getLogger(__name__)
 
@@ -54,36 +54,6 @@ class WatchResult:
     run_ended: bool = False  # the run ended (done marker or SIGTERM), not only the watch
     profile: Profile | None = None  # how the run's names were read (None: no step seen)
     names: set = field(default_factory=set)  # the detectors' names the run logged
-
-
-class MetricsFollower:
-    """Reads the complete lines appended to a file since the last call."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.number, self.partial = path, 0, 0, b""
-
-    def lines(self, final: bool = False) -> list[tuple[str, str]]:
-        """(line, where) of each new complete line; `final` also takes an unterminated last line."""
-        if not self.path.is_file():
-            return []
-        size = self.path.stat().st_size
-        if size < self.offset:  # truncated or replaced: a new run starts over
-            raise MalformedMetrics(f"{self.path}: the file shrank from {self.offset} to {size} bytes while "
-                                   "being watched; a run's metrics file must only grow")
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        chunks = (self.partial + data).split(b"\n")
-        self.partial = chunks.pop()
-        if final and self.partial:
-            chunks.append(self.partial)
-            self.partial = b""
-        out = []
-        for chunk in chunks:
-            self.number += 1
-            out.append((chunk.decode("utf-8", errors="replace"), f"{self.path}:{self.number}"))
-        return out
 
 
 @contextmanager

@@ -5,7 +5,7 @@ held-out calibration tokens: one layer of the original and the same layer of the
 resident, each model's hidden states go through its own layer, and both layers are freed
 before the next. The proxy is the one the plan describes, read through its output tensors
 (steps.output_tensors: sliced routers, healed rows, kept experts) without writing it, so
-`--experts auto` (build/auto.py) can measure several counts and write only the chosen one.
+`--experts auto` (pruning/auto.py) can measure several counts and write only the chosen one.
 Several proxies are measured in one walk (measure_many): the original's layer is loaded and
 run once, then each proxy's layer in turn.
 
@@ -160,8 +160,8 @@ def measure(ckpt, layout, plan, calibration, shards: dict, progress: bool = Fals
 
 def measure_many(ckpt, layout, proxies: list[tuple], calibration, progress: bool = False) -> list[dict]:
     """The figures of several proxies, (plan, its output tensors) each, in one walk of the original."""
-    from moe_proxy.build.config import rewrite_config
-    from moe_proxy.build.heal import HEAL_SAMPLES
+    from moe_proxy.pruning.config import rewrite_config
+    from moe_proxy.pruning.heal import HEAL_SAMPLES
     from moe_proxy.layerwise.model import release_freed_memory
 
     # What the shard write freed in its reader threads' heaps, which this thread does not reuse,

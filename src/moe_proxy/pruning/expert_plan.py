@@ -16,7 +16,7 @@ from moe_proxy.errors import CorruptCheckpoint, InvalidExpertCount
 from moe_proxy.checkpoint.layout import Layout
 from moe_proxy.sizing import SizingOptions, estimate, target_experts  # one rule for plan, build and the operator
 from moe_proxy.options import CALIBRATED_FEATURES, SCORED_METHODS
-from moe_proxy.build.selection import Selection
+from moe_proxy.pruning.selection import Selection
 from moe_proxy.options import PruningOptions
 
 
@@ -75,9 +75,9 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
               calibration=None, sizing: SizingOptions | None = None) -> ExpertPlan:
     """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
     # torch (features) and scikit-learn (selection) load only when experts are selected.
-    from moe_proxy.build.features import expert_features
-    from moe_proxy.build.selection import select
-    from moe_proxy.build.usage import usage_select
+    from moe_proxy.pruning.features import expert_features
+    from moe_proxy.pruning.selection import select
+    from moe_proxy.pruning.usage import usage_select
 
     arch, config = layout.arch, ckpt.config
     options.validate()
@@ -139,7 +139,7 @@ def fit_plan(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: Prunin
     (tensors, per-layer records, summary); this is the one place they go into a plan."""
     notes = list(plan.notes)
     if options.heal:
-        from moe_proxy.build.heal import heal_routers  # torch-heavy, only when asked
+        from moe_proxy.pruning.heal import heal_routers  # torch-heavy, only when asked
 
         healed = heal_routers(ckpt, layout, plan, calibration, progress)
         return _with_fits(plan, {n: _held(b) for n, b in healed.tensors.items()}, {"heal": healed.records}, notes)
@@ -147,11 +147,11 @@ def fit_plan(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: Prunin
         notes.append("--merge with sequential statistics: each layer was scored behind the plain (unmerged) proxy's "
                      "earlier layers")
     if options.reconstruct:  # with --merge, it merges each layer first (merge.py)
-        from moe_proxy.build.reconstruct import reconstruct  # torch-heavy, only when asked
+        from moe_proxy.pruning.reconstruct import reconstruct  # torch-heavy, only when asked
 
         found = reconstruct(ckpt, layout, plan, calibration, progress, merge=options.merge)
         if options.merge:  # (merged experts have no plain selection to fall back to)
-            from moe_proxy.build.merge import merge_record
+            from moe_proxy.pruning.merge import merge_record
 
             record, more = merge_record(plan, list(found.merges))
             return _with_fits(plan, found.tensors, {"merge": found.merges, "reconstruct": found.records},
@@ -159,7 +159,7 @@ def fit_plan(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: Prunin
         fitted = _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes, reconstruction=found.summary)
         return keep_fits_if_closer(ckpt, layout, fitted, calibration, progress)
     if options.merge:
-        from moe_proxy.build.merge import merge, merge_record
+        from moe_proxy.pruning.merge import merge, merge_record
 
         merged = merge(ckpt, layout, plan, calibration, progress)
         record, more = merge_record(plan, list(merged.records))
@@ -197,8 +197,8 @@ def keep_fits_if_closer(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, cali
     proxy kept (so --experts auto measures it once)."""
     if not plan.fitted:
         return plan
-    from moe_proxy.build.fidelity import measure_many  # torch-heavy, only here
-    from moe_proxy.build.steps import output_tensors
+    from moe_proxy.pruning.fidelity import measure_many  # torch-heavy, only here
+    from moe_proxy.pruning.steps import output_tensors
 
     plain = replace(plan, fitted={})
     fitted, unfitted = measure_many(ckpt, layout, [(plan, output_tensors(ckpt, layout, plan)),

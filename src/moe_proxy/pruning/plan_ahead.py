@@ -23,8 +23,8 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
-from moe_proxy.build.expert_plan import ExpertPlan, plan_experts, proxy_counts
-from moe_proxy.build.selection import Selection
+from moe_proxy.pruning.expert_plan import ExpertPlan, plan_experts, proxy_counts
+from moe_proxy.pruning.selection import Selection
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.options import PruningOptions

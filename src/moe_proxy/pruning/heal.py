@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_proxy.build.config import rewrite_config
+from moe_proxy.pruning.config import rewrite_config
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.checkpoint.tensors import TORCH_DTYPES

@@ -23,7 +23,7 @@ from moe_proxy.architectures import detect, expert_count, groups, top_k
 from moe_proxy.checkpoint.reader import INDEX, MANIFEST, open_checkpoint, read_json
 from moe_proxy.errors import CorruptCheckpoint, NotMoE, UnsupportedArchitecture
 from moe_proxy.checkpoint.layout import find_layout
-from moe_proxy.build.fidelity import figure_lines
+from moe_proxy.pruning.fidelity import figure_lines
 from moe_proxy.storage import open_store, sha256_of
 
 

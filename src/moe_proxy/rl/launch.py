@@ -1,7 +1,7 @@
 """`moe-proxy repro --nproc-per-node P [--nnodes N --node-rank R --master-addr A --master-port Q]`:
 start this node's P ranks through torch.distributed.run (torchrun's own API: the elastic
 agent spawns, watches and, when one fails, stops them all), each running
-`python -m moe_proxy.repro.launch SPEC`, i.e. `run_repro` as one rank of the job.
+`python -m moe_proxy.rl.launch SPEC`, i.e. `run_repro` as one rank of the job.
 
 A failed rank ends the whole run (no restarts): the agent stops the other local ranks, the
 other nodes' ranks lose their peer and fail in their next collective, and this raises
@@ -18,9 +18,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.repro.config import Faults, RankFault, ReproConfig
-from moe_proxy.repro.detect import Signature
-from moe_proxy.repro.distributed import DEFAULT_TIMEOUT_S, RankFailed, check_rows
+from moe_proxy.rl.config import Faults, RankFault, ReproConfig
+from moe_proxy.metrics.detect import Signature
+from moe_proxy.rl.distributed import DEFAULT_TIMEOUT_S, RankFailed, check_rows
 
 SPEC_FILE = ".repro-launch.json"  # in RUN_DIR while the ranks run: what they run
 
@@ -105,7 +105,7 @@ def _worker(spec_path: str) -> int:
     so the launcher's failure names this rank and why."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    from moe_proxy.repro.runner import run_repro
+    from moe_proxy.rl.runner import run_repro
 
     # The agent stops the other ranks with SIGTERM when one fails: unwind, so that rank 0
     # still writes its summary (the run's end, and why).

@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from moe_proxy.errors import MalformedMetrics
-from moe_proxy.repro.plots import plot_curves
-from moe_proxy.repro.detect import FailureDetector
-from moe_proxy.repro.metrics_io import read_metrics, read_summary
+from moe_proxy.metrics.plots import plot_curves
+from moe_proxy.metrics.detect import FailureDetector
+from moe_proxy.metrics.metrics_io import read_summary
+from moe_proxy.metrics.readers import read_metrics
 
 # The curves a person looks at first; also the ones the verdict is computed from.
 KEY_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",

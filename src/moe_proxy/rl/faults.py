@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.config import Faults
-from moe_proxy.repro.routers import Router
+from moe_proxy.rl.config import Faults
+from moe_proxy.rl.routers import Router
 
 
 class FaultInjector:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.repro.config import ReproConfig
+from moe_proxy.rl.config import ReproConfig
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from pathlib import Path
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.errors import BisectStopped, InvalidRange, MoeProxyError, ProbeFailed, TooFewCheckpoints
 from moe_proxy.options import PruningOptions, from_args
-from moe_proxy.repro.diagnose import SeedRun, seed_outcome
-from moe_proxy.repro.processes import (Interrupted, Stopped, claim_out, content_key, parse_as, run_recorded,
+from moe_proxy.investigate.diagnose import SeedRun, seed_outcome
+from moe_proxy.investigate.processes import (Interrupted, Stopped, claim_out, content_key, parse_as, run_recorded,
                                        stop_children)
 
 log = logging.getLogger(__name__)

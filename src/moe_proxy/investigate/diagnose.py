@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from moe_proxy.errors import BaselineFailed, MoeProxyError
-from moe_proxy.repro.catalogue import Fix
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.processes import (Interrupted, Recipe, RunsInterrupted, claim_out, content_key, parse_as,
+from moe_proxy.investigate.catalogue import Fix
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.investigate.processes import (Interrupted, Recipe, RunsInterrupted, claim_out, content_key, parse_as,
                                        reusable, run_each, run_recorded)
-from moe_proxy.repro.verdict import COST_SERIES
+from moe_proxy.metrics.verdict import COST_SERIES
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,8 @@ def repro_config(proxy: str, flags: list[str]) -> ReproConfig:
 
 def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Fix],
                    seeds: int) -> Diagnosis:
-    from moe_proxy.repro.detect import Signature
-    from moe_proxy.repro.source import check_source
+    from moe_proxy.metrics.detect import Signature
+    from moe_proxy.rl.source import check_source
 
     if seeds < 1:
         raise MoeProxyError(f"--seeds {seeds}: at least 1")
@@ -166,7 +166,7 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
     except MoeProxyError as exc:
         raise MoeProxyError(f"the baseline's repro options: {exc}") from None
     if "--device" in repro_flags[:-1]:  # this torch and machine have it (torch loads here, once)
-        from moe_proxy.repro.device import pick_device
+        from moe_proxy.rl.device import pick_device
 
         pick_device(repro_flags[repro_flags.index("--device") + 1])
     variants = [Variant(BASELINE, [], "the failing run, as given", steps=baseline.steps)]
@@ -248,7 +248,7 @@ def run_slots(d: Diagnosis, parallel: int) -> list[dict[str, str]]:
     machine. Bad input (too few devices) raises before anything runs."""
     if parallel == 1:
         return [{}]
-    from moe_proxy.repro.device import device_slots
+    from moe_proxy.rl.device import device_slots
 
     args = parse_as("repro", [d.proxy, "--out", os.devnull, *d.repro_flags])
     return device_slots(args.device, args.nproc_per_node or 1, parallel)
@@ -386,7 +386,7 @@ def _as_baseline(baseline: dict[int, SeedRun], candidate: dict[int, SeedRun]) ->
 
 
 def _rows(directory: Path) -> dict[int, dict[str, float]]:
-    from moe_proxy.repro.metrics_io import read_metrics
+    from moe_proxy.metrics.readers import read_metrics
 
     try:
         return read_metrics(directory / "metrics.jsonl")
@@ -476,8 +476,8 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]], parallel: int = 
 
 
 def write_report(d: Diagnosis, report: dict) -> list[Path]:
-    from moe_proxy.repro.compare import KEY_METRICS, load_run, plot_notes
-    from moe_proxy.repro.plots import plot_curves, plot_matrix
+    from moe_proxy.metrics.compare import KEY_METRICS, load_run, plot_notes
+    from moe_proxy.metrics.plots import plot_curves, plot_matrix
 
     d.out.mkdir(parents=True, exist_ok=True)
     (d.out / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")

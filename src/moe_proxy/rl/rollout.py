@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_proxy.repro.config import ReproConfig
-from moe_proxy.repro.distributed import Comm, local, reshard, shard
-from moe_proxy.repro.faults import FaultInjector
-from moe_proxy.repro.precision import DTYPES, autocast, compute_in_fp32, fp32_modules
-from moe_proxy.repro.routers import find_routers
-from moe_proxy.repro.routing import RoutingRecorder
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.rl.distributed import Comm, local, reshard, shard
+from moe_proxy.rl.faults import FaultInjector
+from moe_proxy.rl.precision import DTYPES, autocast, compute_in_fp32, fp32_modules
+from moe_proxy.rl.routers import find_routers
+from moe_proxy.rl.routing import RoutingRecorder
 
 KERNELS = {"eager": "eager", "grouped": "grouped_mm"}  # --rollout-kernels -> transformers' name
 
@@ -40,7 +40,7 @@ class Rollout:
 
 class RolloutEngine:
     def __init__(self, policy: torch.nn.Module, path, config: ReproConfig, comm: Comm, seed: int):
-        from moe_proxy.repro.sharded_load import meta_model
+        from moe_proxy.rl.sharded_load import meta_model
 
         self.policy, self.config, self.comm = policy, config, comm
         self.separate = config.separate_rollout()

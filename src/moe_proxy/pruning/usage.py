@@ -18,9 +18,9 @@ import numpy as np
 from moe_proxy.calibrate.statistics import DEAD_SHARE, LayerStats
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import InvalidExpertCount, MoeProxyError
-from moe_proxy.build.features import expert_features
+from moe_proxy.pruning.features import expert_features
 from moe_proxy.checkpoint.layout import MoeBlock
-from moe_proxy.build.selection import Selection, select
+from moe_proxy.pruning.selection import Selection, select
 
 # options.CALIBRATED_FEATURES -> the statistics that hold them
 PROBES = {"routing": "routing_probe", "output": "output_probe"}

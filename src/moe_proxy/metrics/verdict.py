@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from moe_proxy.reports import repro_report
-from moe_proxy.repro.detect import FailureDetector, Signature
-from moe_proxy.repro.metrics_io import finite_or_none
+from moe_proxy.metrics.detect import FailureDetector, Signature
+from moe_proxy.metrics.metrics_io import finite_or_none
 
 # Metrics copied into the operator's termination log (it must stay under 4 KB).
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from moe_proxy.build.config import rewrite_config
-from moe_proxy.build.reconstruct import Spill, Targets
-from moe_proxy.build.selection import Selection
+from moe_proxy.pruning.config import rewrite_config
+from moe_proxy.pruning.reconstruct import Spill, Targets
+from moe_proxy.pruning.selection import Selection
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import CannotMerge

@@ -42,14 +42,14 @@ from moe_proxy.checkpoint.reader import (INDEX, JOURNAL, MANIFEST, Checkpoint, T
                                          open_checkpoint, read_header, slice_ranges)
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, MoeProxyError
 from moe_proxy.checkpoint.layout import Layout, MoeBlock, find_layout, source_identity
-from moe_proxy.build.config import rewrite_config
+from moe_proxy.pruning.config import rewrite_config
 from moe_proxy.checkpoint.reads import Later, read_ahead, read_tasks
 from moe_proxy.checkpoint.params import stored_params
 from moe_proxy.options import PruningOptions
-from moe_proxy.build.expert_plan import ExpertPlan, plan_experts, plan_from_record, plan_record
-from moe_proxy.build import plan_ahead
-from moe_proxy.build.plan_ahead import PlanAhead
-from moe_proxy.build.writer import OutTensor, Written, header_bytes, shard_size, write_file
+from moe_proxy.pruning.expert_plan import ExpertPlan, plan_experts, plan_from_record, plan_record
+from moe_proxy.pruning import plan_ahead
+from moe_proxy.pruning.plan_ahead import PlanAhead
+from moe_proxy.pruning.writer import OutTensor, Written, header_bytes, shard_size, write_file
 from moe_proxy.storage import Store, Writer, open_store, overlap, sha256_of, write_bytes
 from moe_proxy.storage.inflight import Transfer
 
@@ -433,8 +433,8 @@ def with_transfer(store_options: dict | None) -> dict:
 
 
 def _import_planning() -> None:
-    import moe_proxy.build.features  # noqa: F401  (torch)
-    import moe_proxy.build.selection  # noqa: F401
+    import moe_proxy.pruning.features  # noqa: F401  (torch)
+    import moe_proxy.pruning.selection  # noqa: F401
 
     import sklearn.cluster  # noqa: F401
 
@@ -656,7 +656,7 @@ def finalize(p: Prepared, workers: int, overwrite: bool = False, fresh: dict[str
 
     ckpt, plan = p.ckpt, p.plan
     if p.calibration is not None and plan.fidelity is None:  # the figure, before anything is published
-        from moe_proxy.build.fidelity import measure
+        from moe_proxy.pruning.fidelity import measure
 
         plan.fidelity = measure(ckpt, p.layout, plan, p.calibration, p.shards, progress)
     written["config.json"] = write_file(p.dst, "config.json", [_json(rewrite_config(ckpt.config, plan))])
@@ -717,7 +717,7 @@ def build_proxy(src: str | Store, dst: str | Store, options: PruningOptions | No
     options = _resolved(src, dst, options, pruning)
     store_options, chosen = with_transfer(store_options), None
     if options.auto or options.max_kl is not None:  # counts measured without writing; the chosen one is built
-        from moe_proxy.build.auto import resolve_auto
+        from moe_proxy.pruning.auto import resolve_auto
 
         src = open_source(src, options, store_options)  # once: the search and the build read the same
         options, chosen = resolve_auto(src, options, max_experts, sizing, progress)
@@ -781,7 +781,7 @@ def _resolved(src: str | Store, dst: str | Store, options: PruningOptions | None
     options = replace(options or PruningOptions(), **pruning).resolved()
     check_apart(src if isinstance(src, str) else src.uri, dst if isinstance(dst, str) else dst.uri)
     if options.auto or options.max_kl is not None:  # what auto cannot do, refused before anything is read
-        from moe_proxy.build.auto import check_auto
+        from moe_proxy.pruning.auto import check_auto
 
         check_auto(options, scale_out)
     return options

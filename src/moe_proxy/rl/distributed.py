@@ -234,7 +234,7 @@ class Comm:
 
 def join(requested_device: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Comm:
     """This process's Comm: a one-rank Comm outside a launched job, else the joined group."""
-    from moe_proxy.repro.device import pick_device
+    from moe_proxy.rl.device import pick_device
 
     if not launched() or int(os.environ["WORLD_SIZE"]) == 1:  # one rank: no group needed
         return Comm(device=pick_device(requested_device), timeout_s=timeout_s)

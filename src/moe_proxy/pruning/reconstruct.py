@@ -39,9 +39,9 @@ from typing import Callable
 
 import torch
 
-from moe_proxy.build.config import rewrite_config
-from moe_proxy.build.heal import fit, relative_error
-from moe_proxy.build.selection import Selection
+from moe_proxy.pruning.config import rewrite_config
+from moe_proxy.pruning.heal import fit, relative_error
+from moe_proxy.pruning.selection import Selection
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint, TensorInfo
 from moe_proxy.checkpoint.tensors import TORCH_DTYPES, dequantize_fp8, quantize_fp8
@@ -261,7 +261,7 @@ class ReconstructPass(LayerPass[Reconstruction]):
         targets = Targets(proxy, block, self.arch, sel.kept)
         merged = None
         if self.merge_with is not None and block.prefix in self.merge_with.layers:
-            from moe_proxy.build.merge import merge_into
+            from moe_proxy.pruning.merge import merge_into
 
             record, stored_m, back_m = merge_into(original, proxy, sel,
                                                   self.merge_with.layers[block.prefix].gate_mass, targets)

@@ -1,5 +1,5 @@
 """`--experts auto --max-kl X`: the smallest expert count whose proxy has KL(original || proxy)
-at most X (build/fidelity.py), with as few full builds as the figures allow (issue 31).
+at most X (pruning/fidelity.py), with as few full builds as the figures allow (issue 31).
 
 1. Screen: every candidate count is selected without fits (the plain selection, from the one
    set of one-pass statistics) and all are measured in one walk of the original
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from moe_proxy.build.fidelity import measure, measure_many
+from moe_proxy.pruning.fidelity import measure, measure_many
 from moe_proxy.errors import CalibrationError, FidelityTargetNotMet, InvalidExpertCount, InvalidOptions
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,8 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
                    progress: bool = False) -> tuple[int, dict, list[str], object]:
     """The smallest of `counts` (ascending) whose proxy has KL <= options.max_kl, its fidelity
     figure, the notes saying what was screened and built, and its ExpertPlan (fitted once)."""
-    from moe_proxy.build.expert_plan import fit_plan, plan_experts
-    from moe_proxy.build.steps import output_tensors
+    from moe_proxy.pruning.expert_plan import fit_plan, plan_experts
+    from moe_proxy.pruning.steps import output_tensors
 
     max_kl = options.max_kl
     if not counts:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from moe_proxy.errors import InvalidReproConfig
-from moe_proxy.repro.routers import Router, router_output
+from moe_proxy.rl.routers import Router, router_output
 
 
 def _softmax_topk(router, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

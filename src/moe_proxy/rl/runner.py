@@ -34,21 +34,21 @@ import torch
 from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.reports import error_report, write_termination_log
-from moe_proxy.repro.config import RankFault, ReproConfig
-from moe_proxy.repro.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.repro.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, check_rows, full_value, join,
+from moe_proxy.rl.config import RankFault, ReproConfig
+from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
+from moe_proxy.rl.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, check_rows, full_value, join,
                                          local, shard)
-from moe_proxy.repro.faults import FaultInjector
-from moe_proxy.repro.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
-from moe_proxy.repro.policy_loss import gap_metrics, gap_sums, importance_ratio, rollout_is_weights
-from moe_proxy.repro.precision import autocast, compute_in_fp32, fp32_modules
-from moe_proxy.repro.rollout import RolloutEngine
-from moe_proxy.repro.routers import RouterTap, find_routers
-from moe_proxy.repro.routing import RoutingRecorder, RoutingReplay, mismatch_counts, replay_choices
-from moe_proxy.repro.sharded_load import load_shards, meta_model
-from moe_proxy.repro.source import check_source, local_checkpoint
-from moe_proxy.repro.task import Codec, PromptSet, load_prompts, make_prompts
-from moe_proxy.repro.verdict import first_failure, stop_reason as stop_reason_of, verdict_report
+from moe_proxy.rl.faults import FaultInjector
+from moe_proxy.metrics.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
+from moe_proxy.rl.policy_loss import gap_metrics, gap_sums, importance_ratio, rollout_is_weights
+from moe_proxy.rl.precision import autocast, compute_in_fp32, fp32_modules
+from moe_proxy.rl.rollout import RolloutEngine
+from moe_proxy.rl.routers import RouterTap, find_routers
+from moe_proxy.rl.routing import RoutingRecorder, RoutingReplay, mismatch_counts, replay_choices
+from moe_proxy.rl.sharded_load import load_shards, meta_model
+from moe_proxy.rl.source import check_source, local_checkpoint
+from moe_proxy.rl.task import Codec, PromptSet, load_prompts, make_prompts
+from moe_proxy.metrics.verdict import first_failure, stop_reason as stop_reason_of, verdict_report
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ passes that fit or measure it (`heal`, `merge`, `reconstruct`, `fidelity`), the 
 (`steps`, `writer`), the config rewrite (`config`) and the checks of a written proxy
 (`verify`).
 
-`from moe_proxy.build import build_proxy` is the library entry point (and, for a scale-out
+`from moe_proxy.pruning import build_proxy` is the library entry point (and, for a scale-out
 build, `fit_for_workers`, `build_share`, `finalize_build`); they are imported on first use so
 that the torch-free modules of this package (`config`) stay torch-free.
 """
@@ -14,7 +14,7 @@ ENTRY_POINTS = ("build_proxy", "fit_for_workers", "build_share", "finalize_build
 
 def __getattr__(name: str):
     if name in ENTRY_POINTS:
-        from moe_proxy.build import steps
+        from moe_proxy.pruning import steps
 
         return getattr(steps, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
