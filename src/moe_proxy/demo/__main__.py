@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # What to try next on the demo's own files: both runs diverge at step 3 (measured), compare puts them side by side;
-# at lr 0.05 the proxy diverges by itself and only lower-lr cures it (measured, 2 seeds).
+# at lr 0.05 the proxy diverges by itself; lower-lr cures the divergence but brings a routing collapse at
+# step 3 on both seeds (fixed-but), warmup and z-loss do not cure it (measured, 2 seeds; docs/diagnosis.md).
 NEXT = """
 == next, on these files
   .venv/bin/moe-proxy repro {dst} --out {out}/run-proxy --steps 6 --fault-lr-spike 3:100000 --fail-on divergence
