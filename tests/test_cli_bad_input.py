@@ -27,11 +27,11 @@ from .house.blocked import run_blocked
 ROWS = [
     ("inspect", "{missing}", "no config.json"),
     ("inspect", "{truncated}", "not valid JSON"),
-    ("inspect", "{tiny} --streams x", "invalid int value"),
+    ("inspect", "{tiny} --streams x", "--streams: expected a whole number, got 'x'"),
     ("inspect", "{tiny} --jsn", "unrecognized arguments: --jsn"),
     ("plan", "{truncated} --experts 4", "not valid JSON"),
     ("plan", "{file} --experts 4", "not valid JSON"),
-    ("plan", "{tiny} --experts 0", "cannot keep 0 experts"),
+    ("plan", "{tiny} --experts 0", "--experts: 0: must be at least 1"),  # as build says it
     ("plan", "{tiny}", "--experts --keep-ratio is required"),
     ("build", "{tiny} {file} --experts 4", "is a file"),
     ("build", "{truncated} {out} --experts 4", "not valid JSON"),

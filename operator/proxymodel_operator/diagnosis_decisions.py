@@ -33,7 +33,7 @@ from .children import MAX_NAME
 from .diagnosis_baseline import changes as baseline_changes, pin
 from .outcome import FAILED as OUTCOME_FAILED, RUNNING as OUTCOME_RUNNING, Outcome
 from .reproduction import (ArgsIgnored, Naming, appended, first_container, headless_service, name_reserve,
-                           repro_args, reproduction_workload)
+                           repro_flags, reproduction_workload)
 from .resources import GROUP, LABEL_CHILD, LABEL_ROLE, SERVICES, Resource
 from .runtimes import RUNTIMES
 from .settings import Settings
@@ -263,10 +263,10 @@ def changes(baseline: Baseline, v: RunVariant) -> dict:
     if own := [a for a in v.args if a.split("=")[0] in OWN_FLAGS]:
         raise InvalidDiagnosis("CandidateRefused", f"candidate {v.name!r}: {', '.join(own)} are the diagnosis's own "
                                "(it sets the seed, the failure and where runs write)")
-    flags = repro_args(spec, baseline.proxy_uri)[2:]
+    flags = repro_flags(spec)
     try:
-        base = repro_config(baseline.proxy_uri, flags)
-        mine = repro_config(baseline.proxy_uri, [*flags, *v.args])
+        base = repro_config(flags)
+        mine = repro_config([*flags, *v.args])
     except MoeProxyError as exc:
         raise InvalidDiagnosis("CandidateRefused", f"candidate {v.name!r} ({' '.join(v.args)}): repro refuses it: "
                                f"{exc}") from None

@@ -60,10 +60,15 @@ def _var(name: str) -> str:
 def repro_args(spec: ProxyModelSpec, proxy_uri: str, runtime: Runtime | None = None,
                where: Placement | None = None) -> list[str]:
     """`moe-proxy repro` for one pod: with a placement, this node's ranks of the whole run."""
+    return ["repro", proxy_uri, "--out", RUN_DIR, *repro_flags(spec, runtime, where)]
+
+
+def repro_flags(spec: ProxyModelSpec, runtime: Runtime | None = None, where: Placement | None = None) -> list[str]:
+    """repro's flags for spec.reproduction (what rl.run_options.repro_settings reads back)."""
     r = spec.reproduction
     # spec.reproduction's RL settings as the CLI spells them (the same model: rl.config.ReproConfig);
     # steps and precision always, as their ProxyModel defaults are not the CLI's.
-    args = ["repro", proxy_uri, "--out", RUN_DIR] + to_args(r.config, always=("steps", "precision"))
+    args = to_args(r.config, always=("steps", "precision"))
     if r.fail_on:
         args += ["--fail-on", r.fail_on.cli()]
     if where is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from moe_proxy.options import SELECTION, to_args
+from moe_proxy.options import statistics_flags, to_args
 from moe_proxy.reports import EXIT_BAD_INPUT
 
 from .children import (CALIBRATE, FINALIZE, FIT, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
@@ -108,12 +108,10 @@ def calibrate_args(spec: ProxyModelSpec) -> list[str]:
     args = ["calibrate", spec.source.uri, "--out", spec.calibration_uri, "--no-progress"]
     args += to_args(spec.calibration, always=("samples", "seq_len", "seed"))
     p = spec.pruning
-    if p.sequential:  # statistics for the proxy the build makes: the planned count (as_planned)
-        if p.experts is None:
-            raise ValueError("spec.pruning.sequential: no expert count planned yet to calibrate for")
-        args += ["--sequential"] + to_args(p.options, only=("experts", *SELECTION), always=("method", "features"))
-    else:  # e.g. experts "auto": statistics for any count (Pruning.notes says why, in status.plan.notes)
-        args += ["--one-pass"]
+    if p.sequential and p.experts is None:  # statistics for the proxy the build makes: the planned count
+        raise ValueError("spec.pruning.sequential: no expert count planned yet to calibrate for")
+    # else e.g. experts "auto": one pass, for any count (Pruning.notes says why, in status.plan.notes)
+    args += statistics_flags(p.options, sequential=p.sequential)
     return args + (["--endpoint-url", spec.source.endpoint] if spec.source.endpoint else [])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 from moe_proxy.errors import CannotMerge, InvalidOptions
 
@@ -173,6 +173,17 @@ SELECTION = ("top_k", "method", "features", "clustering", "representative", "kee
              "super_outlier")
 
 
+def statistics_flags(options: PruningOptions, sequential: bool = True) -> list[str]:
+    """The `moe-proxy calibrate` flags of the statistics a build with `options` needs (bisect's
+    probes and the operator's calibrate step both ask here): sequential statistics made for its
+    very proxy (its count and selection) when it has a count, else one pass over the original,
+    usable for any count (experts auto, a ratio)."""
+    if sequential and isinstance(options.experts, int):
+        return ["--sequential", *to_args(options, only=("experts", *SELECTION),
+                                         always=("experts", "method", "features"))]
+    return ["--one-pass"]
+
+
 def reconstructs(calibrated: bool, heal: bool, reconstruct: bool | None = None) -> bool:
     """Whether a build re-fits its kept experts and router rows: as asked, else whenever it has
     calibration statistics (docs/fidelity.md), unless heal re-fits the router rows instead
@@ -208,14 +219,72 @@ class TokenOptions:
                              cli_only="memory of the machine that runs it, not a property of the statistics")
 
 
+# ----------------------------------------------------------------------------- shared flags
+
+@dataclass
+class OutputOptions:
+    """How a command reports: flags several commands share, declared here once (a command
+    takes the ones it has with `add_arguments(..., only=...)`)."""
+
+    json: bool = option(False, "bool", "print the result as JSON", cli_only="terminal output")
+    no_progress: bool = option(False, "bool", "no progress bars",
+                               cli_only="terminal output (the operator's Jobs pass it)")
+    termination_log: str | None = option(None, "str", "also write the result as JSON here (Kubernetes' "
+                                         "/dev/termination-log)", metavar="PATH",
+                                         cli_only="the operator reads its Jobs' results from /dev/termination-log")
+
+
+_STORE = "the operator sets the transfer from spec.source and its defaults"
+
+
+@dataclass
+class StoreOptions:
+    """How s3:// locations are reached (storage.open_store's keyword arguments). Concurrency is
+    sized to the store and memory bounded: storage/inflight.py has the rule."""
+
+    endpoint_url: str | None = option(None, "str", "S3-compatible endpoint (MinIO, Ceph RGW, OBS); default "
+                                      "$AWS_ENDPOINT_URL", metavar="URL", cli_only="spec.source.endpoint")
+    region: str | None = option(None, "str", "region; default from the standard AWS configuration chain",
+                                cli_only="spec.source.region")
+    streams: int | None = option(None, "int", "requests in flight each way (reads, uploads); default: the in-flight "
+                                 "budget / 2 / read part. To fill a link of R MB/s at r MB/s per connection and "
+                                 "latency L s: R/r + R*L/part", metavar="N", cli_only=_STORE)
+    max_inflight_mb: float | None = option(None, "float", "bytes held by reads and uploads in flight, together; "
+                                           "default: half of one MoE layer's routed experts (64 MiB to 1 GiB), which "
+                                           "keeps memory under 1.5 x one layer + 512 MiB", metavar="MB",
+                                           cli_only=_STORE)
+    read_part_mb: float | None = option(None, "float", "bytes per ranged read, at most (default 8; smaller when "
+                                        "--streams would not fit the budget)", metavar="MB", cli_only=_STORE)
+
+    def given(self) -> dict:
+        """The options set, as open_store's keyword arguments."""
+        return {name: value for name, _, _ in options_of(type(self)) if (value := getattr(self, name))}
+
+
 # ----------------------------------------------------------------------------- generators
 
+def spelled(name: str, opt: Opt, default: Any) -> list[str]:
+    """The flags that set option `name`: --NAME, --no-NAME for a bool that defaults on, both for a
+    tristate, --pin for pins."""
+    if opt.kind == "bool":
+        return [flag(f"no_{name}")] if default else [flag(name)]
+    if opt.kind == "tristate":
+        return [flag(name), flag(f"no_{name}")]
+    return [flag(name.rstrip("s") if opt.kind == "pins" else name)]
+
+
+def _selected(cls, only: tuple[str, ...] | None, skip: tuple[str, ...] | set[str]):
+    return [(name, opt, default) for name, opt, default in options_of(cls)
+            if (only is None or name in only) and name not in skip]
+
+
 def add_arguments(parser, cls, only: tuple[str, ...] | None = None, skip: tuple[str, ...] = (),
-                  helps: dict[str, str] | None = None) -> None:
-    """argparse flags for the options of `cls` (`only` / `skip` by name; `helps` overrides)."""
-    for name, opt, default in options_of(cls):
-        if (only is not None and name not in only) or name in skip:
-            continue
+                  helps: dict[str, str] | None = None, defaults: dict[str, Any] | None = None,
+                  required: tuple[str, ...] = ()) -> None:
+    """argparse flags for the options of `cls` (`only` / `skip` by name; `helps`, `defaults`
+    and `required` adjust one command's use of an option without declaring it again)."""
+    for name, opt, default in _selected(cls, only, skip):
+        default = (defaults or {}).get(name, default)
         text = (helps or {}).get(name, opt.help)
         if opt.kind == "bool":
             if default:
@@ -231,7 +300,52 @@ def add_arguments(parser, cls, only: tuple[str, ...] | None = None, skip: tuple[
         else:
             shown = f" (default {default})" if default not in (None, "") else ""
             parser.add_argument(flag(name), type=_parser(name, opt), default=default, choices=opt.choices,
-                                metavar=opt.metavar, help=text + shown)
+                                metavar=opt.metavar, help=text + shown, required=name in required)
+
+
+def add_size_arguments(parser, helps: dict[str, str] | None = None) -> None:
+    """The proxy's size: --experts or --keep-ratio, one of them required (build, plan, bisect's probes)."""
+    add_arguments(parser.add_mutually_exclusive_group(required=True), PruningOptions, only=("experts", "keep_ratio"),
+                  helps=helps)
+
+
+class _Collect(argparse.Action):
+    """A flag of another command, kept as written in the namespace's list `into` (add_pass_through)."""
+
+    into = "flags"
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        tokens = [] if values is None else [values] if isinstance(values, str) else list(values)
+        setattr(namespace, self.into, [*(getattr(namespace, self.into, None) or []), option_string, *tokens])
+
+
+def add_pass_through(parser, cls, into: str, only: tuple[str, ...] | set[str] | None = None,
+                     skip: tuple[str, ...] | set[str] = ()) -> None:
+    """Flags for the options of `cls` that are collected as written, in order, into the
+    namespace's list `into` (diagnose and bisect hand them to the runs they start, whose own
+    parse checks them: `parse_flags` before anything runs)."""
+    action = type(f"Into_{into}", (_Collect,), {"into": into})
+    for name, opt, default in _selected(cls, None if only is None else tuple(only), skip):
+        valued = opt.kind not in ("bool", "tristate")
+        parser.add_argument(*spelled(name, opt, default), action=action, nargs=None if valued else 0,
+                            dest=f"{into}_{name}", metavar=(opt.metavar or name.upper()) if valued else None,
+                            help=opt.help, choices=opt.choices)
+
+
+class _Refusing(argparse.ArgumentParser):
+    """A parser that raises instead of printing usage and exiting: a bad flag is one line."""
+
+    def error(self, message: str):
+        raise InvalidOptions(message)
+
+
+def parse_flags(argv: list[str], declare: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:
+    """`argv`, flags only, read as the command whose flags `declare` adds reads them, each value
+    checked; a bad or unknown flag raises InvalidOptions (one line; nothing prints or exits).
+    Turn the namespace into options models with `from_args`."""
+    parser = _Refusing(prog="moe-proxy", add_help=False)
+    declare(parser)
+    return parser.parse_args(argv)
 
 
 def from_args(cls, args: argparse.Namespace, **extra):
@@ -378,43 +492,60 @@ def _merge_pins(groups: list) -> dict[int, list[int]]:
     return pins
 
 
-# The flags of `build` and `calibrate` that are no field of a stage's options, each with why a
-# ProxyModel has no such field or where it says the same (the one list; tests/chart checks it).
+# Every command's flags that no options model declares, each with why no resource has it as a
+# field or where a resource says the same (the one list; tests/chart/test_options.py checks that
+# every flag of every command is an option or listed here, and that nothing listed is gone).
 _DEVICES = "the operator plans devices from spec.reproduction.accelerator"
-_STORE = "the operator sets the transfer from spec.source and its defaults"
+_OUT = "where this command writes; the operator chooses its children's locations"
+_LOCAL = "a terminal command; the operator has no resource for it"
+_SEARCH = "spec.bisection's watch (a CheckpointWatch's spec.pattern and spec.stepRegex)"
+_STEP = "the operator's plan times the RL step with step_cost.StepShape's defaults"
 CLI_ONLY: dict[str, dict[str, str]] = {
     "build": {
         "--max-experts": "the operator passes the count its plan sized the devices for (experts auto)",
-        "--precision": _DEVICES, "--accelerator": _DEVICES, "--device-memory-gb": _DEVICES,
-        "--devices-per-node": _DEVICES, "--max-devices": _DEVICES,
+        "--accelerator": _DEVICES, "--device-memory-gb": _DEVICES, "--devices-per-node": _DEVICES,
+        "--max-devices": _DEVICES,
         "--overwrite": "the operator builds into its own destination, never over a user's files",
-        "--json": "terminal output", "--no-progress": "terminal output (the operator's Jobs pass it)",
         "--workers": "spec.transformer.parallelism", "--worker": "spec.transformer.parallelism (the Job's index)",
         "--finalize": "spec.transformer.parallelism (the finalize Job)",
         "--fit": "spec.transformer.parallelism (the fit Job before the workers)",
-        "--termination-log": "the operator reads its Jobs' results from /dev/termination-log",
-        "--endpoint-url": "spec.source.endpoint", "--region": "spec.source.region",
-        "--streams": _STORE, "--max-inflight-mb": _STORE, "--read-part-mb": _STORE,
     },
     "calibrate": {
         "--out": "the operator keeps statistics beside the proxy (<destination>-calibration/)",
         "--sequential": "spec.pruning.sequential", "--one-pass": "spec.pruning.sequential false",
-        "--json": "terminal output", "--no-progress": "terminal output (the operator's Jobs pass it)",
-        "--endpoint-url": "spec.source.endpoint", "--region": "spec.source.region",
-        "--streams": _STORE, "--max-inflight-mb": _STORE, "--read-part-mb": _STORE,
     },
-    "repro": {
-        "--out": "the operator's reproduction writes to its pod's run directory",
-        "--device": "spec.reproduction.accelerator",
-        "--fail-on": "spec.reproduction.failOn",
-        "--termination-log": "the operator reads its Jobs' results from /dev/termination-log",
-        "--prompts": "not yet a ProxyModel field: a user's own data runs through spec.reproduction.args or template",
-        **dict.fromkeys(("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port"),
-                        "the operator places the ranks from spec.reproduction.accelerator"),
-        "--dist-timeout": "the operator's default; a hung rank is named in status",
-        "--no-progress": "terminal output (a pod's log has no terminal)",
-        **dict.fromkeys(("--fault-fp16-no-scaling", "--fault-lr-spike", "--fault-router-scale", "--fault-op",
-                         "--fault-op-mode", "--fault-op-value", "--fault-rank-exit", "--fault-rank-hang"),
-                        "fault injection checks a proxy in the fidelity lab; a user's run has its own failure"),
+    "repro": {"--out": "the operator's reproduction writes to its pod's run directory"},
+    "plan": {
+        "--accelerator": _DEVICES, "--device-memory-gb": _DEVICES, "--devices-per-node": _DEVICES,
+        "--max-devices": _DEVICES,
+        "--micro-batch-tokens": "the operator plans with the planner's default micro-batch",
+        "--no-reference": "the operator's plan counts the reference policy its reproduction has",
+        **dict.fromkeys(("--sequences", "--prompt-tokens", "--response-tokens", "--updates", "--mfu",
+                         "--hbm-efficiency", "--no-recompute"), _STEP),
     },
+    "diagnose": {
+        "--out": _OUT, "--candidates": "a Diagnosis's spec.candidates (catalogue names)",
+        "--candidate": "a Diagnosis's spec.candidates (name and args)",
+        "--candidates-file": "a Diagnosis's spec.candidates", "--list": _LOCAL,
+        "--parallel": "a Diagnosis's spec.parallelism",
+        "--replace": "a Diagnosis's runs are its own children; a new spec starts over",
+    },
+    "bisect": {
+        "--out": _OUT, "--pattern": _SEARCH, "--step-regex": _SEARCH,
+        "--good": "a Diagnosis's spec.bisection.good", "--bad": "a Diagnosis's spec.bisection.bad",
+        "--replace": "a Diagnosis's probes are its own children; a new spec starts over",
+    },
+    "checkpoints": {"--pattern": "a CheckpointWatch's spec.pattern", "--step-regex": "a CheckpointWatch's spec.stepRegex",
+                    "--before": _LOCAL, "--deep": _LOCAL},
+    "watch": {  # the sidecar the operator adds to a reproduction's pod (reproduction.watcher)
+        **dict.fromkeys(("--hold", "--ready-file", "--stop-file"), "the operator's watch sidecar sets it itself"),
+        **dict.fromkeys(("--format", "--profile", "--metric"),
+                        "the sidecar reads the runtime's metrics file with its framework's profile"),
+        **dict.fromkeys(("--poll", "--timeout", "--until-file"), "the sidecar ends with its pod (SIGTERM)"),
+        "--last-step": "not passed from spec.reproduction.maxSteps yet: a log that shows its own end ends the watch",
+    },
+    "compare": dict.fromkeys(("--out", "--format", "--profile", "--metric", "--metrics", "--names", "--permutations"),
+                             _LOCAL),
+    "verify": {"--no-forward": _LOCAL},
+    "inspect": {},
 }

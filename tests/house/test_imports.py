@@ -195,3 +195,37 @@ def test_the_circles_listed_are_still_there():
     graph = module_imports()
     gone = [f"{a} -> {b}" for a, b in CLOSES_A_CIRCLE if b not in graph[a]]
     assert not gone, "no longer imported (remove from CLOSES_A_CIRCLE):\n" + "\n".join(gone)
+
+
+# The layers: the CLI on top (argparse's commands, and the programs beside them), the operator
+# beside the CLI, the library below both. A flag list becomes settings through the options
+# models (moe_proxy.options.parse_flags, rl.run_options.repro_settings), never through a command.
+CLI = ("moe_proxy.cli", "moe_proxy.__main__", "moe_proxy.commands", "moe_proxy.demo")
+
+
+def layer(name: str) -> str:
+    if any(name == top or name.startswith(top + ".") for top in CLI):
+        return "cli"
+    return "operator" if name.split(".")[0] == "proxymodel_operator" else "library"
+
+
+def test_the_library_imports_no_command_and_the_operator_none_either():
+    """No library module imports the CLI or the operator, and the operator no CLI module: every
+    import counts, lazy ones included (`importlib.import_module` of a command too)."""
+    bad = []
+    for module in modules().values():
+        here = layer(module.name)
+        if here == "cli":
+            continue
+        for imp in imports(module):
+            targets = [imp.target, *(f"{imp.target}.{n}" for n in imp.names)]
+            if any(layer(t) == "cli" or (here == "library" and layer(t) == "operator") for t in targets if ours(t)):
+                bad.append(f"{module.where(imp.node)}: {here} imports {imp.target}")
+        for node in ast.walk(module.tree):  # importlib.import_module(f"moe_proxy.commands.{name}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    node.value.startswith("moe_proxy.commands.") and module.name != "moe_proxy":
+                bad.append(f"{module.where(node)}: {here} names the command module {node.value!r}")
+            if isinstance(node, ast.JoinedStr) and any(isinstance(v, ast.Constant) and "moe_proxy.commands" in v.value
+                                                      for v in node.values):
+                bad.append(f"{module.where(node)}: {here} builds a command module's name")
+    assert not bad, "imports up the layers (the library below the CLI and the operator):\n" + "\n".join(bad)

@@ -43,10 +43,10 @@ def test_every_catalogue_entry_is_repro_flags_repro_accepts(tmp_path):
     from moe_proxy.demo.tiny import make_tiny
 
     make_tiny("qwen3_moe", tmp_path / "m")
-    base = repro_config(str(tmp_path / "m"), ["--steps", "8", "--lr", "1e-4"])
+    base = repro_config(["--steps", "8", "--lr", "1e-4"])
     configs = {}
     for c in CATALOGUE.values():
-        configs[c.name] = repro_config(str(tmp_path / "m"), ["--steps", "8", "--lr", "1e-4", *c.changes(base)])
+        configs[c.name] = repro_config(["--steps", "8", "--lr", "1e-4", *c.changes(base)])
         assert c.what and c.knobs
     # entries whose settings are known: a renamed or dropped entry fails here, not silently
     assert configs["lower-lr"].lr == pytest.approx(1e-5)

@@ -66,10 +66,10 @@ def test_a_candidate_that_changes_nothing_is_no_change_not_reproduced():
 
 
 def test_changes_that_leave_every_steps_learning_rate_as_it_was_are_none(tiny_qwen3):
-    base = repro_config(str(tiny_qwen3), ["--steps", "6", "--lr", "0.05"])
+    base = repro_config(["--steps", "6", "--lr", "0.05"])
 
     def changes(*flags: str) -> dict:
-        return changed_settings(base, repro_config(str(tiny_qwen3), ["--steps", "6", "--lr", "0.05", *flags]))
+        return changed_settings(base, repro_config(["--steps", "6", "--lr", "0.05", *flags]))
 
     assert changes("--warmup-steps", "1") == {}  # step 0 at the full rate: the baseline again
     assert changes("--warmup-steps", "2") == {"warmup_steps": 2}
@@ -83,9 +83,9 @@ def test_every_catalogue_entry_changes_the_run_at_every_step_count(tiny_qwen3, s
     repro's defaults, fp32 too; aux-loss-off needs an aux loss), at 1 to 20 steps: warmup too."""
     base_flags = ["--steps", str(steps), "--lr", "1e-4", "--grad-clip", "0", "--no-skip-nonfinite", "--precision",
                   "fp16", "--loss-scaling", "none", "--router-aux-coef", "1e-2"]
-    base = repro_config(str(tiny_qwen3), base_flags)
+    base = repro_config(base_flags)
     for fix in CATALOGUE.values():
-        config = repro_config(str(tiny_qwen3), [*base_flags, *fix.changes(base)])
+        config = repro_config([*base_flags, *fix.changes(base)])
         assert changed_settings(base, config), (fix.name, steps, fix.changes(base))
 
 

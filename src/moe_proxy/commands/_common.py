@@ -3,41 +3,53 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from moe_proxy.errors import DestinationExists
+from moe_proxy.options import StoreOptions, add_arguments, from_args, options_of
 
 # The planner's device options (sizing.SizingOptions fields) that `plan` and `build --experts auto` share.
 DEVICE_OPTIONS = ("precision", "accelerator", "device_memory_gb", "devices_per_node", "max_devices")
 
 
-def add_storage_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("object storage (s3:// locations)")
-    g.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph RGW, OBS); default $AWS_ENDPOINT_URL")
-    g.add_argument("--region", help="region; default from the standard AWS configuration chain")
-    # Concurrency sized to the store, memory bounded (storage/inflight.py has the rule).
-    g.add_argument("--streams", type=int, metavar="N",
-                   help="requests in flight each way (reads, uploads); default: the in-flight budget / 2 / read part. "
-                        "To fill a link of R MB/s at r MB/s per connection and latency L s: R/r + R*L/part")
-    g.add_argument("--max-inflight-mb", type=float, metavar="MB",
-                   help="bytes held by reads and uploads in flight, together; default: half of one MoE layer's "
-                        "routed experts (64 MiB to 1 GiB), which keeps memory under 1.5 x one layer + 512 MiB")
-    g.add_argument("--read-part-mb", type=float, metavar="MB",
-                   help="bytes per ranged read, at most (default 8; smaller when --streams would not fit the budget)")
+def add_storage_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    add_arguments(p.add_argument_group("object storage (s3:// locations)"), StoreOptions, only=only)
 
 
 def store_options(args: argparse.Namespace) -> dict:
-    pairs = (("endpoint_url", args.endpoint_url), ("region", args.region), ("streams", getattr(args, "streams", None)),
-             ("max_inflight_mb", getattr(args, "max_inflight_mb", None)),
-             ("read_part_mb", getattr(args, "read_part_mb", None)))
-    return {k: v for k, v in pairs if v}
+    """The storage flags given, as storage.open_store's keyword arguments."""
+    return from_args(StoreOptions, args).given()
+
+
+def add_listing_args(p: argparse.ArgumentParser) -> None:
+    """Which directories under a prefix are a run's checkpoints (checkpoints, bisect)."""
+    p.add_argument("--pattern", metavar="GLOB",
+                   help="checkpoint directories relative to the prefix, e.g. 'global_step_*/actor/huggingface' "
+                        "(* stays within one path segment, ** spans any); default: every directory with a config.json")
+    p.add_argument("--step-regex", metavar="RE", type=regex,
+                   help="the step in a directory's relative path: the first group (or the match) of RE; "
+                        "default: the path's last integer")
+
+
+def regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {exc}") from None
+    return text
 
 
 def add_device_args(p: argparse.ArgumentParser, max_devices_help: str) -> None:
-    from moe_proxy.sizing import ACCELERATORS, BYTES_PER_PARAM
+    from moe_proxy.rl.config import ReproConfig
+    from moe_proxy.sizing import ACCELERATORS
 
-    p.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="bf16",
-                   help="the policy's weights and gradients in training (Adam's states are fp32 either way)")
+    # The training precision the devices are sized for: a ProxyModel's reproduction default (bf16
+    # on accelerators), not repro's CPU default (fp32); one option, declared in ReproConfig.
+    precision = next(opt for name, opt, _ in options_of(ReproConfig) if name == "precision")
+    add_arguments(p, ReproConfig, only=("precision",), defaults={"precision": precision.crd_default},
+                  helps={"precision": "the policy's weights and gradients in training (Adam's states are fp32 "
+                                      "either way; default: a ProxyModel's spec.reproduction.precision)"})
     p.add_argument("--accelerator", default="huawei.com/Ascend910",
                    help=f"resource name; known: {', '.join(ACCELERATORS)}")
     p.add_argument("--device-memory-gb", type=float, help="memory per device (default: the accelerator's)")

@@ -5,20 +5,17 @@ in O(log n) proxy builds (docs/diagnosis.md, "Where the failure began")."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 
-from moe_proxy.commands.diagnose import OWN, pass_through
-
-# The build options a probe's build takes (the selection seed and the calibration are bisect's:
-# --seed is repro's here, and each probe is calibrated on its own checkpoint).
-NOT_BUILD = {"seed", "calibration", "max_kl"}
-CALIBRATION = {"dataset", "samples", "seq_len"}  # calibrate's token options a probe uses
+from moe_proxy.commands._common import add_listing_args
+from moe_proxy.commands.diagnose import add_repro_pass_through
 
 
 def add_parser(sub) -> None:
     from moe_proxy.commands._common import add_replace_arg
-    from moe_proxy.options import PruningOptions
-    from moe_proxy.metrics.detect import FAIL_ON_CHOICES
+    from moe_proxy.investigate.bisect import PROBE_BUILD, PROBE_CALIBRATION
+    from moe_proxy.investigate.diagnose import Seeds
+    from moe_proxy.metrics.detect import FAIL_ON_CHOICES, FailOnOption
+    from moe_proxy.options import PruningOptions, TokenOptions, add_arguments, add_pass_through
 
     p = sub.add_parser("bisect", help="the earliest checkpoint of a run whose proxy reproduces a failure",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,58 +23,22 @@ def add_parser(sub) -> None:
                    "(as moe-proxy checkpoints lists them)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="report.json, report.md and probes/step-<N>/ (stats, proxy, run), reused by a rerun")
-    p.add_argument("--fail-on", required=True, metavar="SIGNATURE",
-                   help=f"the failure: {FAIL_ON_CHOICES}")
-    p.add_argument("--pattern", metavar="GLOB", help="checkpoint directories to consider (as in checkpoints)")
-    p.add_argument("--step-regex", metavar="RE", help="the step in a checkpoint's path (as in checkpoints)")
+    add_arguments(p, FailOnOption, required=("fail_on",), helps={"fail_on": f"the failure: {FAIL_ON_CHOICES}"})
+    add_listing_args(p)
     p.add_argument("--good", type=int, metavar="STEP", help="a step known clean: the search starts after it "
                    "(probed, to confirm)")
     p.add_argument("--bad", type=int, metavar="STEP", help="a step known to reproduce: the search ends there")
-    p.add_argument("--seeds", type=int, default=1, metavar="N",
-                   help="runs per probe, on seeds --seed, --seed+1, ...: a checkpoint is bad when it reproduces on "
-                   "any seed, clean when every seed ran all its steps without it, else inconclusive")
+    add_arguments(p, Seeds, defaults={"seeds": 1}, helps={
+        "seeds": "runs per probe, on seeds --seed, --seed+1, ...: a checkpoint is bad when it reproduces on any "
+                 "seed, clean when every seed ran all its steps without it, else inconclusive"})
     add_replace_arg(p, "bisection")
     p.set_defaults(func=run, build_flags=[], calibrate_flags=[], repro_flags=[])
-    only = {f.name for f in fields(PruningOptions)} - NOT_BUILD | {"pin"}  # --pin: dest pin, field pins
-    pass_through(p.add_argument_group("build options (each probe's proxy; see moe-proxy build -h)"), "build",
-                 "build_flags", set(), only=only)
-    pass_through(p.add_argument_group("calibration (with --dataset each probe is calibrated on its checkpoint, "
-                                      "then built as a calibrated build is)"), "calibrate", "calibrate_flags", set(),
-                 only=CALIBRATION)
-    pass_through(p.add_argument_group("repro options (each probe's reproduction; see moe-proxy repro -h)"), "repro",
-                 "repro_flags", OWN)
-
-
-def settings_of(args: argparse.Namespace):
-    """The probes' settings, every flag checked by its command's parser before anything runs."""
-    from moe_proxy.errors import MoeProxyError
-    from moe_proxy.options import SELECTION, to_args
-    from moe_proxy.investigate.bisect import ProbeSettings, build_options
-    from moe_proxy.metrics.detect import Signature
-    from moe_proxy.investigate.diagnose import repro_config
-    from moe_proxy.investigate.processes import parse_as
-
-    Signature.parse(args.fail_on)
-    if args.seeds < 1:
-        raise MoeProxyError(f"--seeds {args.seeds}: at least 1")
-    try:
-        options = build_options(args.build_flags)
-    except MoeProxyError as exc:
-        raise MoeProxyError(f"the build options: {exc}") from None
-    calibrate = []
-    if args.calibrate_flags:
-        if "--dataset" not in args.calibrate_flags:
-            raise MoeProxyError("--samples / --seq-len calibrate each probe: they need --dataset")
-        # as the default calibrated build: sequential statistics for the build's count, else one pass
-        calibrate = args.calibrate_flags + (to_args(options, only=("experts", *SELECTION), always=("experts",))
-                                            if isinstance(options.experts, int) else ["--one-pass"])
-        parse_as("calibrate", ["SRC", "--out", "STATS", *calibrate])
-    try:
-        first_seed = repro_config("PROXY", args.repro_flags).seed
-    except MoeProxyError as exc:
-        raise MoeProxyError(f"the repro options: {exc}") from None
-    return ProbeSettings(args.fail_on, list(args.build_flags), calibrate, list(args.repro_flags), args.seeds,
-                         first_seed)
+    add_pass_through(p.add_argument_group("build options (each probe's proxy; see moe-proxy build -h)"),
+                     PruningOptions, "build_flags", only=PROBE_BUILD)
+    add_pass_through(p.add_argument_group("calibration (with --dataset each probe is calibrated on its checkpoint, "
+                                          "then built as a calibrated build is)"), TokenOptions, "calibrate_flags",
+                     only=PROBE_CALIBRATION)
+    add_repro_pass_through(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BisectStopped
-    from moe_proxy.investigate.bisect import bisect, where
+    from moe_proxy.investigate.bisect import bisect, probe_settings, where
     from moe_proxy.investigate.processes import signals_interrupt
 
     check_output_dir(args.out, "--out")
-    settings = settings_of(args)
+    settings = probe_settings(args.fail_on, args.build_flags, args.calibrate_flags, args.repro_flags, args.seeds)
     try:
         with signals_interrupt():  # Ctrl-C or SIGTERM: the probe's child stops, a partial report (Interrupted)
             report = bisect(args.prefix, args.out, settings, args.pattern, args.step_regex, args.good, args.bad,

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.options import PruningOptions, add_arguments, from_args
+from moe_proxy.options import OutputOptions, PruningOptions, add_arguments, add_size_arguments, from_args
 from moe_proxy.commands._common import (add_device_args, add_storage_args, check_output_dir, device_options,
                                         store_options)
 
@@ -17,8 +17,7 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("src", help="source checkpoint directory or s3://bucket/prefix")
     p.add_argument("dst", help="destination directory or s3://bucket/prefix")
-    size = p.add_mutually_exclusive_group(required=True)
-    add_arguments(size, PruningOptions, only=("experts", "keep_ratio"))
+    add_size_arguments(p)
     add_arguments(p, PruningOptions, only=("method", "features", "clustering", "top_k", "pins", "seed"))
     usage = p.add_argument_group("usage-aware selection (statistics from moe-proxy calibrate)")
     add_arguments(usage, PruningOptions, only=("calibration", "keep_super", "super_range_share", "super_outlier",
@@ -31,8 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier moe-proxy proxy at DST, deleting only the files it lists (any other "
                         "non-empty DST, and any DST overlapping SRC, is refused)")
-    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_arguments(p, OutputOptions, only=("json", "no_progress"), helps={"json": "print the manifest as JSON"})
     scale = p.add_argument_group("scale-out (a Kubernetes Indexed Job: --worker $(JOB_COMPLETION_INDEX))")
     scale.add_argument("--workers", type=int, default=1, metavar="W", help="number of workers sharing the build")
     scale.add_argument("--worker", type=int, metavar="I", help="write only worker I's shards (0-based)")
@@ -41,8 +39,8 @@ def add_parser(sub) -> None:
                             "and fit once, so the workers and finalize read the fits instead of fitting again")
     scale.add_argument("--finalize", action="store_true",
                        help="after all W workers: check their shards, write config, index and manifest")
-    p.add_argument("--termination-log", metavar="PATH",
-                   help="write a short JSON result here (Kubernetes: /dev/termination-log)")
+    add_arguments(p, OutputOptions, only=("termination_log",),
+                  helps={"termination_log": "write a short JSON result here (Kubernetes: /dev/termination-log)"})
     add_storage_args(p)
     p.set_defaults(func=run)
 

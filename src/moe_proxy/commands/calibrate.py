@@ -11,7 +11,8 @@ from dataclasses import asdict
 
 from moe_proxy.commands._common import add_storage_args, check_output_dir, store_options
 from moe_proxy.errors import MoeProxyError
-from moe_proxy.options import SELECTION, PruningOptions, TokenOptions, add_arguments, flag, from_args
+from moe_proxy.options import (SELECTION, OutputOptions, PruningOptions, TokenOptions, add_arguments, flag,
+                               from_args)
 
 
 # Said after one-pass statistics made without --one-pass: the better statistics for a deep proxy.
@@ -41,8 +42,7 @@ def add_parser(sub) -> None:
     add_arguments(seq, PruningOptions, only=SELECTION, helps={
         name: f"with --experts: the build's {flag(name)}" for name in SELECTION} | {
         "keep_super": "with --experts: the build's --no-keep-super"})
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_arguments(p, OutputOptions, only=("json", "no_progress"), helps={"json": "print the summary as JSON"})
     add_storage_args(p)
     p.set_defaults(func=run)
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from typing import TYPE_CHECKING
 
 from moe_proxy.reports import EXIT_FAILED, EXIT_OK
-from moe_proxy.commands._common import add_storage_args, store_options
+from moe_proxy.commands._common import add_listing_args, add_storage_args, store_options
+from moe_proxy.options import OutputOptions, add_arguments
 
 if TYPE_CHECKING:
     from moe_proxy.checkpoint.listing import ListedCheckpoint
@@ -32,29 +32,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("checkpoints", help="list the checkpoints under a prefix, by step (headers only)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("uri", help="directory or s3://bucket/prefix holding a training run's checkpoints")
-    p.add_argument("--pattern", metavar="GLOB",
-                   help="checkpoint directories relative to URI, e.g. 'global_step_*/actor/huggingface' "
-                        "(* stays within one path segment, ** spans any); default: every directory with a config.json")
-    p.add_argument("--step-regex", metavar="RE", type=regex,
-                   help="the step in a directory's relative path: the first group (or the match) of RE; "
-                        "default: the path's last integer")
+    add_listing_args(p)
     p.add_argument("--before", type=int, metavar="STEP",
                    help="print only the newest complete source checkpoint before STEP (the one to reproduce "
                         "a failure at STEP from); exit 1 if there is none")
-    p.add_argument("--json", action="store_true", help="a JSON array sorted by step ascending")
+    add_arguments(p, OutputOptions, only=("json",), helps={"json": "a JSON array sorted by step ascending"})
     p.add_argument("--deep", action="store_true",
                    help="also read the whole index and every shard's header (checks each tensor is where the "
                         "index says; ~20 MB per DeepSeek-V3-sized checkpoint instead of a few KB)")
     add_storage_args(p)
     p.set_defaults(func=run)
-
-
-def regex(text: str) -> str:
-    try:
-        re.compile(text)
-    except re.error as exc:
-        raise argparse.ArgumentTypeError(f"not a regular expression: {exc}") from None
-    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,10 +8,18 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_proxy.investigate.diagnose import RUN_FLAGS
+from moe_proxy.investigate.diagnose import RUN_OPTIONS, Seeds
+from moe_proxy.metrics.detect import FailOnOption
+from moe_proxy.options import add_arguments, add_pass_through
+from moe_proxy.rl.run_options import REPRO_MODELS
 
-# repro's options a diagnosis sets on each run itself (by their dest), not taken as repro options.
-OWN = {"checkpoint", "help", *(flag.removeprefix("--").replace("-", "_") for flag in RUN_FLAGS)}
+
+def add_repro_pass_through(parser) -> None:
+    """Every repro option but those a diagnosis or bisection sets on each run itself, passed to
+    each run as written (into the namespace's repro_flags) and checked before anything runs."""
+    group = parser.add_argument_group("repro options (the failing run's settings; see moe-proxy repro -h)")
+    for model in REPRO_MODELS:
+        add_pass_through(group, model, "repro_flags", skip=RUN_OPTIONS)
 
 
 class _ListCatalogue(argparse.Action):
@@ -40,39 +48,6 @@ def catalogue_listing() -> str:
     return "\n".join(lines)
 
 
-class _PassThrough(argparse.Action):
-    """An option of another command, kept as written (in the namespace's list `into`): it is
-    passed to that command's runs verbatim, and checked by its own parser before anything runs."""
-
-    into = "repro_flags"
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        tokens = [] if values is None else [values] if isinstance(values, str) else list(values)
-        setattr(namespace, self.into, [*(getattr(namespace, self.into, None) or []), option_string, *tokens])
-
-
-def command_parser(name: str) -> argparse.ArgumentParser:
-    """The parser of `moe-proxy NAME`, as the CLI builds it."""
-    import importlib
-
-    probe = argparse.ArgumentParser(add_help=False)
-    importlib.import_module(f"moe_proxy.commands.{name}").add_parser(probe.add_subparsers())
-    return next(a for a in probe._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-
-
-def pass_through(group, command: str, into: str, skip: set[str], only: set[str] | None = None) -> None:
-    """Declare `command`'s options (those with a flag, not in `skip`, within `only`) on `group`,
-    collected as written into the namespace's list `into`."""
-    action = type(f"Into_{into}", (_PassThrough,), {"into": into})
-    for a in command_parser(command)._actions:
-        if a.dest in skip or not a.option_strings or (only is not None and a.dest not in only):
-            continue
-        nargs = 0 if a.nargs == 0 else a.nargs
-        group.add_argument(*a.option_strings, action=action, nargs=nargs, dest=f"{into}_{a.dest}",
-                           metavar=None if nargs == 0 else a.metavar or a.dest.upper(), help=a.help,
-                           choices=a.choices)
-
-
 def add_parser(sub) -> None:
     from moe_proxy.commands._common import add_replace_arg
     from moe_proxy.investigate.catalogue import CATALOGUE
@@ -85,8 +60,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR",
                    help="report.json, report.md, matrix.png, curves.png and runs/<variant>/seed-<s>/ (a rerun "
                         "reuses the runs it finds with the same arguments)")
-    p.add_argument("--fail-on", required=True, metavar="SIGNATURE",
-                   help=f"the failure the baseline reproduces: {FAIL_ON_CHOICES}")
+    add_arguments(p, FailOnOption, required=("fail_on",),
+                  helps={"fail_on": f"the failure the baseline reproduces: {FAIL_ON_CHOICES}"})
     p.add_argument("--candidates", metavar="LIST", default="",
                    help=f"catalogue names, comma-separated: {', '.join(CATALOGUE)}")
     p.add_argument("--list", action=_ListCatalogue, help="print the catalogue (what each candidate changes) and exit")
@@ -94,17 +69,13 @@ def add_parser(sub) -> None:
                    help="a custom candidate: repro flags, e.g. 'slow=--lr 1e-6,--warmup-steps 5' (repeatable)")
     p.add_argument("--candidates-file", metavar="FILE",
                    help="custom candidates from YAML or JSON: a list of {name, flags: [...]} or NAME: flags")
-    p.add_argument("--seeds", type=int, default=2, metavar="N",
-                   help="sampling seeds per variant, from repro's --seed on (default 2)")
+    add_arguments(p, Seeds, helps={"seeds": "sampling seeds per variant, from repro's --seed on"})
     p.add_argument("--parallel", type=int, default=1, metavar="P",
                    help="runs at a time (local processes; with --device cuda/npu each gets devices of its own, as "
                         "many as it has ranks; default 1)")
     add_replace_arg(p, "diagnosis")
     p.set_defaults(func=run, repro_flags=[])
-
-    # Every other repro option, passed through to each run as written.
-    group = p.add_argument_group("repro options (the baseline: the failing run's settings; see moe-proxy repro -h)")
-    pass_through(group, "repro", "repro_flags", OWN)
+    add_repro_pass_through(p)
 
 
 def _candidates(args: argparse.Namespace) -> list:

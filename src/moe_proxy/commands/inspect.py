@@ -6,12 +6,13 @@ import argparse
 import json
 
 from moe_proxy.commands._common import add_storage_args, store_options
+from moe_proxy.options import OutputOptions, add_arguments
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="describe a checkpoint (reads config and headers only)", description=__doc__)
     p.add_argument("src", help="checkpoint directory or s3://bucket/prefix")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_arguments(p, OutputOptions, only=("json",), helps={"json": "machine-readable output"})
     add_storage_args(p)
     p.set_defaults(func=run)
 

@@ -7,9 +7,9 @@ import argparse
 import json
 from dataclasses import fields
 
-from moe_proxy.errors import CorruptCheckpoint
-from moe_proxy.commands._common import add_device_args
-from moe_proxy.options import add_arguments
+from moe_proxy.commands._common import add_device_args, add_storage_args, store_options
+from moe_proxy.errors import CorruptCheckpoint, MoeProxyError
+from moe_proxy.options import OutputOptions, PruningOptions, add_arguments, add_size_arguments
 from moe_proxy.rl.config import ReproConfig
 from moe_proxy.sizing import SizingOptions, estimate, format_sizing, rollout_copy, rollout_snapshots
 from moe_proxy.step_cost import StepShape
@@ -42,10 +42,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("checkpoint", help="checkpoint directory, its config.json (a local file of any name), or an "
                                       "s3:// prefix")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--experts", type=int, help="routed experts per layer to keep")
-    size.add_argument("--keep-ratio", type=float, help="fraction of routed experts to keep")
-    p.add_argument("--top-k", type=int, help="the proxy's top-k (default: the original's)")
+    # The proxy's size, spelled and checked as build's (one declaration, in PruningOptions).
+    add_size_arguments(p, helps={"experts": "routed experts per layer to keep (a number: build --experts auto picks one "
+                                    "by its fidelity figure)"})
+    add_arguments(p, PruningOptions, only=("top_k",))
     add_device_args(p, "the proxy's device budget: with --keep-ratio, kept experts are raised to 2 x top-k "
                        "when that fits (default budget: the devices the ratio's proxy needs)")
     p.add_argument("--micro-batch-tokens", type=int, default=SizingOptions.micro_batch_tokens,
@@ -61,12 +61,12 @@ def add_parser(subparsers) -> None:
     # The rollout engine's flags are repro's own (their choices and ranges declared once, in ReproConfig);
     # here they say what the plan counts for them.
     add_arguments(p, ReproConfig, only=ROLLOUT_OPTIONS, helps=ROLLOUT_HELP)
-    p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_storage_args(p, only=("endpoint_url", "region"))
+    add_arguments(p, OutputOptions, only=("json",))
     p.set_defaults(func=run)
 
 
-def read_config(location: str, endpoint_url: str | None = None) -> dict:
+def read_config(location: str, store_options: dict | None = None) -> dict:
     """config.json of a checkpoint given as a directory, the file itself, or an s3:// prefix."""
     from pathlib import Path
 
@@ -76,8 +76,7 @@ def read_config(location: str, endpoint_url: str | None = None) -> dict:
         location, name = location.rsplit("/", 1) if "/" in location else (".", location)
     else:
         name = "config.json"
-    options = {"endpoint_url": endpoint_url} if endpoint_url else {}
-    raw = open_store(location, **options).read_bytes(name)
+    raw = open_store(location, **(store_options or {})).read_bytes(name)
     try:
         config = json.loads(raw)
     except ValueError as exc:
@@ -88,7 +87,10 @@ def read_config(location: str, endpoint_url: str | None = None) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = read_config(args.checkpoint, args.endpoint_url)
+    if args.experts == "auto":
+        raise MoeProxyError("--experts auto: plan sizes one count; build --experts auto --max-kl X picks the "
+                            "smallest count that meets a fidelity target")
+    config = read_config(args.checkpoint, store_options(args))
     known = {f.name for f in fields(SizingOptions)}
     workload = StepShape(**{k: getattr(args, k) for k in STEP_HELP}, recompute=not args.no_recompute)
     copy = rollout_copy(args.precision, args.rollout_precision, args.rollout_kernels, args.rollout_staleness)

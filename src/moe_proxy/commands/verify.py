@@ -6,6 +6,7 @@ import argparse
 
 from moe_proxy.reports import EXIT_FAILED, EXIT_OK
 from moe_proxy.commands._common import add_storage_args, store_options
+from moe_proxy.options import OutputOptions, add_arguments
 
 
 def add_parser(sub) -> None:
@@ -13,8 +14,7 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("dst", help="proxy directory or s3://bucket/prefix")
     p.add_argument("--no-forward", action="store_true", help="skip loading the model with transformers")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_arguments(p, OutputOptions, only=("json", "no_progress"), helps={"json": "print the report as JSON"})
     add_storage_args(p)
     p.set_defaults(func=run)
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> None:
-    from moe_proxy.metrics.detect import FAIL_ON_CHOICES
+    from moe_proxy.metrics.detect import FAIL_ON_CHOICES, FailOnOption
+    from moe_proxy.options import OutputOptions, add_arguments
+    from moe_proxy.rl.run_options import PlacementOptions
 
     p = subparsers.add_parser(
         "watch", help="follow a training run's metrics file and decide whether a failure came back",
@@ -22,10 +24,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("metrics_file", metavar="METRICS_FILE", nargs="?", default=os.environ.get("VERL_FILE_LOGGER_PATH"),
                    help="the file or directory to follow (default: $VERL_FILE_LOGGER_PATH)")
     add_reading_options(p)
-    p.add_argument("--fail-on", metavar="SIGNATURE",
-                   help=f"the failure to look for: {FAIL_ON_CHOICES}; without it the verdict names the first "
-                   "failure of any kind")
-    p.add_argument("--termination-log", metavar="PATH", help="write the verdict JSON here (/dev/termination-log)")
+    add_arguments(p, FailOnOption, helps={"fail_on": f"the failure to look for: {FAIL_ON_CHOICES}; without it the verdict "
+                                               "names the first failure of any kind"})
+    add_arguments(p, OutputOptions, only=("termination_log",),
+                  helps={"termination_log": "write the verdict JSON here (/dev/termination-log)"})
     p.add_argument("--until-file", metavar="PATH",
                    help="the run has ended once this file exists (the verdict is then written); SIGTERM "
                    "also ends the watch, as Kubernetes stops a native sidecar after the main container")
@@ -44,9 +46,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ready-file", metavar="PATH",
                    help="create this file once the watch listens for SIGTERM (a sidecar's startupProbe checks "
                    "it, so the main container cannot end before the watch can hear it)")
-    p.add_argument("--node-rank", type=int, default=0, metavar="R",
-                   help="this pod's node rank in a multi-node run; only node 0 has the metrics, so on any other "
-                   "node the watch waits for SIGTERM (or --until-file) and writes no verdict")
+    add_arguments(p, PlacementOptions, only=("node_rank",), helps={
+        "node_rank": "this pod's node rank in a multi-node run; only node 0 has the metrics, so on any other node "
+                     "the watch waits for SIGTERM (or --until-file) and writes no verdict"})
     p.set_defaults(func=run)
 
 

@@ -32,13 +32,19 @@ from pathlib import Path
 
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.errors import BisectStopped, InvalidRange, MoeProxyError, ProbeFailed, TooFewCheckpoints
-from moe_proxy.options import PruningOptions, from_args
-from moe_proxy.investigate.diagnose import SeedRun, seed_outcome
-from moe_proxy.investigate.processes import (Interrupted, Stopped, claim_out, content_key, parse_as, run_recorded,
+from moe_proxy.options import (PruningOptions, TokenOptions, add_arguments, add_size_arguments, from_args, options_of,
+                               parse_flags, statistics_flags)
+from moe_proxy.investigate.diagnose import SeedRun, repro_config, seed_outcome
+from moe_proxy.metrics.detect import Signature
+from moe_proxy.investigate.processes import (Interrupted, Stopped, claim_out, content_key, run_recorded,
                                        stop_children)
 
 log = logging.getLogger(__name__)
 
+# The build options a probe's build takes (the selection seed and the calibration are bisect's:
+# --seed is repro's here, and each probe is calibrated on its own checkpoint).
+PROBE_BUILD = tuple(name for name, _, _ in options_of(PruningOptions) if name not in ("seed", "calibration", "max_kl"))
+PROBE_CALIBRATION = ("dataset", "samples", "seq_len")  # calibrate's token options a probe uses
 PROBE_RECORD = "bisect-run.json"
 BISECTION_FILES = ("probes", "report.json", "report.md")  # what a bisection writes in its --out (claim_out)
 FAILED_LOG_LINES = 30  # the end of a failed probe's log, kept in the partial report
@@ -99,9 +105,40 @@ def sources(prefix: str, pattern: str | None, step_regex: str | None, good: int 
 
 def build_options(build_flags: list[str]) -> PruningOptions:
     """The probes' PruningOptions, as `moe-proxy build SRC DST <build_flags>` reads them (checked)."""
-    options = from_args(PruningOptions, parse_as("build", ["SRC", "DST", *build_flags])).resolved()
+    args = parse_flags(build_flags, _probe_build_arguments)
+    options = from_args(PruningOptions, args).resolved()
     options.validate()
     return options
+
+
+def _probe_build_arguments(parser) -> None:
+    add_size_arguments(parser)
+    add_arguments(parser, PruningOptions, only=PROBE_BUILD, skip=("experts", "keep_ratio"))
+
+
+def probe_settings(fail_on: str, build_flags: list[str], calibrate_flags: list[str], repro_flags: list[str],
+                   seeds: int) -> ProbeSettings:
+    """The probes' settings from the flags bisect passes on, each checked as its command checks
+    it, before anything runs; with calibration flags, the statistics a calibrated build of the
+    probes' options needs (options.statistics_flags)."""
+    Signature.parse(fail_on)
+    if seeds < 1:
+        raise MoeProxyError(f"--seeds {seeds}: at least 1")
+    try:
+        options = build_options(build_flags)
+    except MoeProxyError as exc:
+        raise MoeProxyError(f"the build options: {exc}") from None
+    calibrate = []
+    if calibrate_flags:
+        if "--dataset" not in calibrate_flags:
+            raise MoeProxyError("--samples / --seq-len calibrate each probe: they need --dataset")
+        parse_flags(calibrate_flags, lambda p: add_arguments(p, TokenOptions, only=PROBE_CALIBRATION))
+        calibrate = [*calibrate_flags, *statistics_flags(options)]
+    try:
+        first_seed = repro_config(repro_flags).seed
+    except MoeProxyError as exc:
+        raise MoeProxyError(f"the repro options: {exc}") from None
+    return ProbeSettings(fail_on, list(build_flags), calibrate, list(repro_flags), seeds, first_seed)
 
 
 def check_counts(checkpoint, build_flags: list[str], store_options: dict | None = None) -> None:

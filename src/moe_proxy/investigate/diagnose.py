@@ -28,7 +28,6 @@ baseline reproduced; every other finding (another failure, a run stopped early) 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -39,9 +38,11 @@ from pathlib import Path
 
 from moe_proxy.errors import BaselineFailed, MoeProxyError
 from moe_proxy.investigate.catalogue import Fix
+from moe_proxy.options import flag, option
 from moe_proxy.rl.config import ReproConfig
-from moe_proxy.investigate.processes import (Interrupted, Recipe, RunsInterrupted, claim_out, content_key, parse_as,
-                                       reusable, run_each, run_recorded)
+from moe_proxy.rl.run_options import repro_settings
+from moe_proxy.investigate.processes import (Interrupted, Recipe, RunsInterrupted, claim_out, content_key, reusable,
+                                             run_each, run_recorded)
 from moe_proxy.metrics.verdict import COST_SERIES
 
 log = logging.getLogger(__name__)
@@ -53,13 +54,23 @@ FIXED, FIXED_BUT, REPRODUCED_AGAIN, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN = (
     "fixed", "fixed-but", "reproduced", "no-change", "inconclusive", "error", "not-run")
 VERDICTS = (FIXED, FIXED_BUT, REPRODUCED_AGAIN, NO_CHANGE, INCONCLUSIVE, ERROR, NOT_RUN)
 COST_METRICS = {k: COST_SERIES[k] for k in ("reward", "loss")}
-# repro's flags a diagnosis sets on each run itself, never the user's: where it writes, the
-# failure asked for, the Job's log, the progress bar.
-RUN_FLAGS = ("--out", "--fail-on", "--termination-log", "--no-progress")
+# repro's options a diagnosis sets on each run itself, never the user's (by name): the failure
+# asked for, the Job's log, the progress bar; with repro's --out, where it writes.
+RUN_OPTIONS = ("fail_on", "termination_log", "no_progress")
+RUN_FLAGS = ("--out", *map(flag, RUN_OPTIONS))
 # A candidate may not set these either: each run's seed and the ranks' wiring are the baseline's
 # (with them a candidate is no longer the failing run plus one fix). The CLI and the operator
 # refuse a candidate that gives one.
-OWN_FLAGS = RUN_FLAGS + ("--seed", "--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port")
+OWN_FLAGS = RUN_FLAGS + tuple(map(flag, ("seed", "nnodes", "node_rank", "nproc_per_node", "master_addr",
+                                         "master_port")))
+
+
+@dataclass
+class Seeds:
+    """--seeds: runs per variant (diagnose) or per probe (bisect), on repro's --seed, --seed+1, ..."""
+
+    seeds: int = option(2, "int", "sampling seeds per variant, from repro's --seed on", metavar="N",
+                        cli_only="a Diagnosis's spec.seeds")
 
 
 @dataclass(frozen=True)
@@ -134,15 +145,9 @@ class SeedRun:
 # --- plan: every variant's flags checked by repro's own parser ------------------------------
 
 
-def repro_config(proxy: str, flags: list[str]) -> ReproConfig:
-    """The settings `moe-proxy repro PROXY <flags>` would run with; bad flags raise MoeProxyError."""
-    from moe_proxy.commands import repro as repro_command
-
-    args = parse_as("repro", [proxy, "--out", os.devnull, *flags])
-    try:
-        return repro_command.config_from_args(args)
-    except argparse.ArgumentTypeError as exc:
-        raise MoeProxyError(str(exc)) from None
+def repro_config(flags: list[str]) -> ReproConfig:
+    """The RL settings `moe-proxy repro PROXY <flags>` would run with; bad flags raise MoeProxyError."""
+    return repro_settings(flags).config
 
 
 def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Fix],
@@ -162,13 +167,14 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
         raise MoeProxyError(f"{', '.join(own)}: diagnose's own, set on each run: give the repro options only")
     check_source(proxy)
     try:
-        baseline = repro_config(proxy, repro_flags)
+        given = repro_settings(repro_flags)
     except MoeProxyError as exc:
         raise MoeProxyError(f"the baseline's repro options: {exc}") from None
-    if "--device" in repro_flags[:-1]:  # this torch and machine have it (torch loads here, once)
+    baseline = given.config
+    if given.run.device:  # this torch and machine have it (torch loads here, once)
         from moe_proxy.rl.device import pick_device
 
-        pick_device(repro_flags[repro_flags.index("--device") + 1])
+        pick_device(given.run.device)
     variants = [Variant(BASELINE, [], "the failing run, as given", steps=baseline.steps)]
     for c in candidates:
         flags = c.changes(baseline)
@@ -176,7 +182,7 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
             raise MoeProxyError(f"candidate {c.name!r}: {', '.join(own)}: diagnose's own (it sets each run's seed, "
                                 "ranks, failure and directory): give the fix's flags only")
         try:
-            config = repro_config(proxy, [*repro_flags, *flags])
+            config = repro_config([*repro_flags, *flags])
         except MoeProxyError as exc:
             raise MoeProxyError(f"candidate {c.name!r} ({' '.join(flags)}): repro refuses it: {exc}") from None
         variants.append(Variant(c.name, flags, c.what, changed_settings(baseline, config), config.steps))
@@ -187,7 +193,7 @@ def plan_diagnosis(proxy: str, out: str | Path, fail_on: str, repro_flags: list[
 
 def _inputs(proxy: str, runs_flags: list[list[str]]) -> dict[str, str]:
     """What the runs read, each with its content key: the proxy and any --prompts file."""
-    prompts = {parse_as("repro", [proxy, "--out", os.devnull, *flags]).prompts for flags in runs_flags}
+    prompts = {repro_settings(flags).run.prompts for flags in runs_flags}
     return {where: content_key(where) for where in [proxy, *sorted(p for p in prompts if p)]}
 
 
@@ -250,8 +256,8 @@ def run_slots(d: Diagnosis, parallel: int) -> list[dict[str, str]]:
         return [{}]
     from moe_proxy.rl.device import device_slots
 
-    args = parse_as("repro", [d.proxy, "--out", os.devnull, *d.repro_flags])
-    return device_slots(args.device, args.nproc_per_node or 1, parallel)
+    settings = repro_settings(d.repro_flags)
+    return device_slots(settings.run.device, settings.placement.nproc_per_node or 1, parallel)
 
 
 def _said(o: SeedRun, fail_on: str) -> str:

@@ -17,10 +17,8 @@ settings is refused, unless it replaces the first."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
-import importlib
 import json
 import os
 import queue
@@ -331,20 +329,3 @@ def _difference(old: dict, mine: dict) -> str:
 def _short(value) -> str:
     text = " ".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else json.dumps(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-# --- a command's flags, checked by its own parser ----------------------------------------------
-
-
-class _Refusing(argparse.ArgumentParser):
-    """A command's parser that raises instead of exiting: a bad flag is one line naming its run."""
-
-    def error(self, message: str):
-        raise MoeProxyError(message)
-
-
-def parse_as(command: str, argv: list[str]) -> argparse.Namespace:
-    """`moe-proxy <command> <argv>` parsed by that command's own parser, before anything runs."""
-    parser = _Refusing(prog="moe-proxy")
-    importlib.import_module(f"moe_proxy.commands.{command}").add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args([command, *argv])

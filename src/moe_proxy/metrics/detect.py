@@ -53,10 +53,22 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from moe_proxy.errors import InvalidReproConfig
+from moe_proxy.options import option
 
 SIGNATURES = ("overflow", "underflow", "nan", "divergence", "collapse", "mismatch")
 # What --fail-on takes, as every command's help, its error and the README say it.
 FAIL_ON_CHOICES = f"{', '.join(SIGNATURES)}, or METRIC>VALUE[:STEPS]"
+
+
+@dataclass
+class FailOnOption:
+    """--fail-on, the one flag that names a failure (repro, watch, diagnose, bisect), declared
+    once; Signature.parse reads it."""
+
+    fail_on: str | None = option(None, "str", f"stop once this failure is seen: {FAIL_ON_CHOICES} (e.g. "
+                                 "actor/grad_norm>100:3)", metavar="SIGNATURE", cli_only="spec.reproduction.failOn")
+
+
 DIVERGENCE_METRICS = ("actor/grad_norm", "moe/router_logit_max", "numerics/max_activation")
 BASELINE_METRICS = DIVERGENCE_METRICS + ("moe/load_max_share",)
 LAYER_SHARE = "moe/load_max_share/layer_"  # + N: one layer's busiest expert's share of its tokens
