@@ -1,9 +1,12 @@
-"""docs/diagnosis.md's catalogue table names the catalogue's entries (moe_proxy.investigate.catalogue),
-each once, in its order, with its repro flags: an entry added or renamed in one place only fails here."""
+"""The docs name what the code declares: docs/diagnosis.md's catalogue table the catalogue's entries
+(moe_proxy.investigate.catalogue), each once, in its order, with its repro flags; docs/operator.md's
+spec.reproduction row the failOn signatures the CRD takes (the detectors'). A name added or
+renamed in one place only fails here."""
 
 from __future__ import annotations
 
 from moe_proxy.investigate.catalogue import CATALOGUE
+from moe_proxy.metrics.detect import SIGNATURES
 from moe_proxy.rl.config import ReproConfig
 
 from .conftest import ROOT
@@ -31,3 +34,10 @@ def test_each_row_gives_the_entrys_flags_on_the_default_config():
     for name, cells in catalogue_rows().items():
         flags = " ".join(CATALOGUE[name].changes(config))
         assert f"`{flags}`" in cells, (name, flags, cells)
+
+
+def test_the_operator_docs_name_every_failon_signature():
+    doc = (ROOT / "docs" / "operator.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `reproduction` |"))
+    listed = row.split("`failOn` (", 1)[1].split(" with ", 1)[0]
+    assert [name.strip("`") for name in listed.replace(", or ", ", ").split(", ")] == [*SIGNATURES, "threshold"]
