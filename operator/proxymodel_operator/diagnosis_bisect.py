@@ -31,7 +31,7 @@ from .diagnosis_decisions import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIA
                                   RUNNING_CONDITION, DiagnosisDecision, DiagnosisSpec, InvalidDiagnosis, NotYet,
                                   RunVariant, baseline_of, condition_changed, finished_row, proxy_built, refused,
                                   run_manifest, seed_run, set_condition)
-from .diagnosis_spec import BisectSpec, parse_bisection
+from .diagnosis_spec import BisectSpec, parse_bisection  # (parse_bisection: diagnosis.py reads it here)
 from .outcome import RUNNING as OUTCOME_RUNNING, Outcome
 from .resources import LABEL_ROLE, PROXYMODELS, SERVICES
 from .settings import Settings
