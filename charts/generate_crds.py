@@ -1,55 +1,115 @@
 #!/usr/bin/env python3
-"""Write the option fields of the ProxyModel CRD (crds/proxymodels.moeproxy.io.yaml) from the
-options models (src/moe_proxy/options.py): spec.pruning from PruningOptions,
-spec.calibration from TokenOptions, spec.reproduction's RL settings from rl.config.ReproConfig.
-The fields only the operator has are kept as they are (for pruning and calibration: only those
-listed below), after the generated ones. The Diagnosis CRD (crds/diagnoses.moeproxy.io.yaml)
-takes its spec.failOn from the ProxyModel's spec.reproduction.failOn, its description kept.
-tests/chart fails when a file is stale.
+"""Write the spec schemas of the three CRDs in crds/ from the models that declare their fields
+(the chart ships crds/ through its files/crds link, so it needs no copy):
 
-    python charts/generate_crds.py          # rewrite the file
-    python charts/generate_crds.py --check  # exit 1 when it is stale
+- ProxyModel (crds/proxymodels.moeproxy.io.yaml): spec.pruning from PruningOptions,
+  spec.calibration from TokenOptions, spec.reproduction's RL settings from rl.config.ReproConfig
+  (src/moe_proxy/options.py), spec.source, spec.destination.uri and spec.reproduction.failOn
+  from the shared blocks (operator/proxymodel_operator/shared_fields.py). The fields only the
+  operator has are kept as they are, after the generated ones: HAND_WRITTEN names each, and why.
+- Diagnosis (crds/diagnoses.moeproxy.io.yaml): the whole spec from diagnosis_spec.DiagnosisSpec
+  (spec.checkpoints from BisectSpec and the CheckpointWatch's fields).
+- CheckpointWatch (crds/checkpointwatches.moeproxy.io.yaml): the whole spec from watch_spec.WatchSpec.
+
+The rest of each file (names, printer columns, status, the rules across spec fields) is written
+by hand and kept. tests/chart fails when a file is stale.
+
+    python charts/generate_crds.py          # rewrite the files
+    python charts/generate_crds.py --check  # exit 1 when one is stale
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from moe_proxy.options import PruningOptions, TokenOptions, crd_properties
 from moe_proxy.rl.config import ReproConfig
+from proxymodel_operator.crd_fields import properties
+from proxymodel_operator.diagnosis_spec import DiagnosisSpec
+from proxymodel_operator.shared_fields import S3_LOCATION, fail_on_schema, source_schema
+from proxymodel_operator.watch_spec import WatchSpec
 
-CRD = Path(__file__).resolve().parents[1] / "crds" / "proxymodels.moeproxy.io.yaml"
-DIAGNOSIS_CRD = CRD.with_name("diagnoses.moeproxy.io.yaml")
-# spec section -> (its options model, the fields of that section only the operator has; None:
-# the section is mostly the operator's own, whatever is not generated is kept)
-SECTIONS = {"pruning": (PruningOptions, ("sequential",)), "calibration": (TokenOptions, ()),
-            "reproduction": (ReproConfig, None)}
+CRDS = Path(__file__).resolve().parents[1] / "crds"
+CRD = CRDS / "proxymodels.moeproxy.io.yaml"
+DIAGNOSIS_CRD = CRDS / "diagnoses.moeproxy.io.yaml"
+WATCH_CRD = CRDS / "checkpointwatches.moeproxy.io.yaml"
+# ProxyModel spec section -> its options model (the section's other fields are in HAND_WRITTEN)
+SECTIONS = {"pruning": PruningOptions, "calibration": TokenOptions, "reproduction": ReproConfig}
+_WORKLOAD = "the Kubernetes workload's own fields (image, env, resources, ...), as a Job's pod has them"
+# The ProxyModel's spec fields no model declares, each with why (tests/chart checks the list).
+HAND_WRITTEN = {
+    "destination": "only its uri, generated as the shared S3 location",
+    "pruning.sequential": "the operator's choice of calibration statistics (calibrate --experts N or one pass), "
+                          "no build option",
+    "transformer": _WORKLOAD + ", and the operator's parallelism of the build",
+    "reproduction.enabled": "whether the operator runs the reproduction at all",
+    "reproduction.runtime": "the operator's workload kind (Job, JobSet, VolcanoJob, ...)",
+    "reproduction.template": "a user's own training pod, run as it is",
+    "reproduction.accelerator": "the operator's device plan (moe-proxy repro takes devices from its launcher)",
+    **{f"reproduction.{k}": _WORKLOAD for k in (
+        "schedulerName", "queue", "image", "imagePullPolicy", "command", "args", "env", "resources", "nodeSelector",
+        "tolerations", "serviceAccountName", "backoffLimit", "activeDeadlineSeconds")},
+    "suspend": "the operator's: no new child while true",
+    "ttlSecondsAfterFinished": "passed to the child Jobs",
+    "queueName": "Kueue's, for the child Jobs",
+    "cleanup": "the operator's, on deletion",
+}
 
 
 def spec_schema(crd: dict) -> dict:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
 
 
+def proxymodel_generated() -> dict[str, dict]:
+    """The ProxyModel's generated spec fields by dotted name (the hand-written ones are not here)."""
+    source = source_schema("s3://bucket/prefix of the checkpoint directory (holding config.json).",
+                           "Secret in this namespace with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally "
+                           "AWS_SESSION_TOKEN. Pods get them through secretKeyRef; they are never copied.",
+                           endpoint="S3 endpoint URL (default the operator's, else AWS).")
+    out = {"source": {"type": "object", "description": "The original checkpoint (Hugging Face layout) in "
+                      "S3-compatible storage."} | source,
+           "destination.uri": {"type": "string", "description": "Where the proxy goes (default "
+                               "<source>-proxies/<namespace>/<name>/)."} | S3_LOCATION,
+           "reproduction.failOn": {"type": "object", "description": "the failure signature that counts as "
+                                   "reproduced"} | fail_on_schema()}
+    for section, model in SECTIONS.items():
+        out |= {f"{section}.{k}": v for k, v in crd_properties(model).items()}
+    return out
+
+
 def render(text: str) -> str:
+    """The ProxyModel CRD: each section's generated fields first, then its hand-written ones."""
     crd = yaml.safe_load(text)
     spec = spec_schema(crd)
-    for section, (model, operator_only) in SECTIONS.items():
-        props, generated = spec[section]["properties"], crd_properties(model)
-        kept = [k for k in props if k not in generated] if operator_only is None else operator_only
-        spec[section]["properties"] = generated | {k: props[k] for k in kept if k in props}
-    return yaml.safe_dump(crd, sort_keys=False, width=110, allow_unicode=True)
+    generated = proxymodel_generated()
+    spec["source"] = generated["source"]
+    spec["destination"]["properties"]["uri"] = generated["destination.uri"]
+    for section in SECTIONS:
+        props = spec[section]["properties"]
+        mine = {k.split(".", 1)[1]: v for k, v in generated.items() if k.startswith(f"{section}.")}
+        spec[section]["properties"] = mine | {k: v for k, v in props.items() if k not in mine}
+    return _dump(crd)
 
 
-def render_diagnosis(text: str, proxymodel_crd: str) -> str:
-    """The Diagnosis CRD with spec.failOn as the ProxyModel's spec.reproduction.failOn."""
-    crd = yaml.safe_load(text)
-    fail_on = spec_schema(yaml.safe_load(proxymodel_crd))["reproduction"]["properties"]["failOn"]
-    spec = spec_schema(crd)
-    spec["failOn"] = {**fail_on, "description": spec["failOn"].get("description", fail_on.get("description"))}
+def _whole_spec(model) -> Callable[[str], str]:
+    def render_spec(text: str) -> str:
+        crd = yaml.safe_load(text)
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"] = properties(model)
+        return _dump(crd)
+    return render_spec
+
+
+render_diagnosis = _whole_spec(DiagnosisSpec)
+render_watch = _whole_spec(WatchSpec)
+RENDERERS: dict[Path, Callable[[str], str]] = {CRD: render, DIAGNOSIS_CRD: render_diagnosis, WATCH_CRD: render_watch}
+
+
+def _dump(crd: dict) -> str:
     return yaml.safe_dump(crd, sort_keys=False, width=110, allow_unicode=True)
 
 
@@ -57,14 +117,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a CRD file is stale")
     args = parser.parse_args()
-    current = CRD.read_text()
-    wanted = render(current)
-    diagnosis = DIAGNOSIS_CRD.read_text()
-    wanted_diagnosis = render_diagnosis(diagnosis, wanted)
+    stale = [path for path, render_file in RENDERERS.items() if path.read_text() != render_file(path.read_text())]
     if args.check:
-        return int(current != wanted or diagnosis != wanted_diagnosis)
-    CRD.write_text(wanted)
-    DIAGNOSIS_CRD.write_text(wanted_diagnosis)
+        for path in stale:
+            print(f"{path.name} is stale: run python charts/generate_crds.py", file=sys.stderr)
+        return int(bool(stale))
+    for path in stale:
+        path.write_text(RENDERERS[path](path.read_text()))
     return 0
 
 

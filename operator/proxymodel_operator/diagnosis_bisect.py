@@ -22,7 +22,6 @@ is created again under the same name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_probe
@@ -32,10 +31,10 @@ from .diagnosis_decisions import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIA
                                   RUNNING_CONDITION, DiagnosisDecision, DiagnosisSpec, InvalidDiagnosis, NotYet,
                                   RunVariant, baseline_of, condition_changed, finished_row, proxy_built, refused,
                                   run_manifest, seed_run, set_condition)
+from .diagnosis_spec import BisectSpec, parse_bisection  # (parse_bisection: diagnosis.py reads it here)
 from .outcome import RUNNING as OUTCOME_RUNNING, Outcome
 from .resources import LABEL_ROLE, PROXYMODELS, SERVICES
 from .settings import Settings
-from .spec import InvalidSpec, parse_fail_on
 from .status import ACCEPTED
 from .watch_decisions import LABEL_WATCH, proxymodel_for
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
@@ -44,58 +43,8 @@ BUILDING = "Building"  # a probe's phase while its ProxyModel builds the proxy
 PROBE_ROLE = "bisection-probe"  # the probe ProxyModels' moeproxy.io/role
 
 
-@dataclass(frozen=True)
-class BisectSpec:
-    """spec.checkpoints: a CheckpointWatch's name, or a watch's own fields (source, template,
-    pattern, stepRegex) inline; the range; the failure and the steps of each probe's run."""
-
-    watch: str | None
-    inline: dict | None
-    good: int | None = None
-    bad: int | None = None
-    fail_on: dict | None = None  # None: the template's spec.reproduction.failOn
-    steps: int | None = None  # None: the template's maxSteps
-
-
 def is_bisection(spec: dict) -> bool:
     return spec.get("checkpoints") is not None
-
-
-def _step(raw: dict, key: str) -> int | None:
-    value = raw.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise InvalidDiagnosis("InvalidSpec", f"spec.checkpoints.{key} {value!r}: a training step (a whole number)")
-    return value
-
-
-def parse_bisection(spec: dict) -> BisectSpec:
-    """spec as the CRD has it, checked beyond the schema (InvalidDiagnosis says what is wrong)."""
-    raw = spec.get("checkpoints")
-    if spec.get("proxyModel") or spec.get("candidates"):
-        raise InvalidDiagnosis("InvalidSpec", "spec.checkpoints asks for a bisection; spec.proxyModel and "
-                               "spec.candidates ask for a candidate matrix: give one or the other")
-    usage = ("spec.checkpoints: {watch: a CheckpointWatch in this namespace} or {source: {uri: s3://run-prefix}, "
-             "template: {spec: a ProxyModel spec without source}}")
-    if not isinstance(raw, dict):
-        raise InvalidDiagnosis("InvalidSpec", usage)
-    watch = raw.get("watch")
-    inline = {k: raw[k] for k in ("source", "template", "pattern", "stepRegex") if raw.get(k) is not None}
-    if watch is not None and (not isinstance(watch, str) or not watch or inline):
-        raise InvalidDiagnosis("InvalidSpec", f"{usage}, not both")
-    if watch is None and not (inline.get("source") and inline.get("template")):
-        raise InvalidDiagnosis("InvalidSpec", usage)
-    good, bad = _step(raw, "good"), _step(raw, "bad")
-    if good is not None and bad is not None and good >= bad:
-        raise InvalidDiagnosis("InvalidSpec", f"spec.checkpoints: good {good} must come before bad {bad}")
-    if spec.get("failOn") is not None:
-        try:
-            parse_fail_on(spec["failOn"], "spec.failOn")
-        except InvalidSpec as exc:
-            raise InvalidDiagnosis("InvalidSpec", str(exc)) from None
-    steps = spec.get("steps")
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise InvalidDiagnosis("InvalidSpec", f"spec.steps {steps!r}: a whole number, at least 1")
-    return BisectSpec(watch, inline or None, good, bad, spec.get("failOn"), steps)
 
 
 def watch_spec(raw: dict, where: str, settings: Settings) -> WatchSpec:

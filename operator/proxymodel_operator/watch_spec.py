@@ -1,4 +1,6 @@
-"""A CheckpointWatch's spec, read into a dataclass with the defaults applied.
+"""A CheckpointWatch's spec, read into a dataclass with the defaults applied. WatchSpec declares
+every field of the CRD's spec once (crd_fields): the schema of crds/checkpointwatches.moeproxy.io.yaml
+is generated from it, and parse_watch reads each field's type, default and range from it.
 
 The CRD's schema rejects what a schema can (required fields, minimums, the s3:// pattern, a
 source in the template). What it cannot check (a step regex that does not compile) is
@@ -11,11 +13,25 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_proxy.errors import InvalidOptions
+from moe_proxy.options import from_crd, option
+
+from .crd_fields import crd_field, without_empty
 from .settings import Settings
+from .shared_fields import source_schema, template_schema
 from .spec import InvalidSpec, Source, parse as parse_proxymodel
 
 DEFAULT_POLL_INTERVAL = 300  # seconds
-MIN_POLL_INTERVAL = 30  # the CRD's minimum; the emulator in tests does not apply it
+MIN_POLL_INTERVAL = 30  # the CRD's minimum; not the parser's, so that tests can poll every second
+
+SOURCE = source_schema(
+    "s3://bucket/prefix of the training run (e.g. the verl trainer.default_local_dir).",
+    "Secret in this namespace with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_SESSION_TOKEN. The "
+    "operator reads it (get only) to list the prefix; it is never logged or written to status, and ProxyModels get "
+    "it by name.", endpoint="S3 endpoint URL (default the operator's, else AWS).")
+TEMPLATE = template_schema("A ProxyModel's spec without `source`. A destination.uri here is a prefix: each ProxyModel "
+                           "writes under <prefix>/<its name>/. Validated as a ProxyModel when created.",
+                           "the ProxyModels' source is this watch's spec.source with each checkpoint's URI")
 
 
 class InvalidWatch(ValueError):
@@ -24,20 +40,39 @@ class InvalidWatch(ValueError):
 
 @dataclass(frozen=True)
 class WatchSpec:
-    source: Source  # uri is the run's prefix; endpoint and region with the operator's defaults
+    # uri is the run's prefix; endpoint and region with the operator's defaults
+    source: Source = crd_field("source", "Where the run writes its checkpoints; the same shape as a ProxyModel's "
+                               "source, with `uri` a prefix. Each ProxyModel gets this source with its checkpoint's "
+                               "URI.", SOURCE)
     source_fields: dict  # spec.source as written, less uri: what each ProxyModel's source repeats
-    template_spec: dict  # a ProxyModel spec without source
+    # a ProxyModel spec without source (spec.template.spec; its metadata below)
+    template_spec: dict = crd_field("template", "The ProxyModels to make, less the source (which comes from this "
+                                    "watch).", TEMPLATE)
     template_labels: dict[str, str] = field(default_factory=dict)
     template_annotations: dict[str, str] = field(default_factory=dict)
-    pattern: str | None = None
-    step_regex: str | None = None
-    every: int | None = None
-    start_after_step: int | None = None
-    keep_last: int | None = None
-    delete_proxy_data: bool = False
-    max_concurrent: int | None = None
-    poll_interval: int = DEFAULT_POLL_INTERVAL
-    suspend: bool = False
+    pattern: str | None = option(None, "str", "Checkpoint directories relative to source.uri, as a glob (* stays "
+                                 "within one path segment, ** spans any), e.g. global_step_*/actor/huggingface for "
+                                 "verl. Default: every directory holding a config.json.", crd="pattern",
+                                 crd_schema={"maxLength": 512})
+    step_regex: str | None = option(None, "str", "The step in a checkpoint's relative path: the first group (or the "
+                                    "match) of this regular expression. Default: the path's last integer. "
+                                    "Directories without a step are skipped.", crd="stepRegex",
+                                    crd_schema={"maxLength": 256})
+    every: int | None = option(None, "int", "only checkpoints at least this many steps apart from each other get a "
+                               "ProxyModel", crd="every", minimum=1)
+    start_after_step: int | None = option(None, "int", "only checkpoints with a step greater than this",
+                                          crd="startAfterStep", minimum=0)
+    keep_last: int | None = option(None, "int", "at most this many ProxyModels of this watch; the oldest steps are "
+                                   "deleted first", crd="keepLast", minimum=1)
+    delete_proxy_data: bool = option(False, "bool", "ProxyModels deleted by retention (or with this watch) also delete "
+                                     "their proxy's objects (their spec.cleanup.deleteProxy); best effort, never "
+                                     "blocking deletion", crd="deleteProxyData")
+    max_concurrent: int | None = option(None, "int", "ProxyModels of this watch transforming at once; further "
+                                        "checkpoints wait as pending", crd="maxConcurrent", minimum=1)
+    poll_interval: int = option(DEFAULT_POLL_INTERVAL, "int", "seconds between listings of the prefix",
+                                crd="pollInterval", minimum=1, crd_schema={"minimum": MIN_POLL_INTERVAL})
+    suspend: bool = option(False, "bool", "while true, the prefix is not listed and no ProxyModel is made",
+                           crd="suspend")
 
 
 def parse_watch(spec: dict[str, Any], settings: Settings | None = None) -> WatchSpec:
@@ -65,13 +100,10 @@ def parse_watch(spec: dict[str, Any], settings: Settings | None = None) -> Watch
     except InvalidSpec as exc:
         raise InvalidWatch(f"spec.template: {exc}") from None
     meta = template.get("metadata") or {}
-    return WatchSpec(
-        source=source, source_fields={k: v for k, v in src.items() if k != "uri"}, template_spec=template_spec,
-        template_labels=dict(meta.get("labels") or {}), template_annotations=dict(meta.get("annotations") or {}),
-        pattern=spec.get("pattern") or None, step_regex=step_regex,
-        every=spec.get("every"), start_after_step=spec.get("startAfterStep"),
-        keep_last=spec.get("keepLast"), delete_proxy_data=bool(spec.get("deleteProxyData", False)),
-        max_concurrent=spec.get("maxConcurrent"),
-        poll_interval=int(spec.get("pollInterval") or DEFAULT_POLL_INTERVAL),
-        suspend=bool(spec.get("suspend", False)),
-    )
+    try:  # the scalar fields: types, ranges and defaults as WatchSpec declares them
+        return from_crd(WatchSpec, without_empty(spec), "spec", source=source,
+                        source_fields={k: v for k, v in src.items() if k != "uri"}, template_spec=template_spec,
+                        template_labels=dict(meta.get("labels") or {}),
+                        template_annotations=dict(meta.get("annotations") or {}))
+    except InvalidOptions as exc:
+        raise InvalidWatch(str(exc)) from None
