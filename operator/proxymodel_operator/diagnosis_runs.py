@@ -24,7 +24,8 @@ from .reproduction import (ArgsIgnored, Naming, appended, first_container, headl
 from .resources import GROUP, LABEL_CHILD, LABEL_ROLE, Resource
 from .runtimes import RUNTIMES
 from .settings import Settings
-from .spec import InvalidSpec, ProxyModelSpec, parse, parse_fail_on
+from .spec import InvalidSpec, parse, parse_fail_on
+from .spec_types import ProxyModelSpec
 from .status import NOT_REPRODUCED, PROXY_READY, PROXY_READY_CONDITION, REPRODUCED, REPRODUCING
 
 LABEL_DIAGNOSIS = f"{GROUP}/diagnosis"  # the Diagnosis a run belongs to (on the workload and its pods)

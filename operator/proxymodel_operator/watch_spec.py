@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .settings import Settings
-from .spec import InvalidSpec, Source, parse as parse_proxymodel
+from .spec import InvalidSpec, parse as parse_proxymodel
+from .spec_types import Source
 
 DEFAULT_POLL_INTERVAL = 300  # seconds
 MIN_POLL_INTERVAL = 30  # the CRD's minimum; the emulator in tests does not apply it
