@@ -23,8 +23,8 @@ from moe_proxy.investigate.diagnose import FIXED, FIXED_BUT
 
 from .diagnosis_baseline import changes as baseline_changes
 from .diagnosis_decisions import DiagnosisSpec, InvalidDiagnosis, parse_diagnosis
-from .diagnosis_rows import (RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING, FINISHED, any_reproduced, finished_row,
-                             judge_baseline, judge_candidate, not_run, recorded_running, row_phase, rows, said)
+from .diagnosis_rows import (FINISHED, RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING, any_reproduced, finished_row,
+                             judge_baseline, judge_candidate, not_run, recorded_running, row_phase, run_rows, said)
 from .diagnosis_runs import (Baseline, NotYet, RunVariant, baseline_of, changes, run_manifest, run_name,
                              variants)
 from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, FAILED_CONDITION,
@@ -121,7 +121,7 @@ def _progress(status: dict, d: DiagnosisSpec, proxymodel: dict | None, seen: dic
     d = replace(d, proxy_model=recorded.get("name") or d.proxy_model, fail_on=recorded.get("failOn"),
                 steps=status.get("steps") or d.steps, parallelism=status.get("parallelism") or d.parallelism)
     baseline = None
-    to_create = any(r.get("phase") == RUN_PENDING for r in rows(status)) or \
+    to_create = any(r.get("phase") == RUN_PENDING for r in run_rows(status)) or \
         any(w not in seen for w in recorded_running(status))
     changed = status.get("baselineChanged") or (
         to_create and proxymodel is not None and "; ".join(baseline_changes(recorded, proxymodel)))

@@ -25,7 +25,7 @@ FINISHED = (RUN_DONE, RUN_ERROR, RUN_NOT_RUN)
 # --- the rows in status -----------------------------------------------------------------------------
 
 
-def rows(status: dict) -> list[dict]:
+def run_rows(status: dict) -> list[dict]:
     """Every run row of status: the baseline's, then each candidate's."""
     out = list((status.get("baseline") or {}).get("runs") or [])
     for c in status.get("candidates") or []:
@@ -36,7 +36,7 @@ def rows(status: dict) -> list[dict]:
 def recorded_running(status: dict) -> list[str]:
     """The workloads status records as running (a matrix's runs, a bisection's probe): what the
     handler looks at."""
-    return [r["workload"] for r in rows(status) + list(status.get("probes") or []) if r.get("phase") == RUN_RUNNING]
+    return [r["workload"] for r in run_rows(status) + list(status.get("probes") or []) if r.get("phase") == RUN_RUNNING]
 
 
 def refused_create(status: dict, workload: str, message: str) -> dict:
