@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from .resources import KUEUE_QUEUE_LABEL, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE
-from .spec import ProxyModelSpec, Source, Workload
+from .spec_types import ProxyModelSpec, Source, Workload
 
 TRANSFORMER = "transformer"
 REPRODUCTION = "reproduction"

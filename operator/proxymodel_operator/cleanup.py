@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from .preflight import read_credentials, s3_store
-from .spec import ProxyModelSpec
+from .spec_types import ProxyModelSpec
 
 
 def _delete_all(spec: ProxyModelSpec, credentials: dict[str, str]) -> int:

@@ -6,7 +6,7 @@ One kopf timer per Diagnosis. Every `tick` seconds (settings' diagnosis_tick) it
 2. lists the runs' workloads and pods (label `moeproxy.io/diagnosis`) and reads the outcome of
    each run status records as running, as the ProxyModel's reproduction verdict is read
    (`outcome.outcome`: the termination message, or the most specific failure reason);
-3. decides (diagnosis_decisions.decide) and acts: writes status first (every run it is about to
+3. decides (diagnosis_matrix.decide) and acts: writes status first (every run it is about to
    create is recorded there as Running under its deterministic name), then creates the
    workloads (owned by the Diagnosis; one that exists counts as created), then posts Events.
 A finished Diagnosis (Complete or Failed for its generation) reads nothing more.
@@ -32,8 +32,11 @@ from moe_proxy.investigate.bisect import sources
 
 from . import diagnosis_bisect as bisection, handlers, kube  # noqa: F401 - handlers' startup handler: settings
 from .checkpoint_watch import CHECKPOINT_WATCHES, REASONS
-from .diagnosis_decisions import (DIAGNOSED, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS, DiagnosisDecision, InvalidDiagnosis,
-                                  NotYet, decide, recorded_running, refused_create)
+from .diagnosis_spec import InvalidDiagnosis
+from .diagnosis_matrix import decide
+from .diagnosis_rows import recorded_running, refused_create
+from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet
+from .diagnosis_status import DIAGNOSED, DIAGNOSIS_FAILED, DiagnosisDecision
 from .preflight import PreflightError, read_credentials, redact
 from .outcome import outcome
 from .resources import DIAGNOSES, GROUP, LABEL_CHILD, PODS, PROXYMODELS, VERSION

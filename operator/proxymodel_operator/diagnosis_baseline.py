@@ -5,7 +5,7 @@ at each tick a run is created. Edited or rebuilt mid-way, it would give runs of 
 than the runs before: so `_start` records in status.proxyModel what the runs are made from (`pin`:
 the ProxyModel's uid, its spec.reproduction settings, digests of the rest of its spec, and the
 proxy's URI and manifest sha256), and before creating any later run the Diagnosis compares the
-ProxyModel with it (`changes`). Once they differ no new run starts (diagnosis_decisions).
+ProxyModel with it (`changes`). Once they differ no new run starts (diagnosis_matrix).
 
 spec.reproduction's plain settings (lr, precision, maxSteps, ...) are kept as they are, so the
 message can say `lr: 0.1 -> 0.2`; its structured ones (template, env, accelerator, failOn, ...)

@@ -4,7 +4,7 @@ flight; these functions say what to write and create.
 
 A probe is the CLI's: the proxy of one checkpoint (a ProxyModel child `<diagnosis>-step-<N>`
 made from the template as a CheckpointWatch makes its own, its reproduction off) and one
-reproduction run from it (`diagnosis_decisions.run_manifest`, the workload a candidate run is,
+reproduction run from it (`diagnosis_runs.run_manifest`, the workload a candidate run is,
 judged by the same `finished_row`). Which checkpoint comes next, and what the probes say in the
 end, are `moe_proxy.investigate.bisect.next_probe` and `findings`: the CLI's search rule itself, and
 a probe's run is judged by its `judge_probe` (a run stopped early by another failure, NaN say, is
@@ -26,12 +26,12 @@ from types import SimpleNamespace
 
 from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_probe
 
-from .diagnosis_decisions import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
-                                  FAILED_CONDITION, LABEL_DIAGNOSIS, RUN_DONE, RUN_ERROR, RUN_RUNNING,
-                                  RUNNING_CONDITION, DiagnosisDecision, DiagnosisSpec, InvalidDiagnosis, NotYet,
-                                  RunVariant, baseline_of, condition_changed, finished_row, proxy_built, refused,
-                                  run_manifest, seed_run, set_condition)
-from .diagnosis_spec import BisectSpec, parse_bisection  # (parse_bisection: diagnosis.py reads it here)
+from .diagnosis_rows import RUN_DONE, RUN_ERROR, RUN_RUNNING, finished_row, seed_run
+from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet, RunVariant, baseline_of, proxy_built, run_manifest
+from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
+                               FAILED_CONDITION, RUNNING_CONDITION, DiagnosisDecision, condition_changed, refused,
+                               set_condition)
+from .diagnosis_spec import BisectSpec, DiagnosisSpec, InvalidDiagnosis, parse_bisection  # (parse_bisection: diagnosis.py reads it here)
 from .outcome import RUNNING as OUTCOME_RUNNING, Outcome
 from .resources import LABEL_ROLE, PROXYMODELS, SERVICES
 from .settings import Settings

@@ -26,7 +26,8 @@ from .reproduction import headless_service, reproduction_workload
 from .resources import JOBS, SERVICES, Resource
 from .runtimes import RUNTIMES, Runtime
 from .settings import Settings
-from .spec import SIGNATURE_REASONS, ProxyModelSpec, parse
+from .spec import parse
+from .spec_types import SIGNATURE_REASONS, ProxyModelSpec
 from .status import (ACCEPTED, FAILED as PHASE_FAILED, NOT_REPRODUCED, PENDING, PROXY_READY, PROXY_READY_CONDITION,
                      READY, REPRODUCED, REPRODUCED_CONDITION, REPRODUCING, SUSPENDED, SUSPENDED_CONDITION, TERMINAL,
                      TRANSFORMING, arrow, condition, plan_summary, proxy_summary, reproduction_summary, with_condition,

@@ -23,7 +23,8 @@ from moe_proxy.storage.s3 import S3Store
 from . import kube
 from .resources import SECRETS
 from .settings import Settings
-from .spec import InvalidSpec, ProxyModelSpec, parse
+from .spec import InvalidSpec, parse
+from .spec_types import ProxyModelSpec
 
 CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 

@@ -28,7 +28,7 @@ from .children import (REPRODUCTION, TERMINATION_LOG, child_name, container_basi
                        pod_spec_basics, s3_env)
 from .resources import KUEUE_QUEUE_LABEL, LABEL_CHILD, SERVICES
 from .runtimes import MASTER_PORT, RUNTIMES, WATCHER, Runtime
-from .spec import ProxyModelSpec
+from .spec_types import ProxyModelSpec
 
 RUN_DIR = "/run/moe-proxy"
 DEFAULT_CONTAINER = "reproduction"

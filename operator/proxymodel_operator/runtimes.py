@@ -21,12 +21,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .resources import ASCEND_JOBS, JOBS, SERVICES, VOLCANO_JOBS, Resource
-
-if TYPE_CHECKING:  # the spec's types only: spec.py validates runtime names against this table
-    from .spec import ProxyModelSpec
+from .spec_types import ProxyModelSpec
 
 ASCEND_RING_LABEL = "ring-controller.atlas"
 JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # an Indexed Job pod's annotation

@@ -1,4 +1,4 @@
-"""A ProxyModel's spec, read into dataclasses with the operator's defaults applied.
+"""A ProxyModel's spec, read into spec_types' dataclasses with the operator's defaults applied.
 
 The CRD's schema rejects what a schema can (types, enums, minimums, required fields, one of
 experts/keepRatio). What it cannot check is checked here, and each problem is reported with
@@ -8,7 +8,7 @@ the field it is about, so `kubectl describe` tells the user what to change.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from moe_proxy.errors import InvalidOptions, MoeProxyError
@@ -19,15 +19,11 @@ from moe_proxy.storage import overlap
 
 from .runtimes import RUNTIMES
 from .settings import Settings
+from .spec_types import AcceleratorRequest, FailOn, ProxyModelSpec, Pruning, Reproduction, Source, Workload
 
 # The detector's built-in signatures (what `moe-proxy repro --fail-on` accepts by name), and
 # a user threshold on any metric.
 SIGNATURES = (*DETECTED_SIGNATURES, "threshold")
-# The CamelCase reason each failure signature shows in status and Events.
-SIGNATURE_REASONS = {
-    "overflow": "GradientOverflow", "underflow": "GradientUnderflow", "nan": "NaN",
-    "divergence": "Divergence", "collapse": "RoutingCollapse", "threshold": "MetricThreshold",
-}
 _S3 = re.compile(S3_URI)
 # spec.transformer.parallelism: the CRD's maximum too. Workers beyond the proxy's shard count
 # would only idle (each writes whole shards), and 64 keeps an Indexed Job's pod names short.
@@ -36,127 +32,6 @@ MAX_WORKERS = 64
 
 class InvalidSpec(ValueError):
     """The spec passed the schema but cannot work; the message names the field."""
-
-
-@dataclass(frozen=True)
-class Source:
-    uri: str
-    endpoint: str  # "" = the operator's default, else the AWS default
-    region: str
-    credentials_secret: str  # "" = pods use their own identity (IRSA, node role)
-
-
-@dataclass(frozen=True)
-class Pruning:
-    """spec.pruning: the build's options (the one model the CLI has, moe_proxy.options), and
-    what only the operator decides around them."""
-
-    options: PruningOptions
-    # Default true with spec.calibration (the fidelity lab's winner): parse() resolves it, and
-    # options.reconstruct (None until then).
-    sequential: bool = False  # calibrate behind this proxy's pruned earlier layers (calibrate --experts N)
-    max_experts: int | None = None  # `experts: auto`: the largest count the plan sized devices for
-    notes: tuple[str, ...] = ()  # what the defaults could not do (status.plan.notes), e.g. one-pass statistics
-
-    @property
-    def experts(self) -> int | None:
-        """The count to keep; None with `experts: auto` (max_kl set) or a keep ratio."""
-        return None if self.options.auto else self.options.experts
-
-    @property
-    def auto(self) -> bool:
-        return self.options.auto
-
-    def __getattr__(self, name: str):  # the build's options read as fields: p.method, p.keep_ratio, ...
-        if name == "options":
-            raise AttributeError(name)
-        return getattr(self.options, name)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Where and how a child's pods run: spec.transformer for the transformer's Jobs,
-    spec.reproduction for the reproduction workload."""
-
-    image: str
-    image_pull_policy: str | None = None
-    resources: dict = field(default_factory=dict)
-    node_selector: dict = field(default_factory=dict)
-    tolerations: list = field(default_factory=list)
-    service_account: str | None = None
-    backoff_limit: int = 0
-    active_deadline_seconds: int | None = None
-    env: list = field(default_factory=list)
-    command: list | None = None
-    args: list | None = None
-
-
-@dataclass(frozen=True)
-class FailOn:
-    signature: str
-    metric: str | None = None
-    operator: str = ">"
-    value: float | None = None
-    steps: int = 1
-    stop_on_reproduce: bool = False  # a user's framework is ended once the watcher's verdict is in
-
-    def cli(self) -> str:
-        """The `moe-proxy repro --fail-on` form: a built-in name or METRIC>VALUE[:STEPS]."""
-        if self.signature != "threshold":
-            return self.signature
-        return f"{self.metric}{self.operator}{self.value:g}" + (f":{self.steps}" if self.steps > 1 else "")
-
-    @property
-    def reason(self) -> str:
-        return SIGNATURE_REASONS[self.signature]
-
-
-@dataclass(frozen=True)
-class AcceleratorRequest:
-    resource: str
-    devices_per_node: int
-    devices: int | None  # None = planned (`auto`)
-    memory_gb: float | None  # None = the accelerator's (planner) or the operator default
-
-
-@dataclass(frozen=True)
-class Reproduction:
-    enabled: bool
-    runtime: str  # a key of runtimes.RUNTIMES
-    workload: Workload
-    accelerator: AcceleratorRequest
-    config: ReproConfig = field(default_factory=lambda: ReproConfig(steps=50, precision="bf16"))  # the RL run
-    fail_on: FailOn | None = None
-    template: dict | None = None  # the user's own pod template (verl, MindSpeed-RL, ...)
-    scheduler_name: str | None = None
-    volcano_queue: str | None = None
-
-    @property
-    def max_steps(self) -> int:
-        return self.config.steps
-
-    @property
-    def precision(self) -> str:
-        return self.config.precision
-
-
-@dataclass(frozen=True)
-class ProxyModelSpec:
-    source: Source
-    destination: str
-    pruning: Pruning
-    transformer: Workload
-    reproduction: Reproduction
-    suspend: bool = False
-    ttl_seconds_after_finished: int | None = None
-    queue_name: str | None = None  # Kueue LocalQueue, set as a label on child batch/v1 Jobs
-    calibration: TokenOptions | None = None  # spec.calibration: the tokens `moe-proxy calibrate` runs
-    workers: int = 1  # spec.transformer.parallelism: pods sharing the build (an Indexed Job when > 1)
-
-    @property
-    def calibration_uri(self) -> str:
-        """Beside the proxy, never inside it (a build refuses a non-empty foreign destination)."""
-        return self.destination.rstrip("/") + "-calibration/"
 
 
 def default_destination(source_uri: str, namespace: str, name: str) -> str:
@@ -236,22 +111,45 @@ def _accelerator(raw: dict, settings: Settings) -> AcceleratorRequest:
 
 def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -> ProxyModelSpec:
     """The spec with defaults applied; InvalidSpec names the first field that cannot work."""
-    src = spec.get("source") or {}
+    source = _source(spec.get("source") or {}, settings)
+    destination = _destination(spec, source.uri, namespace, name)
+    transformer = spec.get("transformer") or {}
+    pruning, calibration, workers = _build(spec, transformer, settings)
+    reproduction = _reproduction(spec.get("reproduction") or {}, settings)
+    return ProxyModelSpec(
+        source=source, destination=destination, pruning=pruning,
+        transformer=_workload(transformer, settings.transformer_image, 1),
+        reproduction=reproduction, suspend=bool(spec.get("suspend", False)),
+        ttl_seconds_after_finished=spec.get("ttlSecondsAfterFinished"),
+        queue_name=spec.get("queueName"),
+        calibration=calibration,
+        workers=workers,
+    )
+
+
+def _source(src: dict, settings: Settings) -> Source:
     uri = src.get("uri", "")
     if not _S3.match(uri):
         raise InvalidSpec(f"spec.source.uri {uri!r}: expected s3://bucket/prefix")
     endpoint = src.get("endpoint") or settings.s3_endpoint
     if endpoint and not endpoint.startswith(("http://", "https://")):
         raise InvalidSpec(f"spec.source.endpoint {endpoint!r}: must start with http:// or https://")
-    source = Source(uri, endpoint, src.get("region") or settings.s3_region, src.get("credentialsSecret") or "")
+    return Source(uri, endpoint, src.get("region") or settings.s3_region, src.get("credentialsSecret") or "")
 
+
+def _destination(spec: dict[str, Any], uri: str, namespace: str, name: str) -> str:
     destination = (spec.get("destination") or {}).get("uri") or default_destination(uri, namespace, name)
     if not _S3.match(destination):
         raise InvalidSpec(f"spec.destination.uri {destination!r}: expected s3://bucket/prefix")
     if overlap(destination, uri):  # however spelled: s3://b//x/ is s3://b/x
         raise InvalidSpec(f"spec.destination.uri {destination!r} overlaps the source {uri!r}: "
                           "a proxy must never be written into its source checkpoint")
+    return destination
 
+
+def _build(spec: dict[str, Any], transformer: dict, settings: Settings) -> tuple[Pruning, TokenOptions | None, int]:
+    """spec.pruning, spec.calibration and the transformer's worker count, checked together as
+    `moe-proxy build` would check them."""
     p = spec.get("pruning") or {}
     if ("experts" in p) == ("keepRatio" in p):
         raise InvalidSpec("spec.pruning: give exactly one of `experts` (per layer) or `keepRatio`")
@@ -263,7 +161,6 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     except InvalidOptions as exc:
         raise InvalidSpec(str(exc)) from None
     calibration = _calibration(spec.get("calibration"), pruning)
-    transformer = spec.get("transformer") or {}
     workers = _workers(transformer)
     pruning = _deep_pruning(pruning, p, calibration is not None, settings)
     try:  # the build's own rules (merge, heal, ...), as `moe-proxy build` would check them
@@ -273,30 +170,23 @@ def parse(spec: dict[str, Any], namespace: str, name: str, settings: Settings) -
     if pruning.auto and workers > 1:
         raise InvalidSpec("spec.pruning.experts \"auto\" measures expert counts before anything is written, in one "
                           "build: set spec.transformer.parallelism to 1, or give a number of experts")
+    return pruning, calibration, workers
 
-    r = spec.get("reproduction") or {}
+
+def _reproduction(r: dict, settings: Settings) -> Reproduction:
     runtime = r.get("runtime", "Job")
     if runtime not in RUNTIMES:
         raise InvalidSpec(f"spec.reproduction.runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     template = r.get("template")
     if template is not None and not (template.get("spec") or {}).get("containers"):
         raise InvalidSpec("spec.reproduction.template: a pod template needs spec.containers")
-    reproduction = Reproduction(
+    return Reproduction(
         enabled=r.get("enabled", True), runtime=runtime,
         workload=_workload(r, settings.repro_image, 0),
         accelerator=_accelerator(r.get("accelerator") or {}, settings),
         config=_repro_config(r),
         fail_on=_fail_on(r.get("failOn")), template=template,
         scheduler_name=r.get("schedulerName"), volcano_queue=r.get("queue"),
-    )
-    return ProxyModelSpec(
-        source=source, destination=destination, pruning=pruning,
-        transformer=_workload(transformer, settings.transformer_image, 1),
-        reproduction=reproduction, suspend=bool(spec.get("suspend", False)),
-        ttl_seconds_after_finished=spec.get("ttlSecondsAfterFinished"),
-        queue_name=spec.get("queueName"),
-        calibration=calibration,
-        workers=workers,
     )
 
 

@@ -31,7 +31,7 @@ from moe_proxy.reports import EXIT_BAD_INPUT
 
 from .children import (CALIBRATE, FINALIZE, FIT, TERMINATION_LOG, TRANSFORMER, child_name, container_basics, labels,
                        merge_env, pod_spec_basics, s3_env)
-from .spec import ProxyModelSpec
+from .spec_types import ProxyModelSpec
 
 BUILD, WORKERS = "build", "workers"  # the single build; the Indexed Job of the scale-out build
 # Kubernetes sets JOB_COMPLETION_INDEX in an Indexed Job's pods, but `$(VAR)` in args expands

@@ -19,7 +19,8 @@ from moe_proxy.options import from_crd, option
 from .crd_fields import crd_field, without_empty
 from .settings import Settings
 from .shared_fields import source_schema, template_schema
-from .spec import InvalidSpec, Source, parse as parse_proxymodel
+from .spec import InvalidSpec, parse as parse_proxymodel
+from .spec_types import Source
 
 DEFAULT_POLL_INTERVAL = 300  # seconds
 MIN_POLL_INTERVAL = 30  # the CRD's minimum; not the parser's, so that tests can poll every second

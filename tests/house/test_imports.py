@@ -48,8 +48,6 @@ CLOSES_A_CIRCLE = {  # (importing module, imported module): why it is still ther
     ("moe_proxy.pruning.reconstruct", "moe_proxy.pruning.merge"):
         "reconstructing merged experts starts from merge.merge_into, and merge fits with reconstruct's "
         "Spill and Targets",
-    ("proxymodel_operator.runtimes", "proxymodel_operator.spec"):
-        "a type annotation only (under TYPE_CHECKING), and spec validates against the RUNTIMES table",
 }
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from proxymodel_operator.diagnosis_decisions import decide
+from proxymodel_operator.diagnosis_matrix import decide
 from proxymodel_operator.outcome import FAILED, SUCCEEDED, outcome
 from proxymodel_operator.reproduction import RUN_DIR
 from proxymodel_operator.resources import JOBS, PROXYMODELS

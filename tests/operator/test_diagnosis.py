@@ -15,7 +15,7 @@ from moe_proxy.investigate.diagnose import SeedRun, against, cost_of, verdict
 from moe_proxy.metrics.readers import read_metrics
 from moe_proxy.metrics.verdict import cost_series, series_rows
 from proxymodel_operator import diagnosis
-from proxymodel_operator.diagnosis_decisions import LABEL_DIAGNOSIS
+from proxymodel_operator.diagnosis_runs import LABEL_DIAGNOSIS
 from proxymodel_operator.resources import DIAGNOSES, JOBS, PROXYMODELS
 
 from .controllers import CONTROLLERS

@@ -22,8 +22,10 @@ import pytest
 from moe_proxy.investigate.bisect import Probe, search
 from proxymodel_operator.checkpoint_watch import CHECKPOINT_WATCHES
 from proxymodel_operator.diagnosis_bisect import BUILDING, PROBE_ROLE, in_flight, parse_bisection, progress, start
-from proxymodel_operator.diagnosis_decisions import (DIAGNOSED, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS, RUN_DONE,
-                                                     RUN_RUNNING, InvalidDiagnosis)
+from proxymodel_operator.diagnosis_spec import InvalidDiagnosis
+from proxymodel_operator.diagnosis_rows import RUN_DONE, RUN_RUNNING
+from proxymodel_operator.diagnosis_runs import LABEL_DIAGNOSIS
+from proxymodel_operator.diagnosis_status import DIAGNOSED, DIAGNOSIS_FAILED
 from proxymodel_operator.outcome import RUNNING, SUCCEEDED, Outcome
 from proxymodel_operator.resources import DIAGNOSES, JOBS, LABEL_ROLE, PROXYMODELS
 from proxymodel_operator.settings import Settings

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from proxymodel_operator.diagnosis_bisect import parse_bisection
-from proxymodel_operator.diagnosis_decisions import parse_diagnosis
+from proxymodel_operator.diagnosis_spec import parse_diagnosis
 
 from ..checkpoints.crd_schema import ROOT, errors, load_crd, openapi
 

@@ -12,10 +12,11 @@ from moe_proxy.investigate.catalogue import CATALOGUE
 from moe_proxy.reports import TERMINATION_LOG_LIMIT, encode, repro_report
 from moe_proxy.investigate.diagnose import SeedRun, against, cost_of, verdict
 from moe_proxy.metrics.verdict import HEADLINE, SERIES_BYTES, cost_series, series_rows
-from proxymodel_operator.diagnosis_decisions import (DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, LABEL_DIAGNOSIS,
-                                                     RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING,
-                                                     WAITING_FOR_PROXY, InvalidDiagnosis, decide, parse_diagnosis,
-                                                     recorded_running, run_name, seed_run)
+from proxymodel_operator.diagnosis_spec import InvalidDiagnosis, parse_diagnosis
+from proxymodel_operator.diagnosis_matrix import decide
+from proxymodel_operator.diagnosis_rows import RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING, recorded_running, seed_run
+from proxymodel_operator.diagnosis_runs import LABEL_DIAGNOSIS, run_name
+from proxymodel_operator.diagnosis_status import DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, WAITING_FOR_PROXY
 from proxymodel_operator.outcome import FAILED, RUNNING, SUCCEEDED, Outcome
 from proxymodel_operator.resources import KUEUE_QUEUE_LABEL, LABEL_ROLE
 from proxymodel_operator.runtimes import RUNTIMES

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from proxymodel_operator.diagnosis_decisions import decide
+from proxymodel_operator.diagnosis_matrix import decide
 from proxymodel_operator.resources import DIAGNOSES, JOBS, PROXYMODELS
 from proxymodel_operator.settings import Settings
 

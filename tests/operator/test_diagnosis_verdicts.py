@@ -9,7 +9,9 @@ from __future__ import annotations
 from moe_proxy.metrics.detect import FailureDetector, Onset, Signature
 from moe_proxy.metrics.verdict import verdict_report
 from moe_proxy.reports import encode, parse_termination_log
-from proxymodel_operator.diagnosis_decisions import DIAGNOSED, decide, recorded_running
+from proxymodel_operator.diagnosis_matrix import decide
+from proxymodel_operator.diagnosis_rows import recorded_running
+from proxymodel_operator.diagnosis_status import DIAGNOSED
 from proxymodel_operator.outcome import SUCCEEDED, Outcome
 
 from ..checkpoints.crd_schema import load_crd

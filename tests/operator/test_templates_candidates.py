@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from proxymodel_operator import reproduction
-from proxymodel_operator.diagnosis_decisions import LABEL_DIAGNOSIS, decide
+from proxymodel_operator.diagnosis_matrix import decide
+from proxymodel_operator.diagnosis_runs import LABEL_DIAGNOSIS
 from proxymodel_operator.resources import DIAGNOSES, JOBS, PROXYMODELS
 from proxymodel_operator.settings import Settings
 

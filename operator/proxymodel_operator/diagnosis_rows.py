@@ -1,0 +1,165 @@
+"""The rows of a Diagnosis's status: one per variant (`status.baseline`, `status.candidates[]`),
+each with one row per run (`runs`: seed, phase, workload name, and once finished what it
+found), then the variant's phase, verdict and cost. Pure functions over those dicts.
+
+A run's row says Running, with its deterministic workload name, before its workload is
+created: a restarted operator finds every workload it made, and one recorded but missing is
+created again under the same name (diagnosis_matrix), so there is never a second workload for
+a run. Verdicts and costs are the CLI's (`moe_proxy.investigate.diagnose`: `verdict`, `cost_of`,
+`against`), so the cluster judges exactly as `moe-proxy diagnose` does.
+"""
+
+from __future__ import annotations
+
+from moe_proxy.investigate.diagnose import NOT_RUN, SeedRun, against, cost_of, cost_window, findings, verdict
+from moe_proxy.metrics.verdict import series_rows
+
+from .outcome import FAILED as OUTCOME_FAILED, Outcome
+
+# A run's phase.
+RUN_PENDING, RUN_RUNNING, RUN_DONE, RUN_ERROR = "Pending", "Running", "Succeeded", "Failed"
+RUN_NOT_RUN = "NotRun"  # a candidate's run left out: the baseline reproduced on no seed
+FINISHED = (RUN_DONE, RUN_ERROR, RUN_NOT_RUN)
+
+
+# --- the rows in status -----------------------------------------------------------------------------
+
+
+def run_rows(status: dict) -> list[dict]:
+    """Every run row of status: the baseline's, then each candidate's."""
+    out = list((status.get("baseline") or {}).get("runs") or [])
+    for c in status.get("candidates") or []:
+        out += c.get("runs") or []
+    return out
+
+
+def recorded_running(status: dict) -> list[str]:
+    """The workloads status records as running (a matrix's runs, a bisection's probe): what the
+    handler looks at."""
+    return [r["workload"] for r in run_rows(status) + list(status.get("probes") or []) if r.get("phase") == RUN_RUNNING]
+
+
+def refused_create(status: dict, workload: str, message: str) -> dict:
+    """The status patch of a run whose workload the API server refused: the run errored."""
+    out = {}
+    base = dict(status.get("baseline") or {})
+    cands = [dict(c) for c in status.get("candidates") or []]
+    for row in [base, *cands]:
+        row["runs"] = [{**r, "phase": RUN_ERROR, "reproduced": None, "message": f"not created: {message}"[:512]}
+                       if r.get("workload") == workload else r for r in row.get("runs") or []]
+    out.update(baseline=base, candidates=cands)
+    return out
+
+
+# --- a run's outcome ------------------------------------------------------------------------------------
+
+
+def seed_run(row: dict) -> SeedRun:
+    """A finished run's row as the CLI's SeedRun (reproduced None: it failed to run)."""
+    return SeedRun(row.get("reproduced"), row.get("signature"), row.get("step"), int(row.get("stepsCompleted") or 0),
+                   row.get("stopped") or "", dict(row.get("otherFailures") or {}), error=row.get("message"))
+
+
+def finished_row(row: dict, seen: Outcome, steps: int) -> dict:
+    """A run's row once its workload has an outcome. The termination message carries the
+    verdict (reproduced, signature, step) and the other failures seen (`also_seen`, kept as
+    otherFailures: the verdict reports them); a run that did not reproduce counts as having run
+    all `steps` unless the message says how many it completed (`steps_completed`)."""
+    report = seen.report
+    if seen.state == OUTCOME_FAILED or "reproduced" not in report:
+        message = (f"{seen.reason}: {seen.message}" if seen.state == OUTCOME_FAILED
+                   else "finished without a termination message; see its logs")
+        return {**row, "phase": RUN_ERROR, "reproduced": None, "signature": None, "step": None,
+                "message": message.strip(": ")[:512]}
+    reproduced = bool(report.get("reproduced"))
+    completed = report.get("steps_completed")
+    if not isinstance(completed, int):
+        completed = (report.get("step") or 0) + 1 if reproduced else steps
+    return {**row, "phase": RUN_DONE, "reproduced": reproduced, "signature": report.get("signature") if reproduced
+            else None, "step": report.get("step") if reproduced else None, "stepsCompleted": completed,
+            **({"stopped": str(report["stopped"])} if report.get("stopped") else {}), "message": None,
+            **({"otherFailures": others} if (others := _other_failures(report)) else {}),
+            # its metrics step by step, kept until its variant's cost is worked out
+            **({"series": report["series"]} if isinstance(report.get("series"), dict) else {})}
+
+
+def _other_failures(report: dict) -> dict[str, int]:
+    """A termination message's also_seen (failure -> onset step), what is well-formed of it."""
+    seen = report.get("also_seen")
+    return {str(k): v for k, v in seen.items() if isinstance(v, int)} if isinstance(seen, dict) else {}
+
+
+def said(row: dict) -> str:
+    """A finished run's row in words (its RunFinished event)."""
+    if row["phase"] == RUN_ERROR:
+        return f"error: {row.get('message')}"
+    others = "".join(f"; {name} at step {step}" for name, step in (row.get("otherFailures") or {}).items())
+    if row.get("reproduced"):
+        return f"{row['signature']} at step {row['step']}{others}"
+    return f"not reproduced in {row.get('stepsCompleted')} steps{others}"
+
+
+# --- a variant's phase, verdict and cost ----------------------------------------------------------------
+
+
+def row_phase(row: dict) -> str:
+    """A variant's phase from its runs'."""
+    phases = [r["phase"] for r in row["runs"]]
+    if all(p == RUN_NOT_RUN for p in phases):
+        return RUN_NOT_RUN
+    if all(p in FINISHED for p in phases):
+        return RUN_DONE
+    return RUN_RUNNING if any(p != RUN_PENDING for p in phases) else RUN_PENDING
+
+
+def any_reproduced(row: dict) -> bool:
+    """The variant reproduced the failure on some seed."""
+    return any(r.get("reproduced") for r in row["runs"])
+
+
+def seed_runs(row: dict) -> dict[int, SeedRun]:
+    """A variant's runs as the CLI's verdict reads them, by seed."""
+    return {r["seed"]: seed_run(r) for r in row["runs"]}
+
+
+def variant_cost(row: dict, window: tuple[int, int], baseline: dict | None = None) -> dict:
+    """`moe-proxy diagnose`'s cost of a variant (diagnose.cost_of, diagnose.against) from its
+    runs' series; the row's runs lose their series (status keeps the figures only). Each run is
+    a workload of its own: time per step is kept."""
+    c = cost_of([series_rows(r.get("series")) for r in row["runs"]], window)
+    row["runs"] = [{k: v for k, v in r.items() if k != "series"} for r in row["runs"]]
+    return against(c, baseline) if baseline is not None else c
+
+
+def judge_baseline(base: dict, fail_on: str | None, steps: int) -> None:
+    """The baseline's verdict once every run finished: error (on every seed), or reproduced or not
+    with where (and the CLI's findings); its cost, once, up to its first onset (as diagnose.judge)."""
+    runs = seed_runs(base)
+    if all(r["phase"] == RUN_ERROR for r in base["runs"]):
+        base["verdict"] = "error"
+        base["note"] = "; ".join(f"seed {r['seed']}: {r.get('message')}" for r in base["runs"])[:1024]
+    else:
+        hits = [f"seed {r['seed']} step {r['step']}" for r in base["runs"] if r.get("reproduced")]
+        base["verdict"] = "reproduced" if hits else "not reproduced"
+        base["note"] = "; ".join([", ".join(hits) if hits else f"no {fail_on} in {steps} steps",
+                                  *findings(runs, steps)])[:1024]
+    if base.get("cost") is None:
+        base["cost"] = variant_cost(base, cost_window(runs, steps))
+
+
+def judge_candidate(row: dict, base: dict, steps: int) -> None:
+    """A finished candidate's verdict against the judged baseline (the CLI's rule), and its cost
+    over the baseline's window, relative to the baseline's."""
+    own_steps = (row.get("changes") or {}).get("steps") or steps  # a candidate changing them: judged on its own
+    changed = bool(row.get("changes") or row.get("env"))
+    row["verdict"], row["note"] = verdict(seed_runs(base), seed_runs(row), own_steps, changed)
+    window = (base["cost"]["window_first"], base["cost"]["window_last"])
+    row["cost"] = variant_cost(row, window, base["cost"])
+
+
+def not_run(cands: list[dict], why: str) -> None:
+    """The baseline reproduced on no seed: the candidates' runs are left out, said in their rows."""
+    for row in cands:
+        row["runs"] = [{**r, "phase": RUN_NOT_RUN} if r["phase"] == RUN_PENDING else r for r in row["runs"]]
+        if not row.get("verdict"):
+            row["verdict"], row["note"] = NOT_RUN, f"the baseline did not reproduce ({why})"[:1024]
