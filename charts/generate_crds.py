@@ -5,7 +5,8 @@
 - ProxyModel (crds/proxymodels.moeproxy.io.yaml): spec.pruning from PruningOptions,
   spec.calibration from TokenOptions, spec.reproduction's RL settings from rl.config.ReproConfig
   (src/moe_proxy/options.py), spec.source, spec.destination.uri and spec.reproduction.failOn
-  from the shared blocks (operator/proxymodel_operator/shared_fields.py). The fields only the
+  from the shared blocks (operator/proxymodel_operator/shared_fields.py), and the pod fields of
+  spec.transformer and spec.reproduction from the shared WorkloadFields. The fields only the
   operator has are kept as they are, after the generated ones: HAND_WRITTEN names each, and why.
 - Diagnosis (crds/diagnoses.moeproxy.io.yaml): the whole spec from diagnosis_spec.DiagnosisSpec
   (spec.checkpoints from BisectSpec and the CheckpointWatch's fields).
@@ -29,9 +30,9 @@ import yaml
 
 from moe_proxy.options import PruningOptions, TokenOptions, crd_properties
 from moe_proxy.rl.config import ReproConfig
-from proxymodel_operator.crd_fields import properties
+from proxymodel_operator.crd_fields import crd_names, properties
 from proxymodel_operator.diagnosis_spec import DiagnosisSpec
-from proxymodel_operator.shared_fields import S3_LOCATION, fail_on_schema, source_schema
+from proxymodel_operator.shared_fields import S3_LOCATION, WorkloadFields, fail_on_schema, source_schema
 from proxymodel_operator.watch_spec import WatchSpec
 
 CRDS = Path(__file__).resolve().parents[1] / "crds"
@@ -40,20 +41,16 @@ DIAGNOSIS_CRD = CRDS / "diagnoses.moeproxy.io.yaml"
 WATCH_CRD = CRDS / "checkpointwatches.moeproxy.io.yaml"
 # ProxyModel spec section -> its options model (the section's other fields are in HAND_WRITTEN)
 SECTIONS = {"pruning": PruningOptions, "calibration": TokenOptions, "reproduction": ReproConfig}
-_WORKLOAD = "the Kubernetes workload's own fields (image, env, resources, ...), as a Job's pod has them"
 # The ProxyModel's spec fields no model declares, each with why (tests/chart checks the list).
 HAND_WRITTEN = {
     "destination": "only its uri, generated as the shared S3 location",
     "pruning.sequential": "the operator's choice of calibration statistics (calibrate --experts N or one pass), "
                           "no build option",
-    "transformer": _WORKLOAD + ", and the operator's parallelism of the build",
+    "transformer.parallelism": "the operator's parallelism of the build (an Indexed Job of workers)",
     "reproduction.enabled": "whether the operator runs the reproduction at all",
     "reproduction.runtime": "the operator's workload kind (Job, JobSet, VolcanoJob, ...)",
     "reproduction.template": "a user's own training pod, run as it is",
     "reproduction.accelerator": "the operator's device plan (moe-proxy repro takes devices from its launcher)",
-    **{f"reproduction.{k}": _WORKLOAD for k in (
-        "schedulerName", "queue", "image", "imagePullPolicy", "command", "args", "env", "resources", "nodeSelector",
-        "tolerations", "serviceAccountName", "backoffLimit", "activeDeadlineSeconds")},
     "suspend": "the operator's: no new child while true",
     "ttlSecondsAfterFinished": "passed to the child Jobs",
     "queueName": "Kueue's, for the child Jobs",
@@ -79,7 +76,22 @@ def proxymodel_generated() -> dict[str, dict]:
                                    "reproduced"} | fail_on_schema()}
     for section, model in SECTIONS.items():
         out |= {f"{section}.{k}": v for k, v in crd_properties(model).items()}
+    for section, props in workload_properties().items():
+        out |= {f"{section}.{k}": v for k, v in props.items()}
     return out
+
+
+def workload_properties() -> dict[str, dict]:
+    """The pod fields of spec.transformer and spec.reproduction: one declaration (WorkloadFields),
+    and what differs between the two sections stated here."""
+    # The scheduler and the Volcano queue are the reproduction runtime's; the build's Jobs take the cluster's.
+    build = tuple(name for name in crd_names(WorkloadFields) if name not in ("schedulerName", "queue"))
+    return {
+        "transformer": properties(WorkloadFields, only=build, helps={
+            "backoffLimit": "retries of the build's pod (with parallelism above 1, of each worker's pod)"}),
+        "reproduction": properties(WorkloadFields, helps={
+            "env": "e.g. the numeric mode of the failing run (INF_NAN_MODE_ENABLE, HCCL_DETERMINISTIC)"}),
+    }
 
 
 def render(text: str) -> str:
@@ -89,7 +101,7 @@ def render(text: str) -> str:
     generated = proxymodel_generated()
     spec["source"] = generated["source"]
     spec["destination"]["properties"]["uri"] = generated["destination.uri"]
-    for section in SECTIONS:
+    for section in (*SECTIONS, "transformer"):
         props = spec[section]["properties"]
         mine = {k.split(".", 1)[1]: v for k, v in generated.items() if k.startswith(f"{section}.")}
         spec[section]["properties"] = mine | {k: v for k, v in props.items() if k not in mine}

@@ -1,7 +1,8 @@
 """The spec blocks several CRDs share, declared once: a `source` (a ProxyModel's checkpoint, a
 CheckpointWatch's and a bisection's run prefix), a `failOn` (a ProxyModel's reproduction, a
-Diagnosis) and a ProxyModel `template` (a CheckpointWatch's, a bisection's). Each resource
-words the descriptions its own way; the shape and the checks are these.
+Diagnosis), a ProxyModel `template` (a CheckpointWatch's, a bisection's), and a workload's pod
+fields (a ProxyModel's transformer and reproduction). Each resource words the descriptions its
+own way; the shape and the checks are these.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from moe_proxy.options import S3_URI, option
 
-from .crd_fields import object_schema
+from .crd_fields import crd_field, object_schema
 from .spec import SIGNATURES
 
 ENDPOINT_URL = r"^https?://[^\s]+$"
@@ -61,6 +62,46 @@ def fail_on_schema() -> dict:
         FailOnFields, required=("signature",),
         rules=(("self.signature != 'threshold' || (has(self.metric) && has(self.value))",
                 "a threshold needs metric and value"),))
+
+
+STRINGS = {"type": "array", "items": {"type": "string"}}
+OPEN_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}  # as Kubernetes has it
+
+
+@dataclass(frozen=True)
+class WorkloadFields:
+    """Where and how a child's pods run, as a Job's pod has it: the fields of a ProxyModel's
+    spec.transformer (the build's Jobs) and spec.reproduction (its workload). spec.parse reads
+    them into spec_types.Workload (schedulerName and queue into the Reproduction), under the same
+    names, with each section's defaults (the operator's image; backoffLimit 1 for the build, 0 for
+    the reproduction), which is why the CRD declares none.
+    """
+
+    scheduler_name: str | None = option(None, "str", "the pods' scheduler (default the cluster's; volcano for "
+                                        "VolcanoJob and AscendJob)", crd="schedulerName", crd_schema=NAME)
+    volcano_queue: str | None = option(None, "str", "Volcano queue (VolcanoJob, AscendJob)", crd="queue",
+                                       crd_schema=NAME)
+    image: str | None = option(None, "str", "the container image (default the operator's)", crd="image",
+                               crd_schema={"maxLength": 512})
+    image_pull_policy: str | None = option(None, "str", "the container's image pull policy", crd="imagePullPolicy",
+                                           choices=("Always", "IfNotPresent", "Never"))
+    command: list | None = crd_field("command", "the container's command (default the operator's)", STRINGS, None)
+    args: list | None = crd_field("args", "the container's arguments (default the operator's moe-proxy command)",
+                                  STRINGS, None)
+    env: list | None = crd_field("env", "added to the container's environment (yours wins over the operator's for "
+                                 "a name both set)", {"type": "array", "items": OPEN_OBJECT | {
+                                     "required": ["name"], "properties": {"name": {"type": "string"}}}}, None)
+    resources: dict | None = crd_field("resources", "the container's resource requests and limits", OPEN_OBJECT, None)
+    node_selector: dict | None = crd_field("nodeSelector", "the pods' node selector",
+                                           {"type": "object", "additionalProperties": {"type": "string"}}, None)
+    tolerations: list | None = crd_field("tolerations", "the pods' tolerations",
+                                         {"type": "array", "items": OPEN_OBJECT}, None)
+    service_account: str | None = option(None, "str", "the pods' service account", crd="serviceAccountName",
+                                         crd_schema=NAME)
+    backoff_limit: int | None = option(None, "int", "retries of a failed pod", crd="backoffLimit", minimum=0,
+                                       maximum=100)
+    active_deadline_seconds: int | None = option(None, "int", "seconds the Job may run before it is failed",
+                                                 crd="activeDeadlineSeconds", minimum=1)
 
 
 def template_schema(spec: str | None, source_rule: str) -> dict:

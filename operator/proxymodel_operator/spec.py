@@ -40,6 +40,7 @@ def default_destination(source_uri: str, namespace: str, name: str) -> str:
 
 
 def _workload(raw: dict, image: str, backoff_limit: int) -> Workload:
+    # The fields shared_fields.WorkloadFields declares, under its names (tests/chart checks each is read).
     return Workload(
         image=raw.get("image") or image,
         image_pull_policy=raw.get("imagePullPolicy"),

@@ -58,7 +58,8 @@ class Pruning:
 @dataclass(frozen=True)
 class Workload:
     """Where and how a child's pods run: spec.transformer for the transformer's Jobs,
-    spec.reproduction for the reproduction workload."""
+    spec.reproduction for the reproduction workload (their CRD fields: shared_fields.WorkloadFields,
+    under these names)."""
 
     image: str
     image_pull_policy: str | None = None

@@ -1,6 +1,7 @@
 """The three CRDs' spec schemas come from the models that declare their fields (charts/generate_crds.py):
 every CRD spec field comes from a model or is listed as the operator's own with a reason, every
-model field reaches its CRD, the shared blocks (source, S3 location, failOn) are one declaration,
+model field reaches its CRD, the shared blocks (source, S3 location, failOn, a workload's pod
+fields) are one declaration,
 the failOn signatures are the detectors', and the candidates' description names the catalogue.
 The parsers read the same declarations (defaults, ranges)."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
+from dataclasses import fields
 
 import pytest
 import yaml
@@ -18,7 +20,9 @@ from moe_proxy.metrics.detect import SIGNATURES as DETECTED
 from moe_proxy.options import S3_URI
 from proxymodel_operator.crd_fields import crd_names
 from proxymodel_operator.diagnosis_spec import INLINE, BisectSpec, DiagnosisSpec, InvalidDiagnosis, parse_diagnosis
-from proxymodel_operator.shared_fields import FailOnFields, SourceFields
+from proxymodel_operator.settings import Settings
+from proxymodel_operator.shared_fields import FailOnFields, SourceFields, WorkloadFields
+from proxymodel_operator.spec import parse
 from proxymodel_operator.watch_spec import WatchSpec, parse_watch
 
 from .conftest import CRDS, ROOT
@@ -138,3 +142,29 @@ def test_the_parsers_read_the_models_defaults_and_ranges():
     watch = spec_of(WATCH)
     assert (w.poll_interval, w.suspend, w.delete_proxy_data) == (
         watch["pollInterval"]["default"], watch["suspend"]["default"], watch["deleteProxyData"]["default"])
+
+
+def test_both_workload_sections_are_the_one_declaration_and_the_parser_reads_every_field():
+    """spec.transformer and spec.reproduction take WorkloadFields (the transformer less the
+    scheduler and queue), and spec.parse reads each field under the declaration's own name: into
+    the Workload, schedulerName and queue into the Reproduction."""
+    spec, names = spec_of(PROXYMODEL), crd_names(WorkloadFields)
+    transformer, reproduction = spec["transformer"]["properties"], spec["reproduction"]["properties"]
+    assert [n for n in transformer if n in names] == [n for n in names if n not in ("schedulerName", "queue")]
+    assert [n for n in reproduction if n in names] == names
+    assert all(transformer[n] | {"description": ""} == reproduction[n] | {"description": ""} for n in transformer
+               if n in names)
+    by_type = {"string": "x", "integer": 7, "array": [{"name": "A", "value": "1"}],
+               "object": {"disktype": "ssd"}}
+    values = {f.name: by_type[reproduction[crd]["type"]] for f, crd in zip(fields(WorkloadFields), names)}
+    raw = {crd: values[f.name] for f, crd in zip(fields(WorkloadFields), names)}
+    raw["imagePullPolicy"] = values["image_pull_policy"] = "Never"
+    parsed = parse({"source": {"uri": "s3://bucket/model"}, "pruning": {"experts": 8},
+                    "transformer": {n: v for n, v in raw.items() if n in transformer}, "reproduction": raw},
+                   "ns", "pm", Settings())
+    for name, value in values.items():
+        if name in ("scheduler_name", "volcano_queue"):
+            assert getattr(parsed.reproduction, name) == value, name
+        else:
+            assert getattr(parsed.reproduction.workload, name) == value, name
+            assert getattr(parsed.transformer, name) == value, name
