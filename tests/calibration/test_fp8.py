@@ -9,7 +9,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.demo.tiny import make_tiny
 

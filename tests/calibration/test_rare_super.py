@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.storage import open_store
 
