@@ -394,6 +394,29 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
     out_store = open_store(out, **(store_options or {})) if isinstance(out, str) else out
+    tokens = _tokens(ckpt, dataset, samples, seq_len, seed, store_options, token_ids)
+    identity = source_identity(ckpt, layout)
+    proxy = None
+    if sequential is not None:
+        # The one import of build from calibrate, when it runs: the build's own selection is what
+        # sequential statistics interleave with the scoring (tests/house/test_imports.py lists it).
+        from moe_proxy.pruning.sequential import SequentialProxy
+
+        proxy = SequentialProxy(ckpt, layout, sequential)
+    mode = {"mode": SEQUENTIAL, "made_for": proxy.key} if proxy is not None else {"mode": ONE_PASS}
+    if (old := _same_statistics(out_store, identity, tokens, mode)) is not None:
+        log.info("%s already holds these statistics (same checkpoint and tokens): nothing to do", out_store.uri)
+        return old | {"up_to_date": True}
+    layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress, proxy)
+    summary = _summary(ckpt, layout, identity, tokens, seed, mode, layers, proxy)
+    save(out_store, CalibrationStatistics(summary, layers, tokens.ids))
+    return summary
+
+
+def _tokens(ckpt: Checkpoint, dataset: str | None, samples: int, seq_len: int, seed: int,
+            store_options: dict | None, token_ids: torch.Tensor | None) -> Tokens:
+    """The calibration tokens: the caller's `token_ids` (checked), or `samples` sequences of
+    `dataset` (random ids, warned about, where there is none), within the model's positions."""
     seq_len = int(token_ids.shape[1]) if token_ids is not None else seq_len
     max_pos = ckpt.config.get("max_position_embeddings")
     if isinstance(max_pos, int) and seq_len > max_pos:
@@ -408,32 +431,32 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
                                     store_options)
     if tokens.random:
         log.warning("calibration tokens: %s", tokens.origin)
-    identity = source_identity(ckpt, layout)
-    proxy = None
-    if sequential is not None:
-        # The one import of build from calibrate, when it runs: the build's own selection is what
-        # sequential statistics interleave with the scoring (tests/house/test_imports.py lists it).
-        from moe_proxy.pruning.sequential import SequentialProxy
+    return tokens
 
-        proxy = SequentialProxy(ckpt, layout, sequential)
-    mode = {"mode": SEQUENTIAL, "made_for": proxy.key} if proxy is not None else {"mode": ONE_PASS}
 
-    if out_store.exists(SUMMARY):
-        try:
-            old = read_json(out_store, SUMMARY)
-        except MoeProxyError:
-            old = {}
-        if (old.get("format") == FORMAT and old.get("source", {}).get("identity") == identity
-                and old.get("tokens", {}).get("sha256") == tokens.sha256 and out_store.exists(TENSORS)
-                and {"mode": old.get("mode", ONE_PASS), **({"made_for": old.get("made_for")}
-                                                             if "made_for" in old else {})} == mode):
-            log.info("%s already holds these statistics (same checkpoint and tokens): nothing to do", out_store.uri)
-            return old | {"up_to_date": True}
+def _same_statistics(out_store: Store, identity: str, tokens: Tokens, mode: dict) -> dict | None:
+    """The summary already in `out_store` when it is of these very statistics (same checkpoint,
+    tokens and mode); None otherwise."""
+    if not out_store.exists(SUMMARY):
+        return None
+    try:
+        old = read_json(out_store, SUMMARY)
+    except MoeProxyError:
+        old = {}
+    if (old.get("format") == FORMAT and old.get("source", {}).get("identity") == identity
+            and old.get("tokens", {}).get("sha256") == tokens.sha256 and out_store.exists(TENSORS)
+            and {"mode": old.get("mode", ONE_PASS), **({"made_for": old.get("made_for")}
+                                                         if "made_for" in old else {})} == mode):
+        return old
+    return None
 
-    layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress, proxy)
+
+def _summary(ckpt: Checkpoint, layout: Layout, identity: str, tokens: Tokens, seed: int, mode: dict,
+             layers: dict[str, LayerStats], proxy: SequentialTarget | None) -> dict:
+    """calibration.json: what was measured, on which tokens, and per layer its dead and super experts."""
     supers = proxy.supers if proxy is not None else super_experts(layers)
     rule = proxy.super_rule if proxy is not None else {}
-    summary = {
+    return {
         "format": FORMAT,
         "tool_version": __version__,
         **mode,
@@ -455,8 +478,6 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
                               "its experts without calibration"
                     for b in layout.blocks if b.prefix not in layers},
     }
-    save(out_store, CalibrationStatistics(summary, layers, tokens.ids))
-    return summary
 
 
 class SequentialTarget(Protocol):
@@ -465,6 +486,7 @@ class SequentialTarget(Protocol):
     key: dict  # what decides its kept experts: the artifact's `made_for`
     supers: dict[str, list[int]]  # per MoE block selected so far: its super experts
     kept: dict[str, list[int]]  # per MoE block selected so far: its kept experts
+    super_rule: dict  # the super-expert criteria of its options (thresholds' keywords)
 
     def select(self, block: MoeBlock, scored: dict[str, LayerStats]) -> list[int]:
         """Select `block`'s experts from the statistics of every layer scored so far; its kept experts."""
