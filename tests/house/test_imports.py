@@ -38,8 +38,6 @@ AGAINST_THE_GRAIN = {  # (importing module, imported module): why, imported when
 
 
 CLOSES_A_CIRCLE = {  # (importing module, imported module): why it is still there
-    ("moe_proxy.calibrate.statistics", "moe_proxy.pruning.sequential"):
-        "AGAINST_THE_GRAIN: sequential statistics run the build's selection (usage imports statistics)",
     ("moe_proxy.pruning.reconstruct", "moe_proxy.pruning.merge"):
         "reconstructing merged experts starts from merge.merge_into, and merge fits with reconstruct's "
         "Spill and Targets",

@@ -1,7 +1,7 @@
 """Usage-aware selection for one MoE block, from `moe-proxy calibrate` statistics.
 
-- Dead experts (calibration.DEAD_SHARE) are never kept unless pinned.
-- Super experts (calibration.super_experts) are pinned, unless `keep_super` is off; a super
+- Dead experts (criteria.DEAD_SHARE) are never kept unless pinned.
+- Super experts (criteria.super_experts) are pinned, unless `keep_super` is off; a super
   expert is never dead, however rarely it is routed (`super_rarely_routed` in the manifest).
 - `--method frequency` keeps the experts with the most gate mass, `--method saliency` the
   highest REAP saliency, both within routing groups.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_proxy.calibrate.statistics import DEAD_SHARE, LayerStats
+from moe_proxy.calibrate.criteria import DEAD_SHARE, LayerStats
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import InvalidExpertCount, MoeProxyError
 from moe_proxy.pruning.features import expert_features
@@ -28,7 +28,7 @@ PROBES = {"routing": "routing_probe", "output": "output_probe"}
 
 def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: dict[int, str], k: int,
                  n_group: int, options, pins: list[int]) -> Selection:
-    """`supers`: this layer's super experts and the rule that made each (statistics.SUPER_RULES).
+    """`supers`: this layer's super experts and the rule(s) that made each (criteria.super_experts).
     They are pinned (unless keep_super is off) as far as each routing group's share of the kept
     experts allows, the largest max |output| first; those that do not fit are recorded."""
     n = block.n_experts
