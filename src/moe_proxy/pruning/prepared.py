@@ -64,6 +64,8 @@ def with_transfer(store_options: dict | None) -> dict:
 
 @dataclass
 class Prepared:
+    """A build once prepared (steps.prepare): what write_share and finalize work on."""
+
     ckpt: Checkpoint
     layout: Layout
     dst: Store
