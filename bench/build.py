@@ -41,7 +41,7 @@ from synthetic import BENCH, GB, KEYS, QUICK, Facts, generate, read_object, uplo
 # Each measurement runs in a fresh process, so peak RSS is the build's own.
 CHILD = r"""
 import json, resource, sys
-from moe_proxy.pruning.steps import build_proxy, build_share, finalize_build
+from moe_proxy.pruning.build import build_proxy, build_share, finalize_build
 from moe_proxy.storage import open_store
 a = json.loads(sys.argv[1])
 opts = {"endpoint_url": a["endpoint"]}

@@ -55,7 +55,7 @@ KEPT = 1 / 8  # 12.5%
 # Linux >= 4.0) and ends by reading it: "PHASE name peak rss-at-start rss-at-end" (bytes), so a
 # phase's peak is its own and what a phase leaves resident shows in the next one's start.
 RUN = """import sys
-import moe_proxy.pruning.fidelity as fid, moe_proxy.pruning.steps as pipe, moe_proxy.pruning.reconstruct as rec
+import moe_proxy.pruning.fidelity as fid, moe_proxy.pruning.build as pipe, moe_proxy.pruning.reconstruct as rec
 rec.RECON_STEPS = rec.RECON_PATIENCE = {steps}
 from moe_proxy.cli import main
 

@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "src"))
 
 from moe_proxy.options import PruningOptions  # noqa: E402
-from moe_proxy.pruning.steps import build_proxy  # noqa: E402
+from moe_proxy.pruning.build import build_proxy  # noqa: E402
 from moe_proxy.calibrate.statistics import calibrate  # noqa: E402
 from moe_proxy.errors import InvalidExpertCount  # noqa: E402
 from moe_proxy.calibrate.statistics import load as load_calibration  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from fidelity import calibration_ids, lm_batch, train_text  # noqa: E402
 from moe_proxy.pruning import reconstruct as rec  # noqa: E402
 from moe_proxy.options import PruningOptions  # noqa: E402
-from moe_proxy.pruning.steps import build_proxy  # noqa: E402
+from moe_proxy.pruning.build import build_proxy  # noqa: E402
 from moe_proxy.calibrate.statistics import calibrate  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "reconstruct"

@@ -87,7 +87,7 @@ def measure_cpu(quick: bool) -> Accelerator:
 
 
 def make_models(out: Path, width: int) -> dict[str, Path]:
-    from moe_proxy.pruning.steps import build_proxy
+    from moe_proxy.pruning.build import build_proxy
     from moe_proxy.demo.tiny import make_tiny
     from moe_proxy.options import PruningOptions
 

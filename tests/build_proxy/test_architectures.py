@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.checkpoint.reader import open_checkpoint
 
 from .conftest import ARCHS

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import moe_proxy.pruning.steps as build_module
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint, DestinationExists, InvalidExpertCount, NotMoE, UnsupportedArchitecture

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.pruning.steps import build_proxy, prepare, write_share
+from moe_proxy.pruning.build import build_proxy
+from moe_proxy.pruning.steps import prepare, write_share
 from moe_proxy.options import PruningOptions
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.cli import main

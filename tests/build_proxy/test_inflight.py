@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from moe_proxy.options import PruningOptions
-from moe_proxy.pruning.steps import build_proxy, prepare, write_share
+from moe_proxy.pruning.build import build_proxy
+from moe_proxy.pruning.steps import prepare, write_share
 from moe_proxy.checkpoint.reads import ReadTask, read_ahead
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.storage import LocalStore

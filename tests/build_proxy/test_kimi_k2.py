@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from moe_proxy.pruning import heal
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.calibrate.statistics import calibrate
 from moe_proxy.layerwise.load import load_causal_lm
 from moe_proxy.rl.config import ReproConfig

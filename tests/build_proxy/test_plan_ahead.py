@@ -9,7 +9,9 @@ import json
 import pytest
 
 from moe_proxy.pruning import plan_ahead
-from moe_proxy.pruning.steps import build_proxy, build_share, finalize_build, journal_name, prepare
+from moe_proxy.pruning.build import build_proxy, build_share, finalize_build
+from moe_proxy.pruning.shares import journal_name
+from moe_proxy.pruning.steps import prepare
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.options import PruningOptions

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main
 from moe_proxy.demo.tiny import make_tiny

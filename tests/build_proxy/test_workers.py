@@ -2,7 +2,8 @@
 
 import pytest
 
-from moe_proxy.pruning.steps import assign_shards, build_proxy, build_share, finalize_build, journal_name
+from moe_proxy.pruning.build import build_proxy, build_share, finalize_build
+from moe_proxy.pruning.shares import assign_shards, journal_name
 from moe_proxy.cli import main
 from moe_proxy.errors import CorruptCheckpoint
 from moe_proxy.pruning.verify import verify

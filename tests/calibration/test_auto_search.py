@@ -14,7 +14,7 @@ import moe_proxy.pruning.fidelity as fidelity
 import moe_proxy.pruning.reconstruct as reconstruct
 from moe_proxy.pruning.auto import Search
 from moe_proxy.errors import FidelityTargetNotMet
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.demo.tiny import make_tiny
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_proxy.calibrate import statistics as cal
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.errors import BadDataset
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.cli import main

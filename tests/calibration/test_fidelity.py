@@ -14,7 +14,7 @@ import transformers
 
 from moe_proxy.pruning.fidelity import held_out
 from moe_proxy.errors import FidelityTargetNotMet
-from moe_proxy.pruning.steps import build_proxy, build_share
+from moe_proxy.pruning.build import build_proxy, build_share
 from moe_proxy.pruning.verify import as_json, text, verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main

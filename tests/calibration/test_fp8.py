@@ -9,7 +9,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
+from moe_proxy.calibrate import criteria
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.demo.tiny import make_tiny
 
@@ -78,5 +79,5 @@ def test_fp8_statistics_equal_those_of_the_dequantised_float_checkpoint(tmp_path
     assert a["layers"] == b["layers"]
     sa, sb = cal.load(str(tmp_path / "sa")), cal.load(str(tmp_path / "sb"))
     for prefix in sa.layers:
-        for name in cal.LayerStats.NAMES:
+        for name in criteria.LayerStats.NAMES:
             assert torch.equal(getattr(sa.layers[prefix], name), getattr(sb.layers[prefix], name)), (prefix, name)

@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file
 
 from moe_proxy.calibrate import statistics as cal
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.demo.tiny import make_tiny
 
 

@@ -13,7 +13,7 @@ import transformers
 from moe_proxy.pruning import reconstruct as rec
 from moe_proxy.pruning.merge import align, expert_layout, neurons, permute
 from moe_proxy.errors import CannotMerge
-from moe_proxy.pruning.steps import build_proxy, build_share, finalize_build
+from moe_proxy.pruning.build import build_proxy, build_share, finalize_build
 from moe_proxy.pruning.verify import verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.checkpoint.tensors import dequantize_fp8

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from moe_proxy.pruning import reconstruct as rec
-from moe_proxy.pruning.steps import build_proxy, build_share, finalize_build, fit_for_workers
+from moe_proxy.pruning.build import build_proxy, build_share, finalize_build, fit_for_workers
 from moe_proxy.pruning.verify import verify
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
@@ -150,7 +150,7 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
     build; with a fit step first, every layer is fitted once: neither the workers nor finalize
     fit again (counted), and the fits are gone once the proxy is published."""
     from moe_proxy.pruning import expert_plan
-    from moe_proxy.pruning.steps import fits_name
+    from moe_proxy.pruning.fits import fits_name
     from moe_proxy.checkpoint.reader import MANIFEST
 
     src = tmp_path / "src"

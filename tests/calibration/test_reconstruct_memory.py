@@ -26,7 +26,7 @@ LAYER_BYTES = 32 * 3 * 256 * 1024 * 2
 PEAK = """
 import sys
 import moe_proxy.pruning.reconstruct as rec
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 rec.RECON_STEPS = rec.RECON_PATIENCE = 3
 build_proxy(sys.argv[1], sys.argv[2], experts=16, method="saliency", calibration=sys.argv[3], reconstruct=True)
 print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])

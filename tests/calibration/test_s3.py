@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moe_proxy.calibrate import statistics as cal
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from tests.s3.conftest import aws_env, local_ckpt, prefix, s3_ckpt, seaweed  # noqa: F401 (fixtures)
 
 

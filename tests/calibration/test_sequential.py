@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from moe_proxy.options import PruningOptions
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.calibrate import statistics as cal
 from moe_proxy.cli import main
 from moe_proxy.demo.tiny import make_tiny

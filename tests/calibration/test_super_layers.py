@@ -11,7 +11,7 @@ import transformers
 
 from moe_proxy.pruning import build_proxy
 from moe_proxy.calibrate import statistics as cal
-from moe_proxy.calibrate.statistics import FP16_MAX, SUPER_RANGE_SHARE
+from moe_proxy.options import FP16_MAX, SUPER_RANGE_SHARE
 from moe_proxy.demo.tiny import tiny_config
 
 from .conftest import save_model

@@ -38,13 +38,6 @@ AGAINST_THE_GRAIN = {  # (importing module, imported module): why, imported when
 
 
 CLOSES_A_CIRCLE = {  # (importing module, imported module): why it is still there
-    ("moe_proxy.calibrate.statistics", "moe_proxy.pruning.sequential"):
-        "AGAINST_THE_GRAIN: sequential statistics run the build's selection (usage imports statistics)",
-    ("moe_proxy.pruning.expert_plan", "moe_proxy.pruning.steps"):
-        "the fitted plan's fidelity is measured on the tensors as steps.output_tensors lays them out, "
-        "and steps plans with expert_plan (issue 42 item 5 splits steps.py)",
-    ("moe_proxy.pruning.auto", "moe_proxy.pruning.steps"):
-        "--experts auto measures candidates on steps.output_tensors, and steps resolves auto (issue 42 item 5)",
     ("moe_proxy.pruning.reconstruct", "moe_proxy.pruning.merge"):
         "reconstructing merged experts starts from merge.merge_into, and merge fits with reconstruct's "
         "Spill and Targets",

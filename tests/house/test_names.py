@@ -63,7 +63,7 @@ def test_the_known_pairs_are_still_there():
 # Names that had two or three meanings (#25) and were renamed: the word -> what it means now.
 RETIRED_MODULES = {
     "pipeline": "the operator's ProxyModel steps only (proxymodel_operator.pipeline); the build's "
-                "streaming is moe_proxy.pruning.steps",
+                "streaming is moe_proxy.pruning.steps (run by moe_proxy.pruning.build)",
     "describe": "gone: checkpoint.summary (inspect), pruning.fidelity.figure_lines, pruning.merge.merge_record",
     "watch_plan": "proxymodel_operator.watch_decisions: `plan` is the sizing of devices and ExpertPlan",
 }

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moe_proxy.pruning.steps import build_proxy, build_share, finalize_build
+from moe_proxy.pruning.build import build_proxy, build_share, finalize_build
 from moe_proxy.checkpoint.reader import MANIFEST
 from moe_proxy.errors import DestinationExists
 from .faultproxy import FaultProxy

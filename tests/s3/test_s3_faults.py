@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from moe_proxy.pruning.steps import build_proxy, journal_name
+from moe_proxy.pruning.build import build_proxy
+from moe_proxy.pruning.shares import journal_name
 from moe_proxy.checkpoint.reader import MANIFEST
 from .faultproxy import FaultProxy
 from .helpers import PART, download, incomplete_uploads, tree
@@ -75,7 +76,7 @@ def test_killed_build_resumes_without_reuploading(seaweed, s3_ckpt, local_proxy,
         # the journal exists, empty, from the start).
         net.stall_after_up = first + PART + (256 << 10)
         options = {"endpoint_url": net.endpoint_url, "part_size": PART}
-        code = f"from moe_proxy.pruning.steps import build_proxy; build_proxy({s3_ckpt!r}, {dst!r}, experts={KEEP}, store_options={options!r})"
+        code = f"from moe_proxy.pruning.build import build_proxy; build_proxy({s3_ckpt!r}, {dst!r}, experts={KEEP}, store_options={options!r})"
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         client = seaweed.client()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.storage import open_store
 from moe_proxy.storage.inflight import MiB, Transfer
 

@@ -19,7 +19,7 @@ plus `tokens` [samples, seq_len] (the calibration token ids, so a build can repl
 `--heal`). `calibration.json` (written last: its presence marks the statistics complete)
 holds the schema version, the source's identity (build.source_identity: config, tensor
 table, router bytes), the tokens' sha256 and origin, and per layer the dead and super
-experts under the default criteria below.
+experts under the default criteria (criteria.py).
 
 Two modes (`mode` in calibration.json). One-pass (the default): every layer is scored on the
 original's hidden states. Sequential (`--sequential --experts N --method M`, pruning/sequential.py):
@@ -29,29 +29,7 @@ through the pruned layer; `made_for` records the proxy it was made for (expert c
 method and the options that decide the selection) and per layer the experts kept, and a
 build for another proxy is refused (`CalibrationStatistics.check_target`).
 
-Criteria (also applied by `build --calibration`):
-- dead: gate-mass share below DEAD_SHARE x the uniform share 1/E (default 1% of uniform), unless
-  super: an expert whose output is massive is never dead, however rarely it is routed (the super
-  experts of real models fire on a handful of tokens, the first one and delimiters: arXiv
-  2507.23279). Before, one routed to 7 of 2048 tokens at 300x its layer's median max |output|
-  was dead, and dropped. Such experts are listed per layer as `super_rarely_routed`;
-- super (REAP's `model_util.get_super_expert_indices`, after "Unveiling Super Experts in MoE
-  LLMs", arXiv 2507.23279, where super experts are a handful in a whole model): max_abs above
-  both the SUPER_PERCENTILE (99.5th) percentile of the max_abs of every routed expert of every
-  scored MoE layer (the threshold is taken over all of them) and SUPER_GLOBAL (1/10) of the
-  largest one; as REAP does by default (`--perserve_super_experts`), only experts of the first
-  SUPER_LAYERS (75%, int(0.75 x the MoE layer count)) of the MoE layers are flagged, since the
-  last layers' large outputs are their normal scale. Two departures: a model with a single MoE
-  layer keeps it eligible (REAP's int(0.75) would flag nothing), and an expert never routed to a
-  calibration token is never super (its max_abs comes from the probe tokens alone).
-  That rule is made for pruning to deploy; this project prunes to reproduce failures, and a
-  massive activation is what overflows in half precision (issue 30). So in every MoE layer, the
-  last ones included, a live expert is super too when its max_abs reaches a share of fp16's range
-  (65504; `--super-range-share`, default 1/8: "fp16-range"), or a factor of its layer's median
-  max_abs over live experts (`--super-outlier`, default 100: "layer-outlier"). Each super expert
-  is recorded with the rule that made it.
-  (Before, an expert was super at 10x its layer's median and 1/10 of the largest: with 23-29
-  of 64 experts dead the median is low, and it flagged 10 ordinary experts in one layer.)
+Criteria (dead and super experts, also applied by `build --calibration`): criteria.py.
 """
 
 from __future__ import annotations
@@ -59,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -69,6 +46,7 @@ from safetensors.torch import save as st_save
 
 from moe_proxy import __version__
 from moe_proxy.architectures import detect, expert_count
+from moe_proxy.calibrate.criteria import LayerStats, selection_flags, selection_key, super_experts, thresholds
 from moe_proxy.calibrate.tokens import Tokens, calibration_tokens
 from moe_proxy.checkpoint.reader import Checkpoint, open_checkpoint, read_json
 from moe_proxy.checkpoint.layout import Layout, MoeBlock, find_layout, source_identity
@@ -76,126 +54,18 @@ from moe_proxy.errors import CalibrationError, MoeProxyError
 from moe_proxy.layerwise.blocks import swapped
 from moe_proxy.layerwise.driver import Layer, LayerPass, walk
 from moe_proxy.layerwise.model import MoeModules
-from moe_proxy.options import FP16_MAX, SUPER_OUTLIER, SUPER_RANGE_SHARE, flag
 from moe_proxy.storage import Store, open_store, write_bytes
 
 log = logging.getLogger(__name__)
 FORMAT = "moe-proxy-calibration/v1"
 SUMMARY, TENSORS = "calibration.json", "calibration.safetensors"
-DEAD_SHARE = 0.01
-SUPER_PERCENTILE = 99.5  # REAP: above this percentile of every routed expert's max |output| ...
-SUPER_GLOBAL = 0.1  # ... and above this share of the largest one
-SUPER_LAYERS = 0.75  # ... in the first 75% of the MoE layers
-# Kept because they can make a failure (issue 30), in every MoE layer, the last ones included; the
-# thresholds are the build's options (--super-range-share, --super-outlier), defaults in options.py.
-
-
-def thresholds(range_share: float = SUPER_RANGE_SHARE, outlier: float = SUPER_OUTLIER) -> dict:
-    """The thresholds statistics are judged by, as the artifact and the manifest record them."""
-    return {"dead_share_of_uniform": DEAD_SHARE, "super_percentile": SUPER_PERCENTILE,
-            "super_share_of_global_max": SUPER_GLOBAL, "super_first_layers_share": SUPER_LAYERS,
-            "super_fp16_range_share": range_share, "super_layer_outlier_factor": outlier}
-
-
 SKETCH_DIM, PROBE_TOKENS, PROBE_DIM, ROUTING_PROBE = 64, 16, 16, 64
 ONE_PASS, SEQUENTIAL = "one-pass", "sequential"
-
-
-def selection_key(plan, options) -> dict:
-    """What decides a proxy's kept experts (besides pins): sequential statistics are only valid
-    for builds with the same key. `plan`: an ExpertPlan (counts), `options`: PruningOptions."""
-    key = {"experts": plan.experts_after, "top_k": plan.top_k_after, "method": options.method,
-           "keep_super": options.keep_super}
-    # the super-expert thresholds only where they differ from the defaults (keys made before they
-    # were options stay valid)
-    key |= {name: getattr(options, name) for name, default in (("super_range_share", SUPER_RANGE_SHARE),
-                                                                 ("super_outlier", SUPER_OUTLIER))
-            if getattr(options, name) != default}
-    if options.method == "cluster":
-        key |= {"features": options.features, "representative": options.representative or "saliency",
-                "clustering": options.clustering, "seed": options.seed}
-    return key
-
-
-def selection_flags(key: dict) -> str:
-    """The options of `moe-proxy calibrate --sequential` / `build` that give this key."""
-    flags = [f"--experts {key['experts']}", f"--top-k {key['top_k']}", f"--method {key['method']}"]
-    flags += [f"--{name} {key[name]}" for name in ("features", "representative") if name in key]
-    flags += [f"{flag(name)} {key[name]:g}" for name in ("super_range_share", "super_outlier") if name in key]
-    return " ".join(flags + ([] if key["keep_super"] else ["--no-keep-super"]))
 
 
 def _sketch(n: int, d: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(n * 1000 + d)
     return torch.randn(n, d, generator=g, dtype=torch.float64) / d**0.5
-
-
-@dataclass
-class LayerStats:
-    prefix: str
-    layer: int
-    tokens: torch.Tensor
-    gate_mass: torch.Tensor
-    saliency: torch.Tensor
-    max_abs: torch.Tensor
-    output_mean: torch.Tensor
-    output_probe: torch.Tensor
-    routing_probe: torch.Tensor
-
-    NAMES = ("tokens", "gate_mass", "saliency", "max_abs", "output_mean", "output_probe", "routing_probe")
-
-    @property
-    def share(self) -> torch.Tensor:
-        """Each expert's share of the layer's gate mass."""
-        total = self.gate_mass.sum()
-        return self.gate_mass / total if total > 0 else torch.zeros_like(self.gate_mass)
-
-    def dead(self, threshold: float = DEAD_SHARE, supers: Collection[int] = ()) -> list[int]:
-        """Experts under `threshold` x uniform of the gate mass, the layer's `supers` left out."""
-        n = len(self.gate_mass)
-        return [e for e in range(n) if self.share[e] < threshold / n and e not in supers]
-
-    def rarely_routed(self, supers: Collection[int]) -> dict[str, dict]:
-        """The `supers` the gate-mass rule alone would call dead, with their figures (the manifest's
-        and calibration.json's `super_rarely_routed`)."""
-        n, rare = len(self.gate_mass), set(self.dead()) & set(supers)
-        return {str(e): {"tokens": int(self.tokens[e]), "gate_share_of_uniform": round(float(self.share[e]) * n, 6),
-                         "max_abs": round(float(self.max_abs[e]), 6)} for e in sorted(rare)}
-
-    def load_imbalance(self) -> float:
-        """Most-loaded expert's tokens over the mean (1.0 = perfectly balanced)."""
-        mean = self.tokens.mean()
-        return float(self.tokens.max() / mean) if mean > 0 else 0.0
-
-
-def super_experts(layers: dict[str, LayerStats], moe_layers: int | None = None,
-                  range_share: float = SUPER_RANGE_SHARE, outlier: float = SUPER_OUTLIER) -> dict[str, dict[int, str]]:
-    """Per layer, its super experts and the rules that made each one: REAP's ("reap", the module
-    docstring's), and in every layer the experts whose output comes within `range_share` of fp16's
-    range ("fp16-range") or is `outlier` times its layer's median over live experts ("layer-outlier");
-    any expert routed to a calibration token is judged, however rarely; never one routed to none.
-    `moe_layers`: how many MoE layers the model has, where `layers` holds only the first
-    ones (sequential statistics)."""
-    if not layers:
-        return {}
-    values = torch.cat([s.max_abs.double() for s in layers.values()])
-    threshold = max(float(torch.quantile(values, SUPER_PERCENTILE / 100)), SUPER_GLOBAL * float(values.max()))
-    first = set(sorted(layers, key=lambda p: layers[p].layer)[:max(1, int(SUPER_LAYERS * (moe_layers or len(layers))))])
-    out: dict[str, dict[int, str]] = {}
-    for p, stats in layers.items():
-        dead = set(stats.dead())
-        live = [v for e, v in enumerate(stats.max_abs.tolist()) if e not in dead]
-        median = float(torch.tensor(live, dtype=torch.float64).quantile(0.5)) if live else 0.0
-        routed = [(e, v) for e, v in enumerate(stats.max_abs.tolist()) if stats.tokens[e] > 0]
-        found: dict[int, str] = {}
-        for e, v in routed:
-            rules = [rule for rule, hit in (("reap", p in first and v > threshold),
-                                            ("fp16-range", v >= range_share * FP16_MAX),
-                                            ("layer-outlier", median > 0 and v >= outlier * median)) if hit]
-            if rules:
-                found[e] = "+".join(rules)  # every rule that holds, e.g. "reap+fp16-range"
-        out[p] = found
-    return out
 
 
 class ExpertObserver:
@@ -394,6 +264,29 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
     ckpt = open_checkpoint(src, **(store_options or {}))
     layout = find_layout(ckpt, detect(ckpt.config))
     out_store = open_store(out, **(store_options or {})) if isinstance(out, str) else out
+    tokens = _tokens(ckpt, dataset, samples, seq_len, seed, store_options, token_ids)
+    identity = source_identity(ckpt, layout)
+    proxy = None
+    if sequential is not None:
+        # The one import of build from calibrate, when it runs: the build's own selection is what
+        # sequential statistics interleave with the scoring (tests/house/test_imports.py lists it).
+        from moe_proxy.pruning.sequential import SequentialProxy
+
+        proxy = SequentialProxy(ckpt, layout, sequential)
+    mode = {"mode": SEQUENTIAL, "made_for": proxy.key} if proxy is not None else {"mode": ONE_PASS}
+    if (old := _same_statistics(out_store, identity, tokens, mode)) is not None:
+        log.info("%s already holds these statistics (same checkpoint and tokens): nothing to do", out_store.uri)
+        return old | {"up_to_date": True}
+    layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress, proxy)
+    summary = _summary(ckpt, layout, identity, tokens, seed, mode, layers, proxy)
+    save(out_store, CalibrationStatistics(summary, layers, tokens.ids))
+    return summary
+
+
+def _tokens(ckpt: Checkpoint, dataset: str | None, samples: int, seq_len: int, seed: int,
+            store_options: dict | None, token_ids: torch.Tensor | None) -> Tokens:
+    """The calibration tokens: the caller's `token_ids` (checked), or `samples` sequences of
+    `dataset` (random ids, warned about, where there is none), within the model's positions."""
     seq_len = int(token_ids.shape[1]) if token_ids is not None else seq_len
     max_pos = ckpt.config.get("max_position_embeddings")
     if isinstance(max_pos, int) and seq_len > max_pos:
@@ -408,32 +301,32 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
                                     store_options)
     if tokens.random:
         log.warning("calibration tokens: %s", tokens.origin)
-    identity = source_identity(ckpt, layout)
-    proxy = None
-    if sequential is not None:
-        # The one import of build from calibrate, when it runs: the build's own selection is what
-        # sequential statistics interleave with the scoring (tests/house/test_imports.py lists it).
-        from moe_proxy.pruning.sequential import SequentialProxy
+    return tokens
 
-        proxy = SequentialProxy(ckpt, layout, sequential)
-    mode = {"mode": SEQUENTIAL, "made_for": proxy.key} if proxy is not None else {"mode": ONE_PASS}
 
-    if out_store.exists(SUMMARY):
-        try:
-            old = read_json(out_store, SUMMARY)
-        except MoeProxyError:
-            old = {}
-        if (old.get("format") == FORMAT and old.get("source", {}).get("identity") == identity
-                and old.get("tokens", {}).get("sha256") == tokens.sha256 and out_store.exists(TENSORS)
-                and {"mode": old.get("mode", ONE_PASS), **({"made_for": old.get("made_for")}
-                                                             if "made_for" in old else {})} == mode):
-            log.info("%s already holds these statistics (same checkpoint and tokens): nothing to do", out_store.uri)
-            return old | {"up_to_date": True}
+def _same_statistics(out_store: Store, identity: str, tokens: Tokens, mode: dict) -> dict | None:
+    """The summary already in `out_store` when it is of these very statistics (same checkpoint,
+    tokens and mode); None otherwise."""
+    if not out_store.exists(SUMMARY):
+        return None
+    try:
+        old = read_json(out_store, SUMMARY)
+    except MoeProxyError:
+        old = {}
+    if (old.get("format") == FORMAT and old.get("source", {}).get("identity") == identity
+            and old.get("tokens", {}).get("sha256") == tokens.sha256 and out_store.exists(TENSORS)
+            and {"mode": old.get("mode", ONE_PASS), **({"made_for": old.get("made_for")}
+                                                         if "made_for" in old else {})} == mode):
+        return old
+    return None
 
-    layers = run_statistics(ckpt, layout, tokens.ids, batch_size, progress, proxy)
+
+def _summary(ckpt: Checkpoint, layout: Layout, identity: str, tokens: Tokens, seed: int, mode: dict,
+             layers: dict[str, LayerStats], proxy: SequentialTarget | None) -> dict:
+    """calibration.json: what was measured, on which tokens, and per layer its dead and super experts."""
     supers = proxy.supers if proxy is not None else super_experts(layers)
     rule = proxy.super_rule if proxy is not None else {}
-    summary = {
+    return {
         "format": FORMAT,
         "tool_version": __version__,
         **mode,
@@ -455,8 +348,6 @@ def calibrate(src: str | Store, out: str | Store, dataset: str | None = None, sa
                               "its experts without calibration"
                     for b in layout.blocks if b.prefix not in layers},
     }
-    save(out_store, CalibrationStatistics(summary, layers, tokens.ids))
-    return summary
 
 
 class SequentialTarget(Protocol):
@@ -465,6 +356,7 @@ class SequentialTarget(Protocol):
     key: dict  # what decides its kept experts: the artifact's `made_for`
     supers: dict[str, list[int]]  # per MoE block selected so far: its super experts
     kept: dict[str, list[int]]  # per MoE block selected so far: its kept experts
+    super_rule: dict  # the super-expert criteria of its options (thresholds' keywords)
 
     def select(self, block: MoeBlock, scored: dict[str, LayerStats]) -> list[int]:
         """Select `block`'s experts from the statistics of every layer scored so far; its kept experts."""

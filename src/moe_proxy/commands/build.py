@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.pruning import steps  # torch and scikit-learn load only when a build runs
+    from moe_proxy.pruning import build  # torch and scikit-learn load only when a build runs
     from moe_proxy.reports import build_report, error_report, worker_report, write_termination_log
     from moe_proxy.sizing import SizingOptions
 
@@ -64,13 +64,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_output_dir(args.dst, "DST")
         if args.fit:  # the step before a scale-out's workers: selected and fitted, nothing written but the fits
-            fits = steps.fit_for_workers(args.src, args.dst, options, workers=args.workers, **how)
+            fits = build.fit_for_workers(args.src, args.dst, options, workers=args.workers, **how)
         elif args.worker is not None:  # a worker's share only: no manifest yet
-            share = steps.build_share(args.src, args.dst, options, worker=args.worker, workers=args.workers, **how)
+            share = build.build_share(args.src, args.dst, options, worker=args.worker, workers=args.workers, **how)
         elif args.finalize:
-            manifest = steps.finalize_build(args.src, args.dst, options, workers=args.workers, **how)
+            manifest = build.finalize_build(args.src, args.dst, options, workers=args.workers, **how)
         else:
-            manifest = steps.build_proxy(args.src, args.dst, options, max_experts=args.max_experts, **how)
+            manifest = build.build_proxy(args.src, args.dst, options, max_experts=args.max_experts, **how)
     except MoeProxyError as exc:
         report(error_report(exc))
         raise

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from moe_proxy.demo import s3 as demo_s3
-from moe_proxy.pruning.steps import build_proxy
+from moe_proxy.pruning.build import build_proxy
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.commands.build import summary
 from moe_proxy.checkpoint.summary import summarize, text

@@ -50,7 +50,7 @@ def check_auto(options, scale_out: bool) -> None:
 
 def resolve_auto(source, options, max_experts: int | None, sizing, progress: bool = False):
     """`options` with the chosen count, and (its fidelity figure, notes saying what was tried,
-    its ExpertPlan), for the opened `source` (steps.OpenedSource). Counts: sizing.auto_counts within
+    its ExpertPlan), for the opened `source` (prepared.OpenedSource). Counts: sizing.auto_counts within
     `max_experts`."""
     from moe_proxy.sizing import SizingOptions, auto_counts
 
@@ -152,7 +152,7 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
     """The smallest of `counts` (ascending) whose proxy has KL <= options.max_kl, its fidelity
     figure, the notes saying what was screened and built, and its ExpertPlan (fitted once)."""
     from moe_proxy.pruning.expert_plan import fit_plan, plan_experts
-    from moe_proxy.pruning.steps import output_tensors
+    from moe_proxy.pruning.output_shards import output_tensors
 
     max_kl = options.max_kl
     if not counts:

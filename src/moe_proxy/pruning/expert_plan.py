@@ -198,7 +198,7 @@ def keep_fits_if_closer(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, cali
     if not plan.fitted:
         return plan
     from moe_proxy.pruning.fidelity import measure_many  # torch-heavy, only here
-    from moe_proxy.pruning.steps import output_tensors
+    from moe_proxy.pruning.output_shards import output_tensors
 
     plain = replace(plan, fitted={})
     fitted, unfitted = measure_many(ckpt, layout, [(plan, output_tensors(ckpt, layout, plan)),

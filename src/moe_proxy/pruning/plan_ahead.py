@@ -7,7 +7,7 @@ selection: a shard without routed experts (embeddings, dense layers) is written 
 a shard with MoE layers waits only for its own layers. `PlanAhead` selects on one thread, in
 the order the worker's shards are written, while the writer streams; a scale-out worker
 selects only the layers of its own shards, plus the first MoE layer, which every worker
-selects so that finalize can compare the workers' choices (steps.workers_plan).
+selects so that finalize can compare the workers' choices (shares.workers_plan).
 
 Only for plans made layer by layer from the checkpoint alone. Calibration statistics (notes
 and records over all layers), --pin (checked against all layers before anything is written)

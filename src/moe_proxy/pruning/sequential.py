@@ -26,7 +26,7 @@ import torch
 from moe_proxy.pruning.config import rewrite_config
 from moe_proxy.pruning.expert_plan import proxy_counts
 from moe_proxy.pruning.usage import usage_select
-from moe_proxy.calibrate.statistics import LayerStats, selection_key, super_experts
+from moe_proxy.calibrate.criteria import LayerStats, selection_key, super_experts
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import MoeProxyError

@@ -1,7 +1,7 @@
 """Usage-aware selection for one MoE block, from `moe-proxy calibrate` statistics.
 
-- Dead experts (calibration.DEAD_SHARE) are never kept unless pinned.
-- Super experts (calibration.super_experts) are pinned, unless `keep_super` is off; a super
+- Dead experts (criteria.DEAD_SHARE) are never kept unless pinned.
+- Super experts (criteria.super_experts) are pinned, unless `keep_super` is off; a super
   expert is never dead, however rarely it is routed (`super_rarely_routed` in the manifest).
 - `--method frequency` keeps the experts with the most gate mass, `--method saliency` the
   highest REAP saliency, both within routing groups.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_proxy.calibrate.statistics import DEAD_SHARE, LayerStats
+from moe_proxy.calibrate.criteria import DEAD_SHARE, LayerStats
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import InvalidExpertCount, MoeProxyError
 from moe_proxy.pruning.features import expert_features
@@ -28,7 +28,7 @@ PROBES = {"routing": "routing_probe", "output": "output_probe"}
 
 def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: dict[int, str], k: int,
                  n_group: int, options, pins: list[int]) -> Selection:
-    """`supers`: this layer's super experts and the rule that made each (statistics.SUPER_RULES).
+    """`supers`: this layer's super experts and the rule(s) that made each (criteria.super_experts).
     They are pinned (unless keep_super is off) as far as each routing group's share of the kept
     experts allows, the largest max |output| first; those that do not fit are recorded."""
     n = block.n_experts
@@ -36,33 +36,10 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: d
         raise MoeProxyError(f"{block.prefix}: statistics cover {len(stats.gate_mass)} experts, the checkpoint {n}")
     dead = set(stats.dead(DEAD_SHARE, supers))
     alive = np.array([e not in dead for e in range(n)])
-    per, k_per = n // n_group, k // n_group
+    k_per = k // n_group
     peak = stats.max_abs.tolist()
-    forced, left_out = sorted(set(pins)), []
-    for g in range(n_group):
-        in_group = [e for e in forced if g * per <= e < (g + 1) * per]
-        if len(in_group) > k_per:
-            where = f" in routing group {g}" if n_group > 1 else ""
-            raise InvalidExpertCount(
-                f"layer {block.layer}: {len(in_group)} experts{where} are pinned ({sorted(set(pins))}) but only "
-                f"{k_per} are kept there; raise --experts or pin fewer"
-            )
-        if options.keep_super:
-            room = k_per - len(in_group)
-            candidates = sorted((e for e in supers if g * per <= e < (g + 1) * per and e not in forced),
-                                key=lambda e: -peak[e])
-            forced += candidates[:room]
-            left_out += candidates[room:]
-    forced = sorted(forced)
-    for g in range(n_group):
-        usable = [e for e in range(g * per, (g + 1) * per) if alive[e] or e in forced]
-        if len(usable) < k_per:
-            where = f" in routing group {g} (experts {g * per}..{(g + 1) * per - 1})" if n_group > 1 else ""
-            raise InvalidExpertCount(
-                f"layer {block.layer}: only {int(alive[g * per:(g + 1) * per].sum())} of {per} experts are alive"
-                f"{where} on the calibration data (gate-mass share >= {DEAD_SHARE:g} x uniform), so {k_per} "
-                f"cannot be kept there without keeping dead experts; use fewer --experts or --pin them"
-            )
+    forced, left_out = _forced(block, supers, peak, k_per, n_group, options, pins)
+    _check_alive(block, alive, forced, k_per, n_group)
     if options.features in PROBES:
         feats = getattr(stats, PROBES[options.features]).double().numpy()
     else:
@@ -88,3 +65,40 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: d
     if left_out:  # more super experts than the layer (or its routing group) keeps
         sel.record["super_not_kept"] = figures(left_out)
     return sel
+
+
+def _forced(block: MoeBlock, supers: dict[int, str], peak: list[float], k_per: int, n_group: int, options,
+            pins: list[int]) -> tuple[list[int], list[int]]:
+    """(the experts kept whatever the scores: the pins and, with keep_super, the super experts that
+    fit each routing group's share, the largest max |output| first; the super experts left out)."""
+    per = block.n_experts // n_group
+    forced, left_out = sorted(set(pins)), []
+    for g in range(n_group):
+        in_group = [e for e in forced if g * per <= e < (g + 1) * per]
+        if len(in_group) > k_per:
+            where = f" in routing group {g}" if n_group > 1 else ""
+            raise InvalidExpertCount(
+                f"layer {block.layer}: {len(in_group)} experts{where} are pinned ({sorted(set(pins))}) but only "
+                f"{k_per} are kept there; raise --experts or pin fewer"
+            )
+        if options.keep_super:
+            room = k_per - len(in_group)
+            candidates = sorted((e for e in supers if g * per <= e < (g + 1) * per and e not in forced),
+                                key=lambda e: -peak[e])
+            forced += candidates[:room]
+            left_out += candidates[room:]
+    return sorted(forced), left_out
+
+
+def _check_alive(block: MoeBlock, alive: np.ndarray, forced: list[int], k_per: int, n_group: int) -> None:
+    """Refuse a count that would keep dead experts: each routing group needs k_per alive or forced."""
+    per = block.n_experts // n_group
+    for g in range(n_group):
+        usable = [e for e in range(g * per, (g + 1) * per) if alive[e] or e in forced]
+        if len(usable) < k_per:
+            where = f" in routing group {g} (experts {g * per}..{(g + 1) * per - 1})" if n_group > 1 else ""
+            raise InvalidExpertCount(
+                f"layer {block.layer}: only {int(alive[g * per:(g + 1) * per].sum())} of {per} experts are alive"
+                f"{where} on the calibration data (gate-mass share >= {DEAD_SHARE:g} x uniform), so {k_per} "
+                f"cannot be kept there without keeping dead experts; use fewer --experts or --pin them"
+            )

@@ -84,9 +84,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
         raise
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
     started = time.time()
-    last: dict[str, float] = {}
-    history: dict[int, dict[str, float]] = {}  # step -> metrics: a verdict shows its own step's
-    steps_done, stop_reason, device_used = 0, "completed", device
+    done, device_used = StepsDone(), device
     comm, error = Comm(), None
     try:
         comm = join(device, timeout_s)
@@ -99,42 +97,23 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
             if rows is not None else None
         with local_checkpoint(store, weights=not comm.distributed) as path:
             loop = _Loop(path, config, comm, dataset, open_checkpoint(checkpoint) if comm.distributed else None)
-            for step in range(config.steps):
-                if rank_fault:
-                    rank_fault.maybe_fire(comm.rank, step)
-                comm.mark(step)
-                last = loop.step(step)
-                if comm.is_main:
-                    append_step(out / METRICS_FILE, step, last)
-                steps_done = step + 1
-                history[step] = last
-                for name in detector.update(step, last):
-                    if comm.is_main:
-                        log.info("%s", detector.onsets[name].line(name))
-                stop = stop_reason_of(detector, fail_on)
-                # The metrics are the same on every rank, so is the decision; agreeing on it
-                # keeps the ranks in step even if it were not.
-                if comm.any(stop is not None):
-                    stop_reason = stop or "another rank stopped"
-                    break
-                if comm.is_main:
-                    log.info("step %d: reward %.3f grad_norm %.4g pg_loss %.4g", step, last["critic/rewards/mean"],
-                             last["actor/grad_norm"], last["actor/pg_loss"])
+            _run_steps(loop, config, comm, detector, fail_on, rank_fault, out, done)
     except BaseException as exc:  # the steps recorded so far stay readable, and say why they end
         # Set before naming the lost rank, which the launcher's SIGTERM may cut short.
         error = exc
-        stop_reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(exc).__name__}: {exc}"
+        done.stop_reason = _ended_by(exc, exc)
         error = _rank_error(comm, exc)
-        stop_reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(error).__name__}: {error}"
+        done.stop_reason = _ended_by(exc, error)
         if error is exc:
             raise
         raise error from exc
     finally:
-        result = _result(detector, fail_on, steps_done, last)
+        result = _result(detector, fail_on, done.steps, done.last)
         if comm.is_main:
-            _write_outputs(out, termination_log, verdict_report(detector, fail_on, history, stop_reason), error, {
+            verdict = verdict_report(detector, fail_on, done.history, done.stop_reason)
+            _write_outputs(out, termination_log, verdict, error, {
                 "checkpoint": checkpoint, "device": device_used, "ranks": comm.world, "prompts": prompts,
-                "steps_requested": config.steps, "steps_completed": steps_done, "stopped": stop_reason,
+                "steps_requested": config.steps, "steps_completed": done.steps, "stopped": done.stop_reason,
                 "wall_s": round(time.time() - started, 3), "failures": result.failures,
                 "first_failure": ({"signature": result.signature, "step": result.step} if result.signature else None),
                 "fail_on": fail_on.name if fail_on else None,
@@ -144,6 +123,48 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
             })
         comm.close(clean=error is None)
     return result
+
+
+@dataclass
+class StepsDone:
+    """What a run has done so far, kept as it goes: a run cut short by an error still reports it."""
+
+    steps: int = 0
+    last: dict[str, float] = field(default_factory=dict)  # the last step's metrics
+    history: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> metrics, for the verdicts
+    stop_reason: str = "completed"
+
+
+def _run_steps(loop: _Loop, config: ReproConfig, comm: Comm, detector: FailureDetector, fail_on: Signature | None,
+               rank_fault: RankFault | None, out: Path, done: StepsDone) -> None:
+    """Run the steps, each one's metrics appended to metrics.jsonl (by the main rank), until the
+    last or until a failure stops the run (fail_on, or NaN in the loss or weights)."""
+    for step in range(config.steps):
+        if rank_fault:
+            rank_fault.maybe_fire(comm.rank, step)
+        comm.mark(step)
+        done.last = loop.step(step)
+        if comm.is_main:
+            append_step(out / METRICS_FILE, step, done.last)
+        done.steps = step + 1
+        done.history[step] = done.last
+        for name in detector.update(step, done.last):
+            if comm.is_main:
+                log.info("%s", detector.onsets[name].line(name))
+        stop = stop_reason_of(detector, fail_on)
+        # The metrics are the same on every rank, so is the decision; agreeing on it
+        # keeps the ranks in step even if it were not.
+        if comm.any(stop is not None):
+            done.stop_reason = stop or "another rank stopped"
+            return
+        if comm.is_main:
+            log.info("step %d: reward %.3f grad_norm %.4g pg_loss %.4g", step, done.last["critic/rewards/mean"],
+                     done.last["actor/grad_norm"], done.last["actor/pg_loss"])
+
+
+def _ended_by(exc: BaseException, error: BaseException) -> str:
+    """summary.json's `stopped` for a run that `exc` ended, reported as `error`."""
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else f"error: {type(error).__name__}: {error}"
 
 
 def _rank_error(comm: Comm, exc: BaseException) -> BaseException:
@@ -360,18 +381,31 @@ class _Loop:
         mine = torch.cat(parts)
         positions = batch["seq"].shape[1]
         r3 = cfg.routing_replay == "R3"
+        old = None  # the old-log-prob pass's log-probs and the trainer's routing in it
         with torch.no_grad(), self._autocast(precision):
             if self.old_pass:
                 self.routing.start(len(mine))
                 self._replay(r3, batch["rollout_routing"], mine, positions)
                 old_logp = self._logp(self.policy, batch, mine)[0]
                 self._replay(False)
-                trainer_routing = self.routing.stop()
+                old = (old_logp, self.routing.stop())
             t_old = time.perf_counter()
             ref_logp = self._logp(self.reference, batch, mine)[0]
         t_ref = time.perf_counter()
 
-        if self.old_pass:
+        gap, updates = self._updates(batch, parts, mine, precision, scaled, ref_logp, old)
+        t_end = time.perf_counter()
+        # Without an old-log-prob pass, its time is 0.
+        times = [t_gen - t0, (t_old - t_gen) * self.old_pass, t_ref - t_old, t_end - t_ref, t_end - t0]
+        return self._step_metrics(step, lr, precision, scaled, batch, gap, updates, times)
+
+    def _updates(self, batch, parts: list[torch.Tensor], mine: torch.Tensor, precision: str, scaled: bool,
+                 ref_logp: torch.Tensor, old: tuple | None) -> tuple[dict[str, float], list[dict[str, float]]]:
+        """The step's updates, one per mini-batch (this rank's rows of each in `parts`), and the
+        rollout-vs-trainer gap metrics; `old`: the old-log-prob pass's (log-probs, routing)."""
+        cfg = self.config
+        if old is not None:
+            old_logp, trainer_routing = old
             gap, behaviour, weights = self._trainer_view(batch, mine, old_logp, trainer_routing)
             updates, start = [], 0
             for idx in parts:
@@ -382,17 +416,22 @@ class _Loop:
                 updates.append(self._update(batch, idx, logp, logits, behaviour[at], ref_logp[at], scaled,
                                             None if weights is None else weights[at]))
                 start += len(idx)
-        else:
-            # One update of the whole batch: its forward is the old policy's (detached, the ratio is
-            # 1 with the policy's gradient, as TRL and verl take it), and its routing the trainer's.
-            # R2 has nothing to replay: the update routes as itself.
-            self.routing.start(len(mine))
-            logp, logits = self._forward(batch, mine, precision, (batch["rollout_routing"], mine) if r3 else None)
-            trainer_routing = self.routing.stop()
-            gap, behaviour, weights = self._trainer_view(batch, mine, logp.detach(), trainer_routing)
-            updates = [self._update(batch, mine, logp, logits, behaviour, ref_logp, scaled, weights)]
-        t_end = time.perf_counter()
+            return gap, updates
+        # One update of the whole batch: its forward is the old policy's (detached, the ratio is
+        # 1 with the policy's gradient, as TRL and verl take it), and its routing the trainer's.
+        # R2 has nothing to replay: the update routes as itself.
+        self.routing.start(len(mine))
+        r3 = cfg.routing_replay == "R3"
+        logp, logits = self._forward(batch, mine, precision, (batch["rollout_routing"], mine) if r3 else None)
+        trainer_routing = self.routing.stop()
+        gap, behaviour, weights = self._trainer_view(batch, mine, logp.detach(), trainer_routing)
+        return gap, [self._update(batch, mine, logp, logits, behaviour, ref_logp, scaled, weights)]
 
+    def _step_metrics(self, step: int, lr: float, precision: str, scaled: bool, batch, gap: dict[str, float],
+                      updates: list[dict[str, float]], times: list[float]) -> dict[str, float]:
+        """The step's metrics, verl-named: the updates' (aggregated), the gap's, the numerics, the
+        batch's, and the times of its phases (gen, old log-prob, ref, update, all) on this rank."""
+        cfg = self.config
         m = _aggregate(updates)
         m.update(gap)
         m["numerics/half_precision"] = float(precision != "fp32")
@@ -403,9 +442,8 @@ class _Loop:
                for p in self.params]
         m["numerics/params_nonfinite"] = float(sum(v > 0 for v in self.comm.max(bad)))
         m.update(_batch_metrics(batch, cfg.max_new_tokens))
-        # The slowest rank's times: the step takes as long as it does. Without an old-log-prob pass, 0.
-        gen, old, ref, update, total = self.comm.max([t_gen - t0, (t_old - t_gen) * self.old_pass, t_ref - t_old,
-                                                      t_end - t_ref, t_end - t0])
+        # The slowest rank's times: the step takes as long as it does.
+        gen, old, ref, update, total = self.comm.max(times)
         m.update({
             "training/global_step": float(step), "actor/lr": lr, "actor/kl_coef": cfg.kl_coef,
             "timing_s/gen": gen, "timing_s/old_log_prob": old, "timing_s/ref": ref,
@@ -554,14 +592,20 @@ class _Loop:
                 metrics["rollout_corr/rollout_is_applied_max"] = comm.max(
                     [applied.max().item() if applied.numel() else 0.0])[0]
             metrics.update(self.tap.metrics(comm))
+        metrics.update(self._optimizer_step(loss, scaled))
+        return metrics
 
+    def _optimizer_step(self, loss: torch.Tensor, scaled: bool) -> dict[str, float]:
+        """Backward and one optimizer step, skipped where the gradients are not finite (the grad
+        scaler's rule when the loss is scaled, verl's otherwise); the gradient's figures."""
+        cfg, comm = self.config, self.comm
         self.optimizer.zero_grad(set_to_none=True)
         # FSDP averages the ranks' gradients; the ranks' shares of the loss must add up instead.
         loss = loss * comm.world
         (self.scaler.scale(loss) if scaled else loss).backward()
         if scaled:
             self.scaler.unscale_(self.optimizer)
-        metrics.update(self._grad_stats())
+        metrics = self._grad_stats()
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         # Of the full gradient: with sharded parameters the norm is reduced over the ranks.
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm)).item()
