@@ -167,7 +167,7 @@ class PruningOptions:
 
 
 # The build's options `moe-proxy calibrate --experts N` takes besides the count, to make sequential
-# statistics for the very proxy a build with them makes (statistics.selection_key; not seed:
+# statistics for the very proxy a build with them makes (calibrate.criteria.selection_key; not seed:
 # calibrate's --seed is the tokens').
 SELECTION = ("top_k", "method", "features", "clustering", "representative", "keep_super", "super_range_share",
              "super_outlier")
