@@ -45,9 +45,6 @@ CLOSES_A_CIRCLE = {  # (importing module, imported module): why it is still ther
         "and steps plans with expert_plan (issue 42 item 5 splits steps.py)",
     ("moe_proxy.pruning.auto", "moe_proxy.pruning.steps"):
         "--experts auto measures candidates on steps.output_tensors, and steps resolves auto (issue 42 item 5)",
-    ("moe_proxy.pruning.reconstruct", "moe_proxy.pruning.merge"):
-        "reconstructing merged experts starts from merge.merge_into, and merge fits with reconstruct's "
-        "Spill and Targets",
     ("proxymodel_operator.runtimes", "proxymodel_operator.spec"):
         "a type annotation only (under TYPE_CHECKING), and spec validates against the RUNTIMES table",
 }

@@ -39,7 +39,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from moe_proxy.pruning.config import rewrite_config
-from moe_proxy.pruning.reconstruct import Spill, Targets
+from moe_proxy.pruning.fitted_tensors import Spill, Targets
 from moe_proxy.pruning.selection import Selection
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
@@ -177,11 +177,17 @@ class MergePass(LayerPass[MergedExperts]):
 
 
 def merge(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> MergedExperts:
-    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass): the
-    merged tensors (spilled) and each layer's `merge` record, which expert_plan.fit_plan puts
-    into the plan it returns with merge_record's summary."""
+    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass) in a walk
+    of its own: the merged tensors (spilled) and each layer's `merge` record, which
+    expert_plan.fit_plan puts into the plan it returns with merge_record's summary (a build
+    merges in the walk that also measures it)."""
+    return walk(ckpt, layout, merge_pass(ckpt, layout, plan, calibration), progress=progress)
+
+
+def merge_pass(ckpt: Checkpoint, layout: Layout, plan, calibration) -> MergePass:
+    """The pass that merges `plan`'s calibrated MoE layers (it walks without tokens)."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
-    return walk(ckpt, layout, MergePass(proxy_config, layout.arch, plan.selections, calibration), progress=progress)
+    return MergePass(proxy_config, layout.arch, plan.selections, calibration)
 
 
 def merge_record(plan, merged: list[str]) -> tuple[dict, list[str]]:
