@@ -189,18 +189,18 @@ def _fitted(plan: ExpertPlan, options: PruningOptions, calibration, found, ids) 
     if options.merge and calibration.mode != "one-pass":
         notes.append("--merge with sequential statistics: each layer was scored behind the plain (unmerged) proxy's "
                      "earlier layers")
-    from moe_proxy.pruning.merge import merge_record
-
     if options.reconstruct:
         from moe_proxy.pruning.reconstruct import summarised
 
         found = summarised(found, ids, calibration)
-    if options.reconstruct and options.merge:  # (merged experts have no plain selection to fall back to)
+        if not options.merge:
+            return _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes, reconstruction=found.summary)
+    from moe_proxy.pruning.merge import merge_record  # (scipy: only with --merge)
+
+    if options.reconstruct:  # merged, then fitted (merged experts have no plain selection to fall back to)
         record, more = merge_record(plan, list(found.merges))
         return _with_fits(plan, found.tensors, {"merge": found.merges, "reconstruct": found.records},
                           notes + more, reconstruction=found.summary, merge=record)
-    if options.reconstruct:
-        return _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes, reconstruction=found.summary)
     record, more = merge_record(plan, list(found.records))
     return _with_fits(plan, found.tensors, {"merge": found.records}, notes + more, merge=record)
 
