@@ -251,12 +251,13 @@ def keep_fits_if_closer(plan: ExpertPlan, fitted: dict, unfitted: dict) -> Exper
 
 
 PLAN_FIELDS = ("experts_before", "experts_after", "top_k_before", "top_k_after", "n_group", "topk_group", "notes",
-               "calibration", "reconstruction", "merge")
+               "calibration", "reconstruction", "merge", "fidelity")
 
 
 def plan_record(plan: ExpertPlan) -> dict:
     """What a scale-out's workers write into their journals: everything finalize needs of the
-    plan (config, index, manifest), as JSON. Fitted tensors (--heal, --reconstruct) are not in it."""
+    plan (config, index, manifest), as JSON. Fitted tensors (--heal, --reconstruct) are not in it;
+    their fidelity figure, measured where they were fitted, is (finalize does not walk again)."""
     return {**{f: getattr(plan, f) for f in PLAN_FIELDS},
             "selections": {prefix: {"kept": s.kept, "cluster_sizes": s.cluster_sizes, "assignment": s.assignment,
                                     "record": s.record} for prefix, s in plan.selections.items()}}
@@ -270,7 +271,7 @@ def plan_from_record(record: dict, layout: Layout) -> ExpertPlan:
         plan = ExpertPlan(layout.arch, **{f: record[f] for f in PLAN_FIELDS[:7]},
                           selections={p: Selection(**s) for p, s in record["selections"].items()},
                           calibration=record["calibration"], reconstruction=record["reconstruction"],
-                          merge=record["merge"])
+                          merge=record["merge"], fidelity=record["fidelity"])
     except (KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"the workers' plan is incomplete ({exc!r}); rerun the workers") from None
     blocks = {b.prefix: b for b in layout.blocks}
