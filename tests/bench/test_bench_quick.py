@@ -132,6 +132,13 @@ def test_quick_deep_build_cost_bench_prints_peaks_and_layer_times(tmp_path):
     assert not (tmp_path / "deep_build_cost").exists()  # checkpoints and proxies deleted
 
 
+def test_quick_calibrated_build_bench_times_both_trees():
+    # bench/calibrated_build.py: builds by an older commit's tree and today's, alternately
+    text = run_bench("calibrated_build.py")
+    rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith(("| default", "| merge"))]
+    assert rows == [["| default", "old"], ["| default", "today"], ["| merge", "old"], ["| merge", "today"]], text
+
+
 def test_smoke_local_build_bench_prints_its_tables(tmp_path):
     # bench/build.py without --paced: build vs copy on a local SeaweedFS, bytes, peak RSS, scale-out
     out = subprocess.run([sys.executable, str(BENCH / "build.py"), "--smoke", "--sizes", "0.01", "--workers", "1,2",
