@@ -64,5 +64,6 @@ def test_a_calibrated_build_loads_each_layer_once_and_its_figure_is_the_written_
     # The figure again, apart: the proxy as written (read back from its files) against the source.
     stats = cal.load(str(source / "stats"))
     ids, _ = fidelity.held_out(stats.token_ids)
-    found = walk(src, find_layout(src, detect(src.config)), fidelity.FidelityPass([open_checkpoint(str(tmp_path / "proxy"))], ids), ids)
+    written = open_checkpoint(str(tmp_path / "proxy"))
+    found = walk(src, find_layout(src, detect(src.config)), fidelity.FidelityPass([written], ids), ids)
     assert fidelity.figures(found, stats)[0] == manifest["fidelity"]

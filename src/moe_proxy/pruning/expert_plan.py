@@ -194,7 +194,8 @@ def _fitted(plan: ExpertPlan, options: PruningOptions, calibration, found, ids) 
 
         found = summarised(found, ids, calibration)
         if not options.merge:
-            return _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes, reconstruction=found.summary)
+            return _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes,
+                              reconstruction=found.summary)
     from moe_proxy.pruning.merge import merge_record  # (scipy: only with --merge)
 
     if options.reconstruct:  # merged, then fitted (merged experts have no plain selection to fall back to)

@@ -20,8 +20,8 @@ column; P_m is the permutation that maximises the summed inner products of match
 
 One decoder layer at a time (a pass of layerwise.driver): its experts are read (block-FP8
 dequantised), merged in float32, and rounded to the checkpoint's storage format through the
-same writer as --reconstruct (dtype; block-FP8 re-quantised with its `weight_scale_inv`
-layout), spilled to local disk until the shards are written. Router rows, shared experts and
+same writer as --reconstruct (fitted_tensors.py: dtype; block-FP8 re-quantised with its
+`weight_scale_inv` layout), spilled to local disk until the shards are written. Router rows, shared experts and
 the backbone are those of the plain proxy. With --reconstruct the merge happens inside its
 layer loop instead (reconstruct.py): the merged experts are where the fit starts and what a
 layer keeps when fitting does not help.
