@@ -13,9 +13,9 @@ of every layer is printed):
 
 (`--reconstruct` with at most --steps fit steps per layer: memory, not quality, is shown; the
 build also measures its fidelity figure, the original and the fitted and plain proxies layer by
-layer, to keep the fits only if they are closer). Prints peak RSS (VmHWM)
+layer in the walk that fits, to keep the fits only if they are closer). Prints peak RSS (VmHWM)
 and wall time of each, the per-layer times the commands printed, the build's peak per phase
-(reconstruct, fidelity, write: VmHWM reset at each phase's start, see RUN) with what was resident
+(reconstruct+fidelity: their one walk, then write; VmHWM reset at each phase's start, see RUN) with what was resident
 at its start and end, and writes bench/out/deep_build_cost.json. Deletes the checkpoints and
 proxies at the end (--keep: don't; a later run under the same --out links a kept deeper
 checkpoint's shards instead of writing them again).
@@ -55,7 +55,7 @@ KEPT = 1 / 8  # 12.5%
 # Linux >= 4.0) and ends by reading it: "PHASE name peak rss-at-start rss-at-end" (bytes), so a
 # phase's peak is its own and what a phase leaves resident shows in the next one's start.
 RUN = """import sys
-import moe_proxy.pruning.fidelity as fid, moe_proxy.pruning.build as pipe, moe_proxy.pruning.reconstruct as rec
+import moe_proxy.pruning.expert_plan as plan, moe_proxy.pruning.build as pipe, moe_proxy.pruning.reconstruct as rec
 rec.RECON_STEPS = rec.RECON_PATIENCE = {steps}
 from moe_proxy.cli import main
 
@@ -74,9 +74,8 @@ def phase(name, fn):
             print('PHASE', name, status('VmHWM'), start, status('VmRSS'), flush=True)
     return run
 
-rec.reconstruct = phase('reconstruct', rec.reconstruct)
+plan.fit_plan = phase('reconstruct+fidelity', plan.fit_plan)  # the fit, the figure and its check of the fits
 pipe.write_share = phase('write', pipe.write_share)
-fid.measure_many = phase('fidelity', fid.measure_many)  # the build's figure, and its check of the fits
 sys.argv = ['moe-proxy'] + {argv!r}
 try:
     code = main()

@@ -101,19 +101,18 @@ def build(source, name: str, experts, **kwargs) -> dict:
 def counted(monkeypatch) -> dict[str, list]:
     """The reconstructions (full builds' fits) and the fidelity passes (proxies measured in each)."""
     done: dict[str, list] = {"fits": [], "passes": []}
-    fit, walk = reconstruct.reconstruct, fidelity.walk
+    fit, measuring = reconstruct.reconstruct_pass, fidelity.fidelity_pass
 
     def fitting(ckpt, layout, plan, *args, **kwargs):
         done["fits"].append(plan.experts_after)
         return fit(ckpt, layout, plan, *args, **kwargs)
 
-    def walking(ckpt, layout, layer_pass, *args, **kwargs):
-        if isinstance(layer_pass, fidelity.FidelityPass):
-            done["passes"].append(len(layer_pass.sources))
-        return walk(ckpt, layout, layer_pass, *args, **kwargs)
+    def passing(sources, *args, **kwargs):
+        done["passes"].append(len(sources))
+        return measuring(sources, *args, **kwargs)
 
-    monkeypatch.setattr(reconstruct, "reconstruct", fitting)
-    monkeypatch.setattr(fidelity, "walk", walking)
+    monkeypatch.setattr(reconstruct, "reconstruct_pass", fitting)
+    monkeypatch.setattr(fidelity, "fidelity_pass", passing)
     return done
 
 
@@ -140,7 +139,7 @@ def test_fitted_search_builds_where_the_answer_can_change_and_writes_the_chosen_
     print(note)  # docs/calibration.md quotes it (pytest -s)
     built = [int(t.split(" ->")[0]) for t in note.split("in order: ")[1].split(", ")]
     # one pass screens all three counts, then one per full build: the fitted proxy and its plain
-    # selection side by side (expert_plan.keep_fits_if_closer), whose figure the search reads
+    # selection side by side in the fit's walk (expert_plan.fit_plan), whose figure the search reads
     assert counted["passes"] == [3] + [2] * len(built)
     assert counted["fits"] == built and len(built) <= 3  # and the chosen count is not fitted again to be written
     assert expected in built and (expected == 3 or expected - 1 in built)

@@ -1,5 +1,6 @@
 """The layer-pass driver (layerwise.driver.walk): which layers a pass sees, which are loaded,
-and the hidden states carried through the layers a pass does not visit."""
+and the hidden states carried through the layers a pass does not visit; several passes in one
+walk (walk_all)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from moe_proxy.architectures import detect
 from moe_proxy.checkpoint.layout import find_layout
 from moe_proxy.checkpoint.reader import open_checkpoint
-from moe_proxy.layerwise.driver import Layer, LayerPass, walk
+from moe_proxy.layerwise.driver import Layer, LayerPass, walk, walk_all
 from moe_proxy.layerwise.model import LayerwiseModel
 
 
@@ -64,3 +65,27 @@ def test_the_driver_carries_the_hidden_states_as_a_pass_does(tiny):
     assert len(every.states.hidden) == 2  # batches of 2 sequences
     for a, b in zip(every.states.hidden, none.states.hidden):
         assert torch.equal(a, b)
+
+
+def test_passes_in_one_walk_share_each_loaded_layer_and_keep_their_own_states(tiny, monkeypatch):
+    ckpt, layout, moe = opened(tiny)
+    loaded, order = [], []
+    real = LayerwiseModel.layer
+    monkeypatch.setattr(LayerwiseModel, "layer", lambda self, i: loaded.append(i) or real(self, i))
+    ids = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(2))
+
+    class Ordered(Seen):
+        def visit(self, layer: Layer) -> None:
+            order.append((layer.index, self.name))
+            super().visit(layer)
+
+    fit, measure = Ordered(layers={moe[-1]}), Ordered(dense=True)
+    fit.name, measure.name = "fit", "measure"
+    found = walk_all(ckpt, layout, [(fit, None), (measure, ids[:2])], batch_size=2)
+    n = ckpt.config["num_hidden_layers"]
+    assert found == [fit.seen, measure.seen] and [i for i, _, _ in measure.seen] == list(range(n))
+    assert loaded == list(range(n))  # each layer once, though the walk of `fit` alone loads one
+    assert order.index((moe[-1], "fit")) + 1 == order.index((moe[-1], "measure"))  # fit first, in the same visit
+    alone = Seen(dense=True)
+    walk(ckpt, layout, alone, ids[:2], batch_size=2)  # the same states as in a walk of its own
+    assert all(torch.equal(a, b) for a, b in zip(measure.states.hidden, alone.states.hidden))

@@ -5,6 +5,7 @@ transformers' own modules, and the KL to the original on fresh tokens."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -160,13 +161,18 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
     common = dict(experts=4, calibration=str(tmp_path / "stats"), **extra)
     one = build_proxy(str(src), str(tmp_path / "one"), **common)
 
-    real, fitted = expert_plan.plan_experts, []
+    real, fitted, layer, loads = expert_plan.plan_experts, [], LayerwiseModel.layer, Counter()
 
     def counted(*args, **kwargs):
         fitted.append(1)
         return real(*args, **kwargs)
 
+    def loading(self, index):
+        loads[(self.ckpt.uri, index)] += 1
+        return layer(self, index)
+
     monkeypatch.setattr("moe_proxy.pruning.steps.plan_experts", counted)
+    monkeypatch.setattr(LayerwiseModel, "layer", loading)
     dst = tmp_path / "two"
     done = fit_for_workers(str(src), str(dst), workers=2, **common)
     assert done and (dst / done).exists() and len(fitted) == 1
@@ -174,6 +180,9 @@ def test_fits_are_made_once_for_a_scale_out_build(tmp_path, monkeypatch, extra):
         build_share(str(src), str(dst), worker=worker, workers=2, **common)
     two = finalize_build(str(src), str(dst), workers=2, **common)
     assert len(fitted) == 1  # the workers and finalize read the fits
+    # and the figure measured where they were fitted, in that one walk: each source layer loaded once
+    source = open_checkpoint(str(src)).uri
+    assert {i: n for (uri, i), n in loads.items() if uri == source} == {0: 1, 1: 1}
     shards = {f: v for f, v in one["files"].items() if f.endswith(".safetensors")}
     assert len(shards) > 1 and {f: two["files"][f] for f in shards} == shards  # same bytes, by sha256
     assert two["layers"] == one["layers"] and two.get("reconstruct") == one.get("reconstruct")

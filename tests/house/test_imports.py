@@ -38,9 +38,7 @@ AGAINST_THE_GRAIN = {  # (importing module, imported module): why, imported when
 
 
 CLOSES_A_CIRCLE = {  # (importing module, imported module): why it is still there
-    ("moe_proxy.pruning.reconstruct", "moe_proxy.pruning.merge"):
-        "reconstructing merged experts starts from merge.merge_into, and merge fits with reconstruct's "
-        "Spill and Targets",
+    # (none left: issue 42 took the last ones apart)
 }
 
 

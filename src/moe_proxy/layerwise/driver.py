@@ -9,6 +9,11 @@ on it, through the pruned block, or both); the driver carries them through every
 A walk without hidden states loads only the layers its pass visits. What a pass found comes
 back from the walk as the pass's own result.
 
+Several passes can share one walk (`walk_all`, e.g. a build's fit and its fidelity figure):
+each layer is loaded once and handed to every pass in turn, each pass carrying its own hidden
+states (its own tokens). A pass visited later in the same layer sees what an earlier one did
+to that layer (the fidelity figure measures the layer just fitted).
+
 Torch-free at import (the model is imported when a walk starts), so a module that declares a
 pass keeps torch-free imports (pruning/fidelity.py: verify and the CLI read its figures).
 """
@@ -74,28 +79,47 @@ def walk(ckpt: Checkpoint, layout: Layout, layer_pass: LayerPass[R], token_ids: 
     """Run `layer_pass` over the decoder layers of `ckpt`, one layer resident at a time, with
     the hidden states of `token_ids` ([sequences, tokens], `batch_size` sequences per forward
     call) carried from layer to layer; returns the pass's result."""
-    from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel, moe_modules
+    return walk_all(ckpt, layout, [(layer_pass, token_ids)], batch_size, progress)[0]
+
+
+def walk_all(ckpt: Checkpoint, layout: Layout, passes: list[tuple[LayerPass, torch.Tensor | None]],
+             batch_size: int = BATCH, progress: bool = False) -> list:
+    """`walk` for several (pass, its token_ids or None) at once, in one walk: each layer is loaded
+    once and visited by the passes in their order; returns their results in that order."""
+    from moe_proxy.layerwise.model import HiddenStates, LayerwiseModel
 
     model = LayerwiseModel(ckpt)
-    states = HiddenStates(model, token_ids, batch_size) if token_ids is not None else None
-    layer_pass.begin(model, states)
+    states = [HiddenStates(model, ids, batch_size) if ids is not None else None for _, ids in passes]
+    for (layer_pass, _), s in zip(passes, states):
+        layer_pass.begin(model, s)
     blocks: dict[int, MoeBlock] = {}
     for b in layout.blocks:
         blocks.setdefault(b.layer, b)
-    bar = tqdm(range(model.n_layers), desc=layer_pass.desc, unit="layer", disable=not progress)
+    desc = ", ".join(p.desc for p, _ in passes)
+    bar = tqdm(range(model.n_layers), desc=desc, unit="layer", disable=not progress)
     for i in bar:
         block = blocks.get(i)
-        visits = layer_pass.dense or (block is not None and layer_pass.visits(block))
-        if not visits and states is None:
+        visits = [p.dense or (block is not None and p.visits(block)) for p, _ in passes]
+        if not any(visits) and all(s is None for s in states):
             continue  # nothing to carry through it: not even loaded
-        started = time.monotonic()
-        line = None
-        with model.layer(i) as module:
-            moe = moe_modules(module) if block is not None else None
-            if visits and (moe is not None or layer_pass.dense):
-                line = layer_pass.visit(Layer(i, module, block, moe, model, states, started))
-            elif states is not None:
-                states.advance(module, i)
-        if line and progress:
-            bar.write(line)
-    return layer_pass.result()
+        for line in _visit(model, i, block, [p for p, _ in passes], visits, states):
+            if progress:
+                bar.write(line)
+    return [layer_pass.result() for layer_pass, _ in passes]
+
+
+def _visit(model: LayerwiseModel, i: int, block: MoeBlock | None, passes: list[LayerPass], visits: list[bool],
+           states: list[HiddenStates | None]) -> list[str]:
+    """Layer `i` loaded once, each pass visiting it (or its states carried through it) in turn;
+    the passes' progress lines."""
+    from moe_proxy.layerwise.model import moe_modules
+
+    started, lines = time.monotonic(), []
+    with model.layer(i) as module:
+        moe = moe_modules(module) if block is not None else None
+        for layer_pass, visit, s in zip(passes, visits, states):
+            if visit and (moe is not None or layer_pass.dense):
+                lines.append(layer_pass.visit(Layer(i, module, block, moe, model, s, started)))
+            elif s is not None:
+                s.advance(module, i)
+    return [line for line in lines if line]

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from moe_proxy.pruning.fidelity import measure, measure_many
+from moe_proxy.pruning.fidelity import measure_many
 from moe_proxy.errors import CalibrationError, FidelityTargetNotMet, InvalidExpertCount, InvalidOptions
 
 log = logging.getLogger(__name__)
@@ -191,11 +191,11 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
         notes.append(f"the plain figure rises with the count at {'; '.join(rising)}: the full builds follow it "
                      f"(predictions that fail twice switch the search to halving), and a count below one that "
                      f"misses the target is not tried, so a smaller count than the one chosen may meet it")
-    return _search_full(ckpt, layout, calibration, options, search, plans, notes, progress, fit_plan, output_tensors)
+    return _search_full(ckpt, layout, calibration, options, search, plans, notes, progress, fit_plan)
 
 
 def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict, notes: list[str], progress,
-                 fit_plan, output_tensors):
+                 fit_plan):
     """The full builds of the search (module docstring, step 2): the chosen count's figure and plan."""
     built: list[str] = []
     kept: dict[int, tuple[dict, object]] = {}  # the smallest count meeting the target so far: figure, plan
@@ -203,8 +203,7 @@ def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict
     def build(i: int) -> float:
         count = search.counts[i]
         plan = fit_plan(ckpt, layout, plans[count], options, calibration, progress)
-        # (fit_plan measured it already when it judged the fits against the plain selection)
-        figure = plan.fidelity or measure(ckpt, layout, plan, calibration, output_tensors(ckpt, layout, plan), progress)
+        figure = plan.fidelity  # measured in the walk that fitted it (expert_plan.fit_plan)
         built.append(f"{count} -> kl {figure['kl']:.4g}")
         log.info("--experts auto: %d experts per layer fitted, KL %.4g (target %g)", count, figure["kl"],
                  search.max_kl)

@@ -134,37 +134,76 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
 def fit_plan(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: PruningOptions, calibration,
              progress: bool = False) -> ExpertPlan:
     """The plan with the fitted tensors `options` ask for (--heal, --merge, --reconstruct) on top
-    of its selection, as a new plan: `plan` is left as it was, so that `--experts auto` fits
-    only the counts it must, each from its screened plan. Each pass returns its own result
-    (tensors, per-layer records, summary); this is the one place they go into a plan."""
+    of its selection, and its fidelity figure, as a new plan: `plan` is left as it was, so that
+    `--experts auto` fits only the counts it must, each from its screened plan. One walk of the
+    decoder layers (layerwise.driver.walk_all): at each layer the fit's pass, then the fidelity
+    figure's, which reads the tensors just fitted (fidelity.as_fitted), so each layer is loaded
+    once and the figure is that of the plan returned. Each pass returns its own result (tensors,
+    per-layer records, summary); this is the one place they go into a plan."""
+    if not options.fits:
+        return plan
+    from moe_proxy.layerwise.driver import BATCH, walk_all  # torch-heavy, only when asked
+    from moe_proxy.pruning.config import rewrite_config
+    from moe_proxy.pruning.fidelity import FitSlots, PlannedProxy, as_fitted, fidelity_pass, figures
+    from moe_proxy.pruning.output_shards import output_tensors
+
+    fit_pass, ids, made = _fit_pass(ckpt, layout, plan, options, calibration)
+    # --reconstruct keeps its fits only if closer end to end than the plain selection (merged
+    # experts have none to fall back to): both are measured in the walk.
+    judge = options.reconstruct and not (options.heal or options.merge)
+    config, plain = rewrite_config(ckpt.config, plan), output_tensors(ckpt, layout, replace(plan, fitted={}))
+    fitted = as_fitted(ckpt, config, output_tensors(ckpt, layout, replace(plan, fitted=FitSlots())), plain, made)
+    measuring, held = fidelity_pass([fitted] + ([PlannedProxy(ckpt, config, plain)] if judge else []), calibration)
+    found, compared = walk_all(ckpt, layout, [(fit_pass, ids), (measuring, held)], BATCH, progress)
+    measured = figures(compared, calibration)
+    fitted_plan = _fitted(plan, options, calibration, found, ids)
+    if judge:
+        return keep_fits_if_closer(fitted_plan, *measured)
+    return replace(fitted_plan, fidelity=measured[0])
+
+
+def _fit_pass(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, options: PruningOptions, calibration):
+    """The pass that fits what `options` ask for, its calibration tokens (None: it walks without),
+    and the fitted tensors it fills layer by layer (source tensor -> bytes or a function returning them)."""
+    if options.heal:
+        from moe_proxy.pruning.heal import heal_pass  # torch-heavy, only when asked
+
+        layer_pass, ids = heal_pass(ckpt, plan, calibration)
+        return layer_pass, ids, layer_pass.healed.tensors
+    if options.reconstruct:  # with --merge, it merges each layer first (merge.py)
+        from moe_proxy.pruning.reconstruct import reconstruct_pass
+
+        layer_pass, ids = reconstruct_pass(ckpt, layout, plan, calibration, merge=options.merge)
+        return layer_pass, ids, layer_pass.found.tensors
+    from moe_proxy.pruning.merge import merge_pass
+
+    layer_pass = merge_pass(ckpt, layout, plan, calibration)
+    return layer_pass, None, layer_pass.merged.tensors
+
+
+def _fitted(plan: ExpertPlan, options: PruningOptions, calibration, found, ids) -> ExpertPlan:
+    """`plan` with what the fit's pass `found` (its tensors, records and summaries)."""
     notes = list(plan.notes)
     if options.heal:
-        from moe_proxy.pruning.heal import heal_routers  # torch-heavy, only when asked
-
-        healed = heal_routers(ckpt, layout, plan, calibration, progress)
-        return _with_fits(plan, {n: _held(b) for n, b in healed.tensors.items()}, {"heal": healed.records}, notes)
+        return _with_fits(plan, {n: _held(b) for n, b in found.tensors.items()}, {"heal": found.records}, notes)
     if options.merge and calibration.mode != "one-pass":
         notes.append("--merge with sequential statistics: each layer was scored behind the plain (unmerged) proxy's "
                      "earlier layers")
-    if options.reconstruct:  # with --merge, it merges each layer first (merge.py)
-        from moe_proxy.pruning.reconstruct import reconstruct  # torch-heavy, only when asked
+    if options.reconstruct:
+        from moe_proxy.pruning.reconstruct import summarised
 
-        found = reconstruct(ckpt, layout, plan, calibration, progress, merge=options.merge)
-        if options.merge:  # (merged experts have no plain selection to fall back to)
-            from moe_proxy.pruning.merge import merge_record
+        found = summarised(found, ids, calibration)
+        if not options.merge:
+            return _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes,
+                              reconstruction=found.summary)
+    from moe_proxy.pruning.merge import merge_record  # (scipy: only with --merge)
 
-            record, more = merge_record(plan, list(found.merges))
-            return _with_fits(plan, found.tensors, {"merge": found.merges, "reconstruct": found.records},
-                              notes + more, reconstruction=found.summary, merge=record)
-        fitted = _with_fits(plan, found.tensors, {"reconstruct": found.records}, notes, reconstruction=found.summary)
-        return keep_fits_if_closer(ckpt, layout, fitted, calibration, progress)
-    if options.merge:
-        from moe_proxy.pruning.merge import merge, merge_record
-
-        merged = merge(ckpt, layout, plan, calibration, progress)
-        record, more = merge_record(plan, list(merged.records))
-        return _with_fits(plan, merged.tensors, {"merge": merged.records}, notes + more, merge=record)
-    return plan
+    if options.reconstruct:  # merged, then fitted (merged experts have no plain selection to fall back to)
+        record, more = merge_record(plan, list(found.merges))
+        return _with_fits(plan, found.tensors, {"merge": found.merges, "reconstruct": found.records},
+                          notes + more, reconstruction=found.summary, merge=record)
+    record, more = merge_record(plan, list(found.records))
+    return _with_fits(plan, found.tensors, {"merge": found.records}, notes + more, merge=record)
 
 
 def _held(data: bytes) -> Callable[[], bytes]:
@@ -185,24 +224,18 @@ PLAIN_CLOSER = ("reconstruction not kept: the fitted proxy's KL to the original,
                 "docs/fidelity.md, super experts)")
 
 
-def keep_fits_if_closer(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, calibration,
-                        progress: bool = False) -> ExpertPlan:
+def keep_fits_if_closer(plan: ExpertPlan, fitted: dict, unfitted: dict) -> ExpertPlan:
     """`plan` with its reconstructed tensors only if the proxy they make is, end to end, at least
     as close to the original as the plain selection; else the plain proxy's plan. Each fitted
     layer lowered its own block error, and that almost always lowers the KL too, but not where a
     super expert's massive outputs dominate every squared error: there the fit matched those few
-    tokens and the KL came out 4x the plain proxy's (docs/fidelity.md). Both proxies are measured
-    in one walk, on the fidelity figure's held-out tokens; the manifest's
-    `reconstruction.end_to_end` records the two KLs, and `fidelity` holds the figure of the
-    proxy kept (so --experts auto measures it once)."""
-    if not plan.fitted:
-        return plan
-    from moe_proxy.pruning.fidelity import measure_many  # torch-heavy, only here
-    from moe_proxy.pruning.output_shards import output_tensors
-
+    tokens and the KL came out 4x the plain proxy's (docs/fidelity.md). `fitted` and `unfitted`:
+    the two proxies' fidelity figures, measured in the fit's walk on the figure's held-out
+    tokens; the manifest's `reconstruction.end_to_end` records the two KLs, and `fidelity` holds
+    the figure of the proxy kept (so --experts auto measures it once)."""
+    if not plan.fitted:  # no layer kept its fit: the plain proxy, whose figure both are
+        return replace(plan, fidelity=unfitted)
     plain = replace(plan, fitted={})
-    fitted, unfitted = measure_many(ckpt, layout, [(plan, output_tensors(ckpt, layout, plan)),
-                                                   (plain, output_tensors(ckpt, layout, plain))], calibration, progress)
     kept = fitted["kl"] <= unfitted["kl"]
     reconstruction = {**plan.reconstruction,
                       "end_to_end": {"kl_fitted": fitted["kl"], "kl_plain": unfitted["kl"], "kept": kept}}
@@ -219,12 +252,13 @@ def keep_fits_if_closer(ckpt: Checkpoint, layout: Layout, plan: ExpertPlan, cali
 
 
 PLAN_FIELDS = ("experts_before", "experts_after", "top_k_before", "top_k_after", "n_group", "topk_group", "notes",
-               "calibration", "reconstruction", "merge")
+               "calibration", "reconstruction", "merge", "fidelity")
 
 
 def plan_record(plan: ExpertPlan) -> dict:
     """What a scale-out's workers write into their journals: everything finalize needs of the
-    plan (config, index, manifest), as JSON. Fitted tensors (--heal, --reconstruct) are not in it."""
+    plan (config, index, manifest), as JSON. Fitted tensors (--heal, --reconstruct) are not in it;
+    their fidelity figure, measured where they were fitted, is (finalize does not walk again)."""
     return {**{f: getattr(plan, f) for f in PLAN_FIELDS},
             "selections": {prefix: {"kept": s.kept, "cluster_sizes": s.cluster_sizes, "assignment": s.assignment,
                                     "record": s.record} for prefix, s in plan.selections.items()}}
@@ -238,7 +272,7 @@ def plan_from_record(record: dict, layout: Layout) -> ExpertPlan:
         plan = ExpertPlan(layout.arch, **{f: record[f] for f in PLAN_FIELDS[:7]},
                           selections={p: Selection(**s) for p, s in record["selections"].items()},
                           calibration=record["calibration"], reconstruction=record["reconstruction"],
-                          merge=record["merge"])
+                          merge=record["merge"], fidelity=record["fidelity"])
     except (KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"the workers' plan is incomplete ({exc!r}); rerun the workers") from None
     blocks = {b.prefix: b for b in layout.blocks}

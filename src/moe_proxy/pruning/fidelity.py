@@ -4,10 +4,12 @@ Both models run one decoder layer at a time (a pass of layerwise.driver), side b
 held-out calibration tokens: one layer of the original and the same layer of the proxy are
 resident, each model's hidden states go through its own layer, and both layers are freed
 before the next. The proxy is the one the plan describes, read through its output tensors
-(steps.output_tensors: sliced routers, healed rows, kept experts) without writing it, so
+(output_shards.output_tensors: sliced routers, healed rows, kept experts) without writing it, so
 `--experts auto` (pruning/auto.py) can measure several counts and write only the chosen one.
 Several proxies are measured in one walk (measure_many): the original's layer is loaded and
-run once, then each proxy's layer in turn.
+run once, then each proxy's layer in turn. A build that fits tensors measures in the walk of
+its fit (expert_plan.fit_plan: the pass of `fidelity_pass` beside the fit's): its proxy reads
+the fitted tensors as the fit makes them (`as_fitted`), layer L's once the fit visited L.
 
 Recorded per decoder layer (relative squared errors, heal.py's objective, so the figures
 compare with its before/after):
@@ -30,7 +32,9 @@ the measurement imports torch when it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable, Mapping
 
 from moe_proxy.checkpoint.reads import read_coalesced
 from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
@@ -52,6 +56,39 @@ class PlannedProxy:
     def read(self, name: str) -> bytes:
         t = self.tensors[name]
         return t.source() if callable(t.source) else read_coalesced(self.store, self._file[name], t.source)
+
+
+@dataclass(frozen=True)
+class FitSlot:
+    """An output tensor's source where a fit may replace it: the source tensor it would replace."""
+
+    name: str
+
+
+class FitSlots(dict):
+    """A plan's `fitted` under which output_shards.output_tensors lays out every tensor a fit could
+    replace (router rows, kept experts) with a FitSlot as its source."""
+
+    def get(self, name, default=None):
+        return FitSlot(name)
+
+
+def as_fitted(ckpt, config: dict, slots: dict, plain: dict, fitted: Mapping) -> PlannedProxy:
+    """The proxy whose tensors are `fitted`'s (source tensor -> bytes, or a function returning
+    them) where it holds them when they are read, the plain selection's elsewhere: `slots` and
+    `plain` are output_tensors of the plan with FitSlots and without fits. A fit filling `fitted`
+    layer by layer in the same walk is thus measured as it goes, with its final tensors."""
+    plain_proxy = PlannedProxy(ckpt, config, plain)
+    shards = {f: [replace(t, source=partial(_fitted_or, fitted, t.source.name, partial(plain_proxy.read, t.name)))
+                  if isinstance(t.source, FitSlot) else t for t in ts] for f, ts in slots.items()}
+    return PlannedProxy(ckpt, config, shards)
+
+
+def _fitted_or(fitted: Mapping, name: str, plain: Callable[[], bytes]) -> bytes:
+    source = fitted.get(name)
+    if source is None:
+        return plain()
+    return source() if callable(source) else source
 
 
 def held_out(token_ids):
@@ -161,21 +198,34 @@ def measure(ckpt, layout, plan, calibration, shards: dict, progress: bool = Fals
 def measure_many(ckpt, layout, proxies: list[tuple], calibration, progress: bool = False) -> list[dict]:
     """The figures of several proxies, (plan, its output tensors) each, in one walk of the original."""
     from moe_proxy.pruning.config import rewrite_config
-    from moe_proxy.pruning.heal import HEAL_SAMPLES
+
+    sources = [PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards) for plan, shards in proxies]
+    layer_pass, ids = fidelity_pass(sources, calibration)
+    return figures(walk(ckpt, layout, layer_pass, ids, BATCH, progress), calibration)
+
+
+def fidelity_pass(sources: list[PlannedProxy], calibration) -> tuple[FidelityPass, object]:
+    """The pass that measures `sources` against the original, and the tokens it walks with."""
     from moe_proxy.layerwise.model import release_freed_memory
 
     # What the shard write freed in its reader threads' heaps, which this thread does not reuse,
     # goes back to the OS before two models load (docs/performance.md, memory against depth).
     release_freed_memory()
+    ids, _ = held_out(calibration.token_ids)
+    return FidelityPass(sources, ids), ids
+
+
+def figures(found: list[Compared], calibration) -> list[dict]:
+    """The figures (module docstring) of what a FidelityPass found, on `calibration`'s tokens."""
+    from moe_proxy.pruning.heal import HEAL_SAMPLES
+
     ids, rows = held_out(calibration.token_ids)
-    sources = [PlannedProxy(ckpt, rewrite_config(ckpt.config, plan), shards) for plan, shards in proxies]
     tokens = {"sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "rows": rows,
               "of": int(calibration.token_ids.shape[0]), "sha256": calibration.summary.get("tokens", {}).get("sha256"),
               "held_out_from_heal": rows[0] >= HEAL_SAMPLES}
-    return [{"tokens": tokens, "layers": found.layers, "kl": _round(found.kl),
-             "loss_original": _round(found.loss_original), "loss_proxy": _round(found.loss_proxy),
-             "loss_delta": _round(found.loss_proxy - found.loss_original)}
-            for found in walk(ckpt, layout, FidelityPass(sources, ids), ids, BATCH, progress)]
+    return [{"tokens": tokens, "layers": c.layers, "kl": _round(c.kl),
+             "loss_original": _round(c.loss_original), "loss_proxy": _round(c.loss_proxy),
+             "loss_delta": _round(c.loss_proxy - c.loss_original)} for c in found]
 
 
 def _head_figures(model, original: list, proxies: list[list], ids: tuple, torch) -> list[tuple[float, float, float]]:

@@ -151,7 +151,13 @@ def _router_tensors(proxy: torch.nn.Module, block: MoeBlock) -> dict[str, bytes]
 
 def heal_routers(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> HealedRouters:
     """Healed router tensors of every calibrated MoE block (bytes in the source dtype) and each
-    layer's objective before and after (expert_plan.fit_plan puts both into the plan it returns)."""
+    layer's objective before and after, in a walk of their own (a build heals in the walk that
+    also measures it: expert_plan.fit_plan)."""
+    return walk(ckpt, layout, *heal_pass(ckpt, plan, calibration), BATCH, progress)
+
+
+def heal_pass(ckpt: Checkpoint, plan, calibration) -> tuple[HealPass, torch.Tensor]:
+    """The pass that heals `plan`'s routers, and the calibration tokens it walks with."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
     kept = {prefix: sel.kept for prefix, sel in plan.selections.items()}
-    return walk(ckpt, layout, HealPass(proxy_config, kept), calibration.token_ids[:HEAL_SAMPLES], BATCH, progress)
+    return HealPass(proxy_config, kept), calibration.token_ids[:HEAL_SAMPLES]

@@ -20,8 +20,8 @@ column; P_m is the permutation that maximises the summed inner products of match
 
 One decoder layer at a time (a pass of layerwise.driver): its experts are read (block-FP8
 dequantised), merged in float32, and rounded to the checkpoint's storage format through the
-same writer as --reconstruct (dtype; block-FP8 re-quantised with its `weight_scale_inv`
-layout), spilled to local disk until the shards are written. Router rows, shared experts and
+same writer as --reconstruct (fitted_tensors.py: dtype; block-FP8 re-quantised with its
+`weight_scale_inv` layout), spilled to local disk until the shards are written. Router rows, shared experts and
 the backbone are those of the plain proxy. With --reconstruct the merge happens inside its
 layer loop instead (reconstruct.py): the merged experts are where the fit starts and what a
 layer keeps when fitting does not help.
@@ -39,7 +39,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from moe_proxy.pruning.config import rewrite_config
-from moe_proxy.pruning.reconstruct import Spill, Targets
+from moe_proxy.pruning.fitted_tensors import Spill, Targets
 from moe_proxy.pruning.selection import Selection
 from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
@@ -177,11 +177,17 @@ class MergePass(LayerPass[MergedExperts]):
 
 
 def merge(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> MergedExperts:
-    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass): the
-    merged tensors (spilled) and each layer's `merge` record, which expert_plan.fit_plan puts
-    into the plan it returns with merge_record's summary."""
+    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass) in a walk
+    of its own: the merged tensors (spilled) and each layer's `merge` record, which
+    expert_plan.fit_plan puts into the plan it returns with merge_record's summary (a build
+    merges in the walk that also measures it)."""
+    return walk(ckpt, layout, merge_pass(ckpt, layout, plan, calibration), progress=progress)
+
+
+def merge_pass(ckpt: Checkpoint, layout: Layout, plan, calibration) -> MergePass:
+    """The pass that merges `plan`'s calibrated MoE layers (it walks without tokens)."""
     proxy_config = transformers_config(rewrite_config(ckpt.config, plan))
-    return walk(ckpt, layout, MergePass(proxy_config, layout.arch, plan.selections, calibration), progress=progress)
+    return MergePass(proxy_config, layout.arch, plan.selections, calibration)
 
 
 def merge_record(plan, merged: list[str]) -> tuple[dict, list[str]]:
