@@ -39,7 +39,10 @@ CHILD = r"""
 import json, sys, time
 t = time.perf_counter()
 a = json.loads(sys.argv[1])
-from moe_proxy.pruning.build import build_proxy
+try:
+    from moe_proxy.pruning.build import build_proxy
+except ImportError:  # a tree before steps.py was split (f4debd5)
+    from moe_proxy.pruning.steps import build_proxy
 m = build_proxy(a["src"], a["dst"], **({"experts": 2, "method": "saliency", "calibration": a["stats"],
                                         "overwrite": True} | a["kw"]))
 print(json.dumps({"in_process_s": time.perf_counter() - t, "manifest": dict(m)}))
