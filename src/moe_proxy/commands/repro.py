@@ -26,11 +26,11 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from moe_proxy.rl.distributed import DEFAULT_TIMEOUT_S, RankFailed, launched
-
     if args.no_progress:  # read by huggingface_hub when transformers loads (here, or in each rank)
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    settings, fail_on = _checked(args)
+    settings, fail_on = _checked(args)  # before torch loads: a mistake costs no torch import
+
+    from moe_proxy.rl.distributed import DEFAULT_TIMEOUT_S, RankFailed, launched
     common = dict(device=args.device, termination_log=args.termination_log, prompts=args.prompts,
                   timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S, rank_fault=settings.rank_fault)
     if (args.nproc_per_node or args.nnodes > 1) and not launched():
