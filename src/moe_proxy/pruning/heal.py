@@ -31,7 +31,7 @@ from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.checkpoint.tensors import TORCH_DTYPES
 from moe_proxy.layerwise.blocks import block_io, proxy_block, router_params
-from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
+from moe_proxy.layerwise.driver import Layer, LayerPass
 from moe_proxy.layerwise.load import transformers_config
 
 log = logging.getLogger(__name__)
@@ -147,13 +147,6 @@ def _router_tensors(proxy: torch.nn.Module, block: MoeBlock) -> dict[str, bytes]
         value = p.detach().to(TORCH_DTYPES[t.dtype]).contiguous()
         out[t.name] = value.view(torch.uint8).numpy().tobytes()
     return out
-
-
-def heal_routers(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> HealedRouters:
-    """Healed router tensors of every calibrated MoE block (bytes in the source dtype) and each
-    layer's objective before and after, in a walk of their own (a build heals in the walk that
-    also measures it: expert_plan.fit_plan)."""
-    return walk(ckpt, layout, *heal_pass(ckpt, plan, calibration), BATCH, progress)
 
 
 def heal_pass(ckpt: Checkpoint, plan, calibration) -> tuple[HealPass, torch.Tensor]:

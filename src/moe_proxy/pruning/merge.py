@@ -45,7 +45,7 @@ from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import CannotMerge
 from moe_proxy.layerwise.blocks import proxy_block
-from moe_proxy.layerwise.driver import Layer, LayerPass, walk
+from moe_proxy.layerwise.driver import Layer, LayerPass
 from moe_proxy.layerwise.load import transformers_config
 
 log = logging.getLogger(__name__)
@@ -174,14 +174,6 @@ class MergePass(LayerPass[MergedExperts]):
 
     def result(self) -> MergedExperts:
         return self.merged
-
-
-def merge(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False) -> MergedExperts:
-    """Merge every calibrated MoE layer's clusters into their kept experts (MergePass) in a walk
-    of its own: the merged tensors (spilled) and each layer's `merge` record, which
-    expert_plan.fit_plan puts into the plan it returns with merge_record's summary (a build
-    merges in the walk that also measures it)."""
-    return walk(ckpt, layout, merge_pass(ckpt, layout, plan, calibration), progress=progress)
 
 
 def merge_pass(ckpt: Checkpoint, layout: Layout, plan, calibration) -> MergePass:

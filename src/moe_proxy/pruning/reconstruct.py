@@ -44,7 +44,7 @@ from moe_proxy.checkpoint.layout import Layout, MoeBlock
 from moe_proxy.checkpoint.reader import Checkpoint
 from moe_proxy.errors import MoeProxyError
 from moe_proxy.layerwise.blocks import block_io, proxy_block, swapped
-from moe_proxy.layerwise.driver import BATCH, Layer, LayerPass, walk
+from moe_proxy.layerwise.driver import Layer, LayerPass
 from moe_proxy.layerwise.load import transformers_config
 
 log = logging.getLogger(__name__)
@@ -64,18 +64,6 @@ def lr_groups(targets: Targets) -> list[tuple[list[torch.nn.Parameter], float]]:
     """(parameter, learning rate) pairs for heal.fit: a rate proportional to each tensor's RMS."""
     return ([([p], ROUTER_LR * _rms(p)) for p in targets.router.values()]
             + [([p], EXPERT_LR * _rms(p)) for p in targets.experts.values()])
-
-
-def reconstruct(ckpt: Checkpoint, layout: Layout, plan, calibration, progress: bool = False,
-                merge: bool = False) -> Reconstruction:
-    """Fit every calibrated MoE layer (ReconstructPass) in a walk of its own: the fitted tensors
-    (spilled), each layer's `reconstruct` (and, with `merge`, `merge`) record and the manifest's
-    summary, which expert_plan.fit_plan puts into the plan it returns (a build fits in the walk
-    that also measures it). `merge`: each layer's kept experts are first merged (merge.py); the
-    merged experts, as stored, are where the fit starts and what the layer keeps when fitting
-    does not help."""
-    layer_pass, ids = reconstruct_pass(ckpt, layout, plan, calibration, merge)
-    return summarised(walk(ckpt, layout, layer_pass, ids, BATCH, progress), ids, calibration)
 
 
 def reconstruct_pass(ckpt: Checkpoint, layout: Layout, plan, calibration,
