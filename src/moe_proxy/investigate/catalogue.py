@@ -97,6 +97,76 @@ CATALOGUE: dict[str, Fix] = {c.name: c for c in [
 ]}
 
 
+@dataclass(frozen=True)
+class Suggestion:
+    """A catalogue entry the loop tries for a failure signature, and why it may cure it."""
+
+    name: str
+    why: str
+
+
+# What the loop (`triage`, a watched run) tries for each failure signature, most likely cure first.
+# docs/diagnosis.md shows this table; a spec's or a command's own candidates replace it.
+FOR_SIGNATURE: dict[str, tuple[Suggestion, ...]] = {
+    "overflow": (
+        Suggestion("loss-scaling", "dynamic loss scaling skips the overflowing step and halves the scale"),
+        Suggestion("bf16", "bf16 has fp32's exponent range: values past fp16's 65504 stay finite"),
+        Suggestion("fp32", "full precision: no range or rounding limit of a half format"),
+        Suggestion("fp32-router", "router logits are where half-precision range runs out first in MoE"),
+        Suggestion("grad-clip", "bounds the update that grows the activations past the range"),
+    ),
+    "underflow": (
+        Suggestion("loss-scaling", "scaling the loss lifts small gradients above fp16's smallest normal"),
+        Suggestion("bf16", "bf16's exponent range keeps tiny gradients that fp16 flushes to zero"),
+        Suggestion("fp32", "full precision: no underflow at RL's gradient sizes"),
+        Suggestion("adam-eps", "a tiny epsilon keeps the update's size when gradients are tiny"),
+    ),
+    "nan": (
+        Suggestion("skip-nonfinite", "skips the optimizer step whose gradients are not finite"),
+        Suggestion("bf16", "a NaN from fp16 overflow does not happen in bf16's range"),
+        Suggestion("fp32", "full precision rules the numerics in or out as the cause"),
+        Suggestion("grad-clip", "bounds the step that blows the weights up"),
+        Suggestion("lower-lr", "a smaller step keeps the weights where the loss is finite"),
+        Suggestion("fp32-lm-head", "the LM head's log-softmax in fp32 (MiniMax-M1, ScaleRL)"),
+    ),
+    "divergence": (
+        Suggestion("lower-lr", "the most common cure for a growing loss or grad-norm"),
+        Suggestion("grad-clip", "bounds each step's update"),
+        Suggestion("warmup", "a warm-up keeps the first steps from over-shooting"),
+        Suggestion("z-loss", "keeps router logits small (ST-MoE), a known MoE divergence source"),
+        Suggestion("adam-eps", "a small epsilon (Wortsman et al.) against logit growth"),
+        Suggestion("gspo", "one clipped ratio per sequence: steadier MoE RL (Qwen3's GSPO)"),
+    ),
+    "collapse": (
+        Suggestion("aux-loss", "a load-balancing loss pulls tokens back to the other experts"),
+        Suggestion("z-loss", "small router logits keep routing soft enough to spread"),
+        Suggestion("fp32-router", "routing decided in fp32 rather than rounded logits"),
+        Suggestion("lower-lr", "a smaller step lets the router drift less"),
+        Suggestion("routing-replay", "training routes as the rollout did: no drift between the two"),
+    ),
+    "mismatch": (
+        Suggestion("routing-replay", "R3: the trainer routes every token as the rollout engine did"),
+        Suggestion("rollout-is-token", "importance sampling corrects the rollout/trainer probability gap"),
+        Suggestion("rollout-is-sequence", "the same correction per sequence"),
+        Suggestion("fp32-router", "the two sides' routing agrees when both route in fp32"),
+        Suggestion("fp32-lm-head", "the two sides' token probabilities agree when the head is fp32"),
+        Suggestion("gspo", "a sequence-level ratio is less sensitive to per-token gaps"),
+    ),
+}
+# A threshold signature (METRIC>X[:K]) names any metric: the general cures.
+FOR_THRESHOLD: tuple[Suggestion, ...] = (
+    Suggestion("lower-lr", "the most common cure for a metric that grows past its bound"),
+    Suggestion("grad-clip", "bounds each step's update"),
+    Suggestion("z-loss", "keeps router logits small"),
+    Suggestion("fp32", "full precision rules the numerics in or out as the cause"),
+)
+
+
+def suggested(signature: str) -> tuple[Suggestion, ...]:
+    """The loop's candidates for a failure signature (a name of detect.SIGNATURES or METRIC>X[:K])."""
+    return FOR_SIGNATURE.get(signature, FOR_THRESHOLD)
+
+
 def custom(text: str) -> Fix:
     """`NAME=--flag value,--flag value`: the flags split on commas, then on the first space."""
     name, sep, rest = text.partition("=")
