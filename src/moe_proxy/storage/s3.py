@@ -268,11 +268,13 @@ class S3Store:
             return None
         return head.get("ChecksumSHA256") or head.get("ETag")
 
-    def read_range(self, name: str, start: int, length: int) -> bytes:
+    def read_range(self, name: str, start: int, length: int, if_match: str | None = None) -> bytes:
+        """Bytes [start, start + length); `if_match`: only of the object version with that ETag
+        (a changed object fails with PreconditionFailed, a StorageError)."""
         if length == 0:
             return b""
         chunks: list[bytes] = []
-        got, etag, drops = 0, None, 0
+        got, etag, drops = 0, if_match, 0
         while got < length:
             first, last = start + got, start + length - 1
             # After a drop, ask only for the missing bytes, and only of the same object version.
@@ -311,10 +313,15 @@ class S3Store:
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         """Objects under this store's prefix whose names start with `prefix`, with their sizes
         (the listing carries them: one request per 1,000 objects)."""
+        return {name: size for name, (size, _) in self.list_entries(prefix).items()}
+
+    def list_entries(self, prefix: str = "") -> dict[str, tuple[int, str]]:
+        """As list_sizes, each with (size, ETag): the ETag changes when the object is replaced."""
         base = f"{self.prefix}/" if self.prefix else ""
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
-            return dict(sorted((o["Key"][len(base) :], int(o["Size"])) for page in pages for o in page.get("Contents", [])))
+            return dict(sorted((o["Key"][len(base) :], (int(o["Size"]), str(o.get("ETag", ""))))
+                               for page in pages for o in page.get("Contents", [])))
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, "list_objects_v2", None) from exc
 
