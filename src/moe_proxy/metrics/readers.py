@@ -118,11 +118,13 @@ def _file_format(source: Source, name: str, entry: Entry) -> str:
         return "tensorboard"
     if name == TRAINER_STATE:
         return "trainer-state"
+    if name.endswith(".jsonl"):
+        return "jsonl"
     head = source.read(name, 0, min(entry.size, 4096), entry.version) or b""
     if _is_record(head):
         return "tensorboard"
     text = head.decode("utf-8", errors="replace").lstrip()
-    if name.endswith(".jsonl") or not text:
+    if not text:
         return "jsonl"
     if text.startswith("{"):
         first = text.split("\n", 1)[0]
