@@ -15,7 +15,7 @@ import pytest
 
 from moe_proxy.cli import main
 from moe_proxy.errors import AccessDenied, MalformedMetrics, ObjectNotFound
-from moe_proxy.metrics.incident import Failure, RunWatcher
+from moe_proxy.metrics.incident import RunFailure, RunWatcher
 from moe_proxy.metrics.readers import RunFollower, detect_format, read_run
 
 from .helpers import ACCESS_KEY, SECRET_KEY
@@ -196,7 +196,7 @@ def test_the_watcher_gives_the_first_failure_tick_by_tick(s3):
     content += verl_line(4)
     put(client, f"{run}/metrics.jsonl", content)
     failure = watcher.poll()
-    assert failure == Failure(4, "nan", failure.reason) and failure.reason.startswith("step 4: nan detected")
+    assert failure == RunFailure(4, "nan", failure.reason) and failure.reason.startswith("step 4: nan detected")
     content += verl_line(5) + verl_line(6)
     put(client, f"{run}/metrics.jsonl", content)
     assert watcher.poll() is failure and watcher.last_step == 6 and "step 6 logged" in watcher.finished

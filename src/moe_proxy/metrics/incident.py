@@ -1,7 +1,7 @@
 """A watched training run's first failure, one timer tick at a time (the operator's watched run).
 
     w = RunWatcher(uri, fail_on=["nan", "divergence"], options=ReadOptions(), store_options={...})
-    failure = w.poll()        # each tick: Failure(step, signature, reason) or None
+    failure = w.poll()        # each tick: RunFailure(step, signature, reason) or None
     w.last_step, w.finished   # the newest step read; why the log shows its writer is done (or None)
 
 The watcher holds a readers.RunFollower (what was read: offsets, partial records) and a
@@ -14,7 +14,7 @@ Which failures count: the signatures in `fail_on` (detect.SIGNATURES names, or M
 thresholds); every built-in signature when `fail_on` is empty; and a NaN always, as `repro` and
 `watch` stop at it (the steps after it mean nothing). The failure returned is the earliest onset
 among those found at the first poll that finds any, and it stays the answer: later polls return
-the same Failure (one incident per run).
+the same RunFailure (one incident per run).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from moe_proxy.metrics.readers import ReadOptions, RunFollower
 
 
 @dataclass(frozen=True)
-class Failure:
+class RunFailure:
     step: int  # the failure's onset (the first step of its streak)
     signature: str  # a detect.SIGNATURES name, or the METRIC>VALUE[:STEPS] text as given
     reason: str  # the detector's line: "step 4: divergence detected (...)"
@@ -46,14 +46,14 @@ class RunWatcher:
         self.follower = RunFollower(uri, options, last_step, store_options)
         self.seen: set[int] = set()
         self.last_step: int | None = None
-        self.failure: Failure | None = None
+        self.failure: RunFailure | None = None
 
     @property
     def finished(self) -> str | None:
         """Why the log shows that its writer is done (readers.RunFollower.finished), or None."""
         return self.follower.finished
 
-    def poll(self) -> Failure | None:
+    def poll(self) -> RunFailure | None:
         """Read what is new, feed it to the detectors; the first failure seen so far, or None.
         Storage and format errors (errors.StorageError, errors.MalformedMetrics) are raised."""
         rows = self.follower.rows()
@@ -69,5 +69,5 @@ class RunWatcher:
             found = [(onset.step, name) for name, onset in self.detector.onsets.items() if name in self.wanted]
             if found:
                 step, name = min(found)
-                self.failure = Failure(step, name, self.detector.onsets[name].line(name))
+                self.failure = RunFailure(step, name, self.detector.onsets[name].line(name))
         return self.failure

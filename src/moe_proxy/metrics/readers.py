@@ -37,7 +37,7 @@ from pathlib import Path
 from moe_proxy.errors import MalformedMetrics
 from moe_proxy.metrics.metrics_io import METRICS_FILE, parse_line
 from moe_proxy.metrics.profiles import Profile, parse_metric_options, profile_for
-from moe_proxy.metrics.sources import Entry, Source, Tail, open_source
+from moe_proxy.metrics.sources import Entry, MetricsSource, Tail, open_source
 
 FORMATS = {
     "jsonl": "JSON lines, verl's FileLogger {step, data} or flat {step, metric: value}",
@@ -96,7 +96,7 @@ def detect_format(location: str | Path, store_options: dict | None = None) -> st
     return detect_in(source, source.list())
 
 
-def detect_in(source: Source, listing: dict[str, Entry]) -> str | None:
+def detect_in(source: MetricsSource, listing: dict[str, Entry]) -> str | None:
     if not listing:
         return None
     if source.kind == "dir":
@@ -113,7 +113,7 @@ def detect_in(source: Source, listing: dict[str, Entry]) -> str | None:
     return _file_format(source, name, entry)
 
 
-def _file_format(source: Source, name: str, entry: Entry) -> str:
+def _file_format(source: MetricsSource, name: str, entry: Entry) -> str:
     if "tfevents" in name:
         return "tensorboard"
     if name == TRAINER_STATE:
@@ -161,7 +161,7 @@ class JsonlFollower:
     """The complete lines appended to a JSON-lines file since the last call (the location, or
     its metrics.jsonl): only the new bytes are read."""
 
-    def __init__(self, source: Source):
+    def __init__(self, source: MetricsSource):
         self.source, self.tail, self.number, self.partial = source, None, 0, b""
 
     def lines(self, final: bool = False) -> list[tuple[str, str]]:
@@ -277,7 +277,7 @@ class EventsFollower:
     """New events of a TensorBoard directory (new files included: a restarted run writes
     another) or file, by step; each file's new bytes only."""
 
-    def __init__(self, source: Source):
+    def __init__(self, source: MetricsSource):
         self.source, self.files, self.pending = source, {}, {}
 
     def poll(self, final: bool = False) -> None:
@@ -313,7 +313,7 @@ class TrainerStateFollower:
     """trainer_state.json is rewritten whole at each save (the newest checkpoint-N/ holds the
     whole history): read again when its version changes; the steps not yet given."""
 
-    def __init__(self, source: Source):
+    def __init__(self, source: MetricsSource):
         self.source, self.given, self.read_version = source, set(), None
         self.finished: str | None = None
 
@@ -342,7 +342,7 @@ class TrainerStateFollower:
         pass  # rows(final=True) refuses a location without a state
 
 
-def _state_name(source: Source, listing: dict[str, Entry]) -> str | None:
+def _state_name(source: MetricsSource, listing: dict[str, Entry]) -> str | None:
     if source.kind == "file":
         return next(iter(listing), None)
     if TRAINER_STATE in listing:
@@ -351,7 +351,7 @@ def _state_name(source: Source, listing: dict[str, Entry]) -> str | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
-def _state(source: Source, name: str, entry: Entry) -> dict:
+def _state(source: MetricsSource, name: str, entry: Entry) -> dict:
     data = source.read(name, 0, entry.size, entry.version)
     if data is None:
         raise MalformedMetrics(f"{source.label(name)}: changed while being read")

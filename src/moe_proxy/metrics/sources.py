@@ -33,7 +33,7 @@ class Entry:
     version: str  # changes when the file is rewritten: the S3 ETag, a local mtime and inode
 
 
-class Source(Protocol):
+class MetricsSource(Protocol):
     where: str  # the location as given, for messages
     kind: str | None  # "file", "dir", or None while nothing is there (as the last list() saw)
 
@@ -46,7 +46,7 @@ def is_s3(location: str | Path) -> bool:
     return isinstance(location, str) and location.startswith("s3://")
 
 
-def open_source(location: str | Path, store_options: dict | None = None) -> Source:
+def open_source(location: str | Path, store_options: dict | None = None) -> MetricsSource:
     """A local path or an s3:// URI (`store_options`: storage.open_store's keyword arguments)."""
     if is_s3(location):
         return S3Source(str(location), store_options or {})
@@ -107,11 +107,6 @@ def _entry(path: Path) -> Entry:
     return Entry(st.st_size, f"{st.st_mtime_ns}:{st.st_ino}")
 
 
-# What a ranged GET answers when the object changed since it was listed: it was replaced
-# (If-Match failed), shrank under the range, or was deleted. The next poll lists it again.
-CHANGED = {"PreconditionFailed", "412", "InvalidRange", "416"}
-
-
 class S3Source:
     """An object or a prefix. The store is opened at the location's parent, so that the same
     store reads the object itself (a file location) or the objects under it (a prefix); a URI
@@ -145,17 +140,7 @@ class S3Source:
         return found
 
     def read(self, name: str, start: int, end: int, version: str) -> bytes | None:
-        from moe_proxy.errors import CorruptCheckpoint, ObjectNotFound
-        from moe_proxy.storage.s3 import _code
-
-        try:
-            return self.store.read_range(self._key(name), start, end - start, if_match=version or None)
-        except (ObjectNotFound, CorruptCheckpoint):  # deleted, or shorter than listed: changed
-            return None
-        except StorageError as exc:
-            if _code(exc.__cause__) in CHANGED:
-                return None
-            raise
+        return self.store.read_if_unchanged(self._key(name), start, end - start, version)
 
     def label(self, name: str) -> str:
         return f"{self.store.uri}/{self._key(name)}"
@@ -166,7 +151,7 @@ class Tail:
     file (object) shorter than the offset was truncated or replaced: an error, as the run's
     metrics must only grow."""
 
-    def __init__(self, source: Source, name: str):
+    def __init__(self, source: MetricsSource, name: str):
         self.source, self.name, self.offset = source, name, 0
 
     def new_bytes(self, entry: Entry) -> bytes:

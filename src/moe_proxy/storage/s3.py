@@ -57,6 +57,7 @@ NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 DENIED = {"403", "AccessDenied", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 BAD_TOKEN = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
 BAD_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+CHANGED = {"PreconditionFailed", "412", "InvalidRange", "416"}  # a ranged If-Match read of a replaced object
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -303,6 +304,18 @@ class S3Store:
                     f"object ends at {first + expected} (truncated?)"
                 )
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def read_if_unchanged(self, name: str, start: int, length: int, etag: str | None) -> bytes | None:
+        """read_range of the object version `etag` (from a listing) only; None when the object was
+        replaced, shortened or deleted since (a follower's next listing sees the new version)."""
+        try:
+            return self.read_range(name, start, length, if_match=etag or None)
+        except (ObjectNotFound, CorruptCheckpoint):
+            return None
+        except StorageError as exc:
+            if _code(exc.__cause__) in CHANGED:
+                return None
+            raise
 
     def read_bytes(self, name: str) -> bytes:
         return self.read_range(name, 0, self.size(name))
