@@ -45,7 +45,7 @@ def put(client, uri: str, data: bytes) -> None:
 
 
 def downloaded(follower: RunFollower) -> int:
-    return follower.source.store.bytes_downloaded
+    return follower.source.bytes_downloaded
 
 
 @pytest.mark.parametrize("where", ["prefix", "object"])
@@ -214,3 +214,21 @@ def test_bytes_come_from_the_version_listed(s3):
     assert source.read("metrics.jsonl", 0, entry.size, entry.version) == verl_line(1)
     put(client, f"{run}/metrics.jsonl", verl_line(2))  # the same size, other bytes
     assert source.read("metrics.jsonl", 0, entry.size, entry.version) is None
+
+
+def test_watch_on_a_missing_bucket_or_with_a_wrong_secret_is_one_line(s3, tmp_path, capsys, monkeypatch):
+    client, run, options = s3
+    log = tmp_path / "log"
+    assert main(["watch", "s3://no-such-bucket/run", "--endpoint-url", options["endpoint_url"], "--timeout", "5",
+                 "--termination-log", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"moe-proxy watch: error: s3://no-such-bucket/run: bucket 'no-such-bucket' does not exist at "
+                   f"{options['endpoint_url']}\n"), err
+    assert json.loads(log.read_text())["error"] == "ObjectNotFound"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    assert main(["watch", run, "--endpoint-url", options["endpoint_url"], "--timeout", "5",
+                 "--termination-log", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert "secret key does not match" in err and err.count("\n") == 1
+    for text in (err, log.read_text()):
+        assert "wrong-secret" not in text and SECRET_KEY not in text and ACCESS_KEY not in text

@@ -108,42 +108,51 @@ def _entry(path: Path) -> Entry:
 
 
 class S3Source:
-    """An object or a prefix. The store is opened at the location's parent, so that the same
-    store reads the object itself (a file location) or the objects under it (a prefix); a URI
-    that ends in / or names a bucket only is a prefix."""
+    """An object or a prefix: `store` is opened at the location (its listing, errors named by
+    the location), `parent` at the folder above, lazily, to read the object itself when the
+    location is one. A URI that ends in / or names a bucket only is a prefix."""
 
     def __init__(self, uri: str, store_options: dict):
         from moe_proxy.storage import open_store
         from moe_proxy.storage.s3 import parse_uri
 
         bucket, key = parse_uri(uri)
-        parent, _, self.base = key.rpartition("/")
-        self.store = open_store(f"s3://{bucket}/{parent}", **store_options)
-        self.where = f"s3://{bucket}/{key}"
-        self.kind: str | None = "dir" if not self.base or uri.endswith("/") else None
+        self.where, self.options = f"s3://{bucket}/{key}".rstrip("/"), store_options
+        self.folder, _, self.base = key.rpartition("/")
+        self.store = open_store(self.where, **store_options)
+        self._parent = None
+        self.kind: str | None = "dir" if not key or uri.endswith("/") else None
 
-    def _key(self, name: str) -> str:
-        if self.kind == "file" or not self.base:
-            return name
-        return f"{self.base}/{name}"
+    @property
+    def parent(self):
+        if self._parent is None:
+            from moe_proxy.storage import open_store
+
+            self._parent = open_store(f"s3://{self.store.bucket}/{self.folder}", **self.options)
+        return self._parent
+
+    @property
+    def bytes_downloaded(self) -> int:
+        return self.store.bytes_downloaded + (self._parent.bytes_downloaded if self._parent else 0)
 
     def list(self, sub: str = "") -> dict[str, Entry]:
-        """One listing once the kind is known; until then the prefix, then the object itself."""
+        """One request once the kind is known (the prefix's listing, or the object's HEAD); until
+        then the prefix is listed, then the object asked for (never its siblings' listing)."""
         if self.kind != "file":
-            under = f"{self.base}/" if self.base else ""
-            found = self.store.list_entries(under + (sub if self.kind == "dir" else ""))
+            found = self.store.list_entries(sub if self.kind == "dir" else "")
             if found or self.kind == "dir":
                 self.kind = "dir"
-                return {k[len(under):]: Entry(*v) for k, v in found.items()}
-        found = {k: Entry(*v) for k, v in self.store.list_entries(self.base).items() if k == self.base}
-        self.kind = "file" if found else None
-        return found
+                return {k: Entry(*v) for k, v in found.items()}
+        head = self.parent.entry(self.base)
+        self.kind = "file" if head else None
+        return {self.base: Entry(*head)} if head else {}
 
     def read(self, name: str, start: int, end: int, version: str) -> bytes | None:
-        return self.store.read_if_unchanged(self._key(name), start, end - start, version)
+        store = self.parent if self.kind == "file" else self.store
+        return store.read_if_unchanged(name, start, end - start, version)
 
     def label(self, name: str) -> str:
-        return f"{self.store.uri}/{self._key(name)}"
+        return f"{self.parent.uri if self.kind == 'file' else self.where}/{name}"
 
 
 class Tail:

@@ -260,6 +260,11 @@ class S3Store:
             raise ObjectNotFound(f"s3://{self.bucket}/{self._key(name)}: no such object")
         return int(head["ContentLength"])
 
+    def entry(self, name: str) -> tuple[int, str] | None:
+        """(size, ETag) of one object, as list_entries gives them, from one HEAD; None when there is none."""
+        head = self._head(name)
+        return None if head is None else (int(head["ContentLength"]), str(head.get("ETag", "")))
+
     def checksum(self, name: str) -> str | None:
         """The SHA256 checksum the store keeps for the object (of the whole object, or
         "<sha256 of part sha256s>-<parts>" for a multipart upload), without downloading it;
