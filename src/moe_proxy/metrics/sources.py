@@ -11,7 +11,7 @@ piece of code wherever its writer puts it:
 
 Local: a stat (and a walk of a directory) per poll; a file's version is its mtime and inode.
 S3: one ListObjectsV2 per poll (names, sizes and ETags come in the listing: no request per
-object), and a ranged GET of only the bytes past what was read, with If-Match on the listed
+object; a location that is one object: its HEAD), and a ranged GET of only the bytes past what was read, with If-Match on the listed
 ETag. S3 has no append: a writer re-uploads the whole object each time, so the follower
 reads [its offset, the listed size) of the newest version; an object replaced by a shorter
 one is the followers' error (the metrics must only grow). Storage errors (no such bucket,
