@@ -24,7 +24,7 @@ import datetime
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kopf
@@ -38,7 +38,8 @@ from .pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, RETRY, SPEC_CH
 from .preflight import PreflightError, dependencies, preflight, settings_fingerprint
 from .resources import (GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE, PODS, PROXYMODELS,
                         VERSION, Resource)
-from .runtimes import CHILDREN, WORKLOADS, runtime_of
+from . import runtimes
+from .runtimes import CHILDREN, RUNTIME_MISSING, runtime_of
 from .settings import Settings, from_env
 from .spec import InvalidSpec, parse
 
@@ -99,7 +100,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
     settings.posting.level = logging.WARNING  # handler failures become Events; successes do not
     # Watch only our children and their pods (the API server filters): never every pod of a cluster.
     children = f"{LABEL_PROXYMODEL},{LABEL_ROLE}"
-    for resource in (*WORKLOADS, PODS):
+    for resource in (*runtimes.WORKLOADS, PODS):
         settings.watching.label_selectors[resource.group or resource.version, resource.plural] = children
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -188,7 +189,11 @@ async def _create(action: CreateChild, ctx: _Context, status: dict) -> bool:
         if action.refused is None:
             raise
         # Status changed since the ProxyModel was read (the child was just recorded): unversioned.
-        refused = pipeline.create_refused(status, action.refused, what, str(exc), ctx.body.get("spec") or {})
+        # A 404: the runtime's CRD is not installed (no retry helps: the condition says what to install).
+        missing = exc.status == 404
+        refused = pipeline.create_refused(status, replace(action.refused, retry=False) if missing else action.refused,
+                                          what, runtimes.missing(action.resource) if missing else str(exc),
+                                          ctx.body.get("spec") or {}, RUNTIME_MISSING if missing else "CreateFailed")
         ctx.logger.warning("the API server refused %s: %s%s", what, exc,
                            "; tried again later" if action.refused.retry else "")
         await _act(refused, _Context(ctx.body, ctx.memo, ctx.logger))
@@ -392,8 +397,14 @@ async def child_changed(event: dict, body: kopf.Body, resource: kopf.Resource, n
     await judge_child(child, namespace, labels, dict(body), logger, memo)
 
 
-for _workload in WORKLOADS:  # every runtime's workloads, the transformer's Jobs among them
-    kopf.on.event(_workload.group, _workload.version, _workload.plural, labels=CHILD_LABELS)(child_changed)
+def register_workloads(served: tuple[str, ...] = (), registry: kopf.OperatorRegistry | None = None) -> None:
+    """Follow the workloads of the runtimes this operator serves (settings.runtimes; empty: all of
+    them), the transformer's batch/v1 Jobs always: kopf lists and watches only what the chart's
+    RBAC grants (a runtime's rules come with its runtimes.<name>.enabled)."""
+    names = set(served or runtimes.RUNTIMES) | {"Job"}
+    for workload in dict.fromkeys(r.resource for r in runtimes.RUNTIMES.values() if r.name in names):
+        kopf.on.event(workload.group, workload.version, workload.plural, labels=CHILD_LABELS,
+                      registry=registry)(child_changed)
 
 
 @kopf.on.event(PODS.group, PODS.version, PODS.plural, labels={LABEL_CHILD: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT})

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from moe_proxy.reports import parse_termination_log
 
 from .resources import Resource
-from .runtimes import WATCHER, Conditions, runtime_of
+from .runtimes import WATCHER, Conditions, Fields, runtime_of
 
 RUNNING, SUCCEEDED, FAILED = "Running", "Succeeded", "Failed"
 # Waiting reasons that never resolve without a change to the spec: fail instead of hanging.
@@ -52,6 +52,8 @@ def workload_state(resource: Resource, obj: dict) -> Outcome:
     if runtime is None:
         return Outcome(RUNNING)
     rule = runtime.state
+    if isinstance(rule, Fields):
+        return Outcome(*rule.read(obj))
     if isinstance(rule, Conditions):
         if _condition(obj, rule.succeeded):
             return Outcome(SUCCEEDED)

@@ -18,6 +18,8 @@ from proxymodel_operator.spec import parse
 from .harness import proxymodel
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "proxymodels.moeproxy.io.yaml"
+VERL = {"spec": {"containers": [{"name": "verl", "image": "verlai/verl:vllm", "command": ["python3", "-m",
+                                                                                       "verl.trainer.main_ppo"]}]}}
 
 
 def _crd_runtime_schema() -> dict:
@@ -43,7 +45,10 @@ def test_each_runtime_has_rbac_to_create_follow_and_delete(name):
 @pytest.mark.parametrize("name", list(RUNTIMES))
 def test_each_runtime_builds_its_workload_and_finds_its_pods(name):
     runtime = RUNTIMES[name]
-    body = proxymodel("q3", reproduction={"runtime": name, "accelerator": {"devices": 16}})
+    reproduction = {"runtime": name, "accelerator": {"devices": 16}}
+    if name == "RayJob":  # over nodes, Ray runs a framework (verl), its metrics on a shared volume
+        reproduction.update(template=VERL, sharedVolumeClaim="rl-runs")
+    body = proxymodel("q3", reproduction=reproduction)
     spec = parse(body["spec"], "team-a", "q3", Settings())
     manifest = reproduction_workload("q3", "team-a", 1, spec, "s3://ckpt/proxy/", "ab" * 32, 16)
     assert (manifest["apiVersion"], manifest["kind"]) == (runtime.resource.api_version, runtime.resource.kind)
