@@ -182,3 +182,30 @@ async def test_a_runtime_the_cluster_does_not_serve_is_a_clear_condition(cluster
     assert cond["status"] == "False" and "KubeRay" in cond["message"] and "rayjobs.ray.io/v1" in cond["message"]
     await asyncio.sleep(2)
     assert len(creates) == 1  # tried once: no retry, no crash loop
+
+
+async def test_a_diagnosis_on_a_runtime_the_cluster_does_not_serve_says_what_to_install(cluster, operator):
+    handle = cluster.emulator._handle
+
+    async def not_served(request):  # no JobSet controller: its CRD is not there
+        if request.resource is not None and request.resource.plural == "jobsets":
+            return aiohttp.web.json_response(status=404, data={
+                "kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
+                "message": "the server could not find the requested resource"})
+        return await handle(request)
+
+    object.__setattr__(cluster.emulator, "_handle", not_served)
+    await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    await cluster.create(PROXYMODELS, NS, proxymodel("pj", reproduction={
+        "runtime": "JobSet", "accelerator": SIZES["JobSet"], "failOn": {"signature": "nan"}}))
+    transformer = await eventually(lambda: cluster.get(JOBS, NS, "pj-transform-g1"), 30, "transformer Job")
+    await cluster.transformer_succeeds(NS, transformer)
+    await cluster.create(DIAGNOSES, NS, {"metadata": {"name": "dj"}, "spec": {
+        "proxyModel": "pj", "seeds": 1, "candidates": ["lower-lr"]}})
+
+    def refused() -> str:
+        status = (cluster.get(DIAGNOSES, NS, "dj") or {}).get("status") or {}
+        return json.dumps(status) if status.get("phase") == "Failed" else ""
+
+    status = await eventually(refused, 30, "the diagnosis failed, naming JobSet")
+    assert "install JobSet" in status and "jobsets.jobset.x-k8s.io/v1alpha2" in status  # no retry, no crash
