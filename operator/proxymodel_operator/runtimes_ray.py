@@ -5,7 +5,8 @@ group of the other pods, each pod holding one node's devices. Ray starts its own
 those pods (`ray start`), so the containers' own command and args are not run there: they are
 the RayJob's `entrypoint` (verl's `python3 -m verl.trainer.main_ppo ...`, or `moe-proxy repro`),
 which KubeRay submits to the head once the cluster is up (submissionMode K8sJobMode). The driver
-and the processes Ray starts on every node inherit their pod's environment.
+and the processes Ray starts on every node inherit their pod's environment. `moe-proxy repro`
+over more than one node runs through LAUNCHER: a Ray task per node runs that node's ranks.
 
 verl keeps its TaskRunner (the process whose FileLogger writes the metrics) off the head node,
 so on more than one node the metrics file is on a volume every pod mounts
@@ -18,6 +19,7 @@ Pure data and functions: no import of `runtimes` (whose table names them).
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shlex
 
@@ -45,6 +47,50 @@ def entrypoint(container: dict) -> str:
     return " ".join(_word(arg) for arg in [*(container.get("command") or []), *(container.get("args") or [])])
 
 
+# `moe-proxy repro` over N nodes of a Ray cluster, as the RayJob's driver on the head: one Ray
+# task per node (pinned to it, holding its devices), each running this node's share of the one
+# torch.distributed run: `repro ... --nnodes N --node-rank I --master-addr HEAD --master-port P`,
+# the head node rank 0 (its termination message is the verdict), the port MASTER_PORT of the head's
+# env if set. Exits with the worst exit code.
+LAUNCHER = """\
+import json, os, subprocess, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+nodes, resources, argv = int(sys.argv[1]), json.loads(sys.argv[3]), sys.argv[4:]
+port = os.environ.get("MASTER_PORT") or sys.argv[2]
+ray.init()
+head = ray.util.get_node_ip_address()
+alive = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeManagerAddress"] != head)
+if len(alive) < nodes:
+    sys.exit(f"{len(alive)} Ray nodes are up, {nodes} planned")
+@ray.remote(num_cpus=0)
+def node(rank):
+    return subprocess.call([*argv, "--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", head,
+                            "--master-port", port])
+runs = [node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False), **resources)
+        .remote(rank) for rank, n in enumerate(alive[:nodes])]
+sys.exit(max(ray.get(runs)))
+"""
+
+
+def _ray_resources(spec: ProxyModelSpec) -> dict:
+    """What a node's task holds: all of its devices (Ray then makes them visible to it)."""
+    per_pod = spec.reproduction.accelerator.devices_per_node
+    if spec.reproduction.accelerator.resource == NVIDIA:
+        return {"num_gpus": per_pod}
+    return {"resources": {"NPU": per_pod}}
+
+
+def _entrypoint(spec: ProxyModelSpec, pods: int, container: dict, master_port: int) -> str:
+    """The first container's command as the driver, or for `moe-proxy repro` over more than one
+    node, LAUNCHER running it on every node."""
+    if spec.reproduction.template is not None or pods == 1:
+        return entrypoint(container)
+    argv = ["python3", "-c", LAUNCHER, str(pods), str(master_port), json.dumps(_ray_resources(spec)),
+            *(container.get("command") or []), *(container.get("args") or [])]
+    return entrypoint({"command": argv})
+
+
 def _start_params(spec: ProxyModelSpec, head: bool) -> dict:
     params = {"dashboard-host": "0.0.0.0"} if head else {}
     resource = spec.reproduction.accelerator.resource
@@ -70,7 +116,7 @@ def _ray_pod(template: dict, container_name: str, drop_init: str | None) -> dict
     return pod
 
 
-def ray_job(spec: ProxyModelSpec, pods: int, template: dict, watcher: str) -> dict:
+def ray_job(spec: ProxyModelSpec, pods: int, template: dict, watcher: str, master_port: int) -> dict:
     """The RayJob's spec: the head (node 0, the watcher) and pods - 1 workers, the first
     container's command and args as the entrypoint, the cluster gone when the job ends."""
     r = spec.reproduction
@@ -81,7 +127,7 @@ def ray_job(spec: ProxyModelSpec, pods: int, template: dict, watcher: str) -> di
             "groupName": WORKER_GROUP, "replicas": pods - 1, "minReplicas": pods - 1, "maxReplicas": pods - 1,
             "rayStartParams": _start_params(spec, False), "template": _ray_pod(template, WORKER, watcher)}]
     job: dict = {
-        "entrypoint": entrypoint(template["spec"]["containers"][0]),
+        "entrypoint": _entrypoint(spec, pods, template["spec"]["containers"][0], master_port),
         "submissionMode": "K8sJobMode",
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished

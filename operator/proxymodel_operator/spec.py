@@ -205,10 +205,6 @@ def _runtime_fits(r: Reproduction) -> None:
         raise InvalidSpec("spec.reproduction.template: a TrainJob's pods come from its ClusterTrainingRuntime, with "
                           "no room for the watch sidecar that judges a framework; run your own pod template as a "
                           "RayJob or a JobSet, or give a TrainJob spec.reproduction.command/args")
-    if r.runtime == "RayJob" and r.template is None and not one_node:
-        raise InvalidSpec("spec.reproduction.runtime RayJob runs `moe-proxy repro` as one Ray driver on the head: "
-                          "give accelerator.devices at most devicesPerNode (one node), or a pod template (verl), "
-                          "or use Job/JobSet for a repro across nodes")
     if r.runtime == "RayJob" and r.template is not None and not one_node and not r.shared_volume_claim:
         raise InvalidSpec("spec.reproduction.sharedVolumeClaim: a RayJob over more than one node needs a "
                           "ReadWriteMany PersistentVolumeClaim every pod mounts at /run/moe-proxy: verl's "

@@ -20,6 +20,7 @@ controller code or documentation it comes from.
 from __future__ import annotations
 
 import copy
+import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -298,7 +299,11 @@ async def _start_rayjob(api, namespace: str, rj: dict) -> Started:
     for `ray start` and the driver on it), the workers' containers nothing."""
     name, cluster = rj["metadata"]["name"], rj["spec"]["rayClusterSpec"]
     head = copy.deepcopy(cluster["headGroupSpec"]["template"])
-    head["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", rj["spec"]["entrypoint"]]
+    entry = rj["spec"]["entrypoint"]
+    # A plain command line runs as its words (the test kubelet then finds python3 and moe-proxy here);
+    # one with shell variables through the shell. MASTER_PORT: the port the kubelet gives it.
+    head["spec"]["containers"][0]["command"] = shlex.split(entry) if "$" not in entry else ["/bin/sh", "-c", entry]
+    _append_env(head["spec"]["containers"][0], [{"name": "MASTER_PORT", "value": "29500"}])
     pods = [Pod(f"{name}-head", head, labels={**head["metadata"]["labels"], "ray.io/node-type": "head"},
                 hostname=f"{name}-head")]
     for group in cluster.get("workerGroupSpecs") or []:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import textwrap
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -236,3 +238,33 @@ async def test_a_rayjobs_driver_logs_and_the_heads_watcher_gives_the_verdict(clu
     verdict = json.loads(ran[head.name][WATCHER].message)
     assert (verdict["reproduced"], verdict["signature"], verdict["step"]) == (True, "nan", 3)
     await eventually(lambda: cluster.status(NS, "dr").get("phase") == "Reproduced", 30, "the verdict in status")
+
+
+FAKE_RAY = Path(__file__).parent / "fake_ray"
+
+
+async def test_a_rayjobs_repro_over_two_nodes_is_one_run_through_the_launcher(cluster, operator, tiny_proxy,
+                                                                             one_process, tmp_path, monkeypatch):
+    """`moe-proxy repro` on a RayJob of 2 pods x 2 ranks: the entrypoint (runtimes_ray.LAUNCHER, here
+    on a stand-in of Ray's API, tests/operator/fake_ray) starts each node's ranks as a Ray task pinned
+    to its node; one run, with the 1-process metrics, its verdict the head's."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_RAY), os.environ.get("PYTHONPATH", "")]))
+    await cluster.create(PROXYMODELS, NS, proxymodel("dr2", reproduction={
+        "runtime": "RayJob", "maxSteps": STEPS, "precision": "fp32", "failOn": {"signature": "nan"},
+        "accelerator": {"devices": 4, "devicesPerNode": 2}}))
+    workload = await _reproduction_of(cluster, "dr2", tiny_proxy, "RayJob")
+    assert workload["spec"]["entrypoint"].startswith("python3 -c ")
+    assert workload["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1
+    started, ran, _ = await _run_and_report(cluster, tmp_path / "node", "RayJob", workload)
+    head = ran[started.pods[0].name][started.container]
+    assert head.exit_code == 0, head.output[-3000:]
+    assert json.loads(head.message)["reproduced"] is False
+    await eventually(lambda: cluster.status(NS, "dr2").get("phase") == "NotReproduced", 30, "the verdict in status")
+    run = tmp_path / "node" / started.pods[0].name / "run"
+    assert json.loads((run / "summary.json").read_text())["ranks"] == 4
+    four = _metrics(run / "metrics.jsonl")
+    for step, row in one_process.items():
+        for key, x in row.items():
+            y = four[step][key]
+            assert key.startswith(UNTIMED) or (math.isnan(x) and math.isnan(y)) or \
+                math.isclose(x, y, rel_tol=RTOL, abs_tol=ATOL), f"step {step} {key}: {x} != {y}"

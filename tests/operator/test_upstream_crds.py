@@ -79,6 +79,7 @@ def _built(runtime: str, devices: int, per_node: int = 8, naming: Naming | None 
 
 CASES = {
     "RayJob one node, moe-proxy repro": ("RayJob", 8, {}),
+    "RayJob 2 nodes, moe-proxy repro": ("RayJob", 16, {}),
     "RayJob one node, verl": ("RayJob", 8, {"template": VERL}),
     "RayJob 4 nodes, verl": ("RayJob", 32, {"template": VERL, "sharedVolumeClaim": "rl-runs"}),
     "TrainJob one node": ("TrainJob", 8, {}),
@@ -171,7 +172,6 @@ def test_jobset_is_one_indexed_job_never_restarted():
 
 @pytest.mark.parametrize("reproduction, why", [
     ({"runtime": "TrainJob", "template": VERL}, "RayJob or a JobSet"),
-    ({"runtime": "RayJob", "accelerator": {"devices": 16}}, "one node"),
     ({"runtime": "RayJob", "template": VERL, "accelerator": {"devices": 16}}, "sharedVolumeClaim"),
     ({"runtime": "RayJob", "template": VERL}, "sharedVolumeClaim"),  # devices auto: maybe more than one node
 ])
