@@ -1,7 +1,9 @@
 """The reproduction workload: one RL run on the proxy over the planned accelerators.
 
 One pod per node, one pod template, wrapped by the runtime spec.reproduction.runtime names
-(`runtimes.py`: a batch/v1 Job, a Volcano gang or an Ascend MindCluster AscendJob). The pods
+(`runtimes.py`: a batch/v1 Job, a Volcano gang, an Ascend MindCluster AscendJob, a JobSet, a
+Kubeflow TrainJob, or a KubeRay RayJob, whose head and workers run the template's container
+with its command as the Ray job's entrypoint). The pods
 find each other as the runtime's `Rendezvous` says: every container gets MASTER_ADDR,
 MASTER_PORT, NNODES, NODE_RANK and NPROC_PER_NODE (or the runtime's own variables for them).
 

@@ -7,7 +7,8 @@ template, how its status says it finished, and where its pod templates sit. Ever
 
 The table is the one place: `rbac.PERMISSIONS` grants each entry's resource, the handlers
 watch and delete each one, and tests check that the CRD's `spec.reproduction.runtime` enum
-names exactly these. A new runtime (KubeRay's RayJob, say) is one entry here, plus the enum.
+names exactly these. A new runtime is one entry here, plus the enum and its chart value
+(`feature`: runtimes.<feature>.enabled grants its RBAC and has the operator serve it).
 Pure data and functions: the batch/v1 Job is also the transformer's workload.
 
 Each entry also says how its pods find each other (`Rendezvous`): one pod per node, node 0
