@@ -412,17 +412,18 @@ def register_workloads(served: tuple[str, ...] = (), registry: kopf.OperatorRegi
 @kopf.on.event(PODS.group, PODS.version, PODS.plural, labels={LABEL_CHILD: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT})
 async def pod_changed(event: dict, body: kopf.Body, namespace: str, memo: kopf.Memo, logger: logging.Logger,
                       **_: Any) -> None:
-    """A child's pod changed: a pull that never succeeds or an unschedulable pod shows only here."""
-    if event.get("type") == "DELETED":
-        return
+    """A child's pod changed: a pull that never succeeds or an unschedulable pod shows only here.
+    A deleted pod is judged as it ended (a RayJob's cluster, shut down after the job, takes the
+    verdict with its pods: the event's body is their last state)."""
     labels = body.get("metadata", {}).get("labels", {})
-    await judge_child(None, namespace, labels, None, logger, memo)
+    await judge_child(None, namespace, labels, None, logger, memo, pod=dict(body))
 
 
 async def judge_child(resource: Resource | None, namespace: str, labels: dict, workload: dict | None,
-                      logger: logging.Logger, memo: kopf.Memo) -> None:
+                      logger: logging.Logger, memo: kopf.Memo, pod: dict | None = None) -> None:
     """Read the child's verdict and carry it into its ProxyModel's status. Status is written
-    only if nobody changed the ProxyModel meanwhile; otherwise it is read and judged again."""
+    only if nobody changed the ProxyModel meanwhile; otherwise it is read and judged again.
+    `pod`: one of its pods as an event has it (counted even if gone from the listing)."""
     proxymodel, role, child = labels.get(LABEL_PROXYMODEL), labels.get(LABEL_ROLE), labels.get(LABEL_CHILD)
     if not (proxymodel and role in (TRANSFORMER, REPRODUCTION) and child):
         return
@@ -435,8 +436,15 @@ async def judge_child(resource: Resource | None, namespace: str, labels: dict, w
         if not pipeline.wants_verdict(status, role, child):
             return  # read nothing more
         kind = resource or pipeline.child_resource(status, role)  # a pod's event: its workload's
-        current = workload if workload is not None else await kube.get(kind, namespace, child)
+        try:
+            current = workload if workload is not None else await kube.get(kind, namespace, child)
+        except kube.ApiError as exc:
+            if exc.status == 404 and pod is not None:
+                return  # a pod going with its workload: nothing to judge
+            raise
         pods = await kube.list_(PODS, namespace, {LABEL_CHILD: child})
+        if pod is not None and all(p["metadata"]["name"] != pod["metadata"]["name"] for p in pods):
+            pods.append(pod)
         seen = Child(child, role, outcome(kind, current, pods),
                      failed_indexes=(current.get("status") or {}).get("failedIndexes"))
         await _act(decide(parent, Observed(CHILD_CHANGED, child=seen), memo.settings),

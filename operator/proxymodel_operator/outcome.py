@@ -23,6 +23,7 @@ from .resources import Resource
 from .runtimes import WATCHER, Conditions, Fields, runtime_of
 
 RUNNING, SUCCEEDED, FAILED = "Running", "Succeeded", "Failed"
+WAITING_FOR_VERDICT = "WaitingForVerdict"  # the workload ended, its pods (holding the verdict) not yet
 # Waiting reasons that never resolve without a change to the spec: fail instead of hanging.
 STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
                  "CreateContainerError")
@@ -160,6 +161,11 @@ def outcome(resource: Resource, obj: dict, pods: list[dict]) -> Outcome:
     """The verdict on a child workload, from the workload and its pods."""
     verdict = workload_state(resource, obj)
     found = examine_pods(pods)
+    runtime = runtime_of(resource)
+    if verdict.state != RUNNING and runtime is not None and runtime.pods_outlive and not found.success_report \
+            and any((p.get("status") or {}).get("phase") in ("Pending", "Running") for p in pods):
+        return Outcome(RUNNING, WAITING_FOR_VERDICT, f"the {runtime.name} ended ({verdict.state}); the verdict "
+                       "comes with its pods' end (the watcher's or rank 0's termination message)")
     if verdict.state == SUCCEEDED:
         return Outcome(SUCCEEDED, report=found.success_report)
     if verdict.state == FAILED and found.watch_report and found.crash:

@@ -120,6 +120,9 @@ class Runtime:
     install: str = ""
     # The chart value (runtimes.<feature>) that turns it on, its RBAC with it; empty: always on.
     feature: str = ""
+    # Its pods outlive the workload's end (a RayJob's cluster goes ttlSecondsAfterFinished later):
+    # the verdict, a termination message, is there only once they end, so it is waited for.
+    pods_outlive: bool = False
 
 
 # --- batch/v1 Job: one pod, or an Indexed Job of one pod per node --------------------------------
@@ -223,7 +226,7 @@ RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("RayJob", RAY_JOBS, "reproduction as a KubeRay RayJob (verl on Ray)", Fields(ray.ray_state),
             partial(ray.ray_job, watcher=WATCHER, master_port=MASTER_PORT), ray.pod_templates, container=ray.HEAD, kueue=True,
             # Ray's own cluster: the head is node 0 (the watcher's), the entrypoint runs once there
-            rendezvous=Rendezvous("NODE_RANK", None, "-", per_node=False),
+            rendezvous=Rendezvous("NODE_RANK", None, "-", per_node=False), pods_outlive=True,
             install="the KubeRay operator (ray.io/v1 RayJob), e.g. `helm install kuberay-operator "
                     "kuberay/kuberay-operator`: https://docs.ray.io/en/latest/cluster/kubernetes/",
             feature="rayJob"),

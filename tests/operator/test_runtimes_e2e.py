@@ -209,3 +209,30 @@ async def test_a_diagnosis_on_a_runtime_the_cluster_does_not_serve_says_what_to_
 
     status = await eventually(refused, 30, "the diagnosis failed, naming JobSet")
     assert "install JobSet" in status and "jobsets.jobset.x-k8s.io/v1alpha2" in status  # no retry, no crash
+
+
+async def test_a_rayjob_that_ended_waits_for_its_heads_verdict(cluster, operator):
+    """KubeRay says the job ended while the head pod (its watcher holding the verdict) still runs,
+    until the cluster is shut down ttlSecondsAfterFinished later: the verdict waits for the pod's
+    end, taken from its last state even as the pod is deleted."""
+    workload = await _built(cluster, "late", "RayJob", reproduction={"template": VERL})
+    assert workload["spec"]["ttlSecondsAfterFinished"] == 300 and workload["spec"]["shutdownAfterJobFinishes"]
+    head = (await CONTROLLERS["RayJob"].start(cluster, NS, workload)).pods[0]
+    running = {"phase": "Running", "containerStatuses": [
+        {"name": "moe-proxy-watch", "state": {"running": {"startedAt": "2026-12-06T08:00:00Z"}}},
+        {"name": "ray-head", "state": {"running": {"startedAt": "2026-12-06T08:00:00Z"}}}]}
+    await cluster.create(PODS, NS, {"metadata": {"name": head.name, "labels": head.labels},
+                                    "spec": {"containers": [{"name": "ray-head", "image": "x"}]}, "status": running})
+    await _status(cluster, "RayJob", workload, "succeeded")
+    await eventually(lambda: cluster.condition(NS, "late", "FailureReproduced").get("reason") == "WaitingForVerdict",
+                     30, "waiting for the head's verdict")
+    assert cluster.status(NS, "late")["phase"] == "Reproducing"
+    # the cluster is shut down: the watcher writes its verdict as the pod ends, and the pod goes
+    ended = {"phase": "Succeeded", "containerStatuses": [
+        {"name": "moe-proxy-watch", "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                                             "message": _report(True, 4)}}},
+        {"name": "ray-head", "state": {"terminated": {"exitCode": 143, "reason": "Error", "message": ""}}}]}
+    await cluster.patch_status(PODS, NS, head.name, ended)
+    await cluster.delete(PODS, NS, head.name)
+    await eventually(lambda: cluster.status(NS, "late").get("phase") == "Reproduced", 30, "the head's verdict")
+    assert cluster.status(NS, "late")["reproduction"]["step"] == 4
