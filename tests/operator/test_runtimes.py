@@ -65,3 +65,22 @@ def test_workloads_are_the_runtimes_resources_and_are_found_back():
     assert set(WORKLOADS) == {r.resource for r in RUNTIMES.values()}
     for runtime in RUNTIMES.values():
         assert runtime_of(runtime.resource) is runtime
+
+
+def test_the_operator_follows_only_the_runtimes_it_serves():
+    """MOEPROXY_RUNTIMES (the chart's runtimes.*): kopf watches those workloads and the build's
+    Jobs, nothing the chart's RBAC does not grant; an unknown name is a settings error."""
+    from proxymodel_operator.handlers import register_workloads
+    from proxymodel_operator.settings import SettingsError, from_env
+
+    from .harness import registry_copy
+
+    registry = registry_copy(None)
+    register_workloads(from_env({"MOEPROXY_RUNTIMES": "Job,RayJob"}).runtimes, registry)
+    watched = {(h.selector.group, h.selector.plural or h.selector.any_name)
+               for h in registry._watching.get_all_handlers()}
+    assert {("batch", "jobs"), ("ray.io", "rayjobs")} <= watched
+    assert not watched & {("jobset.x-k8s.io", "jobsets"), ("trainer.kubeflow.org", "trainjobs"),
+                          ("batch.volcano.sh", "jobs"), ("mindxdl.gitee.com", "ascendjobs")}
+    with pytest.raises(SettingsError, match="MPIJob"):
+        from_env({"MOEPROXY_RUNTIMES": "Job,MPIJob"})
