@@ -224,7 +224,8 @@ RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
                     "https://www.hiascend.com/document/detail/zh/mindcluster/",
             feature="ascendJob"),
     Runtime("RayJob", RAY_JOBS, "reproduction as a KubeRay RayJob (verl on Ray)", Fields(ray.ray_state),
-            partial(ray.ray_job, watcher=WATCHER, master_port=MASTER_PORT), ray.pod_templates, container=ray.HEAD, kueue=True,
+            partial(ray.ray_job, watcher=WATCHER, master_port=MASTER_PORT), ray.pod_templates, container=ray.HEAD,
+            kueue=True,
             # Ray's own cluster: the head is node 0 (the watcher's), the entrypoint runs once there
             rendezvous=Rendezvous("NODE_RANK", None, "-", per_node=False), pods_outlive=True,
             install="the KubeRay operator (ray.io/v1 RayJob), e.g. `helm install kuberay-operator "
