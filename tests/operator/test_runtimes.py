@@ -84,3 +84,23 @@ def test_the_operator_follows_only_the_runtimes_it_serves():
                           ("batch.volcano.sh", "jobs"), ("mindxdl.gitee.com", "ascendjobs")}
     with pytest.raises(SettingsError, match="MPIJob"):
         from_env({"MOEPROXY_RUNTIMES": "Job,MPIJob"})
+
+
+def test_a_rayjobs_entrypoint_is_the_containers_command_for_the_shell(tmp_path):
+    """The template's command and args, behind the stop wrapper (stopOnReproduce), with
+    `$(VAR)` as the shell's "${VAR}": run by a shell as `ray job submit` runs it, it runs them."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    template = {"spec": {"containers": [{"name": "verl", "image": "x", "command": [sys.executable, "-c"],
+                                         "args": ["import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
+                                                  str(out), "nodes=$(NNODES) it's"]}]}}
+    body = proxymodel("q3", reproduction={"runtime": "RayJob", "template": template, "accelerator": {"devices": 8},
+                                          "failOn": {"signature": "nan", "stopOnReproduce": True}})
+    spec = parse(body["spec"], "team-a", "q3", Settings())
+    manifest = reproduction_workload("q3", "team-a", 1, spec, "s3://ckpt/proxy/", "ab" * 32, 8)
+    entry = manifest["spec"]["entrypoint"]
+    assert entry.startswith("/bin/sh -c ")  # the stop wrapper
+    done = subprocess.run(["/bin/sh", "-c", entry], env={"NNODES": "3", "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert done.returncode == 0 and out.read_text() == "nodes=3 it's"
