@@ -40,6 +40,7 @@ from .diagnosis_status import DIAGNOSED, DIAGNOSIS_FAILED, DiagnosisDecision
 from .preflight import PreflightError, read_credentials, redact
 from .outcome import outcome
 from .resources import DIAGNOSES, GROUP, LABEL_CHILD, PODS, PROXYMODELS, VERSION
+from . import runtimes
 from .runtimes import RUNTIMES
 
 
@@ -116,8 +117,13 @@ async def observe(namespace: str, diagnosis: str, status: dict) -> dict:
         return {}
     runtime = RUNTIMES[(status.get("proxyModel") or {}).get("runtime") or "Job"]
     selector = {LABEL_DIAGNOSIS: diagnosis}
-    workloads = [w for w in await kube.list_(runtime.resource, namespace, selector)
-                 if w["metadata"]["name"] in wanted and not w["metadata"].get("deletionTimestamp")]
+    try:
+        listed = await kube.list_(runtime.resource, namespace, selector)
+    except kube.ApiError as exc:
+        if exc.status == 404:  # the runtime's CRD is not installed: its runs were refused (RuntimeNotInstalled)
+            return {}
+        raise
+    workloads = [w for w in listed if w["metadata"]["name"] in wanted and not w["metadata"].get("deletionTimestamp")]
     pods = await kube.list_(PODS, namespace, selector) if workloads else []
     return {w["metadata"]["name"]: outcome(runtime.resource, w, [
         p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_CHILD) == w["metadata"]["name"]])
@@ -153,9 +159,10 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
         try:
             _, created = await kube.create(resource, namespace, manifest)
         except kube.ApiError as exc:
-            if exc.status not in (400, 403, 422):
+            if exc.status not in (400, 403, 404, 422):
                 raise  # kopf retries the timer; the run is recorded, so it is created then
-            message = f"the API server refused {what}: {exc.message or exc}"
+            message = f"the API server refused {what}: " + (
+                runtimes.missing(resource) if exc.status == 404 else (exc.message or str(exc)))
             logger.warning(message)
             kopf.warn(dict(body), reason="RunRefused", message=message[:1024])
             refused.add(manifest["metadata"]["name"])

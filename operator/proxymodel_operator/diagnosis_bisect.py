@@ -88,6 +88,9 @@ def probe_proxymodel(body: dict, raw: dict, checkpoint: dict, settings: Settings
     labels.update({LABEL_DIAGNOSIS: body["metadata"]["name"], LABEL_ROLE: PROBE_ROLE})
     spec = manifest["spec"]
     spec["reproduction"] = {**(spec.get("reproduction") or {}), "enabled": False}
+    queue = (body.get("spec") or {}).get("queueName")
+    if queue:  # the Diagnosis's Kueue queue over the template's, for the probe's build
+        spec["queueName"] = queue
     return manifest
 
 

@@ -114,6 +114,10 @@ class DiagnosisSpec:
                               "probes one at a time)", crd="parallelism", minimum=1, maximum=64)
     steps: int | None = option(None, "int", "RL steps per run; default the ProxyModel's (or the template's) "
                                "spec.reproduction.maxSteps", crd="steps", minimum=1)
+    queue_name: str | None = option(None, "str", "Kueue LocalQueue of the runs' workloads (and a bisection's "
+                                    "builds): label kueue.x-k8s.io/queue-name, created suspended for Kueue to admit; "
+                                    "default the ProxyModel's (or the template's) spec.queueName", crd="queueName",
+                                    crd_schema=NAME)
     checkpoints: BisectSpec | None = crd_field(
         "checkpoints", "A bisection (moe-proxy bisect): the earliest checkpoint of a training run whose proxy "
         "reproduces spec.failOn, in O(log n) probes, one at a time. Either `watch` (a CheckpointWatch in this "

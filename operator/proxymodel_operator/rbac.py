@@ -34,7 +34,9 @@ PERMISSIONS: tuple[Permission, ...] = (
                "write status (phase, conditions, proxy summary, plan, outcome)"),
     # Child workloads, one per runtime of the table (the transformer's Jobs are batch/v1 Jobs):
     # created, followed, and deleted when a new generation replaces them.
-    *(Permission(r.resource.group, r.resource.plural, WORKLOAD_VERBS, r.why) for r in RUNTIMES.values()),
+    # Each granted only with its chart value on (runtimes.<feature>; batch/v1 Jobs always).
+    *(Permission(r.resource.group, r.resource.plural, WORKLOAD_VERBS, r.why, (r.feature,) if r.feature else ())
+      for r in RUNTIMES.values()),
     # The headless Service that gives an Indexed reproduction Job's pods stable host names
     # (`<job>-<index>.<job>`, the master at index 0): created with the Job (one that exists is
     # read back), owned by the ProxyModel, deleted with the Jobs of an older spec. Never watched.
