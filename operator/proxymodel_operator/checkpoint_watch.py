@@ -30,7 +30,7 @@ from moe_proxy.checkpoint.listing import ListedCheckpoint, find, inspect_all
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, ObjectNotFound, StorageError
 from moe_proxy.storage.s3 import S3Store
 
-from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the settings in memo
+from . import handlers, kube, watched_run  # noqa: F401 - handlers' startup handler puts the settings in memo
 from .preflight import PreflightError, read_credentials, redact
 from .resources import GROUP, PROXYMODELS, VERSION, Resource
 from .status import ACCEPTED, SUSPENDED_CONDITION, condition, now, with_condition
@@ -127,6 +127,9 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
         return
     _condition(patch, status, SUSPENDED_CONDITION, False, "Polling", f"listing every {watch.poll_interval}s",
                generation)
+    if watch.metrics and watch.on_failure:  # the watched run: its metrics and incident (watched_run)
+        await watched_run.follow_run(body, watch, dict(status), patch, memo, lambda kind, ok, reason, message: (
+            _condition(patch, status, kind, ok, reason, message, generation)), logger)
 
     retired = status.get("retiredThrough")
     credentials: dict[str, str] = {}
