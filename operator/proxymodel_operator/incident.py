@@ -37,11 +37,11 @@ ANNOTATION_PREVIOUS = f"{GROUP}/previous-incident"  # the incident before it (a 
 ANNOTATION_SIGNATURE = f"{GROUP}/signature"
 INCIDENT_ROLE = "incident"
 # incident states: open ones, then the answers
-CONFIRMING, DIAGNOSING = "Confirming", "Diagnosing"
-RECOVERED, NO_CHECKPOINT, TOO_FEW = "Recovered", "NoCheckpoint", "TooFewCheckpoints"
-FIXED, NO_FIX, NONE_BAD, NOT_REPRODUCED = "Fixed", "NoFix", "NoneBad", "NotReproduced"
-BUDGET_SPENT, DIAGNOSIS_FAILED = "BudgetSpent", "DiagnosisFailed"
-OPEN_STATES = (CONFIRMING, DIAGNOSING)
+S_CONFIRMING, S_DIAGNOSING = "Confirming", "Diagnosing"
+S_RECOVERED, S_NO_CHECKPOINT, S_TOO_FEW = "Recovered", "NoCheckpoint", "TooFewCheckpoints"
+S_FIXED, S_NO_FIX, S_NONE_BAD, S_NOT_REPRODUCED = "Fixed", "NoFix", "NoneBad", "NotReproduced"
+S_BUDGET_SPENT, S_DIAGNOSIS_FAILED = "BudgetSpent", "DiagnosisFailed"
+OPEN_STATES = (S_CONFIRMING, S_DIAGNOSING)
 MAX_HISTORY = 10  # status.incidents kept
 
 
@@ -66,9 +66,9 @@ def confirmation(incident: dict | None, failure, hits_after: list[bool], finishe
     confirmed yet), "recovered" or "open"."""
     if failure is None:
         return "none"
-    if incident and incident.get("state") != CONFIRMING and (is_open(incident) or failure.step <= incident["step"]):
+    if incident and incident.get("state") != S_CONFIRMING and (is_open(incident) or failure.step <= incident["step"]):
         return "none"
-    if incident and incident.get("state") == CONFIRMING and failure.step != incident["step"]:
+    if incident and incident.get("state") == S_CONFIRMING and failure.step != incident["step"]:
         return "none"  # a watcher that re-read from another point: the recorded one stands
     if confirm_steps == 0 or any(hits_after[:confirm_steps]):
         return "open"
@@ -183,21 +183,21 @@ def answer(incident: dict, diagnosis: dict | None) -> dict:
            "fixedBy": st.get("fixedBy") or None, "fixedWithOtherFailures": st.get("fixedWithOtherFailures") or None,
            "spentRuns": spent(st)}
     if st.get("phase") == "Failed":
-        return out | {"state": DIAGNOSIS_FAILED, "message": (st.get("message") or "")[:512]}
+        return out | {"state": S_DIAGNOSIS_FAILED, "message": (st.get("message") or "")[:512]}
     if st.get("phase") != "Complete":
-        return out | {"state": DIAGNOSING}
+        return out | {"state": S_DIAGNOSING}
     reason = _condition(st, "Complete").get("reason")
     left_out = incident.get("leftOut") or []
     if st.get("fixedBy"):
-        state = FIXED
+        state = S_FIXED
     elif reason == "NoneBad":
-        state = NONE_BAD
+        state = S_NONE_BAD
     elif reason == "BaselineNotReproduced":
-        state = NOT_REPRODUCED
+        state = S_NOT_REPRODUCED
     elif left_out:
-        state = BUDGET_SPENT
+        state = S_BUDGET_SPENT
     else:
-        state = NO_FIX
+        state = S_NO_FIX
     return out | {"state": state, "message": (st.get("message") or "")[:512]}
 
 
@@ -207,34 +207,34 @@ def said(incident: dict) -> str:
     head = f"{sig} at step {step}"
     first = incident.get("firstBad")
     where = f"; fails from checkpoint {first}" if first is not None else ""
-    if state == FIXED:
+    if state == S_FIXED:
         return f"{head}{where}; fixed by {incident['fixedBy']}" + (
             f" (not tried for the budget: {', '.join(incident['leftOut'])})" if incident.get("leftOut") else "")
     texts = {
-        CONFIRMING: f"{head}: waiting for {incident.get('confirmSteps')} more step(s) to confirm it",
-        DIAGNOSING: f"{head}{where}: Diagnosis {incident.get('diagnosis')} running",
-        RECOVERED: f"{head}: the run recovered by itself (the next {incident.get('confirmSteps')} step(s) are clean)",
-        NO_CHECKPOINT: f"{head}: no complete checkpoint at or before it: nothing to bisect",
-        TOO_FEW: f"{head}: one complete checkpoint at or before it ({incident.get('checkpoints')}): a bisection "
+        S_CONFIRMING: f"{head}: waiting for {incident.get('confirmSteps')} more step(s) to confirm it",
+        S_DIAGNOSING: f"{head}{where}: Diagnosis {incident.get('diagnosis')} running",
+        S_RECOVERED: f"{head}: the run recovered by itself (the next {incident.get('confirmSteps')} step(s) are clean)",
+        S_NO_CHECKPOINT: f"{head}: no complete checkpoint at or before it: nothing to bisect",
+        S_TOO_FEW: f"{head}: one complete checkpoint at or before it ({incident.get('checkpoints')}): a bisection "
                  "needs two",
-        NO_FIX: f"{head}{where}; nothing cures it (tried: {', '.join(incident.get('candidates') or []) or 'none'})",
-        NONE_BAD: f"{head}: no checkpoint's proxy reproduces it",
-        NOT_REPRODUCED: f"{head}{where}; the first bad checkpoint's failing run did not reproduce it again: no "
+        S_NO_FIX: f"{head}{where}; nothing cures it (tried: {', '.join(incident.get('candidates') or []) or 'none'})",
+        S_NONE_BAD: f"{head}: no checkpoint's proxy reproduces it",
+        S_NOT_REPRODUCED: f"{head}{where}; the first bad checkpoint's failing run did not reproduce it again: no "
                         "candidate was judged",
-        BUDGET_SPENT: f"{head}{where}: budget spent" + (f" ({incident['budgetRefused']})"
+        S_BUDGET_SPENT: f"{head}{where}: budget spent" + (f" ({incident['budgetRefused']})"
                                                         if incident.get("budgetRefused") else
                                                         f"; not tried: {', '.join(incident.get('leftOut') or [])}"),
-        DIAGNOSIS_FAILED: f"{head}{where}: Diagnosis {incident.get('diagnosis')} failed: {incident.get('message')}",
+        S_DIAGNOSIS_FAILED: f"{head}{where}: Diagnosis {incident.get('diagnosis')} failed: {incident.get('message')}",
     }
     return texts.get(state, f"{head}: {state}")
 
 
 STAGE_EVENTS = {  # incident state -> (Event type, reason) said when the incident reaches it
-    DIAGNOSING: ("Normal", "IncidentDiagnosisStarted"), RECOVERED: ("Normal", "RunRecovered"),
-    NO_CHECKPOINT: ("Warning", "NoCompleteCheckpoint"), TOO_FEW: ("Warning", "TooFewCheckpoints"),
-    FIXED: ("Normal", "FixedBy"), NO_FIX: ("Warning", "NothingCures"), NONE_BAD: ("Warning", "NoneBad"),
-    NOT_REPRODUCED: ("Warning", "NotReproduced"), BUDGET_SPENT: ("Warning", "BudgetSpent"),
-    DIAGNOSIS_FAILED: ("Warning", "DiagnosisFailed"),
+    S_DIAGNOSING: ("Normal", "IncidentDiagnosisStarted"), S_RECOVERED: ("Normal", "RunRecovered"),
+    S_NO_CHECKPOINT: ("Warning", "NoCompleteCheckpoint"), S_TOO_FEW: ("Warning", "TooFewCheckpoints"),
+    S_FIXED: ("Normal", "FixedBy"), S_NO_FIX: ("Warning", "NothingCures"), S_NONE_BAD: ("Warning", "NoneBad"),
+    S_NOT_REPRODUCED: ("Warning", "NotReproduced"), S_BUDGET_SPENT: ("Warning", "BudgetSpent"),
+    S_DIAGNOSIS_FAILED: ("Warning", "DiagnosisFailed"),
 }
 
 
@@ -289,7 +289,7 @@ def report_md(r: dict) -> str:
 
 def webhook_body(r: dict) -> dict:
     """Slack's incoming webhooks read `text`; Alertmanager-style receivers read `alerts`."""
-    resolved = r["state"] in (FIXED, RECOVERED)
+    resolved = r["state"] in (S_FIXED, S_RECOVERED)
     return {"text": f"moe-proxy {r['namespace']}/{r['watch']}: {r['summary']}",
             "version": "4", "status": "resolved" if resolved else "firing",
             "alerts": [{"status": "resolved" if resolved else "firing",

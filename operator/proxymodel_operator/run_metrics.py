@@ -4,9 +4,9 @@ original's own metrics.
 
 `RunMetrics` has the interface of `moe_proxy.metrics.RunWatcher` (another engineer's, torch-free,
 not on this branch yet): `RunMetrics(uri, fail_on=[signature strings], options=ReadOptions(...),
-store_options={...})`, `.poll() -> Failure | None` (the earliest watched failure so far; the same
+store_options={...})`, `.poll() -> RunFailure | None` (the earliest watched failure so far; the same
 one on every later poll), `.last_step`, `.finished`. The integrator swaps it in with one line,
-`WATCHER = RunWatcher` below. What this module adds around it, and keeps with either:
+`RUN_WATCHER = RunWatcher` below. What this module adds around it, and keeps with either:
 
 - `after_step`: only steps past it count (a resumed run's new incident comes after the last one);
 - `rewound`: the metrics shrank (a run restarted over the same file): read again from the start;
@@ -33,7 +33,7 @@ from moe_proxy.storage.s3 import S3Store, parse_uri
 
 
 @dataclass(frozen=True)
-class Failure:
+class RunFailure:
     """A watched failure of the run: its onset step, signature, and what the detector saw."""
 
     step: int
@@ -67,7 +67,7 @@ class RunMetrics:
         self.fed_through: int | None = None
         self.last_step: int | None = None
         self.finished: str | None = None
-        self.failure: Failure | None = None
+        self.failure: RunFailure | None = None
 
     def _store(self) -> tuple[S3Store, dict[str, int]]:
         """The store and the metrics objects under the URI (the URI itself when it names one)."""
@@ -110,7 +110,7 @@ class RunMetrics:
         jsonl = [p for p in files if p.name == METRICS_FILE]
         return jsonl[0] if jsonl else self.local
 
-    def poll(self) -> Failure | None:
+    def poll(self) -> RunFailure | None:
         """Read what is new; the earliest watched failure so far (None: none yet). Raises
         MalformedMetrics (a line without a step, not JSON) and the store's errors."""
         self.rewound = False
@@ -138,13 +138,13 @@ class RunMetrics:
             if self.failure is None:
                 for name in (n for n in found if n in self.fail_on):
                     onset = self.detector.onsets[name]
-                    self.failure = Failure(onset.step, name, onset.line(name), onset.seen)
+                    self.failure = RunFailure(onset.step, name, onset.line(name), onset.seen)
                     break
         self.last_step = max(rows) if rows else self.last_step
         if self.last is not None and self.last_step is not None and self.last_step >= self.last:
             self.finished = f"step {self.last} logged (spec.metrics.lastStep)"
 
-    def later_hits(self, failure: Failure) -> list[bool]:
+    def later_hits(self, failure: RunFailure) -> list[bool]:
         """For each step logged after the failure's detection, in order: whether the detector's
         per-step test for its signature holds there (the same test, the run's own baseline)."""
         seen = failure.seen if failure.seen is not None else failure.step
@@ -156,12 +156,12 @@ class RunMetrics:
         return out
 
 
-WATCHER = RunMetrics  # the integrator: `WATCHER = moe_proxy.metrics.RunWatcher` (with after_step as above)
+RUN_WATCHER = RunMetrics  # the integrator: `RUN_WATCHER = moe_proxy.metrics.RunWatcher` (with after_step as above)
 
 
 def watcher_for(uri: str, fail_on: list[str], fmt: str | None, profile: str | None, last_step: int | None,
                 store_options: dict, after_step: int | None) -> RunMetrics:
-    w = WATCHER(uri, fail_on=fail_on, options=ReadOptions(format=fmt, profile=profile), store_options=store_options,
+    w = RUN_WATCHER(uri, fail_on=fail_on, options=ReadOptions(format=fmt, profile=profile), store_options=store_options,
                 after_step=after_step)
     w.last = last_step
     return w

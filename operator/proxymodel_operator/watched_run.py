@@ -88,14 +88,14 @@ async def follow_run(body: kopf.Body, watch: WatchSpec, status: dict, patch: kop
     await _answer(body, watch, before, incident, credentials, set_condition, logger)
     patch.status["incident"] = incident
     patch.status["incidents"] = _history(status, before, incident)
-    healthy = incident["state"] in (inc.RECOVERED, inc.FIXED)
+    healthy = incident["state"] in (inc.S_RECOVERED, inc.S_FIXED)
     set_condition(RUN_HEALTHY, healthy, incident["state"], inc.said(incident)[:1024])
 
 
 def _history(status: dict, before: dict | None, incident: dict) -> list[dict]:
     """status.incidents: the earlier incidents (step, state, diagnosis), newest last."""
     history = list(status.get("incidents") or [])
-    if before and before.get("step") != incident.get("step") and before.get("state") != inc.CONFIRMING:
+    if before and before.get("step") != incident.get("step") and before.get("state") != inc.S_CONFIRMING:
         history.append({k: before.get(k) for k in ("step", "signature", "state", "diagnosis", "firstBad",
                                                     "fixedBy")})
     return history[-inc.MAX_HISTORY:]
@@ -114,11 +114,11 @@ async def _advance(body: kopf.Body, watch: WatchSpec, incident: dict | None, fai
                      (previous or {}).get("name")), "name": inc.incident_name(body["metadata"]["name"], failure.step)}
         incident = {**(incident if incident and not previous else {}), **fresh}
         if what == "wait":
-            return incident | {"state": inc.CONFIRMING}
+            return incident | {"state": inc.S_CONFIRMING}
         if what == "recovered":
-            return incident | {"state": inc.RECOVERED}
+            return incident | {"state": inc.S_RECOVERED}
         return await _open(body, watch, incident, failure, credentials, logger)
-    if incident and incident.get("state") == inc.DIAGNOSING:
+    if incident and incident.get("state") == inc.S_DIAGNOSING:
         diagnosis = await _get(DIAGNOSES, body["metadata"]["namespace"], incident["diagnosis"])
         incident = incident | inc.answer(incident, diagnosis)
         incident["budget"] = inc.budget_status(watch.on_failure.budget, incident.get("spentRuns") or 0,
@@ -161,21 +161,21 @@ async def _open(body: kopf.Body, watch: WatchSpec, incident: dict, failure, cred
                     and c.step <= failure.step})
     incident["checkpoints"] = len(steps)
     if not steps:
-        return incident | {"state": inc.NO_CHECKPOINT}
+        return incident | {"state": inc.S_NO_CHECKPOINT}
     if len(steps) == 1:
-        return incident | {"state": inc.TOO_FEW}
+        return incident | {"state": inc.S_TOO_FEW}
     run_hours = await _run_hours(watch, meta["namespace"], meta["name"])
     candidates = f.candidates_for(failure.signature)
     p = inc.plan(len(steps), candidates, f.budget, inc.SEEDS, run_hours)
     incident.update(badStep=steps[-1], candidates=list(p.candidates), leftOut=list(p.left_out), runHours=run_hours,
                     budget=inc.budget_status(f.budget, 0, run_hours))
     if p.refused:
-        return incident | {"state": inc.BUDGET_SPENT, "budgetRefused": p.refused}
+        return incident | {"state": inc.S_BUDGET_SPENT, "budgetRefused": p.refused}
     manifest = inc.diagnosis_for(dict(body), f, failure, steps[-1], p, incident.get("previous"))
     kopf.adopt(manifest, owner=dict(body))  # deleting the watch deletes its Diagnoses
     _, created = await kube.create(DIAGNOSES, meta["namespace"], manifest)
     logger.info("Diagnosis %s %s", manifest["metadata"]["name"], "created" if created else "exists")
-    return incident | {"state": inc.DIAGNOSING, "diagnosis": manifest["metadata"]["name"]}
+    return incident | {"state": inc.S_DIAGNOSING, "diagnosis": manifest["metadata"]["name"]}
 
 
 def report_prefix(watch: WatchSpec, step: int) -> str:
@@ -199,7 +199,7 @@ async def _answer(body: kopf.Body, watch: WatchSpec, before: dict | None, incide
     meta = body["metadata"]
     for kind, reason, message in inc.events(before, incident):
         kopf.event(body, type=kind, reason=reason, message=message)
-    if incident["state"] == inc.CONFIRMING:
+    if incident["state"] == inc.S_CONFIRMING:
         return
     report = inc.report(meta["name"], meta["namespace"], incident)
     stage = [incident["state"], incident.get("firstBad"), incident.get("fixedBy")]
