@@ -63,8 +63,9 @@ def test_the_plan_bisects_first_then_the_candidates_that_fit_in_order():
     p = inc.plan(8, ["bf16", "fp32", "lower-lr"], BudgetSpec(probes=9), 1, None)
     # 8 checkpoints: up to 6 probes; then baseline + bf16 (2 runs), + fp32 (3) -> 9; lower-lr would be 10
     assert (p.bisect, p.candidates, p.left_out, p.runs, p.refused) == (6, ("bf16", "fp32"), ("lower-lr",), 9, None)
-    p = inc.plan(8, ["bf16"], BudgetSpec(probes=100, device_hours="3"), 1, 0.5)
-    assert (p.candidates, p.device_hours) == (("bf16",), 4.0)
+    p = inc.plan(8, ["bf16"], BudgetSpec(probes=100, device_hours="4"), 1, 0.5)
+    assert (p.candidates, p.device_hours) == (("bf16",), 4.0)  # 6 probes + 2 runs, 0.5 each
+    assert inc.plan(8, ["bf16"], BudgetSpec(probes=100, device_hours="3.9"), 1, 0.5).left_out == ("bf16",)
     refused = inc.plan(64, ["bf16"], BudgetSpec(probes=5), 1, None)
     assert refused.refused and "needs up to 9 runs" in refused.refused and refused.candidates == ()
 
