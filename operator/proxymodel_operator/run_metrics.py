@@ -56,6 +56,7 @@ class RunMetrics:
         self.store_options, self.after_step = dict(store_options or {}), after_step
         self.local = Path(tempfile.mkdtemp(prefix="moe-proxy-metrics-"))
         self.sizes: dict[str, int] = {}
+        self.store_uri = self.uri
         self.rewound = False  # the last poll found the metrics shorter than before (read again)
         self.last: int | None = None  # the run's last step (spec.metrics.lastStep): logged, it is finished
         self._reset()
@@ -82,6 +83,7 @@ class RunMetrics:
 
     def _fetch(self) -> None:
         store, sizes = self._store()
+        self.store_uri = store.uri  # what the local copy's paths are relative to (for messages)
         if any(sizes.get(name, 0) < size for name, size in self.sizes.items()):
             self.rewound = True  # a file shrank or went: the run started over; read it all again
             for path in self.local.rglob("*"):
@@ -123,7 +125,8 @@ class RunMetrics:
         except MalformedMetrics as exc:
             if "no steps recorded" in str(exc):
                 return self.failure
-            raise
+            self.sizes = {}  # rewritten in place, maybe: the next poll reads every file whole again
+            raise MalformedMetrics(str(exc).replace(str(self.local), self.store_uri)) from None
         self._feed(rows)
         return self.failure
 
