@@ -160,10 +160,11 @@ def spent(diagnosis_status: dict) -> int:
 
 
 def budget_status(budget: BudgetSpec, runs: int, run_hours: float | None) -> dict:
+    """status.incident.budget: spent and left, in runs and (where the plan prices a run) device-hours."""
     hours = runs * run_hours if run_hours is not None else None
+    left = None if budget.hours is None or hours is None else f"{max(0.0, budget.hours - hours):.4g}"
     return {"spent": {"runs": runs, "deviceHours": None if hours is None else f"{hours:.4g}"},
-            "left": {"runs": max(0, budget.probes - runs),
-                     "deviceHours": None if budget.hours is None or hours is None else f"{max(0.0, budget.hours - hours):.4g}"}}
+            "left": {"runs": max(0, budget.probes - runs), "deviceHours": left}}
 
 
 # --- what the Diagnosis says, for the incident ---------------------------------------------------------
@@ -257,6 +258,11 @@ def events(before: dict | None, after: dict) -> list[tuple[str, str, str]]:
 # --- the answer, where the team looks --------------------------------------------------------------------
 
 
+def names(listed: str | None) -> list[str]:
+    """A Diagnosis's comma-separated candidate names (fixedBy), as a list."""
+    return [c.strip() for c in (listed or "").split(",") if c.strip()]
+
+
 def report(watch: str, namespace: str, incident: dict) -> dict:
     """report.json: at least failing_step, signature, first_bad, fixed_by, cost."""
     return {"watch": watch, "namespace": namespace, "incident": incident.get("diagnosis"),
@@ -264,8 +270,8 @@ def report(watch: str, namespace: str, incident: dict) -> dict:
             "failing_step": incident.get("step"), "signature": incident.get("signature"),
             "reason": incident.get("reason"), "first_bad": incident.get("firstBad"),
             "first_bad_checkpoint": incident.get("firstBadCheckpoint"),
-            "fixed_by": [c for c in (incident.get("fixedBy") or "").split(",") if c],
-            "fixed_with_other_failures": [c for c in (incident.get("fixedWithOtherFailures") or "").split(",") if c],
+            "fixed_by": names(incident.get("fixedBy")),
+            "fixed_with_other_failures": names(incident.get("fixedWithOtherFailures")),
             "candidates": incident.get("candidates") or [], "left_out_for_budget": incident.get("leftOut") or [],
             "previous_incident": incident.get("previous"),
             "cost": {"runs": (incident.get("budget") or {}).get("spent", {}).get("runs"),
