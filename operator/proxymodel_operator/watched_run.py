@@ -23,12 +23,11 @@ from moe_proxy.errors import MalformedMetrics, StorageError
 from moe_proxy.storage.s3 import S3Store
 
 from . import incident as inc, kube
-from .preflight import PreflightError, read_credentials, redact
-from .resources import DIAGNOSES, PROXYMODELS, SECRETS
+from .preflight import PreflightError, plan_for, read_credentials, read_source_config, redact
+from .resources import DIAGNOSES, SECRETS
 from .run_metrics import watcher_for
 from .settings import Settings
 from .spec import InvalidSpec, parse as parse_proxymodel
-from .watch_decisions import LABEL_WATCH, watch_label
 from .watch_spec import WatchSpec
 
 METRICS_READABLE, RUN_HEALTHY, WEBHOOK_DELIVERED = "MetricsReadable", "RunHealthy", "WebhookDelivered"
@@ -81,12 +80,18 @@ async def follow_run(body: kopf.Body, watch: WatchSpec, status: dict, patch: kop
     set_condition(METRICS_READABLE, True, "Read" if watcher.last_step is not None else "NoSteps", said)
     patch.status["metrics"] = {"lastStep": watcher.last_step, "finished": watcher.finished}
     before = dict(incident) if incident else None
-    incident = await _advance(body, watch, incident, failure, hits, watcher.finished, credentials, logger)
+    try:
+        incident = await _advance(body, watch, incident, failure, hits, watcher.finished, credentials, memo.settings,
+                                  logger)
+    except StorageError as exc:  # listing the checkpoints for a new incident: tried again next poll
+        logger.warning("listing %s for an incident failed: %s", watch.source.uri, redact(str(exc), credentials))
+        return
     if incident is None:
         set_condition(RUN_HEALTHY, True, "NoFailure", said)
         return
     await _answer(body, watch, before, incident, credentials, set_condition, logger)
-    patch.status["incident"] = incident
+    # a merge patch keeps the keys it does not name: a new incident clears its predecessor's
+    patch.status["incident"] = {**{k: None for k in before or {} if k not in incident}, **incident}
     patch.status["incidents"] = _history(status, before, incident)
     healthy = incident["state"] in (inc.S_RECOVERED, inc.S_FIXED)
     set_condition(RUN_HEALTHY, healthy, incident["state"], inc.said(incident)[:1024])
@@ -102,7 +107,8 @@ def _history(status: dict, before: dict | None, incident: dict) -> list[dict]:
 
 
 async def _advance(body: kopf.Body, watch: WatchSpec, incident: dict | None, failure, hits: list[bool],
-                   finished: str | None, credentials: dict[str, str], logger: logging.Logger) -> dict | None:
+                   finished: str | None, credentials: dict[str, str], settings: Settings,
+                   logger: logging.Logger) -> dict | None:
     """The incident after this poll (None: none ever)."""
     f = watch.on_failure
     what = inc.confirmation(incident, failure, hits, bool(finished), f.confirm_steps)
@@ -117,7 +123,7 @@ async def _advance(body: kopf.Body, watch: WatchSpec, incident: dict | None, fai
             return incident | {"state": inc.S_CONFIRMING}
         if what == "recovered":
             return incident | {"state": inc.S_RECOVERED}
-        return await _open(body, watch, incident, failure, credentials, logger)
+        return await _open(body, watch, incident, failure, credentials, settings, logger)
     if incident and incident.get("state") == inc.S_DIAGNOSING:
         diagnosis = await _get(DIAGNOSES, body["metadata"]["namespace"], incident["diagnosis"])
         incident = incident | inc.answer(incident, diagnosis)
@@ -135,24 +141,21 @@ async def _get(resource, namespace: str, name: str) -> dict | None:
         raise
 
 
-async def _run_hours(watch: WatchSpec, namespace: str, name: str) -> float | None:
-    """What one run costs, in device-hours: a ProxyModel of this watch's plan (device-hours per
-    step of the proxy) x the template's steps; None while none has a plan."""
+def run_hours_of(watch: WatchSpec, checkpoint: str, credentials: dict[str, str], settings: Settings) -> float | None:
+    """What one run costs, in device-hours, as `plan` prices it (status.plan's deviceHoursPerStep
+    total of the proxy, x the template's steps), from the checkpoint's config.json (blocking);
+    None when it cannot be priced (the plan's own refusal, an unreadable config)."""
     try:
-        steps = parse_proxymodel({**watch.template_spec, "source": {"uri": f"{watch.source.uri}/x"}}, namespace,
-                                 "probe", Settings()).reproduction.max_steps
-    except InvalidSpec:
+        spec = parse_proxymodel({**watch.template_spec, "source": {"uri": checkpoint, **watch.source_fields}},
+                                "namespace", "probe", settings)
+        sizing = plan_for(read_source_config(spec, credentials), spec, settings)
+    except (InvalidSpec, PreflightError):
         return None
-    for pm in await kube.list_(PROXYMODELS, namespace, {LABEL_WATCH: watch_label(name)}):
-        per_step = ((((pm.get("status") or {}).get("plan") or {}).get("deviceHoursPerStep") or {}).get("total")
-                    or {}).get("proxy")
-        if per_step:
-            return float(per_step) * steps
-    return None
+    return sizing.phase_table()["total"]["proxy"] * spec.reproduction.max_steps
 
 
 async def _open(body: kopf.Body, watch: WatchSpec, incident: dict, failure, credentials: dict[str, str],
-                logger: logging.Logger) -> dict:
+                settings: Settings, logger: logging.Logger) -> dict:
     """A confirmed failure: the checkpoints up to it, the plan within the budget, the Diagnosis."""
     meta, f = body["metadata"], watch.on_failure
     found = await asyncio.to_thread(list_prefix, watch.source.uri, watch.pattern, watch.step_regex,
@@ -164,7 +167,8 @@ async def _open(body: kopf.Body, watch: WatchSpec, incident: dict, failure, cred
         return incident | {"state": inc.S_NO_CHECKPOINT}
     if len(steps) == 1:
         return incident | {"state": inc.S_TOO_FEW}
-    run_hours = await _run_hours(watch, meta["namespace"], meta["name"])
+    last = next(c.uri for c in found if c.step == steps[-1] and c.source and c.complete)
+    run_hours = await asyncio.to_thread(run_hours_of, watch, last, credentials, settings)
     candidates = f.candidates_for(failure.signature)
     p = inc.plan(len(steps), candidates, f.budget, inc.SEEDS, run_hours)
     incident.update(badStep=steps[-1], candidates=list(p.candidates), leftOut=list(p.left_out), runHours=run_hours,
@@ -173,7 +177,13 @@ async def _open(body: kopf.Body, watch: WatchSpec, incident: dict, failure, cred
         return incident | {"state": inc.S_BUDGET_SPENT, "budgetRefused": p.refused}
     manifest = inc.diagnosis_for(dict(body), f, failure, steps[-1], p, incident.get("previous"))
     kopf.adopt(manifest, owner=dict(body))  # deleting the watch deletes its Diagnoses
-    _, created = await kube.create(DIAGNOSES, meta["namespace"], manifest)
+    try:
+        _, created = await kube.create(DIAGNOSES, meta["namespace"], manifest)
+    except kube.ApiError as exc:
+        if exc.status not in (400, 403, 422):
+            raise  # kopf retries the poll; the name is the incident's, so it is made once
+        return incident | {"state": inc.S_DIAGNOSIS_FAILED, "message": f"the API server refused Diagnosis "
+                           f"{manifest['metadata']['name']}: {exc.message or exc}"[:512]}
     logger.info("Diagnosis %s %s", manifest["metadata"]["name"], "created" if created else "exists")
     return incident | {"state": inc.S_DIAGNOSING, "diagnosis": manifest["metadata"]["name"]}
 

@@ -143,6 +143,9 @@ async def test_a_failure_opens_one_diagnosis_and_nothing_makes_a_second(cluster,
     assert [o["kind"] for o in d["metadata"]["ownerReferences"]] == ["CheckpointWatch"]
     inc = incident(cluster, "w")
     assert (inc["step"], inc["signature"], inc["state"], inc["diagnosis"]) == (10, "nan", "Diagnosing", "w-incident-10")
+    # priced by the plan of checkpoint 8 (device-hours per step x steps): spent nothing yet, all left
+    assert inc["budget"]["spent"] == {"runs": 0, "deviceHours": "0"} and inc["budget"]["left"]["runs"] == 20
+    assert inc["runHours"] > 0 and inc["candidates"] and not inc["leftOut"]
     report = json.loads(run.object("moe-proxy/incident-10/report.json"))
     assert (report["failing_step"], report["signature"], report["first_bad"]) == (10, "nan", None)
     assert {"FailureSeen", "IncidentDiagnosisStarted"} <= set(cluster.event_reasons(NS, "w"))
@@ -184,6 +187,9 @@ async def test_a_later_failure_after_a_fix_is_a_new_incident_linked_to_the_first
     assert d["metadata"]["annotations"][ANNOTATION_PREVIOUS] == "w-incident-9"
     assert d["spec"]["checkpoints"]["bad"] == 12
     await eventually(lambda: incident(cluster, "w").get("previous") == "w-incident-9", 20, "the link in status")
+    second = incident(cluster, "w")
+    assert (second["step"], second["state"], second.get("fixedBy"), second.get("firstBad")) == (
+        14, "Diagnosing", None, None)  # nothing of the first incident's answer left on the second
     assert [i["step"] for i in status(cluster, "w")["incidents"]] == [9]
     assert sorted(cluster.names(DIAGNOSES, NS)) == ["w-incident-14", "w-incident-9"]
     assert {"FixedBy", "FirstBadFound"} <= set(cluster.event_reasons(NS, "w"))
