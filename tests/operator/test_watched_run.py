@@ -291,3 +291,21 @@ async def test_metrics_without_a_step_then_shrinking_metrics(cluster, s3, operat
     await asyncio.sleep(6 * TICK + 2)
     assert cluster.names(DIAGNOSES, NS) == ["w-incident-9"] and diagnoses_made(cluster) == 1
     assert condition(cluster, "w", "MetricsReadable")["reason"] == "Read"
+
+
+async def test_a_budget_too_small_for_the_bisection_is_its_own_status(cluster, s3, operator, run):
+    for step in range(1, 13):
+        run.log(step)
+        if step % 4 == 0:
+            run.save(step)
+    nan_step(13, run)
+    await secret(cluster)
+    await cluster.create(CHECKPOINT_WATCHES, NS, watch_manifest("w", run, budget={"probes": 2}))
+    spent = await eventually(lambda: incident(cluster, "w").get("state") == "BudgetSpent" and incident(cluster, "w"),
+                             20, "the budget said")
+    assert "3 checkpoints needs up to 3 runs" in spent["budgetRefused"] and "the budget is 2 runs" in spent[
+        "budgetRefused"]
+    assert spent["leftOut"] and spent["candidates"] == []
+    assert cluster.names(DIAGNOSES, NS) == [] and condition(cluster, "w", "RunHealthy")["reason"] == "BudgetSpent"
+    await eventually(lambda: "BudgetSpent" in cluster.event_reasons(NS, "w"), 20, "the Event")
+    assert "budget spent" in json.loads(run.object("moe-proxy/incident-13/report.json"))["summary"]
