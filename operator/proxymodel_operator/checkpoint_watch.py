@@ -8,7 +8,9 @@ One kopf timer per CheckpointWatch. Every `spec.pollInterval` seconds it
    the Secret the watch names, read with `get` and kept in memory;
 3. decides (watch_decisions.decide) and acts: creates ProxyModels `<watch>-step-<N>` owned by the
    watch, deletes the oldest beyond keepLast, and writes what it saw to status.
-An incomplete checkpoint is looked at again on the next poll; one that is no source (dense,
+With spec.metrics and spec.onFailure, each poll also follows the run's metrics and its incident
+(watched_run.follow_run: one Diagnosis per incident, the answer in status, Events, a report next
+to the run and a webhook). An incomplete checkpoint is looked at again on the next poll; one that is no source (dense,
 unsupported, unreadable) gets one warning Event. Listing errors become the SourceReachable
 condition (S3AccessDenied, EndpointUnreachable, ...) and the next poll tries again.
 

@@ -159,6 +159,17 @@ def spent(diagnosis_status: dict) -> int:
                                                                                                     "NotRun"))
 
 
+def over_budget(budget: BudgetSpec, runs: int, run_hours: float | None) -> str | None:
+    """Why a running Diagnosis must stop: it started more runs than the budget holds (a bisection
+    stepping around inconclusive probes, or a non-monotone run, probes past log2(n) + 3), or their
+    device-hours passed deviceHours. None: within the budget."""
+    if runs > budget.probes:
+        return f"stopped: {runs} runs started, the budget is {budget.probes}"
+    if budget.hours is not None and run_hours is not None and runs * run_hours > budget.hours:
+        return f"stopped: {runs * run_hours:.4g} device-hours started, the budget is {budget.device_hours}"
+    return None
+
+
 def budget_status(budget: BudgetSpec, runs: int, run_hours: float | None) -> dict:
     """status.incident.budget: spent and left, in runs and (where the plan prices a run) device-hours."""
     hours = runs * run_hours if run_hours is not None else None
@@ -176,8 +187,8 @@ def _condition(status: dict, kind: str) -> dict:
 
 def answer(incident: dict, diagnosis: dict | None) -> dict:
     """The incident as its Diagnosis has it now: state, firstBad, fixedBy (the fields that change)."""
-    if diagnosis is None:
-        return {}
+    if diagnosis is None:  # deleted (by hand: the watch made it): no answer will come
+        return {"state": S_DIAGNOSIS_FAILED, "message": f"Diagnosis {incident.get('diagnosis')} is gone"}
     st = diagnosis.get("status") or {}
     first = (st.get("firstBad") or {}).get("step")
     out = {"firstBad": first, "firstBadCheckpoint": (st.get("firstBad") or {}).get("checkpoint"),

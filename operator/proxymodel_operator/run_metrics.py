@@ -21,6 +21,7 @@ into a temporary directory, read with `metrics.readers.read_run` and fed, step b
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -146,6 +147,10 @@ class RunMetrics:
         self.last_step = max(rows) if rows else self.last_step
         if self.last is not None and self.last_step is not None and self.last_step >= self.last:
             self.finished = f"step {self.last} logged (spec.metrics.lastStep)"
+
+    def close(self) -> None:
+        """Drop the local copy (a watcher replaced: another after_step, another spec)."""
+        shutil.rmtree(self.local, ignore_errors=True)
 
     def later_hits(self, failure: RunFailure) -> list[bool]:
         """For each step logged after the failure's detection, in order: whether the detector's

@@ -46,6 +46,8 @@ def _watcher(memo: kopf.Memo, watch: WatchSpec, credentials: dict[str, str], aft
     key = (m.uri, m.format, m.profile, m.last_step, tuple(f.fail_on), after, watch.source.endpoint)
     held = memo.get("run_watcher")
     if held is None or held[0] != key:
+        if held is not None and hasattr(held[1], "close"):
+            held[1].close()
         held = (key, watcher_for(m.uri, list(f.fail_on), m.format, m.profile, m.last_step,
                                  _store_options(watch, credentials), after))
         memo["run_watcher"] = held
@@ -125,10 +127,22 @@ async def _advance(body: kopf.Body, watch: WatchSpec, incident: dict | None, fai
             return incident | {"state": inc.S_RECOVERED}
         return await _open(body, watch, incident, failure, credentials, settings, logger)
     if incident and incident.get("state") == inc.S_DIAGNOSING:
-        diagnosis = await _get(DIAGNOSES, body["metadata"]["namespace"], incident["diagnosis"])
-        incident = incident | inc.answer(incident, diagnosis)
-        incident["budget"] = inc.budget_status(watch.on_failure.budget, incident.get("spentRuns") or 0,
-                                               incident.get("runHours"))
+        incident = await _follow_diagnosis(body["metadata"]["namespace"], watch, incident, logger)
+    return incident
+
+
+async def _follow_diagnosis(namespace: str, watch: WatchSpec, incident: dict, logger: logging.Logger) -> dict:
+    """The incident as its Diagnosis has it; a Diagnosis past the budget is stopped (deleted with
+    its runs, owned by it): what it found so far stays in the incident."""
+    budget = watch.on_failure.budget
+    incident = incident | inc.answer(incident, await _get(DIAGNOSES, namespace, incident["diagnosis"]))
+    runs = incident.get("spentRuns") or 0
+    incident["budget"] = inc.budget_status(budget, runs, incident.get("runHours"))
+    over = inc.over_budget(budget, runs, incident.get("runHours"))
+    if incident["state"] == inc.S_DIAGNOSING and over:
+        await kube.delete(DIAGNOSES, namespace, incident["diagnosis"])
+        logger.warning("Diagnosis %s %s", incident["diagnosis"], over)
+        incident.update(state=inc.S_BUDGET_SPENT, budgetRefused=over)
     return incident
 
 

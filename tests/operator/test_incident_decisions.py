@@ -70,6 +70,14 @@ def test_the_plan_bisects_first_then_the_candidates_that_fit_in_order():
     assert refused.refused and "needs up to 9 runs" in refused.refused and refused.candidates == ()
 
 
+def test_a_diagnosis_past_its_budget_is_stopped():
+    budget = BudgetSpec(probes=8, device_hours="4")
+    assert inc.over_budget(budget, 8, 0.5) is None
+    assert inc.over_budget(budget, 9, None) == "stopped: 9 runs started, the budget is 8"
+    assert inc.over_budget(BudgetSpec(probes=20, device_hours="4"), 9, 0.5) == (
+        "stopped: 4.5 device-hours started, the budget is 4")
+
+
 def test_the_diagnosis_is_named_by_the_incident_owned_by_the_watch_and_linked_to_the_previous():
     f = parse_on_failure({"failOn": ["nan"], "budget": {"parallelism": 3}})
     p = inc.plan(4, f.candidates_for("nan"), f.budget, inc.SEEDS, None)
@@ -99,6 +107,8 @@ def test_what_the_diagnosis_says_is_the_incident_state():
     assert inc.answer({"leftOut": ["gspo"]}, _diag("Complete", "NoFix", **first))["state"] == inc.S_BUDGET_SPENT
     assert inc.answer({}, _diag("Complete", "NoneBad"))["state"] == inc.S_NONE_BAD
     assert inc.answer({}, _diag("Failed", message="probe failed"))["state"] == inc.S_DIAGNOSIS_FAILED
+    assert inc.answer({"diagnosis": "run-incident-650"}, None) == {
+        "state": inc.S_DIAGNOSIS_FAILED, "message": "Diagnosis run-incident-650 is gone"}
 
 
 def test_events_follow_the_stages_once_each():

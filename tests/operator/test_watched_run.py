@@ -309,3 +309,27 @@ async def test_a_budget_too_small_for_the_bisection_is_its_own_status(cluster, s
     assert cluster.names(DIAGNOSES, NS) == [] and condition(cluster, "w", "RunHealthy")["reason"] == "BudgetSpent"
     await eventually(lambda: "BudgetSpent" in cluster.event_reasons(NS, "w"), 20, "the Event")
     assert "budget spent" in json.loads(run.object("moe-proxy/incident-13/report.json"))["summary"]
+
+
+async def test_a_diagnosis_that_starts_more_runs_than_the_budget_is_stopped(cluster, s3, operator, run):
+    """A bisection stepping around inconclusive probes can pass log2(n) + 3: the watch stops it."""
+    for step in range(1, 9):
+        run.log(step)
+        if step % 4 == 0:
+            run.save(step)
+    nan_step(9, run)
+    await secret(cluster)
+    await cluster.create(CHECKPOINT_WATCHES, NS, watch_manifest("w", run, budget={"probes": 6}))
+    await eventually(lambda: cluster.get(DIAGNOSES, NS, "w-incident-9"), 20, "the incident's Diagnosis")
+    await cluster.patch_status(DIAGNOSES, NS, "w-incident-9", {  # as its timer would write it (played here)
+        "phase": "Running", "firstBad": {"step": 8, "checkpoint": f"{run.uri}/global_step_8/{HF}"},
+        "probes": [{"step": 8}] * 3, "baseline": {"runs": [{"phase": "Succeeded"}]},
+        "candidates": [{"runs": [{"phase": "Running"}]}, {"runs": [{"phase": "Running"}]},
+                       {"runs": [{"phase": "Running"}]}, {"runs": [{"phase": "Pending"}]}]})
+    spent = await eventually(lambda: incident(cluster, "w").get("state") == "BudgetSpent" and incident(cluster, "w"),
+                             20, "the budget spent")
+    assert spent["budgetRefused"] == "stopped: 7 runs started, the budget is 6" and spent["firstBad"] == 8
+    assert spent["budget"]["spent"]["runs"] == 7 and spent["budget"]["left"]["runs"] == 0
+    await eventually(lambda: cluster.names(DIAGNOSES, NS) == [], 20, "the Diagnosis stopped")
+    await asyncio.sleep(4 * TICK + 1)
+    assert diagnoses_made(cluster) == 1 and incident(cluster, "w")["state"] == "BudgetSpent"
