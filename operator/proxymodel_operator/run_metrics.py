@@ -155,7 +155,8 @@ class RunMetrics:
     def later_hits(self, failure: RunFailure) -> list[bool]:
         """For each step logged after the failure's detection, in order: whether the detector's
         per-step test for its signature holds there (the same test, the run's own baseline)."""
-        seen = failure.seen if failure.seen is not None else failure.step
+        seen = getattr(failure, "seen", None)  # RunWatcher's Failure may not say: from the onset then
+        seen = failure.step if seen is None else seen
         out = []
         for step in sorted(s for s in self.rows if s > seen):
             checks = self.detector._checks(self.rows[step])  # noqa: SLF001 - the detector's per-step test
