@@ -41,6 +41,7 @@ S_CONFIRMING, S_DIAGNOSING = "Confirming", "Diagnosing"
 S_RECOVERED, S_NO_CHECKPOINT, S_TOO_FEW = "Recovered", "NoCheckpoint", "TooFewCheckpoints"
 S_FIXED, S_NO_FIX, S_NONE_BAD, S_NOT_REPRODUCED = "Fixed", "NoFix", "NoneBad", "NotReproduced"
 S_BUDGET_SPENT, S_DIAGNOSIS_FAILED = "BudgetSpent", "DiagnosisFailed"
+S_FIXED_BUT = "FixedWithOtherFailures"  # only cures that trade the failure for another (the matrix's fixed-but)
 OPEN_STATES = (S_CONFIRMING, S_DIAGNOSING)
 MAX_HISTORY = 10  # status.incidents kept
 
@@ -202,6 +203,8 @@ def answer(incident: dict, diagnosis: dict | None) -> dict:
     left_out = incident.get("leftOut") or []
     if st.get("fixedBy"):
         state = S_FIXED
+    elif st.get("fixedWithOtherFailures"):
+        state = S_FIXED_BUT
     elif reason == "NoneBad":
         state = S_NONE_BAD
     elif reason == "BaselineNotReproduced":
@@ -231,6 +234,7 @@ def said(incident: dict) -> str:
                  "needs two",
         S_NO_FIX: f"{head}{where}; nothing cures it (tried: {', '.join(incident.get('candidates') or []) or 'none'})",
         S_NONE_BAD: f"{head}: no checkpoint's proxy reproduces it",
+        S_FIXED_BUT: f"{head}{where}; cured only with other failures by {incident.get('fixedWithOtherFailures')}",
         S_NOT_REPRODUCED: f"{head}{where}; the first bad checkpoint's failing run did not reproduce it again: no "
                         "candidate was judged",
         S_BUDGET_SPENT: f"{head}{where}: budget spent" + (f" ({incident['budgetRefused']})"
@@ -244,7 +248,8 @@ def said(incident: dict) -> str:
 STAGE_EVENTS = {  # incident state -> (Event type, reason) said when the incident reaches it
     S_DIAGNOSING: ("Normal", "IncidentDiagnosisStarted"), S_RECOVERED: ("Normal", "RunRecovered"),
     S_NO_CHECKPOINT: ("Warning", "NoCompleteCheckpoint"), S_TOO_FEW: ("Warning", "TooFewCheckpoints"),
-    S_FIXED: ("Normal", "FixedBy"), S_NO_FIX: ("Warning", "NothingCures"), S_NONE_BAD: ("Warning", "NoneBad"),
+    S_FIXED: ("Normal", "FixedBy"), S_NO_FIX: ("Warning", "NothingCures"),
+    S_FIXED_BUT: ("Warning", "FixedWithOtherFailures"), S_NONE_BAD: ("Warning", "NoneBad"),
     S_NOT_REPRODUCED: ("Warning", "NotReproduced"), S_BUDGET_SPENT: ("Warning", "BudgetSpent"),
     S_DIAGNOSIS_FAILED: ("Warning", "DiagnosisFailed"),
 }

@@ -104,6 +104,8 @@ def test_what_the_diagnosis_says_is_the_incident_state():
     assert (running["state"], running["firstBad"], running["spentRuns"]) == (inc.S_DIAGNOSING, 600, 2)
     assert inc.answer({}, _diag("Complete", "FixFound", fixedBy="bf16,fp32", **first))["state"] == inc.S_FIXED
     assert inc.answer({}, _diag("Complete", "NoFix", **first))["state"] == inc.S_NO_FIX
+    assert inc.answer({}, _diag("Complete", "FixWithOtherFailures", fixedWithOtherFailures="lower-lr", **first))[
+        "state"] == inc.S_FIXED_BUT
     assert inc.answer({"leftOut": ["gspo"]}, _diag("Complete", "NoFix", **first))["state"] == inc.S_BUDGET_SPENT
     assert inc.answer({}, _diag("Complete", "NoneBad"))["state"] == inc.S_NONE_BAD
     assert inc.answer({}, _diag("Failed", message="probe failed"))["state"] == inc.S_DIAGNOSIS_FAILED
