@@ -32,7 +32,7 @@ from moe_proxy.investigate.bisect import sources
 
 from . import diagnosis_bisect as bisection, handlers, kube  # noqa: F401 - handlers' startup handler: settings
 from .checkpoint_watch import CHECKPOINT_WATCHES, REASONS
-from .diagnosis_spec import InvalidDiagnosis
+from .diagnosis_spec import InvalidDiagnosis, candidates_spec
 from .diagnosis_matrix import decide
 from .diagnosis_rows import recorded_running, refused_create
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet
@@ -140,10 +140,12 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
     as_written = {**dict(body), "status": current}
     if current.get("phase") in (DIAGNOSED, DIAGNOSIS_FAILED) and current.get("observedGeneration") == generation:
         return  # finished: read nothing
-    if bisection.is_bisection(dict(spec)):
+    if bisection.is_bisection(dict(spec)) and not current.get("candidatesOn"):
         decision = await bisect(as_written, current, namespace, name, memo.settings)
     else:
-        proxy_model = spec.get("proxyModel")
+        if current.get("candidatesOn"):  # a bisection's candidates: a matrix on its first bad probe's ProxyModel
+            as_written = {**as_written, "spec": candidates_spec(dict(spec), current["candidatesOn"]["proxyModel"])}
+        proxy_model = as_written["spec"].get("proxyModel")
         proxymodel = await _proxymodel(namespace, proxy_model) if isinstance(proxy_model, str) and proxy_model \
             else None
         decision = decide(as_written, proxymodel, await observe(namespace, name, current), memo.settings)

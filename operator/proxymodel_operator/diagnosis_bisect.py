@@ -126,7 +126,8 @@ def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings:
             out.events.append(("Normal", "ProbeCreated", f"probe {len(probes)}: step {c['step']} ({c['uri']}): "
                                f"ProxyModel {row['proxyModel']}"))
         else:
-            return _complete(status, probes, checkpoints, nxt.first_bad, generation, out)
+            return _complete(status, probes, checkpoints, nxt.first_bad, generation, out,
+                             bool((body.get("spec") or {}).get("candidates")))
     done = sum(p["phase"] == RUN_DONE for p in probes)
     out.status.update(probes=probes, done=done, progress=f"{done} probed of {len(checkpoints)}", phase=DIAGNOSING)
     current = in_flight({"probes": probes})
@@ -200,7 +201,7 @@ def _failed(status: dict, probes: list[dict], p: dict, message: str, generation:
 
 
 def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: int | None, generation: int,
-              out: DiagnosisDecision) -> DiagnosisDecision:
+              out: DiagnosisDecision, candidates: bool = False) -> DiagnosisDecision:
     as_probes = [(p["index"], Probe(p["checkpoint"], p["step"], p["reproduced"], p.get("signature"), p.get("onset"),
                                     p.get("note") or "")) for p in probes]
     found = findings(first, as_probes, [SimpleNamespace(**c) for c in checkpoints])
@@ -215,11 +216,18 @@ def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: 
              notMonotone=found.get("not_monotone"), inconclusive=found["inconclusive"] or None,
              builds=found["builds"], phase=DIAGNOSED, message=said[:1024],
              done=len(probes), progress=f"{len(probes)} probed of {len(checkpoints)}")
+    out.events.append(("Normal" if found["monotone"] and not found["inconclusive"] else "Warning",
+                       "BisectionComplete", said))
+    if found["first_bad"] and candidates:  # issue 45 item 3: on to the candidates, on the first bad probe's proxy
+        probe = next(p for p in probes if p["step"] == found["first_bad"]["step"] and p.get("reproduced"))
+        s.update(phase=DIAGNOSING, candidatesOn={"proxyModel": probe["proxyModel"], "step": probe["step"]})
+        said = f"{said}; now the candidates on {probe['proxyModel']}"
+        set_condition(status, s, RUNNING_CONDITION, True, "TryingCandidates", said, generation)
+        out.events.append(("Normal", "CandidatesStarted", said))
+        return out
     set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every probe finished", generation)
     set_condition(status, s, COMPLETE_CONDITION, True, "FirstBadFound" if found["first_bad"] else "NoneBad", said,
          generation)
-    out.events.append(("Normal" if found["monotone"] and not found["inconclusive"] else "Warning",
-                       "BisectionComplete", said))
     return out
 
 

@@ -48,6 +48,7 @@ class BisectSpec:
     bad: int | None = option(None, "int", "a step known to reproduce: the search ends there", crd="bad", minimum=0)
     fail_on: dict | None = None  # the spec's failOn (DiagnosisSpec's); None: the template's spec.reproduction.failOn
     steps: int | None = None  # the spec's steps (DiagnosisSpec's); None: the template's maxSteps
+    candidates: tuple = ()  # the spec's candidates: tried on the first bad probe's ProxyModel (candidates_spec)
 
 
 def _inline_fields() -> dict[str, dict]:
@@ -105,7 +106,9 @@ class DiagnosisSpec:
     candidates: tuple[CandidateSpec, ...] = crd_field(
         "candidates", f"Candidate fixes: a name from moe-proxy's catalogue ({', '.join(CATALOGUE)}; "
         "docs/diagnosis.md), or your own {name, args: [repro flags], env: [container env]}; for a ProxyModel with "
-        "spec.reproduction.template, {name, env, args} patches of its first container only.", CANDIDATES, ())
+        "spec.reproduction.template, {name, env, args} patches of its first container only. With spec.checkpoints: "
+        "tried once the bisection found the first bad checkpoint, on that probe's ProxyModel (its proxy is not built "
+        "again).", CANDIDATES, ())
     fail_on: dict | None = crd_field("failOn", "the failure to judge; default the ProxyModel's (or the template's) "
                                      "spec.reproduction.failOn", fail_on_schema(), None)
     seeds: int = option(2, "int", "seeds per variant, from the ProxyModel's reproduction seed on (a bisection runs "
@@ -186,9 +189,10 @@ def parse_diagnosis(spec: dict) -> DiagnosisSpec:
 def parse_bisection(spec: dict) -> BisectSpec:
     """spec as the CRD has it, checked beyond the schema (InvalidDiagnosis says what is wrong)."""
     raw = spec.get("checkpoints")
-    if spec.get("proxyModel") or spec.get("candidates"):
-        raise InvalidDiagnosis("InvalidSpec", "spec.checkpoints asks for a bisection; spec.proxyModel and "
-                               "spec.candidates ask for a candidate matrix: give one or the other")
+    if spec.get("proxyModel"):
+        raise InvalidDiagnosis("InvalidSpec", "spec.checkpoints asks for a bisection; spec.proxyModel asks for a "
+                               "candidate matrix on a ProxyModel: give one or the other")
+    candidates = parse_diagnosis(candidates_spec(spec, "probe")).candidates if spec.get("candidates") else ()
     usage = ("spec.checkpoints: {watch: a CheckpointWatch in this namespace} or {source: {uri: s3://run-prefix}, "
              "template: {spec: a ProxyModel spec without source}}")
     if not isinstance(raw, dict):
@@ -208,4 +212,11 @@ def parse_bisection(spec: dict) -> BisectSpec:
         raise InvalidDiagnosis("InvalidSpec", f"spec.checkpoints: good {b.good} must come before bad {b.bad}")
     fail_on = _fail_on(spec)
     steps = read_spec({"steps": spec.get("steps")}).steps  # (seeds and parallelism are the matrix's)
-    return BisectSpec(watch, inline or None, b.good, b.bad, fail_on, steps)
+    return BisectSpec(watch, inline or None, b.good, b.bad, fail_on, steps, candidates)
+
+
+def candidates_spec(spec: dict, proxy_model: str) -> dict:
+    """A bisection's candidates as a matrix Diagnosis's spec on `proxy_model` (the first bad
+    probe's ProxyModel): its candidates, failOn, seeds, parallelism and steps."""
+    return {"proxyModel": proxy_model, **{k: spec[k] for k in ("candidates", "failOn", "seeds", "parallelism", "steps")
+                                          if spec.get(k) is not None}}

@@ -65,6 +65,12 @@ PERMISSIONS: tuple[Permission, ...] = (
     # OwnerReferencesPermissionEnforcement admission plugin (OpenShift) allow only with this.
     Permission("moeproxy.io", "checkpointwatches/finalizers", ("update",),
                "own the ProxyModels it makes (blockOwnerDeletion)", features=("checkpointWatch",)),
+    # The watched run (issue 43; spec.metrics and spec.onFailure): one Diagnosis per incident, owned
+    # by the watch (its finalizers grant above), stopped past its budget; its webhook's Secret is
+    # read with the `get` above.
+    Permission("moeproxy.io", "diagnoses", ("create", "delete"), "a CheckpointWatch's incident: its one "
+               "Diagnosis, deleted (with its runs) once it starts more than the incident's budget",
+               features=("checkpointWatch",)),
     # Diagnosis (issue 26): kopf's timer on each, its status, and the runs it creates (the
     # reproduction workloads and Services above, read back with their pods; the ProxyModel with
     # the `get` above). The runs are owned by the Diagnosis with blockOwnerDeletion.
