@@ -165,6 +165,9 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
             ours.update(errored)
             continue
         logger.info("%s %s", what, "created" if created else "already exists")
+    for resource, workload in decision.delete:  # runs stopped early: status says so already
+        if await kube.delete(resource, namespace, workload):
+            logger.info("%s %s deleted", resource.kind, workload)
     for kind, reason, message in decision.events:
         kopf.event(dict(body), type=kind, reason=reason, message=message[:1024])
         logger.info("%s: %s", reason, message)

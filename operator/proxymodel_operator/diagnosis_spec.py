@@ -110,8 +110,12 @@ class DiagnosisSpec:
                                      "spec.reproduction.failOn", fail_on_schema(), None)
     seeds: int = option(2, "int", "seeds per variant, from the ProxyModel's reproduction seed on (a bisection runs "
                         "one per probe, on the template's seed)", crd="seeds", minimum=1, maximum=16)
-    parallelism: int = option(1, "int", "how many runs (each a full reproduction workload) at once (a bisection "
-                              "probes one at a time)", crd="parallelism", minimum=1, maximum=64)
+    parallelism: int = option(1, "int", "how many runs (each a full reproduction workload) at once; a bisection "
+                              "probes this many checkpoints a round (each a ProxyModel and its run), the range left "
+                              "cut in parallelism + 1 parts", crd="parallelism", minimum=1, maximum=64)
+    all_seeds: bool = option(False, "bool", "run every seed of every candidate (the full matrix). By default a "
+                             "candidate that reproduced on one seed is reproduced whatever its other seeds do: its "
+                             "pending runs are not started and its running ones deleted", crd="allSeeds")
     steps: int | None = option(None, "int", "RL steps per run; default the ProxyModel's (or the template's) "
                                "spec.reproduction.maxSteps", crd="steps", minimum=1)
     checkpoints: BisectSpec | None = crd_field(

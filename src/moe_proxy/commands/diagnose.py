@@ -131,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
         f"seed {s}: {o['signature']} at step {o['step']}" if o["reproduced"] else f"seed {s}: not reproduced"
         for s, o in seeds.items()) + "".join(f"; {f}" for f in report["baseline"]["findings"]))
     for name, c in report["candidates"].items():
-        skipped = "".join(f" (seed {s} {why})" for s, why in (c.get("not_run") or {}).items())
-        print(f"{name:<{width}}  {c['verdict']}: {c['note']}{skipped}")
+        print(f"{name:<{width}}  {c['verdict']}: {c['note']}")
     print(f"fixed by: {', '.join(report['fixed_by']) or 'none'}")
     if report["fixed_with_other_failures"]:
         print(f"fixed, but with other failures: {', '.join(report['fixed_with_other_failures'])}")

@@ -538,6 +538,7 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]], parallel: int = 
             continue
         mine = results[v.name]
         name, note = verdict(base, mine, v.steps, changed=bool(v.changes))
+        note += left_out_note(d.skipped.get(v.name) or {})
         report["candidates"][v.name] = entry | {
             "verdict": name, "note": note, "seeds": {str(s): o.as_json() for s, o in sorted(mine.items())},
             "cost": against(cost(d, v.name, window, timed), base_cost)} | _not_run(d, v.name)
@@ -545,6 +546,12 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]], parallel: int = 
     report["fixed_by"] = [n for n, c in report["candidates"].items() if c["verdict"] == FIXED]
     report["fixed_with_other_failures"] = [n for n, c in report["candidates"].items() if c["verdict"] == FIXED_BUT]
     return report
+
+
+def left_out_note(skipped: dict[int, str]) -> str:
+    """What a verdict's note adds for the seeds left out (its verdict, and a `delayed`, are then
+    the seeds' that ran): '; seed 1 not run: reproduced on seed 0'."""
+    return "".join(f"; seed {s} {why}" for s, why in sorted(skipped.items()))
 
 
 def _not_run(d: Diagnosis, name: str) -> dict:
