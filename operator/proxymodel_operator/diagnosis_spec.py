@@ -48,6 +48,7 @@ class BisectSpec:
     bad: int | None = option(None, "int", "a step known to reproduce: the search ends there", crd="bad", minimum=0)
     fail_on: dict | None = None  # the spec's failOn (DiagnosisSpec's); None: the template's spec.reproduction.failOn
     steps: int | None = None  # the spec's steps (DiagnosisSpec's); None: the template's maxSteps
+    parallelism: int = 1  # the spec's parallelism (DiagnosisSpec's): probes a round
 
 
 def _inline_fields() -> dict[str, dict]:
@@ -120,8 +121,8 @@ class DiagnosisSpec:
                                "spec.reproduction.maxSteps", crd="steps", minimum=1)
     checkpoints: BisectSpec | None = crd_field(
         "checkpoints", "A bisection (moe-proxy bisect): the earliest checkpoint of a training run whose proxy "
-        "reproduces spec.failOn, in O(log n) probes, one at a time. Either `watch` (a CheckpointWatch in this "
-        "namespace: its source, pattern, stepRegex and ProxyModel template) or `source` with `template` (and "
+        "reproduces spec.failOn, in O(log n) probes, spec.parallelism of them a round (the range left cut in "
+        "parallelism + 1 parts). Either `watch` (a CheckpointWatch in this namespace: its source, pattern, stepRegex and ProxyModel template) or `source` with `template` (and "
         "optionally pattern, stepRegex) written here. The complete checkpoints are listed once (as moe-proxy "
         "checkpoints lists them).", _checkpoints_schema(), None)
 
@@ -207,5 +208,5 @@ def parse_bisection(spec: dict) -> BisectSpec:
     if b.good is not None and b.bad is not None and b.good >= b.bad:
         raise InvalidDiagnosis("InvalidSpec", f"spec.checkpoints: good {b.good} must come before bad {b.bad}")
     fail_on = _fail_on(spec)
-    steps = read_spec({"steps": spec.get("steps")}).steps  # (seeds and parallelism are the matrix's)
-    return BisectSpec(watch, inline or None, b.good, b.bad, fail_on, steps)
+    scalars = read_spec({"steps": spec.get("steps"), "parallelism": spec.get("parallelism")})  # (seeds: the matrix's)
+    return BisectSpec(watch, inline or None, b.good, b.bad, fail_on, scalars.steps, scalars.parallelism)
