@@ -130,3 +130,33 @@ def test_the_planted_run_at_p3_finds_step_60_in_two_search_rounds(run, tmp_path,
     cost = report["cost"]
     assert cost["probes"] == 6 and cost["device_hours"] == pytest.approx(6 * cost["device_hours_per_probe"])
     assert "3 round(s) of probes (2 search round(s)), 6 probe(s), at most 3 at a time" in printed
+
+
+def test_an_interrupt_during_a_round_stops_every_probe_of_it(tmp_path):
+    """SIGINT while a round's two probes build side by side: exit 130 within seconds, both named,
+    neither keeps a record (a rerun makes them again), the finished probe kept."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .test_bisect import planted_run
+
+    run = planted_run(tmp_path, (10, 20, 30, 40, 50), (50,))
+    out = tmp_path / "b"
+    child = subprocess.Popen([sys.executable, "-m", "moe_proxy", "bisect", str(run), "--out", str(out), *ARGS,
+                              "--parallel", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 180
+    logs = [out / "probes" / f"step-{s}" / "build.log" for s in (20, 30)]  # round 2: 4 untried cut in 3 parts
+    while not all(log.exists() for log in logs):
+        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+        time.sleep(0.2)
+    sent = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == 130 and time.monotonic() - sent < 10, err
+    assert "interrupted by SIGINT during probes of steps" in err and "partial report" in err, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "interrupted" and [p["step"] for p in report["probes"]] == [50]
+    assert not any((out / "probes" / f"step-{s}" / "build.bisect-run.json").exists() for s in (20, 30))

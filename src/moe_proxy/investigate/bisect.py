@@ -483,8 +483,8 @@ def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str |
         raise BisectStopped(str(exc), report) from None
     except (KeyboardInterrupt, Stopped, RunsInterrupted):
         signum = stop_children()  # the probes' children are stopped already; none starts after this
-        what = (f"probe(s) of step {', '.join(str(c.step) for c in run.current)}" if run.current
-                else "the bisection")
+        what = (f"probe {len(run.done) + 1} (step {run.current[0].step})" if len(run.current) == 1 else
+                f"probes of steps {', '.join(str(c.step) for c in run.current)}" if run.current else "the bisection")
         why = f"interrupted by {signal.Signals(signum).name} during {what}"
         _write(out, {**_stopped(head, run.done, checkpoints, "interrupted", why), "settings": asdict(settings)})
         raise Interrupted(signum, f"{why}; {len(run.done)} finished probe(s) kept; partial report: "
