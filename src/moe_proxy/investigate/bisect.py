@@ -519,8 +519,8 @@ class _Probing:
         """A round's probes at once, each in a thread with its own slot (processes.run_each: an
         interrupt stops them all and starts none after)."""
         got: dict[int, Probe] = {}
-        log.info("round %d: step(s) %s side by side", len(self.rounds),
-                 ", ".join(str(self.checkpoints[i].step) for i in indices))
+        log.info("round %d (%s): step(s) %s%s", len(self.rounds), self.rounds[-1][0] if self.rounds else "",
+                 ", ".join(str(self.checkpoints[i].step) for i in indices), " side by side" * (len(indices) > 1))
         run_each(indices, self.slots[:len(indices)], lambda i, env: test(i, env), got.__setitem__)
         return [got[i] for i in indices]
 

@@ -355,11 +355,12 @@ def _interrupted(d: Diagnosis, stop: RunsInterrupted) -> Interrupted:
                          if (rec := reusable(d.run_dir(v.name, s), RUN_RECORD, d.recipe(v, s), "summary.json"))}
                 for v in d.variants}
     stopped = [f"{v.name} seed {s}" for v, s in stop.stopped]
+    done = {v.name: {*finished[v.name], *d.skipped.get(v.name, {})} for v in d.variants}  # left out: early stop
     not_started = [f"{v.name} seed {s}" for v in d.variants for s in d.seeds  # queued, or never queued
-                   if s not in finished[v.name] and f"{v.name} seed {s}" not in stopped]
+                   if s not in done[v.name] and f"{v.name} seed {s}" not in stopped]
     interrupted = {"signal": signal.Signals(stop.signum).name, "stopped": stopped, "not_started": not_started,
                    "finished_runs": sum(map(len, finished.values()))}
-    complete = [v for v in d.variants if len(finished[v.name]) == len(d.seeds)]
+    complete = [v for v in d.variants if len(done[v.name]) == len(d.seeds)]
     if complete and complete[0].name == BASELINE:
         partial = replace(d, variants=complete)
         report = judge(partial, {v.name: finished[v.name] for v in complete}) | {"interrupted": interrupted}
