@@ -35,7 +35,7 @@ def measure(run: Path, out: Path, parallel: int) -> dict:
     r = json.loads((out / "report.json").read_text())
     return {"P": parallel, "rounds": r["rounds"], "search rounds": r["search_rounds"],
             "probes": r["cost"]["probes"], "device-hours": f"{r['cost']['device_hours']:.3g}",
-            "first bad": r["first_bad"]["step"], "order": " | ".join(", ".join(map(str, x["steps"]))
+            "first bad": r["first_bad"]["step"], "order": " / ".join(", ".join(map(str, x["steps"]))
                                                                    for x in r["round_list"]),
             "wall s": round(wall)}
 
