@@ -326,9 +326,9 @@ def next_probe(n: int, results: dict[int, bool | None], good_given: bool) -> Nex
 @dataclass(frozen=True)
 class Round:
     """The probes of one round (`probes`, run side by side), or (none) the search is over and
-    `first_bad` is the answer. `kind`: "last" (the last checkpoint, and with --good the first),
-    "search" (split points of the range left; the boundary's after-neighbour may fill a slot
-    left over), "boundary" (the boundary's neighbours)."""
+    `first_bad` is the answer. `kind`: "last" (the last checkpoint), "search" (cuts of the range
+    left, with --good the first checkpoint until probed; the boundary's after-neighbour may fill a
+    slot left over), "boundary" (the boundary's neighbours)."""
 
     probes: tuple[int, ...]
     first_bad: int | None = None
