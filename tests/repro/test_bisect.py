@@ -100,7 +100,6 @@ def test_a_bisection_finds_the_first_planted_checkpoint(run, tmp_path, capsys):
     (["--experts", "99"], "cannot keep 99 experts per layer: the model has 8 routed experts per layer"),
     (["--top-k", "5"], "top-k 5 must be between 1 and the kept experts (4)"),
     (["--seeds", "0"], "--seeds 0: at least 1"),
-    (["--parallel", "0"], "--parallel: 0: must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_runs_nothing(run, tmp_path, capsys, extra, message):
     out = tmp_path / "b"

@@ -108,6 +108,15 @@ def test_a_round_runs_its_probes_side_by_side_each_with_its_share_of_threads(mon
     assert "3 round(s) of probes (2 search round(s)), 6 probe(s)" in (tmp_path / "report.md").read_text()
 
 
+def test_parallel_0_is_bad_usage_and_runs_nothing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bisect", str(tmp_path), "--out", str(tmp_path / "b"), *ARGS, "--parallel", "0"])
+    assert stop.value.code == 2 and "--parallel: 0: must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(bisect_module.MoeProxyError, match="--parallel 0: at least 1"):
+        bisect_module.bisect(str(tmp_path), tmp_path / "b", ProbeSettings("nan", [], [], []), parallel=0)
+
+
 def test_slots_share_the_cpu_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(bisect_module.os, "cpu_count", lambda: 16)
