@@ -13,7 +13,7 @@ A finished Diagnosis (Complete or Failed for its generation) reads nothing more.
 
 A bisection (spec.checkpoints, diagnosis_bisect) lists the run's checkpoints once (its
 CheckpointWatch's prefix, or its own; `moe_proxy.investigate.bisect.sources`, the CLI's listing),
-then reads only its probe in flight: that probe's ProxyModel and run.
+then reads only its probes in flight (a round's, spec.parallelism at most): their ProxyModels and runs.
 
 Registered (`register`) by the operator's main at start-up, as checkpoint_watch is (kopf takes
 the timer's interval when it is registered). Importing this module registers nothing.
@@ -105,9 +105,8 @@ async def bisect(body: dict, status: dict, namespace: str, name: str, settings) 
         return DiagnosisDecision({"observedGeneration": generation}, [], [("Warning", "SpecChangeIgnored", (
             f"spec changed (generation {generation}) after the checkpoints were listed: this Diagnosis goes on with "
             "the bisection in status; create another Diagnosis for the new spec"))])
-    probe = bisection.in_flight(status)
-    child = await _proxymodel(namespace, probe["proxyModel"]) if probe else None
-    return bisection.progress(body, child, await observe(namespace, name, status), settings)
+    children = {p["proxyModel"]: await _proxymodel(namespace, p["proxyModel"]) for p in bisection.flying(status)}
+    return bisection.progress(body, None, await observe(namespace, name, status), settings, children=children)
 
 
 async def observe(namespace: str, diagnosis: str, status: dict) -> dict:
@@ -174,6 +173,9 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
             ours.update(errored)
             continue
         logger.info("%s %s", what, "created" if created else "already exists")
+    for resource, workload in decision.delete:  # runs stopped early: status says so already
+        if await kube.delete(resource, namespace, workload):
+            logger.info("%s %s deleted", resource.kind, workload)
     for kind, reason, message in decision.events:
         kopf.event(dict(body), type=kind, reason=reason, message=message[:1024])
         logger.info("%s: %s", reason, message)

@@ -527,7 +527,6 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         "--out": _OUT, "--candidates": "a Diagnosis's spec.candidates (catalogue names)",
         "--candidate": "a Diagnosis's spec.candidates (name and args)",
         "--candidates-file": "a Diagnosis's spec.candidates", "--list": _LOCAL,
-        "--parallel": "a Diagnosis's spec.parallelism",
         "--replace": "a Diagnosis's runs are its own children; a new spec starts over",
     },
     "bisect": {

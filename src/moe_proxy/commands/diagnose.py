@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_proxy.investigate.diagnose import RUN_OPTIONS, Seeds
+from moe_proxy.investigate.diagnose import RUN_OPTIONS, AtOnce, Seeds
 from moe_proxy.metrics.detect import FailOnOption
 from moe_proxy.options import add_arguments, add_pass_through
 from moe_proxy.rl.run_options import REPRO_MODELS
@@ -70,9 +70,7 @@ def add_parser(sub) -> None:
     p.add_argument("--candidates-file", metavar="FILE",
                    help="custom candidates from YAML or JSON: a list of {name, flags: [...]} or NAME: flags")
     add_arguments(p, Seeds, helps={"seeds": "sampling seeds per variant, from repro's --seed on"})
-    p.add_argument("--parallel", type=int, default=1, metavar="P",
-                   help="runs at a time (local processes; with --device cuda/npu each gets devices of its own, as "
-                        "many as it has ranks; default 1)")
+    add_arguments(p, AtOnce)
     add_replace_arg(p, "diagnosis")
     p.set_defaults(func=run, repro_flags=[])
     add_repro_pass_through(p)
@@ -118,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with signals_interrupt():  # Ctrl-C or SIGTERM: the runs stop, a partial report (processes.Interrupted)
             report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args),
-                              seeds=args.seeds, parallel=args.parallel, replace=args.replace)
+                              seeds=args.seeds, parallel=args.parallel, replace=args.replace,
+                              all_seeds=args.all_seeds)
     except BaselineFailed as exc:
         print(f"moe-proxy diagnose: error: {exc}", file=sys.stderr)
         return 1
