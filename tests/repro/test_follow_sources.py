@@ -124,3 +124,14 @@ def test_the_watcher_past_a_step_and_the_steps_after_a_detection(tmp_path):
     assert watcher.poll() is failure and watcher.still_failing_after(failure) == [True, False, True]
     assert watcher.detector.holds("actor/grad_norm>100:2", {"actor/grad_norm": 101.0})
     assert not watcher.detector.holds("collapse", {"actor/grad_norm": 101.0})
+
+
+def test_an_overflow_and_a_nan_at_one_step_is_the_overflow(tmp_path):
+    """A half-precision forward overflow makes the loss NaN too: the watcher names the cause (the
+    order of detect.SIGNATURES), not the alphabet's first."""
+    path = tmp_path / "metrics.jsonl"
+    row = {"actor/pg_loss": float("nan"), "numerics/half_precision": 1, "numerics/nonfinite_activations": 7}
+    path.write_text(json.dumps({"step": 1, "data": {"actor/pg_loss": 0.1}}) + "\n"
+                    + json.dumps({"step": 2, "data": row}) + "\n" + json.dumps({"step": 3, "data": row}) + "\n")
+    failure = RunWatcher(path).poll()
+    assert (failure.step, failure.signature) == (2, "overflow"), failure

@@ -79,9 +79,12 @@ class RunWatcher:
                 self.detector.update(step, values)
                 fed.append((step, values))
         if self.failure is None:
-            found = [(onset.step, name) for name, onset in self.detector.onsets.items() if name in self.wanted]
+            # at one step, the order of SIGNATURES: an fp16 overflow that turns into NaN is the overflow
+            rank = {name: i for i, name in enumerate(SIGNATURES)}
+            found = [(onset.step, rank.get(name, len(rank)), name) for name, onset in self.detector.onsets.items()
+                     if name in self.wanted]
             if found:
-                step, name = min(found)
+                step, _, name = min(found)
                 onset = self.detector.onsets[name]
                 self.failure = RunFailure(step, name, onset.line(name), onset.seen)
         if self.failure is not None:
