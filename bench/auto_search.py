@@ -14,6 +14,7 @@ search (pruning/auto.py Search), for every target X across the whole range (issu
    Builds are counted, not timed: the figures are deterministic, the machine is shared.
 
     .venv/bin/python bench/auto_search.py [--before 6b841d8] [--counts 5-35] [--jobs 2]
+    .venv/bin/python bench/auto_search.py --synthetic 0.03    # the unit test's drifting figures instead
 
 Prints a table (target, exhaustive answer, each search's answer and counts built, in order) and
 the mean and largest number of full builds, and writes bench/out/auto-search/sweep.json.
@@ -96,7 +97,7 @@ def searches(before: str) -> dict[str, type]:
 
     text = subprocess.run(["git", "show", f"{before}:src/moe_proxy/pruning/auto.py"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout
-    old = types.ModuleType(f"auto_{before}")
+    old = sys.modules[f"auto_{before}"] = types.ModuleType(f"auto_{before}")
     exec(compile(text, f"{before}:auto.py", "exec"), old.__dict__)
     return {before: old.Search, "today": auto.Search}
 
@@ -137,12 +138,17 @@ def report(rows: list[dict], classes: dict[str, type]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default="6b841d8", help="the commit whose search is compared")
-    parser.add_argument("--counts", help="LO-HI: only these counts (default: every buildable count)")
-    parser.add_argument("--jobs", type=int, default=1, help="full builds made at once (each a process)")
-    args = parser.parse_args()
+def synthetic(drift: float, seed: int = 0) -> tuple[list[int], list[float], list[float]]:
+    """tests/calibration/test_auto_search.py's figures: 59 counts (5-63) of a 64-expert top-4 model, a
+    plain figure falling at a seeded rate, and a fit factor of 0.01 x exp(drift x index)."""
+    counts = list(range(5, 64))
+    rate = __import__("random").Random(seed).uniform(0.04, 0.12)
+    plain = [3.0 * math.exp(-rate * c) for c in counts]
+    return counts, plain, [kl * 0.01 * math.exp(drift * i) for i, kl in enumerate(plain)]
+
+
+def lab(args) -> tuple[list[int], list[float], list[float]]:
+    """The lab original's counts, plain and full figures (made where not cached)."""
     plain = plain_figures()
     counts = sorted(plain)
     if args.counts:
@@ -150,11 +156,24 @@ def main() -> None:
         counts = [c for c in counts if lo <= c <= hi]
     with ProcessPoolExecutor(args.jobs) as pool:
         full = list(pool.map(full_figure, counts))
+    return counts, [plain[c] for c in counts], full
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", default="6b841d8", help="the commit whose search is compared")
+    parser.add_argument("--counts", help="LO-HI: only these counts (default: every buildable count)")
+    parser.add_argument("--jobs", type=int, default=1, help="full builds made at once (each a process)")
+    parser.add_argument("--synthetic", type=float, metavar="DRIFT", help="instead of the lab's figures, the "
+                        "test's: a fit factor drifting by exp(DRIFT) a count (seconds, no model)")
+    args = parser.parse_args()
+    counts, plain, full = synthetic(args.synthetic) if args.synthetic is not None else lab(args)
     classes = searches(args.before)
-    rows = sweep(counts, [plain[c] for c in counts], full, classes)
-    (OUT / "sweep.json").write_text(json.dumps({"counts": counts, "plain": [plain[c] for c in counts],
-                                                "full": full, "rows": rows}, indent=1))
-    print("count: plain -> full KL: " + ", ".join(f"{c}: {plain[c]:.3g} -> {kl:.3g}" for c, kl in zip(counts, full)))
+    rows = sweep(counts, plain, full, classes)
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = "sweep.json" if args.synthetic is None else f"sweep-synthetic-{args.synthetic:g}.json"
+    (OUT / name).write_text(json.dumps({"counts": counts, "plain": plain, "full": full, "rows": rows}, indent=1))
+    print("count: plain -> full KL: " + ", ".join(f"{c}: {p:.3g} -> {kl:.3g}" for c, p, kl in zip(counts, plain, full)))
     print(report(rows, classes))
 
 

@@ -42,6 +42,7 @@ from moe_proxy.pruning.fidelity import measure_many
 from moe_proxy.errors import CalibrationError, FidelityTargetNotMet, InvalidExpertCount, InvalidOptions
 
 log = logging.getLogger(__name__)
+SMOOTH = 2  # plain figures averaged (in log) on each side of a count: one count's selection noise is not the trend
 BUDGET = 3  # full builds after which the smallest count measured to meet the target is chosen
 
 
@@ -89,9 +90,15 @@ class Search:
     full: dict[int, float] = field(default_factory=dict)  # index into counts -> KL of its full build
     budget: int = BUDGET
 
+    def __post_init__(self):
+        logs = [math.log(max(kl, 1e-300)) for kl in self.plain]
+        n = len(logs)
+        widths = [min(SMOOTH, i, n - 1 - i) for i in range(n)]  # a window centred on each count
+        self.smooth = [sum(logs[i - w:i + w + 1]) / (2 * w + 1) for i, w in zip(range(n), widths)]
+
     def factor(self, i: int) -> float:
-        """What fitting did to count i's figure (full / plain), in log space."""
-        return math.log(max(self.full[i], 1e-300) / max(self.plain[i], 1e-300))
+        """What fitting did to count i's figure (full / smoothed plain), in log space."""
+        return math.log(max(self.full[i], 1e-300)) - self.smooth[i]
 
     def predicted(self, i: int) -> float:
         """Count i's full figure as predicted: its plain figure scaled by the fit factor's trend,
@@ -103,11 +110,16 @@ class Search:
         if i in self.full:
             return self.full[i]
         if len(built) == 1:
-            return self.plain[i] * math.exp(self.factor(built[0]))
+            return math.exp(self.smooth[i] + self.factor(built[0]))
         below, above = [j for j in built if j < i], [j for j in built if j > i]
         a, b = (below[-1], above[0]) if below and above else (built[:2] if above else built[-2:])
         w = (i - a) / (b - a)
-        return self.plain[i] * math.exp((1 - w) * self.factor(a) + w * self.factor(b))
+        return math.exp(self.smooth[i] + (1 - w) * self.factor(a) + w * self.factor(b))
+
+    def rising(self) -> list[str]:
+        """Where the plain figure rises with the count (the search assumes it falls)."""
+        return [f"{a} -> {ka:.3g} below {b} -> {kb:.3g}" for a, ka, b, kb in
+                zip(self.counts, self.plain, self.counts[1:], self.plain[1:]) if kb > ka]
 
     def probe_after(self, lo: int, hi: int | None) -> int:
         """The next count to build, the answer known to lie in (lo, hi] (hi None: above lo, if
