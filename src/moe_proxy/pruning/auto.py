@@ -10,7 +10,8 @@ at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
    count's plain figure by a factor that drifts with the count (on the lab's original from 0.01
    at 5 experts to 0.33 at 30), so the full figures are predicted as the plain ones times the fit
    factor's trend: the line, in log over the count's index, through the built counts around it,
-   or beyond them through the two nearest (Search.predicted). The first build is the smallest
+   or beyond them through the two nearest (Search.predicted; the plain figures smoothed over 5
+   counts, so that one count's selection noise is not read as the trend). The first build is the smallest
    count (the cheapest fits; a target above its figure is met by it, 1 build). Each next build is
    the smallest count predicted to meet the target, among those between the largest count seen
    to miss and the smallest seen to meet it (where none is predicted to, the count right below
@@ -89,6 +90,7 @@ class Search:
     max_kl: float
     full: dict[int, float] = field(default_factory=dict)  # index into counts -> KL of its full build
     budget: int = BUDGET
+    smooth: list[float] = field(init=False)  # log of each count's plain figure, smoothed (SMOOTH)
 
     def __post_init__(self):
         logs = [math.log(max(kl, 1e-300)) for kl in self.plain]
@@ -101,9 +103,11 @@ class Search:
         return math.log(max(self.full[i], 1e-300)) - self.smooth[i]
 
     def predicted(self, i: int) -> float:
-        """Count i's full figure as predicted: its plain figure scaled by the fit factor's trend,
-        the line (in log, over the index) through the built counts around i, or beyond them through
-        the two nearest; constant while one count is built."""
+        """Count i's full figure as predicted: its plain figure (smoothed: the mean log of the
+        SMOOTH counts on either side and its own) scaled by the fit factor's trend, the line (in
+        log, over the index) through the built counts around i, or beyond them through the two
+        nearest; constant while one count is built. A steady trend (a plain figure and a fit
+        factor each exponential in the index) is predicted exactly once two counts are built."""
         built = sorted(self.full)
         if not built:
             return self.plain[i]
