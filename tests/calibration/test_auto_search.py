@@ -12,7 +12,7 @@ import pytest
 
 import moe_proxy.pruning.fidelity as fidelity
 import moe_proxy.pruning.reconstruct as reconstruct
-from moe_proxy.pruning.auto import Search
+from moe_proxy.pruning.auto import Search, _gap_note
 from moe_proxy.errors import FidelityTargetNotMet
 from moe_proxy.pruning.build import build_proxy
 from moe_proxy.calibrate import statistics as cal
@@ -104,6 +104,34 @@ def test_noisy_figures_give_a_count_measured_to_meet_the_target():
                 continue
             assert full[found] <= target and (found == 0 or s.gap(found) or full[found - 1] > target)
             assert len(built) == len(set(built)) <= math.ceil(math.log2(len(COUNTS))) + 4, built
+
+
+def test_the_budget_stops_the_search_and_the_notes_name_the_counts_left_unbuilt():
+    """A fit factor that doubles at the 11th count: the trend through the first two builds
+    (counts 5 and 57) is right above them, so after 3 builds the chosen count stands, and the notes
+    name the counts between the last miss and it, unbuilt, with their predicted figures."""
+    plain = falling(0)
+    full = [kl * (0.01 if i < 10 else 0.02) for i, kl in enumerate(plain)]
+    target = full[-1] * 1.0001
+    s = Search(COUNTS, plain, target)
+    built: list[int] = []
+    assert s.run(lambda i: built.append(i) or full[i]) == len(COUNTS) - 1 == exhaustive(full, target)
+    assert built == [0, 52, 58] and s.gap(58) == [53, 54, 55, 56, 57]
+    assert _gap_note(s, 58, s.gap(58)).startswith(
+        "after 3 full builds the smallest count measured to meet the target was chosen; 57 missed it, and 58, "
+        "59, 60, 61, 62 between were not built (predicted KL ")
+
+
+def test_a_build_that_teaches_the_trend_is_wrong_goes_past_the_budget():
+    """The same step, a target met first at the 17th count: the third build (32) meets it, and
+    the trend it gives predicts counts below it to meet too, so the search goes on to 20 and stops
+    at the answer; counts right below it are predicted to miss, and did."""
+    plain = falling(0)
+    full = [kl * (0.01 if i < 10 else 0.02) for i, kl in enumerate(plain)]
+    target = full[16] * 1.0001
+    built: list[int] = []
+    assert Search(COUNTS, plain, target).run(lambda i: built.append(i) or full[i]) == 16 == exhaustive(full, target)
+    assert built == [0, 10, 27, 16]
 
 
 def test_an_unreachable_target_is_refused_from_the_largest_count():

@@ -17,9 +17,11 @@ at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
    to miss and the smallest seen to meet it (where none is predicted to, the count right below
    the one that met, or the largest count). Two builds give the trend, so a steady drift
    is predicted exactly by the third. The search stops when a count that meets sits right above
-   one that misses, or after BUDGET (3) full builds once one meets: the smallest count measured
-   to meet the target is chosen, and the notes name the counts right below it left unbuilt with
-   their predicted figures (Search.gap). An unreachable target is refused once the largest count
+   one that misses, or after BUDGET (3) full builds once one meets and the trend through all the
+   builds predicts every count between it and the largest miss to miss: the smallest count
+   measured to meet the target is chosen, and the notes name the counts right below it left
+   unbuilt with their predicted figures (Search.gap). Where the last build taught the trend that
+   some of those meet, the search goes on past the budget (Search.hopes). An unreachable target is refused once the largest count
    (and, where another count's plain figure is the best, that one) misses.
 
    The answer is the exhaustive one (building every count: the smallest that meets the target)
@@ -136,7 +138,8 @@ class Search:
         """Full builds (`build(i)`: count i's fitted KL) until the answer is known: the index of
         the smallest count meeting the target, None when none does. The first build is the
         smallest count (the cheapest fits); after `budget` builds, the smallest count measured
-        to meet the target, whether or not the count right below it was built (gap())."""
+        to meet the target once every count below it down to the largest seen to miss is
+        predicted to miss, whether or not the one right below it was built (gap())."""
         lo, hi, probe, top = -1, None, 0, len(self.counts) - 1
         while True:
             self.full[probe] = kl = build(probe)
@@ -147,9 +150,14 @@ class Search:
                     return None
                 probe, lo = best, -1
                 continue
-            if hi is not None and (hi - lo == 1 or len(self.full) >= self.budget):
+            if hi is not None and (hi - lo == 1 or len(self.full) >= self.budget and not self.hopes(lo, hi)):
                 return hi
             probe = self.probe_after(lo, hi)
+
+    def hopes(self, lo: int, hi: int) -> bool:
+        """Whether a count between lo and hi is predicted to meet the target (with what the last
+        build taught: where it was not predicted, the budget does not stop the search)."""
+        return any(self.predicted(i) <= self.max_kl for i in range(lo + 1, hi))
 
     def gap(self, chosen: int) -> list[int]:
         """The counts right below the chosen one, down to the largest built one, that were not
@@ -250,10 +258,10 @@ def _gap_note(search: Search, chosen: int, gap: list[int]) -> str:
     """What the budget left unbuilt below the chosen count, and what the fit factor's trend predicts there."""
     counts, below = search.counts, gap[0] - 1
     missed = f"{counts[below]} missed it" if below >= 0 else "no smaller count was built"
-    return (f"after {search.budget} full builds the smallest count measured to meet the target was chosen; "
+    return (f"after {len(search.full)} full builds the smallest count measured to meet the target was chosen; "
             f"{missed}, and {', '.join(str(counts[i]) for i in gap)} between were not built (predicted KL "
-            f"{', '.join(f'{search.predicted(i):.3g}' for i in gap)} from the fit factor's trend): if one of "
-            f"them met the target, it would have been the answer")
+            f"{', '.join(f'{search.predicted(i):.3g}' for i in gap)} from the fit factor's trend, all missing "
+            f"it): if one of them met it, it would have been the answer")
 
 
 def _impossible(why: dict[int, str]) -> str:
