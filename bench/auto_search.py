@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "auto-search"
+sys.path.append(str(ROOT / "src"))  # after PYTHONPATH, as bench/fidelity.py
 
 
 def lab_source():
