@@ -7,22 +7,23 @@ at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
    exactly that plain proxy, so its answer is read off the screen: no full build at all.
 2. With fits (the default reconstruction, --heal, --merge), a full build of a count fits its
    plain plan (expert_plan.fit_plan) and measures it: hours on a real model. Fitting scales a
-   count's plain figure by a factor that drifts with the count (on the lab's original from 0.01
-   at 5 experts to 0.33 at 30), so the full figures are predicted as the plain ones times the fit
-   factor's trend: the line, in log over the count's index, through the built counts around it,
-   or beyond them through the two nearest (Search.predicted; the plain figures smoothed over 5
-   counts, so that one count's selection noise is not read as the trend). The first build is the smallest
-   count (the cheapest fits; a target above its figure is met by it, 1 build). Each next build is
-   the smallest count predicted to meet the target, among those between the largest count seen
-   to miss and the smallest seen to meet it (where none is predicted to, the count right below
-   the one that met, or the largest count). Two builds give the trend, so a steady drift
-   is predicted exactly by the third. The search stops when a count that meets sits right above
-   one that misses, or after BUDGET (3) full builds once one meets and the trend through all the
-   builds predicts every count between it and the largest miss to miss: the smallest count
-   measured to meet the target is chosen, and the notes name the counts right below it left
-   unbuilt with their predicted figures (Search.gap). Where the last build taught the trend that
-   some of those meet, the search goes on past the budget (Search.hopes). An unreachable target is refused once the largest count
-   (and, where another count's plain figure is the best, that one) misses.
+   count's plain figure by a factor that drifts with the count (on the lab's original 0.023 at 5
+   experts, 0.08 at 25, 0.49 at 30), so the full figures are predicted as the plain ones times
+   the fit factor's trend: the line, in log over the count's index, through the built counts
+   around it, or beyond them through the lowest and highest (Search.predicted; the plain figures
+   smoothed over 5 counts, so that one count's selection noise is not read as the trend). The
+   first build is the smallest count (the cheapest fits; a target above its figure is met by
+   it, 1 build). Each next build is the smallest count predicted to meet the target, among those
+   between the largest count seen to miss and the smallest seen to meet it (where none is
+   predicted to, the count right below the one that met, or the largest count). Two builds give
+   the trend, so a steady drift is predicted exactly by the third. The search stops when a count
+   that meets sits right above one that misses, or after BUDGET (3) full builds once one meets
+   and the trend through all the builds predicts every count between it and the largest miss to
+   miss: the smallest count measured to meet the target is chosen, and the notes name the counts
+   right below it left unbuilt with their predicted figures (Search.gap). Where the last build
+   taught the trend that some of those meet, the search goes on past the budget (Search.hopes).
+   An unreachable target is refused once the largest count (and, where another count's plain
+   figure is the best, that one) misses.
 
    The answer is the exhaustive one (building every count: the smallest that meets the target)
    except (a) where the full figure does not fall with the count, so that a count below one seen
@@ -107,8 +108,9 @@ class Search:
     def predicted(self, i: int) -> float:
         """Count i's full figure as predicted: its plain figure (smoothed: the mean log of the
         SMOOTH counts on either side and its own) scaled by the fit factor's trend, the line (in
-        log, over the index) through the built counts around i, or beyond them through the two
-        nearest; constant while one count is built. A steady trend (a plain figure and a fit
+        log, over the index) through the built counts around i, or beyond them through the lowest
+        and highest built counts (the widest base: neighbours' noise makes a wild slope);
+        constant while one count is built. A steady trend (a plain figure and a fit
         factor each exponential in the index) is predicted exactly once two counts are built."""
         built = sorted(self.full)
         if not built:
@@ -118,7 +120,7 @@ class Search:
         if len(built) == 1:
             return math.exp(self.smooth[i] + self.factor(built[0]))
         below, above = [j for j in built if j < i], [j for j in built if j > i]
-        a, b = (below[-1], above[0]) if below and above else (built[:2] if above else built[-2:])
+        a, b = (below[-1], above[0]) if below and above else (built[0], built[-1])
         w = (i - a) / (b - a)
         return math.exp(self.smooth[i] + (1 - w) * self.factor(a) + w * self.factor(b))
 
