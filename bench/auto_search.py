@@ -6,7 +6,7 @@ search (pruning/auto.py Search), for every target X across the whole range (issu
    (auto.screen: every count's plain proxy in one walk), then every buildable count's full
    build (expert_plan.fit_plan: the default reconstruction and its figure, what `build
    --experts auto` fits), each cached in bench/out/auto-search/ by count. That is the
-   expensive part (about a minute of CPU per count, 31 counts): `--counts 5-12` limits it.
+   expensive part (1-4 minutes per count on 2 shared cores, 29 counts): `--counts 5-12` limits it.
 2. The sweep: for each target X (one between every two neighbouring full figures, one below the
    smallest, one above the largest), the search of this tree and that of `--before COMMIT`'s
    pruning/auto.py run on those figures (a full build is a look-up) and say which counts they
