@@ -1,21 +1,37 @@
 """`--experts auto --max-kl X`: the smallest expert count whose proxy has KL(original || proxy)
-at most X (pruning/fidelity.py), with as few full builds as the figures allow (issue 31).
+at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
 
 1. Screen: every candidate count is selected without fits (the plain selection, from the one
    set of one-pass statistics) and all are measured in one walk of the original
    (fidelity.measure_many). A build without fits (--no-reconstruct, no --heal or --merge) is
    exactly that plain proxy, so its answer is read off the screen: no full build at all.
 2. With fits (the default reconstruction, --heal, --merge), a full build of a count fits its
-   plain plan (expert_plan.fit_plan) and measures it: hours on a real model. The plain figure
-   falls with the count, and fitting scales a count's figure by a factor that changes slowly
-   with the count, so full builds go only where the answer can change (Search.run): first the
-   smallest count whose plain figure meets X (or, when none does, the largest count: if even it
-   misses, the target is refused, after one more build only where another count's plain figure
-   is the best); then, below the smallest count known to meet X, the largest one that the plain
-   figures scaled by the fit factors measured so far predict to miss it, then the count above
-   the last one that missed, until a count that meets X sits right above one that misses. Two
-   predictions that turn out wrong switch the search to halving the counts left. Where the
-   plain figure rises with the count the notes say so: a smaller count may then meet X.
+   plain plan (expert_plan.fit_plan) and measures it: hours on a real model. Fitting scales a
+   count's plain figure by a factor that drifts with the count (on the lab's original 0.023 at 5
+   experts, 0.08 at 25, 0.49 at 30), so the full figures are predicted as the plain ones times
+   the fit factor's trend: the line, in log over the count's index, through the built counts
+   around it, or beyond them through the lowest and highest (Search.predicted; the plain figures
+   smoothed over 5 counts, so that one count's selection noise is not read as the trend). The
+   first build is the smallest count (the cheapest fits; a target above its figure is met by
+   it, 1 build). Each next build is the smallest count predicted to meet the target, among those
+   between the largest count seen to miss and the smallest seen to meet it (where none is
+   predicted to, the count right below the one that met, or the largest count). Two builds give
+   the trend, so a steady drift is predicted exactly by the third. The search stops when a count
+   that meets sits right above one that misses, or after BUDGET (3) full builds once one meets
+   and the trend through all the builds predicts every count between it and the largest miss to
+   miss: the smallest count measured to meet the target is chosen, and the notes name the counts
+   right below it left unbuilt with their predicted figures (Search.gap). Where the last build
+   taught the trend that some of those meet, the search goes on past the budget (Search.hopes).
+   An unreachable target is refused once the largest count (and, where another count's plain
+   figure is the best, that one) misses.
+
+   The answer is the exhaustive one (building every count: the smallest that meets the target)
+   except (a) where the full figure does not fall with the count, so that a count below one seen
+   to miss meets the target (where the plain figure rises, the notes say so), or (b) where the
+   budget stopped the search with counts between the largest miss and the chosen count unbuilt
+   and one of them meets the target although the trend predicts it misses. Either way the chosen
+   count is measured to meet the target: the proxy is at worst larger than needed, never
+   further from the original than asked.
 3. The chosen count's plan, fitted once, is the one the build writes (steps.prepare `planned`).
 """
 
@@ -30,8 +46,8 @@ from moe_proxy.pruning.fidelity import measure_many
 from moe_proxy.errors import CalibrationError, FidelityTargetNotMet, InvalidExpertCount, InvalidOptions
 
 log = logging.getLogger(__name__)
-BASE = 3  # counts between the lowest and highest built ones before their fit factors' trend is extrapolated
-SURPRISES = 2  # wrong predictions before the search falls back to halving
+SMOOTH = 2  # plain figures averaged (in log) on each side of a count: one count's selection noise is not the trend
+BUDGET = 3  # full builds after which the smallest count measured to meet the target is chosen
 
 
 def check_auto(options, scale_out: bool) -> None:
@@ -76,31 +92,37 @@ class Search:
     plain: list[float]  # KL of each count's plain (unfitted) proxy
     max_kl: float
     full: dict[int, float] = field(default_factory=dict)  # index into counts -> KL of its full build
-    surprises: int = 0  # full builds on the other side of the target than predicted
-    halving: bool = False  # predictions failed: the counts left are halved
+    budget: int = BUDGET
+    smooth: list[float] = field(init=False)  # log of each count's plain figure, smoothed (SMOOTH)
+
+    def __post_init__(self):
+        logs = [math.log(max(kl, 1e-300)) for kl in self.plain]
+        n = len(logs)
+        widths = [min(SMOOTH, i, n - 1 - i) for i in range(n)]  # a window centred on each count
+        self.smooth = [sum(logs[i - w:i + w + 1]) / (2 * w + 1) for i, w in zip(range(n), widths)]
 
     def factor(self, i: int) -> float:
-        """What fitting did to count i's figure (full / plain), in log space."""
-        return math.log(max(self.full[i], 1e-300) / max(self.plain[i], 1e-300))
+        """What fitting did to count i's figure (full / smoothed plain), in log space."""
+        return math.log(max(self.full[i], 1e-300)) - self.smooth[i]
 
     def predicted(self, i: int) -> float:
-        """Count i's full figure as predicted: its plain figure scaled by the fit factor of the
-        built counts, interpolated in log over the index between the two around it; beyond them,
-        along the line through the lowest and highest built counts (the widest base: neighbours'
-        noise makes a wild slope), or constant while those are fewer than BASE counts apart."""
+        """Count i's full figure as predicted: its plain figure (smoothed: the mean log of the
+        SMOOTH counts on either side and its own) scaled by the fit factor's trend, the line (in
+        log, over the index) through the built counts around i, or beyond them through the lowest
+        and highest built counts (the widest base: neighbours' noise makes a wild slope);
+        constant while one count is built. A steady trend (a plain figure and a fit
+        factor each exponential in the index) is predicted exactly once two counts are built."""
         built = sorted(self.full)
         if not built:
             return self.plain[i]
-        below, above = [j for j in built if j <= i], [j for j in built if j >= i]
+        if i in self.full:
+            return self.full[i]
+        if len(built) == 1:
+            return math.exp(self.smooth[i] + self.factor(built[0]))
+        below, above = [j for j in built if j < i], [j for j in built if j > i]
         a, b = (below[-1], above[0]) if below and above else (built[0], built[-1])
-        if a == b or (not (below and above) and b - a < BASE):
-            return self.plain[i] * math.exp(self.factor(below[-1] if below else above[0]))
         w = (i - a) / (b - a)
-        return self.plain[i] * math.exp((1 - w) * self.factor(a) + w * self.factor(b))
-
-    def first(self) -> int:
-        """The first count to build: the smallest whose plain figure meets the target, else the largest."""
-        return next((i for i, kl in enumerate(self.plain) if kl <= self.max_kl), len(self.counts) - 1)
+        return math.exp(self.smooth[i] + (1 - w) * self.factor(a) + w * self.factor(b))
 
     def rising(self) -> list[str]:
         """Where the plain figure rises with the count (the search assumes it falls)."""
@@ -109,52 +131,78 @@ class Search:
 
     def probe_after(self, lo: int, hi: int | None) -> int:
         """The next count to build, the answer known to lie in (lo, hi] (hi None: above lo, if
-        anywhere). Below a count that meets: the largest count predicted to miss (where the
-        predicted figures cross the target from above), else the one right above lo. Building
-        the side predicted to miss first makes a prediction too cautious show at once, instead
-        of a walk down one count at a time."""
-        if hi is None:
-            top = len(self.counts) - 1
-            if self.halving:
-                return top
-            return next((i for i in range(lo + 1, top) if self.predicted(i) <= self.max_kl), top)
-        if self.halving:
-            return (lo + hi) // 2
-        return max((i for i in range(lo + 1, hi) if self.predicted(i) > self.max_kl), default=lo + 1)
+        anywhere): the smallest count predicted to meet the target; where none is, the count
+        right below hi (to see it miss), or the largest count."""
+        end = len(self.counts) if hi is None else hi
+        return next((i for i in range(lo + 1, end) if self.predicted(i) <= self.max_kl), end - 1)
 
     def run(self, build: Callable[[int], float]) -> int | None:
         """Full builds (`build(i)`: count i's fitted KL) until the answer is known: the index of
-        the smallest count meeting the target, None when none does."""
-        lo, hi, probe = -1, None, self.first()
+        the smallest count meeting the target, None when none does. The first build is the
+        smallest count (the cheapest fits); after `budget` builds, the smallest count measured
+        to meet the target once every count below it down to the largest seen to miss is
+        predicted to miss, whether or not the one right below it was built (gap())."""
+        lo, hi, probe, top = -1, None, 0, len(self.counts) - 1
         while True:
-            expected = self.predicted(probe) <= self.max_kl
-            informed = bool(self.full)  # the first build's prediction knows no fit factor yet
             self.full[probe] = kl = build(probe)
-            if kl <= self.max_kl:
-                hi = probe
-            else:
-                lo = probe
-            if hi is None and len(self.counts) - 1 in self.full:  # even the largest count misses: refused,
+            lo, hi = (lo, probe) if kl <= self.max_kl else (probe, hi)
+            if hi is None and top in self.full:  # even the largest count misses: refused,
                 best = min(range(len(self.counts)), key=self.plain.__getitem__)  # unless the best plain one
                 if best in self.full:  # (another count, where the figure does not fall) meets it
                     return None
                 probe, lo = best, -1
                 continue
-            if hi is not None and hi - lo == 1:
+            if hi is not None and (hi - lo == 1 or len(self.full) >= self.budget and not self.hopes(lo, hi)):
                 return hi
-            self.surprises += informed and (kl <= self.max_kl) != expected
-            self.halving |= self.surprises >= SURPRISES
             probe = self.probe_after(lo, hi)
+
+    def hopes(self, lo: int, hi: int) -> bool:
+        """Whether a count between lo and hi is predicted to meet the target (with what the last
+        build taught: where it was not predicted, the budget does not stop the search)."""
+        return any(self.predicted(i) <= self.max_kl for i in range(lo + 1, hi))
+
+    def gap(self, chosen: int) -> list[int]:
+        """The counts right below the chosen one, down to the largest built one, that were not
+        built (the budget ran out): the answer would be one of them if one met the target."""
+        below = [j for j in self.full if j < chosen]
+        return list(range(max(below, default=-1) + 1, chosen))
 
 
 def choose_experts(ckpt, layout, calibration, options, counts: list[int],
                    progress: bool = False) -> tuple[int, dict, list[str], object]:
     """The smallest of `counts` (ascending) whose proxy has KL <= options.max_kl, its fidelity
     figure, the notes saying what was screened and built, and its ExpertPlan (fitted once)."""
-    from moe_proxy.pruning.expert_plan import fit_plan, plan_experts
-    from moe_proxy.pruning.output_shards import output_tensors
+    from moe_proxy.pruning.expert_plan import fit_plan
 
     max_kl = options.max_kl
+    search, plans, figures, notes = screen(ckpt, layout, calibration, options, counts, progress)
+    buildable, rising = search.counts, search.rising()
+    if not options.fits:  # the plain proxies are the builds: read the answer off the screen
+        meeting = [i for i, kl in enumerate(search.plain) if kl <= max_kl]
+        if not meeting:
+            best = min(range(len(buildable)), key=search.plain.__getitem__)
+            raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {max_kl:g} (best KL "
+                                       f"{search.plain[best]:.4g} with {buildable[best]} experts); "
+                                       f"{notes[0].split(': ', 1)[1]}; raise --max-kl or the device budget")
+        chosen = meeting[0]
+        notes.append(f"chose {buildable[chosen]}: no fits asked, so the screen's figures are the builds' (0 full "
+                     f"builds)" + (f"; the plain figure rises with the count at {'; '.join(rising)}" if rising else ""))
+        return buildable[chosen], figures[chosen], notes, plans[buildable[chosen]]
+    if rising:
+        notes.append(f"the plain figure rises with the count at {'; '.join(rising)}: where the full figure does "
+                     f"too, a count below one seen to miss may meet the target (only the chosen count and those "
+                     f"built are measured)")
+    return _search_full(ckpt, layout, calibration, options, search, plans, notes, progress, fit_plan)
+
+
+def screen(ckpt, layout, calibration, options, counts: list[int],
+           progress: bool = False) -> tuple[Search, dict, list[dict], list[str]]:
+    """Step 1: every count of `counts` (ascending) selected without fits and measured in one walk.
+    Returns the Search over the counts that can be built, their plain plans by count, their
+    figures and the first note (what was screened)."""
+    from moe_proxy.pruning.expert_plan import plan_experts
+    from moe_proxy.pruning.output_shards import output_tensors
+
     if not counts:
         raise InvalidExpertCount("--experts auto: no expert count to try (valid counts above top-k and below all the "
                                  "experts, within the device budget and --max-experts)")
@@ -170,28 +218,11 @@ def choose_experts(ckpt, layout, calibration, options, counts: list[int],
         raise FidelityTargetNotMet(f"--experts auto: no expert count can be built: {_impossible(impossible)}")
     figures = measure_many(ckpt, layout, [(plans[c], output_tensors(ckpt, layout, plans[c])) for c in buildable],
                            calibration, progress)
-    search = Search(buildable, [f["kl"] for f in figures], max_kl)
-    rising = search.rising()
+    search = Search(buildable, [f["kl"] for f in figures], options.max_kl)
     screened = (f"screened {len(buildable)} counts without fits in one pass (plain KL "
                 f"{', '.join(f'{c}: {kl:.3g}' for c, kl in zip(buildable, search.plain))})"
                 + (f"; not possible: {_impossible(impossible)}" if impossible else ""))
-    notes = [f"--experts auto --max-kl {max_kl:g}: {screened}"]
-    if not options.fits:  # the plain proxies are the builds: read the answer off the screen
-        meeting = [i for i, kl in enumerate(search.plain) if kl <= max_kl]
-        if not meeting:
-            best = min(range(len(buildable)), key=search.plain.__getitem__)
-            raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {max_kl:g} (best KL "
-                                       f"{search.plain[best]:.4g} with {buildable[best]} experts); {screened}; raise "
-                                       f"--max-kl or the device budget")
-        chosen = meeting[0]
-        notes.append(f"chose {buildable[chosen]}: no fits asked, so the screen's figures are the builds' (0 full "
-                     f"builds)" + (f"; the plain figure rises with the count at {'; '.join(rising)}" if rising else ""))
-        return buildable[chosen], figures[chosen], notes, plans[buildable[chosen]]
-    if rising:
-        notes.append(f"the plain figure rises with the count at {'; '.join(rising)}: the full builds follow it "
-                     f"(predictions that fail twice switch the search to halving), and a count below one that "
-                     f"misses the target is not tried, so a smaller count than the one chosen may meet it")
-    return _search_full(ckpt, layout, calibration, options, search, plans, notes, progress, fit_plan)
+    return search, plans, figures, [f"--experts auto --max-kl {options.max_kl:g}: {screened}"]
 
 
 def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict, notes: list[str], progress,
@@ -219,8 +250,20 @@ def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict
                                    f"{reached[1]:.4g} with {search.counts[reached[0]]} experts); full builds "
                                    f"{', '.join(built)}; {notes[0].split(': ', 1)[1]}; raise --max-kl or the device budget")
     notes.append(f"chose {search.counts[chosen]}; {len(built)} full build(s) with fits, in order: {', '.join(built)}")
+    if gap := search.gap(chosen):
+        notes.append(_gap_note(search, chosen, gap))
     figure, plan = kept[chosen]
     return search.counts[chosen], figure, notes, plan
+
+
+def _gap_note(search: Search, chosen: int, gap: list[int]) -> str:
+    """What the budget left unbuilt below the chosen count, and what the fit factor's trend predicts there."""
+    counts, below = search.counts, gap[0] - 1
+    missed = f"{counts[below]} missed it" if below >= 0 else "no smaller count was built"
+    return (f"after {len(search.full)} full builds the smallest count measured to meet the target was chosen; "
+            f"{missed}, and {', '.join(str(counts[i]) for i in gap)} between were not built (predicted KL "
+            f"{', '.join(f'{search.predicted(i):.3g}' for i in gap)} from the fit factor's trend, all missing "
+            f"it): if one of them met it, it would have been the answer")
 
 
 def _impossible(why: dict[int, str]) -> str:
