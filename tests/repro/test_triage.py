@@ -1,0 +1,103 @@
+"""triage (#43 items 4 and 6, #45 item 3): the loop in one command on a planted run: 3 tiny
+Qwen3-MoE checkpoints (steps 10, 20, 30) whose last 2 carry a dense MLP past fp16's range, and
+the run's metrics log overflowing from step 25. Triage bisects the checkpoints up to step 25 to
+step 20, diagnoses on that probe's proxy, writes one report with the cost; a second call runs
+nothing; a clean log, or a failure before any checkpoint, builds nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_proxy.cli import main
+from moe_proxy.demo.run import write_log
+from moe_proxy.investigate.catalogue import FOR_SIGNATURE, FOR_THRESHOLD
+from moe_proxy.investigate.triage import candidates_for
+
+from .test_bisect import planted_run
+
+ARGS = ["--fail-on", "overflow", "--experts", "4", "--steps", "1", "--precision", "fp16", "--seeds", "1"]
+CANDIDATES = ["--candidates", "bf16,lower-lr"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """verl's layout, checkpoints at steps 10, 20, 30; 20 and 30 overflow fp16."""
+    return planted_run(tmp_path_factory.mktemp("triage"), (10, 20, 30), (20, 30))
+
+
+@pytest.fixture(scope="module")
+def triaged(run, tmp_path_factory):
+    """One triage of the planted run, its log overflowing from step 25: (out, exit code, stdout)."""
+    log = write_log(run.parent / "metrics.jsonl", 40, 25)
+    out = tmp_path_factory.mktemp("triaged") / "t"
+    code = main(["triage", str(log), str(run), "--out", str(out), *ARGS, *CANDIDATES])
+    return out, code, log
+
+
+def test_triage_finds_the_first_bad_checkpoint_and_its_fixes(triaged, run):
+    out, code, _ = triaged
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["state"] == "diagnosed" and report["failing_step"] == 25 and report["signature"] == "overflow"
+    assert report["first_bad"] == {"step": 20, "uri": str(run / "global_step_20" / "actor" / "huggingface"),
+                                   "index": 2, "of": 2}  # step 30, after the failure, is not bisected
+    bisection = json.loads(Path(report["bisect_report"]).read_text())
+    assert bisection["checkpoints"] == [10, 20] and bisection["boundary"].startswith("confirmed: step 10")
+    diagnosis = json.loads(Path(report["diagnose_report"]).read_text())
+    assert report["fixed_by"] == diagnosis["fixed_by"]  # the diagnosis's own verdicts, on the probe's proxy
+    assert diagnosis["proxy"] == str(out / "bisect" / "probes" / "step-20" / "proxy")
+    assert "bf16" in report["fixed_by"] and report["verdicts"]["lower-lr"]["verdict"] == "reproduced"
+    cost = report["cost"]
+    assert (cost["builds"], cost["probes"], cost["probe_runs"], cost["candidate_runs"]) == (2, 2, 2, 3)
+    assert cost["rl_steps"] >= 3 and cost["device_hours"] > 0 and cost["original_steps"] > 0
+    md = (out / "report.md").read_text()
+    assert md.startswith("# Triage") and "fails from checkpoint 2 of 2 (step 20); fixed by bf16; not by lower-lr" in md
+    assert {"original.png", "matrix.png", "curves.png"} <= {p.name for p in out.iterdir()}
+
+
+def test_a_second_call_runs_nothing(triaged, run, capsys):
+    out, _, log = triaged
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json") if p.name not in ("report.json",)}
+    assert main(["triage", str(log), str(run), "--out", str(out), *ARGS, *CANDIDATES]) == 0
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*.json") if p.name not in ("report.json",)} == stamps
+    cost = json.loads((out / "report.json").read_text())["cost"]
+    assert cost["reused"] == {"probes": 2, "runs": 5}
+    assert "fixed by bf16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fails_from, state, said", [
+    (None, "no-failure", "no overflow in the 40 steps logged (to step 40)"),
+    (5, "before-first-checkpoint", "the failure began at step 5, before any complete checkpoint"),
+    (15, "too-few-checkpoints", "one complete checkpoint (step 10) before the failure at step 15"),
+])
+def test_nothing_to_bisect_builds_nothing(run, tmp_path, capsys, fails_from, state, said):
+    log = write_log(tmp_path / "metrics.jsonl", 40, fails_from)
+    out = tmp_path / "t"
+    assert main(["triage", str(log), str(run), "--out", str(out), *ARGS]) == 3
+    report = json.loads((out / "report.json").read_text())
+    assert report["state"] == state and said in report["answer"] and said in capsys.readouterr().out
+    assert report["failing_step"] == fails_from and report["first_bad"] is None
+    assert not (out / "bisect").exists() and not (out / "diagnose").exists()
+    assert (out / "original.png").is_file()
+
+
+def test_bad_input_is_one_line_and_builds_nothing(run, tmp_path, capsys):
+    log = write_log(tmp_path / "metrics.jsonl", 40, 25)
+    out = tmp_path / "t"
+    assert main(["triage", str(log), str(run), "--out", str(out), *ARGS, "--candidates", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moe-proxy triage: error: unknown candidate 'nope'") and "\n" not in err
+    assert not out.exists()
+
+
+def test_the_candidates_come_from_the_catalogue_for_the_signature():
+    chosen, why = candidates_for("overflow", None)
+    assert [c.name for c in chosen] == [s.name for s in FOR_SIGNATURE["overflow"]]
+    assert why["bf16"] == next(s.why for s in FOR_SIGNATURE["overflow"] if s.name == "bf16")
+    chosen, _ = candidates_for("actor/grad_norm>100:3", None)
+    assert [c.name for c in chosen] == [s.name for s in FOR_THRESHOLD]
+    given, why = candidates_for("overflow", chosen[:1])
+    assert given == chosen[:1] and why == {chosen[0].name: "given"}
