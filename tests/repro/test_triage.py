@@ -14,7 +14,7 @@ import pytest
 from moe_proxy.cli import main
 from moe_proxy.demo.run import write_log
 from moe_proxy.investigate.catalogue import FOR_SIGNATURE, FOR_THRESHOLD
-from moe_proxy.investigate.triage import candidates_for
+from moe_proxy.investigate.triage import candidates_for, suggestion_table
 
 from .test_bisect import planted_run
 
@@ -94,10 +94,18 @@ def test_bad_input_is_one_line_and_builds_nothing(run, tmp_path, capsys):
 
 
 def test_the_candidates_come_from_the_catalogue_for_the_signature():
-    chosen, why = candidates_for("overflow", None)
-    assert [c.name for c in chosen] == [s.name for s in FOR_SIGNATURE["overflow"]]
+    """The catalogue's for the signature, but those that change nothing against the baseline: fp16
+    scales the loss dynamically by default, and repro clips at 1.0 already."""
+    chosen, why = candidates_for("overflow", None, ["--precision", "fp16"])
+    assert [c.name for c in chosen] == [s.name for s in FOR_SIGNATURE["overflow"]
+                                        if s.name not in ("loss-scaling", "grad-clip")]
     assert why["bf16"] == next(s.why for s in FOR_SIGNATURE["overflow"] if s.name == "bf16")
-    chosen, _ = candidates_for("actor/grad_norm>100:3", None)
-    assert [c.name for c in chosen] == [s.name for s in FOR_THRESHOLD]
+    assert why["grad-clip"].startswith("left out: --grad-clip 1.0 changes none")
+    chosen, _ = candidates_for("actor/grad_norm>100:3", None, [])
+    assert [c.name for c in chosen] == [s.name for s in FOR_THRESHOLD if s.name != "grad-clip"]
     given, why = candidates_for("overflow", chosen[:1])
     assert given == chosen[:1] and why == {chosen[0].name: "given"}
+
+
+def test_the_docs_show_the_catalogues_table():
+    assert suggestion_table() in (Path(__file__).resolve().parents[2] / "docs" / "triage.md").read_text()

@@ -29,7 +29,7 @@ from pathlib import Path
 from moe_proxy.errors import MoeProxyError, TooFewCheckpoints
 from moe_proxy.investigate.bisect import ProbeSettings, bisect, sources
 from moe_proxy.investigate.catalogue import Fix, pick, suggested
-from moe_proxy.investigate.diagnose import OWN_FLAGS, diagnose, repro_config
+from moe_proxy.investigate.diagnose import OWN_FLAGS, changed_settings, diagnose, repro_config
 from moe_proxy.investigate.processes import claim_out
 from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
 from moe_proxy.metrics.readers import ReadOptions, read_run
@@ -134,13 +134,35 @@ def probe_proxy(bisect_out: Path, step: int) -> Path:
 # --- 3. diagnose -------------------------------------------------------------------------------
 
 
-def candidates_for(signature: str, given: list[Fix] | None) -> tuple[list[Fix], dict[str, str]]:
+def candidates_for(signature: str, given: list[Fix] | None, repro_flags: list[str] | None = None
+                   ) -> tuple[list[Fix], dict[str, str]]:
     """The candidates and why each: those given, else the catalogue's for the signature
-    (catalogue.suggested, most likely cure first)."""
+    (catalogue.suggested, most likely cure first) but those that change none of the baseline's
+    settings (fp16's dynamic loss scaling against repro's fp16 default, grad-clip at repro's 1.0):
+    diagnose would run them as `no-change`, a check of the method the loop need not pay for;
+    their `why` says they were left out."""
     if given:
         return list(given), {c.name: "given" for c in given}
-    chosen = suggested(signature)
-    return pick([c.name for c in chosen]), {c.name: c.why for c in chosen}
+    baseline = repro_config(repro_flags or [])
+    chosen, why = [], {}
+    for entry, fix in zip(suggested(signature), pick([c.name for c in suggested(signature)])):
+        if changed_settings(baseline, repro_config([*(repro_flags or []), *fix.changes(baseline)])):
+            chosen.append(fix)
+            why[fix.name] = entry.why
+        else:
+            why[fix.name] = f"left out: {' '.join(fix.changes(baseline))} changes none of the baseline's settings"
+    return chosen, why
+
+
+def suggestion_table() -> str:
+    """The catalogue's table for the loop (FOR_SIGNATURE, then FOR_THRESHOLD) in markdown, as
+    docs/triage.md shows it (a test keeps the two the same)."""
+    from moe_proxy.investigate.catalogue import FOR_SIGNATURE, FOR_THRESHOLD
+
+    lines = ["| failure | candidate, most likely cure first | why |", "|---|---|---|"]
+    for signature, chosen in [*((f"`{k}`", v) for k, v in FOR_SIGNATURE.items()), ("`METRIC>X[:K]`", FOR_THRESHOLD)]:
+        lines += [f"| {signature if i == 0 else ''} | `{c.name}` | {c.why} |" for i, c in enumerate(chosen)]
+    return "\n".join(lines)
 
 
 def check_candidates(repro_flags: list[str], candidates: list[Fix]) -> None:
@@ -165,7 +187,10 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
     (BisectStopped, BaselineFailed, processes.Interrupted) pass through, their partial reports
     written in DIR/bisect or DIR/diagnose."""
     out, started = Path(out), time.monotonic()
-    candidates, why = candidates_for(Signature.parse(s.probe.fail_on).name, s.candidates)
+    candidates, why = candidates_for(Signature.parse(s.probe.fail_on).name, s.candidates, s.probe.repro_flags)
+    if not candidates:
+        raise MoeProxyError(f"every candidate the catalogue names for {s.probe.fail_on} changes none of the baseline's "
+                            "settings: give --candidates or --candidate")
     check_candidates(s.probe.repro_flags, candidates)
     found = detect(s.metrics, s.probe.fail_on, s.read)
     claim_out(out, "triage", s.recorded(), TRIAGE_OUTPUTS, replace)
@@ -358,6 +383,7 @@ def markdown(r: dict) -> str:
         lines += [f"Verdicts on the proxy of the first bad checkpoint ({r['first_bad']['uri']}):", ""]
         lines += [f"- `{n}`: {v['verdict']} ({v['note']}); why tried: {r['candidates'].get(n, 'given')}"
                   for n, v in r["verdicts"].items()]
+        lines += [f"- `{n}`: {why}" for n, why in r["candidates"].items() if why.startswith("left out")]
         lines.append("")
     if b := r.get("boundary"):
         lines += [f"Bisection: {b}.", ""]
