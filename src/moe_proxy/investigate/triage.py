@@ -1,9 +1,10 @@
 """`moe-proxy triage`: the closed loop on one machine, from a failing training run to an answer.
 
 Top-down, one step feeding the next:
-1. detect: the original run's own metrics (any format metrics/readers.py reads), judged by the
-   detectors repro and watch use (metrics/detect.py); the failing step is the first step of the
-   asked-for failure (its onset). No failure: nothing is built, and the report says so.
+1. detect: the original run's own metrics (any format metrics/readers.py reads, finished or still
+   growing: what is complete now), judged by the detectors repro and watch use (metrics/detect.py);
+   the failing step is the first step of the asked-for failure (its onset). No failure: nothing
+   is built, and the report says so.
 2. bisect: the run's complete checkpoints up to the failing step (investigate/bisect.py's own
    bisect(), into DIR/bisect): the first checkpoint whose proxy reproduces the failure.
 3. diagnose: on that probe's proxy (the bisection's own, never built again), the candidates the
@@ -26,13 +27,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from moe_proxy.errors import MoeProxyError, TooFewCheckpoints
+from moe_proxy.errors import MalformedMetrics, MoeProxyError, TooFewCheckpoints
 from moe_proxy.investigate.bisect import ProbeSettings, bisect, sources
 from moe_proxy.investigate.catalogue import Fix, pick, suggested
 from moe_proxy.investigate.diagnose import OWN_FLAGS, changed_settings, diagnose, repro_config
 from moe_proxy.investigate.processes import claim_out
 from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.metrics.readers import ReadOptions, read_run
+from moe_proxy.metrics.readers import ReadOptions, RunFollower
 from moe_proxy.metrics.verdict import stop_reason
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def detect(metrics: str, fail_on: str, read: ReadOptions | None = None) -> Detec
     """The original's rows fed to the detectors in step order, as watch feeds them, until the
     failure asked for (or a NaN: later steps mean nothing) is seen."""
     signature = Signature.parse(fail_on)
-    rows, _ = read_run(metrics, read)
+    rows = read_log(metrics, read)
     detector = FailureDetector(Thresholds(), extra=[signature] if signature.metric else [])
     stopped = None
     for step in sorted(rows):
@@ -103,6 +104,19 @@ def detect(metrics: str, fail_on: str, read: ReadOptions | None = None) -> Detec
     others = {name: o.step for name, o in detector.onsets.items() if name != signature.name}
     return Detection(signature.name, onset.step if onset else None, onset.line(signature.name) if onset else "",
                      len(rows), max(rows), others, stopped, rows)
+
+
+def read_log(metrics: str, read: ReadOptions | None = None) -> dict[int, dict[str, float]]:
+    """The log's complete steps, finished or still growing, under the detectors' names (as watch
+    reads it, readers.RunFollower): a jsonl line still being written is left for a later call; a
+    TensorBoard log's newest step is taken too (a finished run has no later one to wait for)."""
+    follower = RunFollower(metrics, read)
+    rows: dict[int, dict[str, float]] = {}
+    for step, values in follower.rows() + (follower.rows(final=True) if follower.format != "jsonl" else []):
+        rows.setdefault(step, {}).update(values)
+    if not rows:
+        raise MalformedMetrics(f"{metrics}: no steps logged (or no such file or directory)")
+    return dict(sorted(rows.items()))
 
 
 # --- 2. bisect ---------------------------------------------------------------------------------
