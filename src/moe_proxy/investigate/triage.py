@@ -365,7 +365,8 @@ def plot_original(out: Path, found: Detection) -> Path | None:
     if not found.rows:
         return None
     names = set().union(*found.rows.values())
-    wanted = [m for m in (found.signature, "numerics/nonfinite_activations", *KEY_METRICS) if m in names]
+    first = (found.signature, "numerics/nonfinite_activations", "numerics/max_activation", "actor/grad_norm")
+    wanted = [m for m in (*first, *KEY_METRICS) if m in names]
     metrics = list(dict.fromkeys(wanted))[:ORIGINAL_PLOT_METRICS]
     onsets = {found.signature: found.failing_step} if found.failing_step is not None else {}
     original = _Curves("original", found.rows, onsets)
