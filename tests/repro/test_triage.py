@@ -101,8 +101,8 @@ def test_the_candidates_come_from_the_catalogue_for_the_signature():
                                         if s.name not in ("loss-scaling", "grad-clip")]
     assert why["bf16"] == next(s.why for s in FOR_SIGNATURE["overflow"] if s.name == "bf16")
     assert why["grad-clip"].startswith("left out: --grad-clip 1.0 changes none")
-    chosen, _ = candidates_for("actor/grad_norm>100:3", None, [])
-    assert [c.name for c in chosen] == [s.name for s in FOR_THRESHOLD if s.name != "grad-clip"]
+    chosen, _ = candidates_for("actor/grad_norm>100:3", None, [])  # repro's default: fp32, clipped at 1.0
+    assert [c.name for c in chosen] == [s.name for s in FOR_THRESHOLD if s.name not in ("grad-clip", "fp32")]
     given, why = candidates_for("overflow", chosen[:1])
     assert given == chosen[:1] and why == {chosen[0].name: "given"}
 

@@ -224,13 +224,9 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
     report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
                "boundary": bisection["boundary"]}
     if bisection["first_bad"] is None:
-        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "answer": _not_reproduced(found, bisection),
-                                   "cost": loop_cost(s, bisection, None)}, started)
-    proxy = probe_proxy(out / "bisect", bisection["first_bad"]["step"])
-    log.info("triage: diagnosing on the proxy of step %d (%s): %s", bisection["first_bad"]["step"], proxy,
-             ", ".join(c.name for c in candidates))
-    diagnosis = diagnose(str(proxy), out / "diagnose", s.probe.fail_on, s.probe.repro_flags, candidates,
-                         seeds=s.probe.seeds, parallel=s.parallel)
+        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "cost": loop_cost(s, bisection, None),
+                                   "answer": _not_reproduced(found, bisection)}, started)
+    proxy, diagnosis = diagnose_first_bad(s, out, bisection["first_bad"]["step"], candidates)
     report |= {"proxy": str(proxy), "diagnose_report": str(out / "diagnose" / "report.json"),
                "fixed_by": diagnosis["fixed_by"], "fixed_with_other_failures": diagnosis["fixed_with_other_failures"],
                "verdicts": {n: {"verdict": c["verdict"], "note": c["note"]}
@@ -238,6 +234,14 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
                "cost": loop_cost(s, bisection, diagnosis, proxy)}
     state = STATE_NOT_CURED if diagnosis.get("stopped") else STATE_DIAGNOSED
     return finish(out, found, {**report, "state": state, "answer": answer(report, diagnosis)}, started)
+
+
+def diagnose_first_bad(s: TriageSettings, out: Path, step: int, candidates: list[Fix]) -> tuple[Path, dict]:
+    """diagnose() on the proxy the bisection built for its probe of `step`, into DIR/diagnose."""
+    proxy = probe_proxy(out / "bisect", step)
+    log.info("triage: diagnosing on the proxy of step %d (%s): %s", step, proxy, ", ".join(c.name for c in candidates))
+    return proxy, diagnose(str(proxy), out / "diagnose", s.probe.fail_on, s.probe.repro_flags, candidates,
+                           seeds=s.probe.seeds, parallel=s.parallel)
 
 
 def _detected(found: Detection) -> str:
