@@ -2,7 +2,8 @@
 Qwen3-MoE checkpoints (steps 10, 20, 30) whose last 2 carry a dense MLP past fp16's range, and
 the run's metrics log overflowing from step 25. Triage bisects the checkpoints up to step 25 to
 step 20, diagnoses on that probe's proxy, writes one report with the cost; a second call runs
-nothing; a clean log, or a failure before any checkpoint, builds nothing."""
+nothing; a clean log, or a failure before any checkpoint, builds nothing; one checkpoint before
+the failure is probed alone."""
 
 from __future__ import annotations
 
@@ -71,7 +72,6 @@ def test_a_second_call_runs_nothing(triaged, run, capsys):
 @pytest.mark.parametrize("fails_from, state, said", [
     (None, "no-failure", "no overflow in the 40 steps logged (to step 40)"),
     (5, "before-first-checkpoint", "the failure began at step 5, before any complete checkpoint"),
-    (15, "too-few-checkpoints", "one complete checkpoint (step 10) before the failure at step 15"),
 ])
 def test_nothing_to_bisect_builds_nothing(run, tmp_path, capsys, fails_from, state, said):
     log = write_log(tmp_path / "metrics.jsonl", 40, fails_from)
@@ -82,6 +82,22 @@ def test_nothing_to_bisect_builds_nothing(run, tmp_path, capsys, fails_from, sta
     assert report["failing_step"] == fails_from and report["first_bad"] is None
     assert not (out / "bisect").exists() and not (out / "diagnose").exists()
     assert (out / "original.png").is_file()
+
+
+def test_one_checkpoint_before_the_failure_is_probed_alone(tmp_path):
+    """Step 20 is the only checkpoint before a failure at step 25: nothing to search; its probe
+    says it carries the failure, and the diagnosis follows."""
+    run = planted_run(tmp_path, (20, 30), (20, 30))
+    log = write_log(tmp_path / "metrics.jsonl", 30, 25)
+    out = tmp_path / "t"
+    argv = ["triage", str(log), str(run), "--out", str(out), *ARGS, "--candidates", "bf16"]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["first_bad"]["step"] == 20 and report["fixed_by"] == ["bf16"]
+    assert report["boundary"] == "the first checkpoint listed already reproduces: the failure began at or before it"
+    assert report["cost"]["builds"] == 1 and report["cost"]["probes"] == 1
+    assert main(argv) == 0  # the probe and the runs are reused
+    assert json.loads((out / "report.json").read_text())["cost"]["reused"] == {"probes": 1, "runs": 3}
 
 
 def test_bad_input_is_one_line_and_builds_nothing(run, tmp_path, capsys):

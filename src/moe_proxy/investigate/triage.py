@@ -41,9 +41,8 @@ log = logging.getLogger(__name__)
 # What a triage writes in its --out (claim_out; --replace deletes these).
 TRIAGE_OUTPUTS = ("bisect", "diagnose", "report.json", "report.md", "original.png", "matrix.png", "curves.png")
 # report.json's `state`: how far the loop got.
-(STATE_NO_FAILURE, STATE_BEFORE_CHECKPOINTS, STATE_TOO_FEW, STATE_NOT_REPRODUCED, STATE_NOT_CURED,
- STATE_DIAGNOSED) = ("no-failure", "before-first-checkpoint", "too-few-checkpoints", "not-reproduced",
-                     "baseline-not-reproduced", "diagnosed")
+(STATE_NO_FAILURE, STATE_BEFORE_CHECKPOINTS, STATE_NOT_REPRODUCED, STATE_NOT_CURED, STATE_DIAGNOSED) = (
+    "no-failure", "before-first-checkpoint", "not-reproduced", "baseline-not-reproduced", "diagnosed")
 ORIGINAL_PLOT_METRICS = 6  # panels in original.png
 
 
@@ -215,12 +214,12 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
     if found.failing_step is None:
         return finish(out, found, {**report, "state": STATE_NO_FAILURE, "answer": _no_failure(found)}, started)
     listed = before_failure(s, found.failing_step, store_options)
-    if len(listed) < 2:
-        return finish(out, found, {**report, **_too_few(listed, s.prefix, found.failing_step)}, started)
-    log.info("triage: bisecting %d checkpoints, steps %d..%d, up to the failing step %d", len(listed),
+    if not listed:
+        return finish(out, found, {**report, **_none_before(s.prefix, found.failing_step)}, started)
+    log.info("triage: bisecting %d checkpoint(s), steps %d..%d, up to the failing step %d", len(listed),
              listed[0].step, listed[-1].step, found.failing_step)
-    bisection = bisect(s.prefix, out / "bisect", s.probe, s.pattern, s.step_regex, None, listed[-1].step,
-                       store_options)
+    bisection = (bisect(s.prefix, out / "bisect", s.probe, s.pattern, s.step_regex, None, listed[-1].step,
+                        store_options) if len(listed) > 1 else probe_only(s, out / "bisect", listed[0]))
     report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
                "boundary": bisection["boundary"]}
     if bisection["first_bad"] is None:
@@ -257,13 +256,24 @@ def _no_failure(found: Detection) -> str:
             + ": nothing to bisect, nothing was built")
 
 
-def _too_few(listed: list, prefix: str, failing_step: int) -> dict:
-    if not listed:
-        return {"state": STATE_BEFORE_CHECKPOINTS, "answer": f"the failure began at step {failing_step}, before "
-                f"any complete checkpoint under {prefix}: no checkpoint can carry it; nothing was built"}
-    return {"state": STATE_TOO_FEW, "answer": f"one complete checkpoint (step {listed[0].step}) before the failure at "
-            f"step {failing_step}: nothing to bisect; nothing was built (diagnose its proxy: moe-proxy build "
-            f"{listed[0].uri} ..., then moe-proxy diagnose)"}
+def probe_only(s: TriageSettings, out: Path, checkpoint) -> dict:
+    """One checkpoint before the failure: nothing to search, its probe alone (bisect's probe, in
+    the bisection's --out as bisect would make it, so a rerun reuses it); the bisection's findings."""
+    from moe_proxy.investigate.bisect import BISECTION_FILES, findings, probe, said
+
+    claim_out(out, "bisect", {"prefix": s.prefix, **asdict(s.probe)}, BISECTION_FILES)
+    log.info("triage: one checkpoint before the failure (step %d): its probe alone", checkpoint.step)
+    p = probe(checkpoint, out, s.probe)
+    log.info("probe 1: step %d: %s%s", p.step, said(p), " (reused)" if p.reused else "")
+    report = {"prefix": s.prefix, "fail_on": s.probe.fail_on, "checkpoints": [checkpoint.step], "status": "complete",
+              **findings(0 if p.reproduced else None, [(0, p)], [checkpoint]), "settings": asdict(s.probe)}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _none_before(prefix: str, failing_step: int) -> dict:
+    return {"state": STATE_BEFORE_CHECKPOINTS, "answer": f"the failure began at step {failing_step}, before any "
+            f"complete checkpoint under {prefix}: no checkpoint can carry it; nothing was built"}
 
 
 def _first_bad(bisection: dict) -> dict | None:
@@ -411,12 +421,17 @@ def markdown(r: dict) -> str:
     seen = r["detection"]
     lines += [f"Detected in the original's metrics ({seen['steps_read']} steps read, to step {seen['last_step']}): "
               f"{seen['detail'] or 'nothing'}.", ""]
-    reports = [f"[{what}]({sub}/report.md)" for what, sub, key in (("bisection", "bisect", "bisect_report"),
-                                                                     ("diagnosis", "diagnose", "diagnose_report"))
-               if r[key]]
+    reports = [f"[{what}]({_readable(Path(r[key]))})" for what, key in (("bisection", "bisect_report"),
+                                                                           ("diagnosis", "diagnose_report")) if r[key]]
     lines += [f"Reports: {', '.join(reports)}.", ""] if reports else []
     lines += [*[f"![{p.removesuffix('.png')}]({p})" for p in r["pictures"]], ""]
     return "\n".join(lines)
+
+
+def _readable(report_json: Path) -> str:
+    """A sub-report as report.md links it: its report.md where there is one (a probe alone has none)."""
+    md = report_json.with_suffix(".md")
+    return f"{report_json.parent.name}/{md.name if md.is_file() else report_json.name}"
 
 
 def cost_line(c: dict) -> str:
