@@ -6,8 +6,8 @@ control), on the fidelity lab's failure kinds planted into a run's checkpoints f
 - super-fp16: a routed expert's output past fp16's range (its down_proj x 1e6), fp16 training:
   `--fail-on overflow` (the lab's super-fp16 scenario);
 - expert-blowup: one expert's weights blow up (gate, up and down x 30), fp32: its output crosses
-  `numerics/max_activation>1e4`;
-- router-collapse: one expert's router row x 100, so it takes every token: `moe/load_max_share>0.9`.
+  `numerics/max_activation>50`;
+- router-collapse: one expert's router row x 100, so it takes most tokens: `moe/load_max_share>0.6`.
 
 Each scenario's run is the base checkpoint copied once per step (verl's layout), the plant in the
 checkpoints from `--planted-from` on, and the original's metrics log failing the step after that
@@ -51,9 +51,11 @@ class Scenario:
 SCENARIOS = {
     "super-fp16": Scenario("an expert's output past fp16's range, fp16 training", "overflow",
                            ("--precision", "fp16", "--steps", "1"), ("bf16", "fp32", "lower-lr"), "overflow"),
-    "expert-blowup": Scenario("one expert's weights x 30 (gate, up, down), fp32", "numerics/max_activation>1e4",
+    # the tiny original's largest hidden value is 0.13 clean and 221 with the blown-up expert (probe, seed 0)
+    "expert-blowup": Scenario("one expert's weights x 30 (gate, up, down), fp32", "numerics/max_activation>50",
                               ("--steps", "2"), ("lower-lr", "z-loss"), "blowup"),
-    "router-collapse": Scenario("one expert's router row x 100: it takes every token", "moe/load_max_share>0.9",
+    # x 100 puts it in the top-2 of 66% of the tiny original's tokens (probe, seed 0; uniform: 12.5%)
+    "router-collapse": Scenario("one expert's router row x 100: it takes most tokens", "moe/load_max_share>0.6",
                                 ("--steps", "2"), ("aux-loss", "lower-lr"), "collapse"),
 }
 BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself
@@ -136,7 +138,7 @@ def triage(run: Path, log: Path, out: Path, scenario: Scenario, build: tuple[str
             "--fail-on", scenario.fail_on, *build, *scenario.repro, "--seeds", str(seeds),
             *(("--candidates", ",".join(scenario.candidates)) if scenario.candidates else ())]
     ran = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
-    if not (out / "report.json").is_file():
+    if ran.returncode not in (0, 3) or not (out / "report.json").is_file():  # 3: nothing to diagnose
         return {"error": (ran.stderr.strip().splitlines() or [f"exit {ran.returncode}"])[-1]}
     return json.loads((out / "report.json").read_text())
 
