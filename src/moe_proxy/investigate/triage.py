@@ -218,8 +218,9 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
         return finish(out, found, {**report, **_none_before(s.prefix, found.failing_step)}, started)
     log.info("triage: bisecting %d checkpoint(s), steps %d..%d, up to the failing step %d", len(listed),
              listed[0].step, listed[-1].step, found.failing_step)
-    bisection = (bisect(s.prefix, out / "bisect", s.probe, s.pattern, s.step_regex, None, listed[-1].step,
-                        store_options) if len(listed) > 1 else probe_only(s, out / "bisect", listed[0]))
+    bisection = (bisect(s.prefix, out / "bisect", s.probe, pattern=s.pattern, step_regex=s.step_regex,
+                        bad=listed[-1].step, store_options=store_options)
+                 if len(listed) > 1 else probe_only(s, out / "bisect", listed[0]))
     report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
                "boundary": bisection["boundary"]}
     if bisection["first_bad"] is None:
