@@ -84,6 +84,17 @@ def test_nothing_to_bisect_builds_nothing(run, tmp_path, capsys, fails_from, sta
     assert (out / "original.png").is_file()
 
 
+def test_a_log_that_cannot_show_the_failure_says_so(run, tmp_path, capsys):
+    """A log with neither an activation check, a loss scale nor skipped steps cannot show an
+    overflow: "no overflow" says so (what it could not judge), and nothing is built."""
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "data": {"actor/pg_loss": 0.5}}) + "\n" for s in range(1, 9)))
+    assert main(["triage", str(log), str(run), "--out", str(tmp_path / "t"), *ARGS]) == 3
+    assert "(it cannot be judged from this log: no loss scale, skipped-step count or activation check" in \
+        capsys.readouterr().out
+    assert not (tmp_path / "t" / "bisect").exists()
+
+
 def test_one_checkpoint_before_the_failure_is_probed_alone(tmp_path):
     """Step 20 is the only checkpoint before a failure at step 25: nothing to search; its probe
     says it carries the failure, and the diagnosis follows."""

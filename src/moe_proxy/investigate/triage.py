@@ -79,6 +79,7 @@ class Detection:
     last_step: int | None
     also_seen: dict[str, int] = field(default_factory=dict)
     stopped: str | None = None  # why the detector stopped reading (a NaN first: later steps mean nothing)
+    unjudged: str | None = None  # why the log cannot show the failure asked for (its metrics lack it), or None
     rows: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
 
     def as_json(self) -> dict:
@@ -102,7 +103,18 @@ def detect(metrics: str, fail_on: str, read: ReadOptions | None = None) -> Detec
     onset = detector.onsets.get(signature.name)
     others = {name: o.step for name, o in detector.onsets.items() if name != signature.name}
     return Detection(signature.name, onset.step if onset else None, onset.line(signature.name) if onset else "",
-                     len(rows), max(rows), others, stopped, rows)
+                     len(rows), max(rows), others, stopped, unjudged(signature, rows), rows)
+
+
+def unjudged(signature: Signature, rows: dict[int, dict[str, float]]) -> str | None:
+    """Why these metrics cannot show the failure asked for (profiles.coverage: none of the roles
+    it is judged by is logged; a threshold's metric is not logged), or None."""
+    from moe_proxy.metrics.profiles import coverage
+
+    names = set().union(*rows.values())
+    if signature.metric:
+        return None if signature.metric in names else f"{signature.metric} is not in the log"
+    return coverage(names)[1].get(signature.name)
 
 
 def read_log(metrics: str, read: ReadOptions | None = None) -> dict[int, dict[str, float]]:
@@ -253,6 +265,7 @@ def _detected(found: Detection) -> str:
 def _no_failure(found: Detection) -> str:
     seen = "; ".join(f"{n} at step {t}" for n, t in sorted(found.also_seen.items(), key=lambda i: i[1]))
     return (f"no {found.signature} in the {found.steps_read} steps logged (to step {found.last_step})"
+            + (f" (it cannot be judged from this log: {found.unjudged})" if found.unjudged else "")
             + (f"; seen: {seen}" if seen else "") + (f"; {found.stopped}" if found.stopped else "")
             + ": nothing to bisect, nothing was built")
 
