@@ -289,7 +289,8 @@ def diagnose_all(models: dict[str, dict[str, Path]], scenarios: dict[str, Scenar
             else:
                 # every cell, also where a proxy's baseline does not reproduce (diagnose stops there by default)
                 report = diagnose(str(path), where, s.fail_on, [*base, *s.flags, "--steps", str(s.steps), *shift],
-                                  fixes(s.candidates), seeds=count, parallel=parallel, baseline_first=False)
+                                  fixes(s.candidates), seeds=count, parallel=parallel, baseline_first=False,
+                                  all_seeds=True)
             if shift:  # paired with the original's seeds 0..count-1, seed by seed
                 report = reseeded(report, -count)
             wall = time.time() - started

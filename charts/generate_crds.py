@@ -50,10 +50,12 @@ HAND_WRITTEN = {
     "reproduction.enabled": "whether the operator runs the reproduction at all",
     "reproduction.runtime": "the operator's workload kind (Job, JobSet, VolcanoJob, ...)",
     "reproduction.template": "a user's own training pod, run as it is",
+    "reproduction.sharedVolumeClaim": "the operator's run volume, shared by every pod of the workload",
+    "reproduction.trainingRuntime": "the TrainJob runtime's (Kubeflow Trainer's ClusterTrainingRuntime)",
     "reproduction.accelerator": "the operator's device plan (moe-proxy repro takes devices from its launcher)",
     "suspend": "the operator's: no new child while true",
     "ttlSecondsAfterFinished": "passed to the child Jobs",
-    "queueName": "Kueue's, for the child Jobs",
+    "queueName": "Kueue's, for every child workload",
     "cleanup": "the operator's, on deletion",
 }
 

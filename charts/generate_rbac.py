@@ -15,7 +15,7 @@ What the chart adds to each permission, and only this:
   and only cluster-scoped ones by a ClusterRole.
 - `features`: the chart values that need the permission. Empty: always granted. Otherwise
   granted when any of them is enabled (`preflight` = operator.preflight,
-  `checkpointWatch` = checkpointWatch.enabled). A Permission may carry its own
+  `checkpointWatch` = checkpointWatch.enabled, a runtime's = runtimes.<name>.enabled). A Permission may carry its own
   `features` attribute; FEATURES below covers those that do not.
 """
 
@@ -49,7 +49,10 @@ CLUSTER_SCOPED = {
 FEATURES = {
     ("", "secrets"): ("preflight", "checkpointWatch"),
 }
-KNOWN_FEATURES = ("preflight", "checkpointWatch")
+# The reproduction runtimes the chart turns on (runtimes.<name>: volcanoJob, ascendJob, rayJob,
+# trainJob, jobSet), each from its entry in the operator's runtimes table.
+RUNTIME_FEATURES = ("volcanoJob", "ascendJob", "rayJob", "trainJob", "jobSet")
+KNOWN_FEATURES = ("preflight", "checkpointWatch", *RUNTIME_FEATURES)
 
 HEADER = """\
 # Generated from operator/proxymodel_operator/rbac.py (PERMISSIONS) by charts/generate_rbac.py.

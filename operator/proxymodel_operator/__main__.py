@@ -7,7 +7,7 @@ import sys
 
 import kopf
 
-from . import handlers  # noqa: F401 - registers the handlers
+from . import handlers  # registers the handlers (the workloads' with the settings)
 from .settings import SettingsError, from_env
 
 
@@ -17,6 +17,7 @@ def main() -> int:
     except SettingsError as exc:
         print(f"proxymodel-operator: {exc}", file=sys.stderr)
         return 2
+    handlers.register_workloads(settings.runtimes)
     if settings.checkpoint_watch:
         from . import checkpoint_watch
 

@@ -8,7 +8,9 @@ One kopf timer per CheckpointWatch. Every `spec.pollInterval` seconds it
    the Secret the watch names, read with `get` and kept in memory;
 3. decides (watch_decisions.decide) and acts: creates ProxyModels `<watch>-step-<N>` owned by the
    watch, deletes the oldest beyond keepLast, and writes what it saw to status.
-An incomplete checkpoint is looked at again on the next poll; one that is no source (dense,
+With spec.metrics and spec.onFailure, each poll also follows the run's metrics and its incident
+(watched_run.follow_run: one Diagnosis per incident, the answer in status, Events, a report next
+to the run and a webhook). An incomplete checkpoint is looked at again on the next poll; one that is no source (dense,
 unsupported, unreadable) gets one warning Event. Listing errors become the SourceReachable
 condition (S3AccessDenied, EndpointUnreachable, ...) and the next poll tries again.
 
@@ -30,7 +32,7 @@ from moe_proxy.checkpoint.listing import ListedCheckpoint, find, inspect_all
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, ObjectNotFound, StorageError
 from moe_proxy.storage.s3 import S3Store
 
-from . import handlers, kube  # noqa: F401 - handlers' startup handler puts the settings in memo
+from . import handlers, kube, watched_run  # noqa: F401 - handlers' startup handler puts the settings in memo
 from .preflight import PreflightError, read_credentials, redact
 from .resources import GROUP, PROXYMODELS, VERSION, Resource
 from .status import ACCEPTED, SUSPENDED_CONDITION, condition, now, with_condition
@@ -127,6 +129,9 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
         return
     _condition(patch, status, SUSPENDED_CONDITION, False, "Polling", f"listing every {watch.poll_interval}s",
                generation)
+    if watch.metrics and watch.on_failure:  # the watched run: its metrics and incident (watched_run)
+        await watched_run.follow_run(body, watch, dict(status), patch, memo, lambda kind, ok, reason, message: (
+            _condition(patch, status, kind, ok, reason, message, generation)), logger)
 
     retired = status.get("retiredThrough")
     credentials: dict[str, str] = {}

@@ -13,7 +13,7 @@ A finished Diagnosis (Complete or Failed for its generation) reads nothing more.
 
 A bisection (spec.checkpoints, diagnosis_bisect) lists the run's checkpoints once (its
 CheckpointWatch's prefix, or its own; `moe_proxy.investigate.bisect.sources`, the CLI's listing),
-then reads only its probe in flight: that probe's ProxyModel and run.
+then reads only its probes in flight (a round's, spec.parallelism at most): their ProxyModels and runs.
 
 Registered (`register`) by the operator's main at start-up, as checkpoint_watch is (kopf takes
 the timer's interval when it is registered). Importing this module registers nothing.
@@ -32,7 +32,7 @@ from moe_proxy.investigate.bisect import sources
 
 from . import diagnosis_bisect as bisection, handlers, kube  # noqa: F401 - handlers' startup handler: settings
 from .checkpoint_watch import CHECKPOINT_WATCHES, REASONS
-from .diagnosis_spec import InvalidDiagnosis
+from .diagnosis_spec import InvalidDiagnosis, candidates_spec
 from .diagnosis_matrix import decide
 from .diagnosis_rows import recorded_running, refused_create
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet
@@ -40,6 +40,7 @@ from .diagnosis_status import DIAGNOSED, DIAGNOSIS_FAILED, DiagnosisDecision
 from .preflight import PreflightError, read_credentials, redact
 from .outcome import outcome
 from .resources import DIAGNOSES, GROUP, LABEL_CHILD, PODS, PROXYMODELS, VERSION
+from . import runtimes
 from .runtimes import RUNTIMES
 
 
@@ -104,9 +105,8 @@ async def bisect(body: dict, status: dict, namespace: str, name: str, settings) 
         return DiagnosisDecision({"observedGeneration": generation}, [], [("Warning", "SpecChangeIgnored", (
             f"spec changed (generation {generation}) after the checkpoints were listed: this Diagnosis goes on with "
             "the bisection in status; create another Diagnosis for the new spec"))])
-    probe = bisection.in_flight(status)
-    child = await _proxymodel(namespace, probe["proxyModel"]) if probe else None
-    return bisection.progress(body, child, await observe(namespace, name, status), settings)
+    children = {p["proxyModel"]: await _proxymodel(namespace, p["proxyModel"]) for p in bisection.flying(status)}
+    return bisection.progress(body, None, await observe(namespace, name, status), settings, children=children)
 
 
 async def observe(namespace: str, diagnosis: str, status: dict) -> dict:
@@ -116,8 +116,13 @@ async def observe(namespace: str, diagnosis: str, status: dict) -> dict:
         return {}
     runtime = RUNTIMES[(status.get("proxyModel") or {}).get("runtime") or "Job"]
     selector = {LABEL_DIAGNOSIS: diagnosis}
-    workloads = [w for w in await kube.list_(runtime.resource, namespace, selector)
-                 if w["metadata"]["name"] in wanted and not w["metadata"].get("deletionTimestamp")]
+    try:
+        listed = await kube.list_(runtime.resource, namespace, selector)
+    except kube.ApiError as exc:
+        if exc.status == 404:  # the runtime's CRD is not installed: its runs were refused (RuntimeNotInstalled)
+            return {}
+        raise
+    workloads = [w for w in listed if w["metadata"]["name"] in wanted and not w["metadata"].get("deletionTimestamp")]
     pods = await kube.list_(PODS, namespace, selector) if workloads else []
     return {w["metadata"]["name"]: outcome(runtime.resource, w, [
         p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_CHILD) == w["metadata"]["name"]])
@@ -134,10 +139,12 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
     as_written = {**dict(body), "status": current}
     if current.get("phase") in (DIAGNOSED, DIAGNOSIS_FAILED) and current.get("observedGeneration") == generation:
         return  # finished: read nothing
-    if bisection.is_bisection(dict(spec)):
+    if bisection.is_bisection(dict(spec)) and not current.get("candidatesOn"):
         decision = await bisect(as_written, current, namespace, name, memo.settings)
     else:
-        proxy_model = spec.get("proxyModel")
+        if current.get("candidatesOn"):  # a bisection's candidates: a matrix on its first bad probe's ProxyModel
+            as_written = {**as_written, "spec": candidates_spec(dict(spec), current["candidatesOn"]["proxyModel"])}
+        proxy_model = as_written["spec"].get("proxyModel")
         proxymodel = await _proxymodel(namespace, proxy_model) if isinstance(proxy_model, str) and proxy_model \
             else None
         decision = decide(as_written, proxymodel, await observe(namespace, name, current), memo.settings)
@@ -153,9 +160,10 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
         try:
             _, created = await kube.create(resource, namespace, manifest)
         except kube.ApiError as exc:
-            if exc.status not in (400, 403, 422):
+            if exc.status not in (400, 403, 404, 422):
                 raise  # kopf retries the timer; the run is recorded, so it is created then
-            message = f"the API server refused {what}: {exc.message or exc}"
+            message = f"the API server refused {what}: " + (
+                runtimes.missing(resource) if exc.status == 404 else (exc.message or str(exc)))
             logger.warning(message)
             kopf.warn(dict(body), reason="RunRefused", message=message[:1024])
             refused.add(manifest["metadata"]["name"])
@@ -165,6 +173,9 @@ async def reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, spec:
             ours.update(errored)
             continue
         logger.info("%s %s", what, "created" if created else "already exists")
+    for resource, workload in decision.delete:  # runs stopped early: status says so already
+        if await kube.delete(resource, namespace, workload):
+            logger.info("%s %s deleted", resource.kind, workload)
     for kind, reason, message in decision.events:
         kopf.event(dict(body), type=kind, reason=reason, message=message[:1024])
         logger.info("%s: %s", reason, message)

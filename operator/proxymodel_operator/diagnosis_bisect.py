@@ -6,11 +6,15 @@ A probe is the CLI's: the proxy of one checkpoint (a ProxyModel child `<diagnosi
 made from the template as a CheckpointWatch makes its own, its reproduction off) and one
 reproduction run from it (`diagnosis_runs.run_manifest`, the workload a candidate run is,
 judged by the same `finished_row`). Which checkpoint comes next, and what the probes say in the
-end, are `moe_proxy.investigate.bisect.next_probe` and `findings`: the CLI's search rule itself, and
+end, are `moe_proxy.investigate.bisect.next_round` and `findings`: the CLI's search rule itself, and
 a probe's run is judged by its `judge_probe` (a run stopped early by another failure, NaN say, is
 inconclusive, never clean: the search steps around it and status.inconclusive names it). One
-seed per probe (the CLI's --seeds is not yet the Diagnosis's). Probes run one at a time (each
-depends on the last).
+seed per probe (the CLI's --seeds is not yet the Diagnosis's). spec.parallelism probes a round
+(the CLI's --parallel): the range left is cut in parallelism + 1 parts, the round's ProxyModels
+and runs go side by side, and the next round waits for all of them (each depends on the last's
+results); 1 is one at a time, the CLI's order. status.rounds, searchRounds and deviceHours (the
+plan's cost model: each probe ProxyModel's device-hours per RL step x the run's steps) say what
+it took.
 
 Status is the single source of truth, as for the matrix: the listed checkpoints and the spec
 they were listed with (`status.bisection`) are fixed once recorded, and a probe's row says
@@ -24,7 +28,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_probe
+from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_round
 
 from .diagnosis_rows import RUN_DONE, RUN_ERROR, RUN_RUNNING, finished_row, seed_run
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet, RunVariant, baseline_of, proxy_built, run_manifest
@@ -67,11 +71,13 @@ def start(status: dict, b: BisectSpec, raw: dict, checkpoints: list[dict], gener
     started = {"observedGeneration": generation, "phase": DIAGNOSING, "message": None,
                "proxyModel": {"runtime": runtime},  # where the runs' workloads are (diagnosis.observe)
                "bisection": {"watch": b.watch, "spec": raw, "good": b.good, "bad": b.bad, "failOn": b.fail_on,
-                             "steps": b.steps, "checkpoints": checkpoints},
+                             "steps": b.steps, "checkpoints": checkpoints, "parallelism": b.parallelism},
                "probes": [], "firstBad": None, "monotone": None, "progress": f"0 probed of {n}", "done": 0,
                "total": n}
-    said = (f"{n} checkpoints, steps {checkpoints[0]['step']}..{checkpoints[-1]['step']}: at most "
-            f"{math.ceil(math.log2(n)) + 3} probes, one at a time")  # the last, the halves, both boundary neighbours
+    # one at a time: the last, the halves, both boundary neighbours; P a round: the range cut in P + 1 parts
+    said = (f"{n} checkpoints, steps {checkpoints[0]['step']}..{checkpoints[-1]['step']}: " + (
+        f"at most {math.ceil(math.log2(n)) + 3} probes, one at a time" if b.parallelism == 1 else
+        f"{b.parallelism} probes a round, about {math.ceil(math.log(n, b.parallelism + 1))} search rounds"))
     set_condition(status, started, ACCEPTED, True, "SpecValid", said, generation)
     set_condition(status, started, RUNNING_CONDITION, True, "Bisecting", said, generation)
     return DiagnosisDecision(started, [], [("Normal", "BisectionStarted", said)])
@@ -88,48 +94,91 @@ def probe_proxymodel(body: dict, raw: dict, checkpoint: dict, settings: Settings
     labels.update({LABEL_DIAGNOSIS: body["metadata"]["name"], LABEL_ROLE: PROBE_ROLE})
     spec = manifest["spec"]
     spec["reproduction"] = {**(spec.get("reproduction") or {}), "enabled": False}
+    queue = (body.get("spec") or {}).get("queueName")
+    if queue:  # the Diagnosis's Kueue queue over the template's, for the probe's build
+        spec["queueName"] = queue
     return manifest
 
 
 def in_flight(status: dict) -> dict | None:
-    """The probe being built or run, if any."""
-    return next((p for p in status.get("probes") or [] if p.get("phase") in (BUILDING, RUN_RUNNING)), None)
+    """The first probe being built or run, if any (flying: all of them)."""
+    return next(iter(flying(status)), None)
 
 
-def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings: Settings) -> DiagnosisDecision:
-    """From the Diagnosis, the ProxyModel of the probe in flight (None: absent) and the outcome
-    of its run (`seen`, by workload name): what to write and create now."""
+def flying(status: dict) -> list[dict]:
+    """The probes being built or run: a round's, side by side."""
+    return [p for p in status.get("probes") or [] if p.get("phase") in (BUILDING, RUN_RUNNING)]
+
+
+def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings: Settings,
+             children: dict[str, dict | None] | None = None) -> DiagnosisDecision:
+    """From the Diagnosis, the ProxyModels of the probes in flight (`children`, by name, None:
+    absent; or `child`, the one probe's when one is in flight) and the outcomes of their runs
+    (`seen`, by workload name): what to write and create now. A round's probes (next_round, the
+    spec's parallelism of them) are made together; the next round comes when all have finished."""
     meta, status = body["metadata"], dict(body.get("status") or {})
-    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation") or 1
+    generation = meta.get("generation") or 1
     rec = status["bisection"]
     checkpoints, out = rec["checkpoints"], DiagnosisDecision()
     probes = [dict(p) for p in status.get("probes") or []]
-    current = in_flight({"probes": probes})
-    if current is not None:
-        failed = _advance_probe(current, body, rec, child, seen, settings, out)
-        if failed:
-            return _failed(status, probes, current, failed, generation, out)
-    if in_flight({"probes": probes}) is None:
+    current = flying({"probes": probes})
+    if children is None:
+        children = {current[0]["proxyModel"]: child} if current else {}
+    for p in current:
+        if failed := _advance_probe(p, body, rec, children.get(p["proxyModel"]), seen, settings, out):
+            return _failed(status, probes, p, failed, generation, out)
+    if not flying({"probes": probes}):
         done = {p["index"]: p["reproduced"] for p in probes}  # None: inconclusive, stepped around
-        nxt = next_probe(len(checkpoints), done, rec.get("good") is not None)
-        if nxt.probe is not None:
-            c = checkpoints[nxt.probe]
-            row = {"index": nxt.probe, "checkpoint": c["uri"], "step": c["step"], "phase": BUILDING,
-                   "proxyModel": None, "workload": None, "reproduced": None, "signature": None, "onset": None}
-            manifest = probe_proxymodel(body, rec["spec"], c, settings)
-            row["proxyModel"] = manifest["metadata"]["name"]
-            probes.append(row)
-            out.create.append((PROXYMODELS, manifest))
-            out.events.append(("Normal", "ProbeCreated", f"probe {len(probes)}: step {c['step']} ({c['uri']}): "
-                               f"ProxyModel {row['proxyModel']}"))
-        else:
-            return _complete(status, probes, checkpoints, nxt.first_bad, generation, out)
+        nxt = next_round(len(checkpoints), done, rec.get("good") is not None, rec.get("parallelism") or 1)
+        if not nxt.probes:
+            complete = _complete(status, probes, checkpoints, nxt.first_bad, generation, out,
+                                 bool((body.get("spec") or {}).get("candidates")))
+            complete.status.update(round_figures(probes))
+            return complete
+        number = max((p.get("round") or 0 for p in probes), default=0) + 1
+        for index in nxt.probes:
+            _make_probe(body, rec, checkpoints[index], index, number, nxt.kind, probes, settings, out)
     done = sum(p["phase"] == RUN_DONE for p in probes)
-    out.status.update(probes=probes, done=done, progress=f"{done} probed of {len(checkpoints)}", phase=DIAGNOSING)
-    current = in_flight({"probes": probes})
-    said = f"probe {len(probes)}: step {current['step']} {current['phase'].lower()}" if current else "between probes"
+    out.status.update(probes=probes, done=done, progress=f"{done} probed of {len(checkpoints)}", phase=DIAGNOSING,
+                      **round_figures(probes))
+    current = flying({"probes": probes})
+    said = (f"round {current[0].get('round') or len(probes)}: " + ", ".join(
+        f"step {p['step']} {p['phase'].lower()}" for p in current)) if current else "between probes"
     set_condition(status, out.status, RUNNING_CONDITION, True, "Bisecting", said, generation)
     return out
+
+
+def _make_probe(body: dict, rec: dict, c: dict, index: int, number: int, kind: str, probes: list[dict],
+                settings: Settings, out: DiagnosisDecision) -> None:
+    """A probe of round `number`: its row (Building, its ProxyModel's name) and its ProxyModel."""
+    row = {"index": index, "checkpoint": c["uri"], "step": c["step"], "phase": BUILDING, "proxyModel": None,
+           "workload": None, "reproduced": None, "signature": None, "onset": None, "round": number, "roundKind": kind}
+    manifest = probe_proxymodel(body, rec["spec"], c, settings)
+    row["proxyModel"] = manifest["metadata"]["name"]
+    probes.append(row)
+    out.create.append((PROXYMODELS, manifest))
+    out.events.append(("Normal", "ProbeCreated", f"probe {len(probes)} (round {number}): step {c['step']} "
+                       f"({c['uri']}): ProxyModel {row['proxyModel']}"))
+
+
+def round_figures(probes: list[dict]) -> dict:
+    """status's rounds (of probes side by side), searchRounds (those cutting the range) and
+    deviceHours (every probe's run by the plan's cost model: its ProxyModel's device-hours per
+    RL step x the run's steps; None until one is known)."""
+    rounds = {p.get("round") or n for n, p in enumerate(probes, 1)}
+    search = {p.get("round") for p in probes if p.get("roundKind") == "search"}
+    hours = [float(p["deviceHours"]) for p in probes if p.get("deviceHours") is not None]
+    return {"rounds": len(rounds), "searchRounds": len(search), "deviceHours": f"{sum(hours):.4g}" if hours else None}
+
+
+def _device_hours(child: dict, steps: int) -> str | None:
+    """A probe's run by the plan's cost model: its ProxyModel's plan (deviceHoursPerStep.total.proxy,
+    the proxy's devices x its RL step's time) x the run's steps."""
+    try:
+        per_step = float(child["status"]["plan"]["deviceHoursPerStep"]["total"]["proxy"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return f"{per_step * steps:.4g}"
 
 
 def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dict[str, Outcome],
@@ -158,7 +207,8 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
     if p["phase"] == BUILDING:
         resource, manifest, service = run_manifest(name, namespace, generation, baseline, variant,
                                                    baseline.seeds_from, p["proxyModel"])
-        p.update(phase=RUN_RUNNING, workload=manifest["metadata"]["name"], seed=baseline.seeds_from)
+        p.update(phase=RUN_RUNNING, workload=manifest["metadata"]["name"], seed=baseline.seeds_from,
+                 deviceHours=_device_hours(child, baseline.steps))
         out.create += ([(SERVICES, service)] if service else []) + [(resource, manifest)]
         out.events.append(("Normal", "RunCreated", f"{manifest['kind']} {p['workload']}: probe step {p['step']}"))
         return None
@@ -197,7 +247,7 @@ def _failed(status: dict, probes: list[dict], p: dict, message: str, generation:
 
 
 def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: int | None, generation: int,
-              out: DiagnosisDecision) -> DiagnosisDecision:
+              out: DiagnosisDecision, candidates: bool = False) -> DiagnosisDecision:
     as_probes = [(p["index"], Probe(p["checkpoint"], p["step"], p["reproduced"], p.get("signature"), p.get("onset"),
                                     p.get("note") or "")) for p in probes]
     found = findings(first, as_probes, [SimpleNamespace(**c) for c in checkpoints])
@@ -212,11 +262,18 @@ def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: 
              notMonotone=found.get("not_monotone"), inconclusive=found["inconclusive"] or None,
              builds=found["builds"], phase=DIAGNOSED, message=said[:1024],
              done=len(probes), progress=f"{len(probes)} probed of {len(checkpoints)}")
+    out.events.append(("Normal" if found["monotone"] and not found["inconclusive"] else "Warning",
+                       "BisectionComplete", said))
+    if found["first_bad"] and candidates:  # issue 45 item 3: on to the candidates, on the first bad probe's proxy
+        probe = next(p for p in probes if p["step"] == found["first_bad"]["step"] and p.get("reproduced"))
+        s.update(phase=DIAGNOSING, candidatesOn={"proxyModel": probe["proxyModel"], "step": probe["step"]})
+        said = f"{said}; now the candidates on {probe['proxyModel']}"
+        set_condition(status, s, RUNNING_CONDITION, True, "TryingCandidates", said, generation)
+        out.events.append(("Normal", "CandidatesStarted", said))
+        return out
     set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every probe finished", generation)
     set_condition(status, s, COMPLETE_CONDITION, True, "FirstBadFound" if found["first_bad"] else "NoneBad", said,
          generation)
-    out.events.append(("Normal" if found["monotone"] and not found["inconclusive"] else "Warning",
-                       "BisectionComplete", said))
     return out
 
 

@@ -24,7 +24,8 @@ from moe_proxy.investigate.diagnose import FIXED, FIXED_BUT
 from .diagnosis_baseline import changes as baseline_changes
 from .diagnosis_spec import DiagnosisSpec, InvalidDiagnosis, parse_diagnosis
 from .diagnosis_rows import (FINISHED, RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING, any_reproduced, finished_row,
-                             judge_baseline, judge_candidate, not_run, recorded_running, row_phase, run_rows, said)
+                             judge_baseline, judge_candidate, not_run, recorded_running, row_phase, run_rows, said,
+                             stop_early)
 from .diagnosis_runs import (Baseline, NotYet, RunVariant, baseline_of, changes, run_manifest, run_name,
                              variants)
 from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, FAILED_CONDITION,
@@ -33,6 +34,7 @@ from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNO
 from .outcome import RUNNING as OUTCOME_RUNNING, Outcome
 from .reproduction import name_reserve
 from .resources import SERVICES
+from .runtimes import RUNTIMES
 from .settings import Settings
 from .status import ACCEPTED
 
@@ -102,6 +104,7 @@ def _start(status: dict, d: DiagnosisSpec, baseline: Baseline, name: str, namesp
         "proxyModel": {"name": d.proxy_model, **baseline.pinned, "uri": baseline.proxy_uri, "runtime": r.runtime,
                        "devices": baseline.devices, "failOn": d.fail_on},
         "failOn": r.fail_on.cli(), "steps": baseline.steps, "seeds": seeds, "parallelism": d.parallelism,
+        "allSeeds": d.all_seeds,
         "baseline": rows[0], "candidates": rows[1:], "fixedBy": None,
     }
     set_condition(status, started, ACCEPTED, True, "SpecValid", f"{len(rows) - 1} candidate(s) x {len(seeds)} seed(s) "
@@ -211,6 +214,8 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
                         for row in [base, *cands]}
     maker = RunMaker(name, namespace, generation, d.proxy_model, baseline, variants_by_name)
     running = _follow([base, *cands], seen, steps, maker, out)
+    if not status.get("allSeeds", d.all_seeds):
+        running -= _stop_early(status, cands, out)
     running = _start_next(base, cands, running, d.parallelism, maker, out)
     _judge(base, cands, status.get("failOn"), steps, out)
     _conclude(status, patch, base, cands, running, steps, generation, out)
@@ -240,6 +245,19 @@ def _follow(variant_rows: list[dict], seen: dict[str, Outcome], steps: int, make
                                    f"{row['name']} seed {run['seed']}: {said(runs[i])}"))
         row["runs"] = runs
     return running
+
+
+def _stop_early(status: dict, cands: list[dict], out: DiagnosisDecision) -> int:
+    """stop_early's runs, each said once: the running ones' workloads deleted (after status says
+    NotRun, so a restarted operator never makes them again). How many of them were running."""
+    left_out = stop_early(cands)
+    resource = RUNTIMES[(status.get("proxyModel") or {}).get("runtime") or "Job"].resource
+    for name, run, running in left_out:
+        if running:
+            out.delete.append((resource, run["workload"]))
+        out.events.append(("Normal", "RunStopped" if running else "RunSkipped",
+                           f"{name} seed {run['seed']}: {run['message']}"))
+    return sum(running for _, _, running in left_out)
 
 
 def _start_next(base: dict, cands: list[dict], running: int, parallelism: int, maker: RunMaker,

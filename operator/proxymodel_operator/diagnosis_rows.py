@@ -11,14 +11,16 @@ a run. Verdicts and costs are the CLI's (`moe_proxy.investigate.diagnose`: `verd
 
 from __future__ import annotations
 
-from moe_proxy.investigate.diagnose import NOT_RUN, SeedRun, against, cost_of, cost_window, findings, verdict
+from moe_proxy.investigate.diagnose import (NOT_RUN, SeedRun, against, cost_of, cost_window, findings, left_out_note,
+                                            verdict)
 from moe_proxy.metrics.verdict import series_rows
 
 from .outcome import FAILED as OUTCOME_FAILED, Outcome
 
 # A run's phase.
 RUN_PENDING, RUN_RUNNING, RUN_DONE, RUN_ERROR = "Pending", "Running", "Succeeded", "Failed"
-RUN_NOT_RUN = "NotRun"  # a candidate's run left out: the baseline reproduced on no seed
+RUN_NOT_RUN = "NotRun"  # a candidate's run left out: the baseline reproduced on no seed, or (stop_early) the
+# candidate reproduced on another seed
 FINISHED = (RUN_DONE, RUN_ERROR, RUN_NOT_RUN)
 
 
@@ -118,8 +120,32 @@ def any_reproduced(row: dict) -> bool:
 
 
 def seed_runs(row: dict) -> dict[int, SeedRun]:
-    """A variant's runs as the CLI's verdict reads them, by seed."""
-    return {r["seed"]: seed_run(r) for r in row["runs"]}
+    """A variant's runs as the CLI's verdict reads them, by seed (not those left out)."""
+    return {r["seed"]: seed_run(r) for r in row["runs"] if r["phase"] != RUN_NOT_RUN}
+
+
+def stop_early(cands: list[dict]) -> list[tuple[str, dict, bool]]:
+    """A candidate that changes something and reproduced on one seed is reproduced whatever its
+    other seeds do (the CLI's diagnose without --all-seeds): its pending runs are left out (`not
+    run: reproduced on seed N`) and its running ones stopped (`stopped: ...`), in place. Returns
+    each run left out now as (candidate, its row, whether it was running: its workload goes).
+    Never the baseline's runs (its onsets decide what is judged), nor a no-change candidate's
+    (the method's own check)."""
+    out = []
+    for row in cands:
+        hit = next((r["seed"] for r in row["runs"] if r["phase"] == RUN_DONE and r.get("reproduced")), None)
+        if hit is None or not (row.get("changes") or row.get("env")):
+            continue
+        runs = []
+        for r in row["runs"]:
+            if r["phase"] in (RUN_PENDING, RUN_RUNNING):
+                running = r["phase"] == RUN_RUNNING
+                r = {**r, "phase": RUN_NOT_RUN, "reproduced": None,
+                     "message": f"{'stopped' if running else 'not run'}: reproduced on seed {hit}"}
+                out.append((row["name"], r, running))
+            runs.append(r)
+        row["runs"] = runs
+    return out
 
 
 def variant_cost(row: dict, window: tuple[int, int], baseline: dict | None = None) -> dict:
@@ -153,6 +179,7 @@ def judge_candidate(row: dict, base: dict, steps: int) -> None:
     own_steps = (row.get("changes") or {}).get("steps") or steps  # a candidate changing them: judged on its own
     changed = bool(row.get("changes") or row.get("env"))
     row["verdict"], row["note"] = verdict(seed_runs(base), seed_runs(row), own_steps, changed)
+    row["note"] += left_out_note({r["seed"]: r["message"] for r in row["runs"] if r["phase"] == RUN_NOT_RUN})
     window = (base["cost"]["window_first"], base["cost"]["window_last"])
     row["cost"] = variant_cost(row, window, base["cost"])
 

@@ -119,7 +119,8 @@ def baseline_of(d: DiagnosisSpec, proxymodel: dict | None, namespace: str, setti
         raise InvalidDiagnosis("InvalidSpec", f"no failure to judge: ProxyModel {d.proxy_model} has no "
                                "spec.reproduction.failOn, and spec.failOn is not set")
     config = replace(r.config, steps=d.steps) if d.steps else r.config
-    spec = replace(spec, reproduction=replace(r, config=config, fail_on=fail_on))
+    spec = replace(spec, reproduction=replace(r, config=config, fail_on=fail_on),
+                   queue_name=d.queue_name or spec.queue_name)
     devices = r.accelerator.devices or ((status.get("plan") or {}).get("proxy") or {}).get("devices")
     if not devices:
         raise NotYet("ProxyModelRefused", f"ProxyModel {d.proxy_model} has no planned device count", failed=True)

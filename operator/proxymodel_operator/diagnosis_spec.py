@@ -48,6 +48,8 @@ class BisectSpec:
     bad: int | None = option(None, "int", "a step known to reproduce: the search ends there", crd="bad", minimum=0)
     fail_on: dict | None = None  # the spec's failOn (DiagnosisSpec's); None: the template's spec.reproduction.failOn
     steps: int | None = None  # the spec's steps (DiagnosisSpec's); None: the template's maxSteps
+    candidates: tuple = ()  # the spec's candidates: tried on the first bad probe's ProxyModel (candidates_spec)
+    parallelism: int = 1  # the spec's parallelism (DiagnosisSpec's): probes a round
 
 
 def _inline_fields() -> dict[str, dict]:
@@ -105,19 +107,29 @@ class DiagnosisSpec:
     candidates: tuple[CandidateSpec, ...] = crd_field(
         "candidates", f"Candidate fixes: a name from moe-proxy's catalogue ({', '.join(CATALOGUE)}; "
         "docs/diagnosis.md), or your own {name, args: [repro flags], env: [container env]}; for a ProxyModel with "
-        "spec.reproduction.template, {name, env, args} patches of its first container only.", CANDIDATES, ())
+        "spec.reproduction.template, {name, env, args} patches of its first container only. With spec.checkpoints: "
+        "tried once the bisection found the first bad checkpoint, on that probe's ProxyModel (its proxy is not built "
+        "again).", CANDIDATES, ())
     fail_on: dict | None = crd_field("failOn", "the failure to judge; default the ProxyModel's (or the template's) "
                                      "spec.reproduction.failOn", fail_on_schema(), None)
     seeds: int = option(2, "int", "seeds per variant, from the ProxyModel's reproduction seed on (a bisection runs "
                         "one per probe, on the template's seed)", crd="seeds", minimum=1, maximum=16)
-    parallelism: int = option(1, "int", "how many runs (each a full reproduction workload) at once (a bisection "
-                              "probes one at a time)", crd="parallelism", minimum=1, maximum=64)
+    parallelism: int = option(1, "int", "how many runs (each a full reproduction workload) at once; a bisection "
+                              "probes this many checkpoints a round (each a ProxyModel and its run), the range left "
+                              "cut in parallelism + 1 parts", crd="parallelism", minimum=1, maximum=64)
+    all_seeds: bool = option(False, "bool", "run every seed of every candidate (the full matrix). By default a "
+                             "candidate that reproduced on one seed is reproduced whatever its other seeds do: its "
+                             "pending runs are not started and its running ones deleted", crd="allSeeds")
     steps: int | None = option(None, "int", "RL steps per run; default the ProxyModel's (or the template's) "
                                "spec.reproduction.maxSteps", crd="steps", minimum=1)
+    queue_name: str | None = option(None, "str", "Kueue LocalQueue of the runs' workloads (and a bisection's "
+                                    "builds): label kueue.x-k8s.io/queue-name, created suspended for Kueue to admit; "
+                                    "default the ProxyModel's (or the template's) spec.queueName", crd="queueName",
+                                    crd_schema=NAME)
     checkpoints: BisectSpec | None = crd_field(
         "checkpoints", "A bisection (moe-proxy bisect): the earliest checkpoint of a training run whose proxy "
-        "reproduces spec.failOn, in O(log n) probes, one at a time. Either `watch` (a CheckpointWatch in this "
-        "namespace: its source, pattern, stepRegex and ProxyModel template) or `source` with `template` (and "
+        "reproduces spec.failOn, in O(log n) probes, spec.parallelism of them a round (the range left cut in "
+        "parallelism + 1 parts). Either `watch` (a CheckpointWatch in this namespace: its source, pattern, stepRegex and ProxyModel template) or `source` with `template` (and "
         "optionally pattern, stepRegex) written here. The complete checkpoints are listed once (as moe-proxy "
         "checkpoints lists them).", _checkpoints_schema(), None)
 
@@ -182,9 +194,10 @@ def parse_diagnosis(spec: dict) -> DiagnosisSpec:
 def parse_bisection(spec: dict) -> BisectSpec:
     """spec as the CRD has it, checked beyond the schema (InvalidDiagnosis says what is wrong)."""
     raw = spec.get("checkpoints")
-    if spec.get("proxyModel") or spec.get("candidates"):
-        raise InvalidDiagnosis("InvalidSpec", "spec.checkpoints asks for a bisection; spec.proxyModel and "
-                               "spec.candidates ask for a candidate matrix: give one or the other")
+    if spec.get("proxyModel"):
+        raise InvalidDiagnosis("InvalidSpec", "spec.checkpoints asks for a bisection; spec.proxyModel asks for a "
+                               "candidate matrix on a ProxyModel: give one or the other")
+    candidates = parse_diagnosis(candidates_spec(spec, "probe")).candidates if spec.get("candidates") else ()
     usage = ("spec.checkpoints: {watch: a CheckpointWatch in this namespace} or {source: {uri: s3://run-prefix}, "
              "template: {spec: a ProxyModel spec without source}}")
     if not isinstance(raw, dict):
@@ -203,5 +216,12 @@ def parse_bisection(spec: dict) -> BisectSpec:
     if b.good is not None and b.bad is not None and b.good >= b.bad:
         raise InvalidDiagnosis("InvalidSpec", f"spec.checkpoints: good {b.good} must come before bad {b.bad}")
     fail_on = _fail_on(spec)
-    steps = read_spec({"steps": spec.get("steps")}).steps  # (seeds and parallelism are the matrix's)
-    return BisectSpec(watch, inline or None, b.good, b.bad, fail_on, steps)
+    scalars = read_spec({"steps": spec.get("steps"), "parallelism": spec.get("parallelism")})  # (seeds: the matrix's)
+    return BisectSpec(watch, inline or None, b.good, b.bad, fail_on, scalars.steps, candidates, scalars.parallelism)
+
+
+def candidates_spec(spec: dict, proxy_model: str) -> dict:
+    """A bisection's candidates as a matrix Diagnosis's spec on `proxy_model` (the first bad
+    probe's ProxyModel): its candidates, failOn, seeds, parallelism, allSeeds and steps."""
+    return {"proxyModel": proxy_model, **{k: spec[k] for k in ("candidates", "failOn", "seeds", "parallelism",
+                                                                "allSeeds", "steps") if spec.get(k) is not None}}

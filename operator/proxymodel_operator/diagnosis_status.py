@@ -28,6 +28,8 @@ class DiagnosisDecision:
     status: dict = field(default_factory=dict)  # merged into status (written before anything is created)
     create: list[tuple[Resource, dict]] = field(default_factory=list)  # in order, after status
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    # workloads to delete (runs stopped early: diagnosis_rows.stop_early), after status is written
+    delete: list[tuple[Resource, str]] = field(default_factory=list)
 
 
 def set_condition(status: dict, out: dict, kind: str, ok: bool | None, reason: str, message: str,

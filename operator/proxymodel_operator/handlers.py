@@ -24,7 +24,7 @@ import datetime
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kopf
@@ -36,9 +36,10 @@ from .pipeline import (ADMITTED, CHILD_CHANGED, RECHECK, REJUDGE, RETRY, SPEC_CH
                        Action, AskJudgment, Child, CreateChild, DeleteChildren, Emit, JudgeChild, Log, Observed,
                        PatchStatus, StartPipeline, decide, spec_hash)
 from .preflight import PreflightError, dependencies, preflight, settings_fingerprint
+from . import runtimes
 from .resources import (GROUP, JOBS, LABEL_CHILD, LABEL_GENERATION, LABEL_PROXYMODEL, LABEL_ROLE, PODS, PROXYMODELS,
-                        VERSION, Resource)
-from .runtimes import CHILDREN, WORKLOADS, runtime_of
+                        SERVICES, VERSION, Resource)
+from .runtimes import CHILDREN, RUNTIME_MISSING, runtime_of
 from .settings import Settings, from_env
 from .spec import InvalidSpec, parse
 
@@ -99,7 +100,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
     settings.posting.level = logging.WARNING  # handler failures become Events; successes do not
     # Watch only our children and their pods (the API server filters): never every pod of a cluster.
     children = f"{LABEL_PROXYMODEL},{LABEL_ROLE}"
-    for resource in (*WORKLOADS, PODS):
+    for resource in (*runtimes.WORKLOADS, PODS):
         settings.watching.label_selectors[resource.group or resource.version, resource.plural] = children
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -188,7 +189,11 @@ async def _create(action: CreateChild, ctx: _Context, status: dict) -> bool:
         if action.refused is None:
             raise
         # Status changed since the ProxyModel was read (the child was just recorded): unversioned.
-        refused = pipeline.create_refused(status, action.refused, what, str(exc), ctx.body.get("spec") or {})
+        # A 404: the runtime's CRD is not installed (no retry helps: the condition says what to install).
+        missing = exc.status == 404
+        refused = pipeline.create_refused(status, replace(action.refused, retry=False) if missing else action.refused,
+                                          what, runtimes.missing(action.resource) if missing else str(exc),
+                                          ctx.body.get("spec") or {}, RUNTIME_MISSING if missing else "CreateFailed")
         ctx.logger.warning("the API server refused %s: %s%s", what, exc,
                            "; tried again later" if action.refused.retry else "")
         await _act(refused, _Context(ctx.body, ctx.memo, ctx.logger))
@@ -206,7 +211,9 @@ async def _delete_children(namespace: str, proxymodel: str, keep_generation: int
         try:
             children = await kube.list_(resource, namespace, {LABEL_PROXYMODEL: proxymodel})
         except kube.ApiError as exc:
-            if exc.status == 404:  # that runtime's CRD is not installed
+            # 404: that runtime's CRD is not installed; 403: a runtime the chart left off (runtimes.*),
+            # whose workloads this operator never creates.
+            if exc.status == 404 or (exc.status == 403 and resource not in (JOBS, SERVICES)):
                 continue
             raise
         for child in children:
@@ -392,24 +399,31 @@ async def child_changed(event: dict, body: kopf.Body, resource: kopf.Resource, n
     await judge_child(child, namespace, labels, dict(body), logger, memo)
 
 
-for _workload in WORKLOADS:  # every runtime's workloads, the transformer's Jobs among them
-    kopf.on.event(_workload.group, _workload.version, _workload.plural, labels=CHILD_LABELS)(child_changed)
+def register_workloads(served: tuple[str, ...] = (), registry: kopf.OperatorRegistry | None = None) -> None:
+    """Follow the workloads of the runtimes this operator serves (settings.runtimes; empty: all of
+    them), the transformer's batch/v1 Jobs always: kopf lists and watches only what the chart's
+    RBAC grants (a runtime's rules come with its runtimes.<name>.enabled)."""
+    names = set(served or runtimes.RUNTIMES) | {"Job"}
+    for workload in dict.fromkeys(r.resource for r in runtimes.RUNTIMES.values() if r.name in names):
+        kopf.on.event(workload.group, workload.version, workload.plural, labels=CHILD_LABELS,
+                      registry=registry)(child_changed)
 
 
 @kopf.on.event(PODS.group, PODS.version, PODS.plural, labels={LABEL_CHILD: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT})
 async def pod_changed(event: dict, body: kopf.Body, namespace: str, memo: kopf.Memo, logger: logging.Logger,
                       **_: Any) -> None:
-    """A child's pod changed: a pull that never succeeds or an unschedulable pod shows only here."""
-    if event.get("type") == "DELETED":
-        return
+    """A child's pod changed: a pull that never succeeds or an unschedulable pod shows only here.
+    A deleted pod is judged as it ended (a RayJob's cluster, shut down after the job, takes the
+    verdict with its pods: the event's body is their last state)."""
     labels = body.get("metadata", {}).get("labels", {})
-    await judge_child(None, namespace, labels, None, logger, memo)
+    await judge_child(None, namespace, labels, None, logger, memo, pod=dict(body))
 
 
 async def judge_child(resource: Resource | None, namespace: str, labels: dict, workload: dict | None,
-                      logger: logging.Logger, memo: kopf.Memo) -> None:
+                      logger: logging.Logger, memo: kopf.Memo, pod: dict | None = None) -> None:
     """Read the child's verdict and carry it into its ProxyModel's status. Status is written
-    only if nobody changed the ProxyModel meanwhile; otherwise it is read and judged again."""
+    only if nobody changed the ProxyModel meanwhile; otherwise it is read and judged again.
+    `pod`: one of its pods as an event has it (counted even if gone from the listing)."""
     proxymodel, role, child = labels.get(LABEL_PROXYMODEL), labels.get(LABEL_ROLE), labels.get(LABEL_CHILD)
     if not (proxymodel and role in (TRANSFORMER, REPRODUCTION) and child):
         return
@@ -422,8 +436,15 @@ async def judge_child(resource: Resource | None, namespace: str, labels: dict, w
         if not pipeline.wants_verdict(status, role, child):
             return  # read nothing more
         kind = resource or pipeline.child_resource(status, role)  # a pod's event: its workload's
-        current = workload if workload is not None else await kube.get(kind, namespace, child)
+        try:
+            current = workload if workload is not None else await kube.get(kind, namespace, child)
+        except kube.ApiError as exc:
+            if exc.status == 404 and pod is not None:
+                return  # a pod going with its workload: nothing to judge
+            raise
         pods = await kube.list_(PODS, namespace, {LABEL_CHILD: child})
+        if pod is not None and all(p["metadata"]["name"] != pod["metadata"]["name"] for p in pods):
+            pods.append(pod)
         seen = Child(child, role, outcome(kind, current, pods),
                      failed_indexes=(current.get("status") or {}).get("failedIndexes"))
         await _act(decide(parent, Observed(CHILD_CHANGED, child=seen), memo.settings),

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from moe_proxy.reports import parse_termination_log
 
 from .resources import Resource
-from .runtimes import WATCHER, Conditions, runtime_of
+from .runtimes import WATCHER, Conditions, Fields, runtime_of
 
 RUNNING, SUCCEEDED, FAILED = "Running", "Succeeded", "Failed"
+WAITING_FOR_VERDICT = "WaitingForVerdict"  # the workload ended, its pods (holding the verdict) not yet
 # Waiting reasons that never resolve without a change to the spec: fail instead of hanging.
 STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
                  "CreateContainerError")
@@ -52,6 +53,8 @@ def workload_state(resource: Resource, obj: dict) -> Outcome:
     if runtime is None:
         return Outcome(RUNNING)
     rule = runtime.state
+    if isinstance(rule, Fields):
+        return Outcome(*rule.read(obj))
     if isinstance(rule, Conditions):
         if _condition(obj, rule.succeeded):
             return Outcome(SUCCEEDED)
@@ -158,6 +161,11 @@ def outcome(resource: Resource, obj: dict, pods: list[dict]) -> Outcome:
     """The verdict on a child workload, from the workload and its pods."""
     verdict = workload_state(resource, obj)
     found = examine_pods(pods)
+    runtime = runtime_of(resource)
+    if verdict.state != RUNNING and runtime is not None and runtime.pods_outlive and not found.success_report \
+            and any((p.get("status") or {}).get("phase") in ("Pending", "Running") for p in pods):
+        return Outcome(RUNNING, WAITING_FOR_VERDICT, f"the {runtime.name} ended ({verdict.state}); the verdict "
+                       "comes with its pods' end (the watcher's or rank 0's termination message)")
     if verdict.state == SUCCEEDED:
         return Outcome(SUCCEEDED, report=found.success_report)
     if verdict.state == FAILED and found.watch_report and found.crash:

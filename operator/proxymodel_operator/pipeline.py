@@ -337,18 +337,19 @@ def failed(status: dict, kind: str, reason: str, message: str, what: str) -> lis
             Emit("Warning", reason, f"{what} failed: {message}"[:MAX_EVENT])]
 
 
-def create_refused(status: dict, refused: Failure, what: str, error: str, spec: dict | None = None) -> list[Action]:
+def create_refused(status: dict, refused: Failure, what: str, error: str, spec: dict | None = None,
+                   reason: str = "CreateFailed") -> list[Action]:
     """The API server refused the child `what` (its answer: `error`). Permanent: the ProxyModel
     fails at that step. Retried: the step's condition (Unknown, CREATE_REFUSED) and the message
     say what waits and why, one Warning Event for the refusal (none for each try after it),
     and the `recreate` back-off tries again (`RETRY`). `spec`: the ProxyModel's (for Ready)."""
-    return keep_ready(status, _create_refused(status, refused, what, error), spec)
+    return keep_ready(status, _create_refused(status, refused, what, error, reason), spec)
 
 
-def _create_refused(status: dict, refused: Failure, what: str, error: str) -> list[Action]:
+def _create_refused(status: dict, refused: Failure, what: str, error: str, reason: str) -> list[Action]:
     message = f"creating {what}: {error}"
     if not refused.retry:
-        return failed(status, refused.kind, "CreateFailed", message, refused.what)
+        return failed(status, refused.kind, reason, message, refused.what)
     conditions = status.get("conditions") or []
     waiting = waits_on_refusal(status)
     text = f"{refused.what} waits: {message}"[:MAX_EVENT]

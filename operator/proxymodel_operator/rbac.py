@@ -34,7 +34,9 @@ PERMISSIONS: tuple[Permission, ...] = (
                "write status (phase, conditions, proxy summary, plan, outcome)"),
     # Child workloads, one per runtime of the table (the transformer's Jobs are batch/v1 Jobs):
     # created, followed, and deleted when a new generation replaces them.
-    *(Permission(r.resource.group, r.resource.plural, WORKLOAD_VERBS, r.why) for r in RUNTIMES.values()),
+    # Each granted only with its chart value on (runtimes.<feature>; batch/v1 Jobs always).
+    *(Permission(r.resource.group, r.resource.plural, WORKLOAD_VERBS, r.why, (r.feature,) if r.feature else ())
+      for r in RUNTIMES.values()),
     # The headless Service that gives an Indexed reproduction Job's pods stable host names
     # (`<job>-<index>.<job>`, the master at index 0): created with the Job (one that exists is
     # read back), owned by the ProxyModel, deleted with the Jobs of an older spec. Never watched.
@@ -63,6 +65,12 @@ PERMISSIONS: tuple[Permission, ...] = (
     # OwnerReferencesPermissionEnforcement admission plugin (OpenShift) allow only with this.
     Permission("moeproxy.io", "checkpointwatches/finalizers", ("update",),
                "own the ProxyModels it makes (blockOwnerDeletion)", features=("checkpointWatch",)),
+    # The watched run (issue 43; spec.metrics and spec.onFailure): one Diagnosis per incident, owned
+    # by the watch (its finalizers grant above), stopped past its budget; its webhook's Secret is
+    # read with the `get` above.
+    Permission("moeproxy.io", "diagnoses", ("create", "delete"), "a CheckpointWatch's incident: its one "
+               "Diagnosis, deleted (with its runs) once it starts more than the incident's budget",
+               features=("checkpointWatch",)),
     # Diagnosis (issue 26): kopf's timer on each, its status, and the runs it creates (the
     # reproduction workloads and Services above, read back with their pods; the ProxyModel with
     # the `get` above). The runs are owned by the Diagnosis with blockOwnerDeletion.

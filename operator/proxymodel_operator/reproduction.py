@@ -1,7 +1,9 @@
 """The reproduction workload: one RL run on the proxy over the planned accelerators.
 
 One pod per node, one pod template, wrapped by the runtime spec.reproduction.runtime names
-(`runtimes.py`: a batch/v1 Job, a Volcano gang or an Ascend MindCluster AscendJob). The pods
+(`runtimes.py`: a batch/v1 Job, a Volcano gang, an Ascend MindCluster AscendJob, a JobSet, a
+Kubeflow TrainJob, or a KubeRay RayJob, whose head and workers run the template's container
+with its command as the Ray job's entrypoint). The pods
 find each other as the runtime's `Rendezvous` says: every container gets MASTER_ADDR,
 MASTER_PORT, NNODES, NODE_RANK and NPROC_PER_NODE (or the runtime's own variables for them).
 
@@ -73,9 +75,10 @@ def repro_flags(spec: ProxyModelSpec, runtime: Runtime | None = None, where: Pla
         args += ["--fail-on", r.fail_on.cli()]
     if where is not None:
         args += ["--nproc-per-node", str(where.per_pod)]
-        if where.pods > 1:
-            args += ["--nnodes", str(where.pods), "--node-rank", _var(runtime.rendezvous.node_rank),
-                     "--master-addr", _var("MASTER_ADDR"), "--master-port", _var("MASTER_PORT")]
+        rv = runtime.rendezvous
+        if where.pods > 1 and rv.per_node:
+            args += ["--nnodes", str(where.pods), "--node-rank", _var(rv.node_rank),
+                     "--master-addr", _var(rv.master_addr), "--master-port", _var(rv.master_port)]
     return args + ["--termination-log", TERMINATION_LOG]
 
 
@@ -263,6 +266,14 @@ def watcher(spec: ProxyModelSpec, runtime: Runtime, where: Placement, env: list[
     return container
 
 
+def run_volume(spec: ProxyModelSpec) -> dict:
+    """What a framework and its watcher share at RUN_DIR: spec.reproduction.sharedVolumeClaim (a
+    volume every pod mounts: a framework whose logger runs off node 0, as verl's TaskRunner on
+    Ray), else an emptyDir of the pod's own."""
+    claim = spec.reproduction.shared_volume_claim
+    return {"name": RUN_VOLUME, **({"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}})}
+
+
 def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, where: Placement,
                  pod_labels: dict[str, str], runtime: Runtime, name: str = "",
                  experts_per_layer: int | None = None, top_k: int | None = None,
@@ -300,7 +311,7 @@ def pod_template(spec: ProxyModelSpec, proxy_uri: str, manifest_sha256: str, whe
         # The watcher sees what the framework's first container sees (a metrics path on its own volume).
         seen = [m for m in first["volumeMounts"] if m.get("mountPath") != RUN_DIR] + [shared]
         pod["initContainers"] = [watcher(spec, runtime, where, env, metrics, seen), *pod.get("initContainers", [])]
-        pod.setdefault("volumes", []).append({"name": RUN_VOLUME, "emptyDir": {}})
+        pod.setdefault("volumes", []).append(run_volume(spec))
         return template
 
     container = container_basics(r.workload, runtime.container or DEFAULT_CONTAINER)

@@ -24,6 +24,8 @@ ENV_PREFLIGHT = "MOEPROXY_PREFLIGHT"  # "false" skips reading config.json before
 ENV_LIVENESS = "MOEPROXY_LIVENESS"  # kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz
 ENV_LOG_FORMAT = "MOEPROXY_LOG_FORMAT"  # plain | full | json
 ENV_CHECKPOINT_WATCH = "MOEPROXY_CHECKPOINT_WATCH"  # "true" serves CheckpointWatches (chart: checkpointWatch.enabled)
+ENV_RUNTIMES = "MOEPROXY_RUNTIMES"  # the reproduction runtimes served, comma-separated; empty = all (chart: runtimes.*)
+ENV_TRAINING_RUNTIME = "MOEPROXY_TRAINING_RUNTIME"  # a TrainJob's default ClusterTrainingRuntime
 # Not set by the chart: how often each CheckpointWatch's timer wakes (seconds; tests shorten it).
 ENV_CHECKPOINT_TICK = "MOEPROXY_CHECKPOINT_TICK"
 # Not set by the chart: how often each Diagnosis's timer looks at its runs (seconds; tests shorten it).
@@ -35,7 +37,7 @@ ENV_RECHECK_INTERVAL = "MOEPROXY_RECHECK_INTERVAL"
 # What the chart sets.
 ALL_ENV = (ENV_NAMESPACES, ENV_TRANSFORMER_IMAGE, ENV_REPRO_IMAGE, ENV_ACCELERATOR,
            ENV_DEVICES_PER_NODE, ENV_DEVICE_MEMORY_GB, ENV_S3_ENDPOINT, ENV_S3_REGION,
-           ENV_PREFLIGHT, ENV_LIVENESS, ENV_LOG_FORMAT, ENV_CHECKPOINT_WATCH)
+           ENV_PREFLIGHT, ENV_LIVENESS, ENV_LOG_FORMAT, ENV_CHECKPOINT_WATCH, ENV_RUNTIMES, ENV_TRAINING_RUNTIME)
 
 DEFAULT_IMAGE = "ghcr.io/moe-proxy/moe-proxy:0.1.0"
 DEFAULT_ACCELERATOR = "huawei.com/Ascend910"
@@ -59,6 +61,8 @@ class Settings:
     liveness: str = "http://0.0.0.0:8080/healthz"
     log_format: str = "json"
     checkpoint_watch: bool = False  # the chart grants its RBAC only when this is on
+    runtimes: tuple[str, ...] = ()  # the reproduction runtimes served (the chart grants their RBAC); empty = all
+    training_runtime: str = "torch-distributed"  # a TrainJob's ClusterTrainingRuntime unless it names one
     checkpoint_tick: float = 30.0  # the CRD's smallest pollInterval: polls fall on 30 s ticks
     diagnosis_tick: float = 10.0  # a Diagnosis's runs are looked at this often
     recheck_interval: float = 120.0  # a refusal's Secret and source are looked at again this often
@@ -94,6 +98,17 @@ def _float(env: dict[str, str], name: str, default: float) -> float:
     return value
 
 
+def _runtimes(env: dict[str, str]) -> tuple[str, ...]:
+    from .runtimes import RUNTIMES  # the table (settings is imported before it elsewhere)
+
+    names = tuple(n.strip() for n in env.get(ENV_RUNTIMES, "").split(",") if n.strip())
+    unknown = [n for n in names if n not in RUNTIMES]
+    if unknown:
+        raise SettingsError(f"{ENV_RUNTIMES}={','.join(names)!r}: unknown {', '.join(unknown)}; "
+                            f"expected some of {', '.join(RUNTIMES)}")
+    return names
+
+
 def from_env(env: dict[str, str] | None = None) -> Settings:
     """Settings from `env` (default: os.environ); a bad value raises SettingsError naming it."""
     env = dict(os.environ if env is None else env)
@@ -123,6 +138,8 @@ def from_env(env: dict[str, str] | None = None) -> Settings:
         liveness=env.get(ENV_LIVENESS, "").strip() or "http://0.0.0.0:8080/healthz",
         log_format=log_format,
         checkpoint_watch=checkpoint_watch in ("true", "1", "yes"),
+        runtimes=_runtimes(env),
+        training_runtime=env.get(ENV_TRAINING_RUNTIME, "").strip() or Settings.training_runtime,
         checkpoint_tick=_float(env, ENV_CHECKPOINT_TICK, Settings.checkpoint_tick),
         diagnosis_tick=_float(env, ENV_DIAGNOSIS_TICK, Settings.diagnosis_tick),
         recheck_interval=_float(env, ENV_RECHECK_INTERVAL, Settings.recheck_interval),

@@ -178,17 +178,37 @@ def _reproduction(r: dict, settings: Settings) -> Reproduction:
     runtime = r.get("runtime", "Job")
     if runtime not in RUNTIMES:
         raise InvalidSpec(f"spec.reproduction.runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+    if settings.runtimes and runtime not in settings.runtimes:
+        raise InvalidSpec(f"spec.reproduction.runtime {runtime!r} is not enabled in this operator (the chart's "
+                          f"runtimes.{RUNTIMES[runtime].feature}; enabled: {', '.join(settings.runtimes)})")
     template = r.get("template")
     if template is not None and not (template.get("spec") or {}).get("containers"):
         raise InvalidSpec("spec.reproduction.template: a pod template needs spec.containers")
-    return Reproduction(
+    out = Reproduction(
         enabled=r.get("enabled", True), runtime=runtime,
         workload=_workload(r, settings.repro_image, 0),
         accelerator=_accelerator(r.get("accelerator") or {}, settings),
         config=_repro_config(r),
         fail_on=_fail_on(r.get("failOn")), template=template,
         scheduler_name=r.get("schedulerName"), volcano_queue=r.get("queue"),
+        shared_volume_claim=r.get("sharedVolumeClaim"),
+        training_runtime=r.get("trainingRuntime") or settings.training_runtime,
     )
+    _runtime_fits(out)
+    return out
+
+
+def _runtime_fits(r: Reproduction) -> None:
+    """What a runtime cannot run: InvalidSpec says why and what to do instead."""
+    one_node = r.accelerator.devices is not None and r.accelerator.devices <= r.accelerator.devices_per_node
+    if r.runtime == "TrainJob" and r.template is not None:
+        raise InvalidSpec("spec.reproduction.template: a TrainJob's pods come from its ClusterTrainingRuntime, with "
+                          "no room for the watch sidecar that judges a framework; run your own pod template as a "
+                          "RayJob or a JobSet, or give a TrainJob spec.reproduction.command/args")
+    if r.runtime == "RayJob" and r.template is not None and not one_node and not r.shared_volume_claim:
+        raise InvalidSpec("spec.reproduction.sharedVolumeClaim: a RayJob over more than one node needs a "
+                          "ReadWriteMany PersistentVolumeClaim every pod mounts at /run/moe-proxy: verl's "
+                          "TaskRunner (its FileLogger) runs off the head, where the watcher reads the metrics")
 
 
 def _deep_pruning(p: Pruning, raw: dict, calibrated: bool, settings: Settings) -> Pruning:

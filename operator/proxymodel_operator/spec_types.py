@@ -113,6 +113,9 @@ class Reproduction:
     template: dict | None = None  # the user's own pod template (verl, MindSpeed-RL, ...)
     scheduler_name: str | None = None
     volcano_queue: str | None = None
+    # a ReadWriteMany claim every pod mounts at the run directory (a framework logging off node 0)
+    shared_volume_claim: str | None = None
+    training_runtime: str = "torch-distributed"  # the TrainJob's ClusterTrainingRuntime
 
     @property
     def max_steps(self) -> int:
@@ -132,7 +135,7 @@ class ProxyModelSpec:
     reproduction: Reproduction
     suspend: bool = False
     ttl_seconds_after_finished: int | None = None
-    queue_name: str | None = None  # Kueue LocalQueue, set as a label on child batch/v1 Jobs
+    queue_name: str | None = None  # Kueue LocalQueue: the label on every child workload, created suspended
     calibration: TokenOptions | None = None  # spec.calibration: the tokens `moe-proxy calibrate` runs
     workers: int = 1  # spec.transformer.parallelism: pods sharing the build (an Indexed Job when > 1)
 

@@ -198,6 +198,8 @@ def _job(proxymodel: str, kind: str, namespace: str, generation: int, spec: Prox
         job_spec["activeDeadlineSeconds"] = workload.active_deadline_seconds
     if spec.ttl_seconds_after_finished is not None:
         job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
+    if spec.queue_name:
+        job_spec["suspend"] = True  # Kueue admits it (its queue-name label)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -17,6 +17,8 @@ from moe_proxy.errors import InvalidOptions
 from moe_proxy.options import from_crd, option
 
 from .crd_fields import crd_field, without_empty
+from .loop_spec import InvalidLoop, MetricsSpec, OnFailureSpec, metrics_schema, on_failure_schema, parse_metrics, \
+    parse_on_failure
 from .settings import Settings
 from .shared_fields import source_schema, template_schema
 from .spec import InvalidSpec, parse as parse_proxymodel
@@ -74,6 +76,13 @@ class WatchSpec:
                                 crd="pollInterval", minimum=1, crd_schema={"minimum": MIN_POLL_INTERVAL})
     suspend: bool = option(False, "bool", "while true, the prefix is not listed and no ProxyModel is made",
                            crd="suspend")
+    metrics: MetricsSpec | None = crd_field("metrics", "The training run's metrics, followed on every poll: a "
+                                            "failure of spec.onFailure.failOn opens an incident (docs/"
+                                            "checkpointwatch.md, The watched run).", metrics_schema(), None)
+    on_failure: OnFailureSpec | None = crd_field("onFailure", "What an incident does: one Diagnosis that bisects the "
+                                                 "run's complete checkpoints up to the failing step, then tries the "
+                                                 "candidates on the first bad one's proxy, within a budget.",
+                                                 on_failure_schema(), None)
 
 
 def parse_watch(spec: dict[str, Any], settings: Settings | None = None) -> WatchSpec:
@@ -101,10 +110,18 @@ def parse_watch(spec: dict[str, Any], settings: Settings | None = None) -> Watch
     except InvalidSpec as exc:
         raise InvalidWatch(f"spec.template: {exc}") from None
     meta = template.get("metadata") or {}
+    try:
+        metrics, on_failure = parse_metrics(spec.get("metrics")), parse_on_failure(spec.get("onFailure"))
+    except InvalidLoop as exc:
+        raise InvalidWatch(str(exc)) from None
+    if bool(metrics) != bool(on_failure):
+        raise InvalidWatch("spec.metrics and spec.onFailure come together: the metrics to follow and what to do "
+                           "on a failure")
     try:  # the scalar fields: types, ranges and defaults as WatchSpec declares them
         return from_crd(WatchSpec, without_empty(spec), "spec", source=source,
                         source_fields={k: v for k, v in src.items() if k != "uri"}, template_spec=template_spec,
                         template_labels=dict(meta.get("labels") or {}),
-                        template_annotations=dict(meta.get("annotations") or {}))
+                        template_annotations=dict(meta.get("annotations") or {}), metrics=metrics,
+                        on_failure=on_failure)
     except InvalidOptions as exc:
         raise InvalidWatch(str(exc)) from None

@@ -38,6 +38,10 @@ TORCH_FREE = (
     "moe_proxy.metrics.plots",  # matplotlib when a plot is drawn
     "moe_proxy.metrics.detect",
     "moe_proxy.metrics.metrics_io",
+    "moe_proxy.metrics.readers",  # every format, local or s3:// (tensorboard, not torch)
+    "moe_proxy.metrics.sources",
+    "moe_proxy.metrics.watch",
+    "moe_proxy.metrics.incident",  # the operator's watched run
     "moe_proxy.investigate",
     "moe_proxy.investigate.catalogue",  # diagnose's candidate fixes: repro flags
     "moe_proxy.investigate.diagnose",  # runs are child processes: torch loads in them

@@ -527,7 +527,6 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         "--out": _OUT, "--candidates": "a Diagnosis's spec.candidates (catalogue names)",
         "--candidate": "a Diagnosis's spec.candidates (name and args)",
         "--candidates-file": "a Diagnosis's spec.candidates", "--list": _LOCAL,
-        "--parallel": "a Diagnosis's spec.parallelism",
         "--replace": "a Diagnosis's runs are its own children; a new spec starts over",
     },
     "bisect": {
@@ -539,7 +538,6 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         "--out": _OUT, "--pattern": _SEARCH, "--step-regex": _SEARCH,
         **dict.fromkeys(("--format", "--profile", "--metric"), "how the original's metrics are read, as watch reads them"),
         **dict.fromkeys(("--candidates", "--candidate", "--candidates-file"), "a Diagnosis's spec.candidates"),
-        "--parallel": "a Diagnosis's spec.parallelism",
         "--replace": "a Diagnosis's children are its own; a new spec starts over",
     },
     "checkpoints": {"--pattern": "a CheckpointWatch's spec.pattern", "--step-regex": "a CheckpointWatch's spec.stepRegex",

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from proxymodel_operator import settings as operator_settings
+from proxymodel_operator.runtimes import RUNTIMES
 
 from .conftest import CHART, ROOT, one, operator_env, render_objects
 from .test_render import VALUE_SETS
@@ -47,6 +48,10 @@ def test_operator_parses_the_rendered_settings(chart, name):
     assert settings.log_format == merged["operator"]["logFormat"]
     assert urlparse(settings.liveness).port == merged["operator"]["livenessPort"]
     assert settings.checkpoint_watch == merged["checkpointWatch"]["enabled"]
+    runtimes = merged["runtimes"]  # batch/v1 Jobs always, then each runtime on
+    assert settings.runtimes == ("Job", *(r.name for r in RUNTIMES.values() if r.feature and
+                                          runtimes[r.feature]["enabled"]))
+    assert settings.training_runtime == runtimes["trainJob"]["runtime"]
 
 
 @pytest.mark.parametrize("port", [8080, 9090])

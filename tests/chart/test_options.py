@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from moe_proxy.cli import build_parser, subcommands
-from moe_proxy.investigate.diagnose import Seeds
+from moe_proxy.investigate.diagnose import AtOnce, Seeds
 from moe_proxy.metrics.detect import FailOnOption
 from moe_proxy.options import (CLI_ONLY, OutputOptions, PruningOptions, StoreOptions, TokenOptions, crd_properties,
                                from_args, options_of, spelled)
@@ -47,7 +47,7 @@ def test_the_crd_is_generated_from_the_options_models():
 
 # Every options model; test_every_options_model_is_listed keeps the list whole.
 MODELS = (PruningOptions, TokenOptions, OutputOptions, StoreOptions, ReproConfig, RunOptions, FailOnOption,
-          PlacementOptions, FaultOptions, Seeds)
+          PlacementOptions, FaultOptions, Seeds, AtOnce)
 
 
 def _flags(command: str) -> set[str]:

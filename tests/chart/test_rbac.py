@@ -27,7 +27,10 @@ def _generator():
     return module
 
 
-DEFAULT_FEATURES = ("preflight",)  # the chart's defaults: operator.preflight on, checkpointWatch off
+# the chart's defaults: operator.preflight on, checkpointWatch off, the Volcano and Ascend runtimes on
+DEFAULT_FEATURES = ("preflight", "volcanoJob", "ascendJob")
+RUNTIME_FEATURES = ("volcanoJob", "ascendJob", "rayJob", "trainJob", "jobSet")
+ALL_RUNTIMES = {"runtimes": {f: {"enabled": True} for f in RUNTIME_FEATURES}}
 
 
 def permissions(*features: str) -> set[tuple[str, str, str]]:
@@ -43,7 +46,7 @@ def _is_cluster_scoped(grant) -> bool:
 
 
 def test_permissions_are_not_empty_and_have_no_wildcard():
-    everything = permissions("preflight", "checkpointWatch")
+    everything = permissions("preflight", "checkpointWatch", *RUNTIME_FEATURES)
     assert len(everything) > 10 and everything == {(p.api_group, p.resource, v) for p in rbac.PERMISSIONS
                                                    for v in p.verbs}
     assert not any("*" in part for grant in everything for part in grant)
@@ -112,11 +115,26 @@ def test_namespaced_install_reads_secrets_only_in_its_namespaces(chart):
 def test_every_reproduction_runtime_can_be_created(chart, values):
     """The operator can create, follow and delete the workload of each runtime a ProxyModel
     may ask for (batch/v1 Job, Volcano Job, AscendJob)."""
-    objects = render_objects(chart, values)
+    objects = render_objects(chart, {**values, **ALL_RUNTIMES})
     granted = set().union(*(grants(r["rules"]) for r in objects if r["kind"] in ("Role", "ClusterRole")))
     for runtime in RUNTIMES.values():
         for verb in ("create", "get", "list", "watch", "delete"):
             assert (runtime.resource.group, runtime.resource.plural, verb) in granted, (runtime.name, verb)
+    assert from_env(operator_env(objects)).runtimes == tuple(RUNTIMES)  # and the operator serves them
+
+
+@pytest.mark.parametrize("feature", RUNTIME_FEATURES)
+def test_a_runtime_turned_off_gets_no_rbac_and_is_not_served(chart, feature):
+    """Only what is used: a runtime's rules come with runtimes.<name>.enabled, and the operator
+    (MOEPROXY_RUNTIMES) serves exactly the runtimes on, batch/v1 Jobs always."""
+    runtime = next(r for r in RUNTIMES.values() if r.feature == feature)
+    key = (runtime.resource.group, runtime.resource.plural)
+    for enabled in (True, False):
+        objects = render_objects(chart, {"runtimes": {feature: {"enabled": enabled}}})
+        granted = {(g, r) for g, r, _ in grants(one(objects, "ClusterRole")["rules"])}
+        served = from_env(operator_env(objects)).runtimes
+        assert (key in granted) == enabled == (runtime.name in served), (feature, enabled)
+        assert served[0] == "Job" and ("batch", "jobs") in granted
 
 
 def test_secret_get_follows_the_features_that_need_it(chart):
@@ -183,7 +201,7 @@ def test_feature_rules_follow_their_values(tmp_path):
         off = grants(one(render_objects(chart), "ClusterRole")["rules"])
         on = grants(one(render_objects(chart, {"checkpointWatch": {"enabled": True}}), "ClusterRole")["rules"])
     cw = {("moeproxy.io", "checkpointwatches", v) for v in ("get", "list", "watch", "patch")}
-    assert off == permissions() and on == permissions("preflight", "checkpointWatch") | cw
+    assert off == permissions() and on == permissions(*DEFAULT_FEATURES, "checkpointWatch") | cw
 
 
 @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
@@ -201,7 +219,8 @@ def test_kopf_can_serve_every_registered_handler(chart, values):
         objects = render_objects(chart, values)
         return set().union(*(grants(r["rules"]) for r in objects if r["kind"] in ("Role", "ClusterRole")))
 
-    registry = registry_copy()  # the default registry's handlers, and the watch's timer
+    # the default registry's handlers, the workloads' of the runtimes the chart serves, the watch's timer
+    registry = registry_copy(from_env(operator_env(render_objects(chart, values))).runtimes)
     checkpoint_watch.register(30.0, registry)  # as with checkpointWatch.enabled
     diagnosis.register(10.0, registry)  # always
     default, watching = granted_by(values), granted_by({**values, "checkpointWatch": {"enabled": True}})

@@ -27,7 +27,9 @@ DEPENDS = {  # stage -> the stages it may import
     "layerwise": {"checkpoint", "storage"},  # the layer-by-layer runner and its driver
     "calibrate": {"layerwise", "checkpoint", "storage"},  # the statistics pass and its artifact
     "pruning": {"calibrate", "layerwise", "checkpoint", "storage"},  # selection, fits, the writer
-    "metrics": set(),  # read, detect, judge, follow, compare, plot: any framework's run, not only ours
+    # read, detect, judge, follow, compare, plot: any framework's run, not only ours; on a
+    # volume or in a bucket (metrics/sources.py reads s3:// through storage's S3Store)
+    "metrics": {"storage"},
     "rl": {"metrics", "layerwise", "checkpoint", "storage"},  # the run writes and judges through metrics
     "investigate": {"rl", "metrics", "checkpoint", "storage"},  # diagnose and bisect: runs as child processes
 }

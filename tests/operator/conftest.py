@@ -156,6 +156,11 @@ async def cluster(tmp_path, monkeypatch) -> AsyncIterator[Api]:
             kind="Diagnosis", subresources={"status"}, shortnames={"pxd"}, **info)
         emulator.resources["batch.volcano.sh/v1alpha1/jobs"] = kmock.ResourceInfo(kind="Job", **info)
         emulator.resources["mindxdl.gitee.com/v1/ascendjobs"] = kmock.ResourceInfo(kind="AscendJob", **info)
+        emulator.resources["ray.io/v1/rayjobs"] = kmock.ResourceInfo(kind="RayJob", subresources={"status"}, **info)
+        emulator.resources["trainer.kubeflow.org/v1alpha1/trainjobs"] = kmock.ResourceInfo(
+            kind="TrainJob", subresources={"status"}, **info)
+        emulator.resources["jobset.x-k8s.io/v1alpha2/jobsets"] = kmock.ResourceInfo(
+            kind="JobSet", subresources={"status"}, **info)
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "emulator",

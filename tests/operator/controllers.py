@@ -9,16 +9,23 @@ controller code or documentation it comes from.
 
 - batch/v1 Indexed Job (Kubernetes' Job controller);
 - Volcano Job with its `env` and `svc` plugins (volcano-sh/volcano, pkg/controllers/job/plugins);
-- Ascend MindCluster AscendJob, framework pytorch (Ascend/mind-cluster, component/ascend-operator).
+- Ascend MindCluster AscendJob, framework pytorch (Ascend/mind-cluster, component/ascend-operator);
+- JobSet (kubernetes-sigs/jobset), KubeRay's RayJob (ray-project/kuberay) and Kubeflow Trainer's
+  TrainJob on the torch-distributed runtime (kubeflow/trainer): what they make of the workload,
+  and (`STATUSES`) the statuses they write, checked against their published CRDs in
+  test_upstream_crds.py. No cluster with these controllers was available: each cites the code
+  it follows.
 """
 
 from __future__ import annotations
 
 import copy
+import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from proxymodel_operator.resources import ASCEND_JOBS, SERVICES, VOLCANO_JOBS
+from proxymodel_operator.outcome import FAILED, RUNNING, SUCCEEDED
+from proxymodel_operator.resources import ASCEND_JOBS, JOB_SETS, RAY_JOBS, SERVICES, TRAIN_JOBS, VOLCANO_JOBS
 from proxymodel_operator.runtimes import JOB_COMPLETION_INDEX
 
 from .kubelet import CONFIGMAPS, Pod
@@ -182,3 +189,139 @@ CONTROLLERS: dict[str, Controller] = {
     "VolcanoJob": Controller(_start_volcano, _finish_volcano),
     "AscendJob": Controller(_start_ascend, _finish_ascend),
 }
+
+
+# --- JobSet, TrainJob, RayJob -----------------------------------------------------------------------
+
+WHEN = "2026-12-06T08:00:00Z"
+
+
+def condition(kind: str, reason: str, message: str) -> dict:
+    """A metav1.Condition, as JobSet's and the Trainer's controllers write them (all five fields)."""
+    return {"type": kind, "status": "True", "reason": reason, "message": message, "lastTransitionTime": WHEN}
+
+
+# (status, the verdict it means) per runtime and phase: what each controller writes.
+STATUSES: dict[str, dict[str, tuple[dict, str]]] = {
+    # jobset pkg/constants: AllJobsCompleted, FailedJobs (failurePolicy.maxRestarts 0: no restart first)
+    "JobSet": {
+        "running": ({"restarts": 0, "replicatedJobsStatus": [
+            {"name": "node", "ready": 1, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}]}, RUNNING),
+        "succeeded": ({"restarts": 0, "terminalState": "Completed", "conditions": [
+            condition("Completed", "AllJobsCompleted", "jobset completed successfully")]}, SUCCEEDED),
+        "failed": ({"restarts": 0, "terminalState": "Failed", "conditions": [
+            condition("Failed", "FailedJobs", "jobset failed due to one or more job failures")]}, FAILED),
+    },
+    # trainer pkg/runtime/framework/plugins/jobset (the JobSet's Completed/Failed, renamed Complete/Failed)
+    "TrainJob": {
+        "running": ({"jobsStatus": [{"name": "node", "ready": 1, "active": 1, "succeeded": 0, "failed": 0,
+                                     "suspended": 0}]}, RUNNING),
+        "succeeded": ({"conditions": [condition("Complete", "AllJobsCompleted", "jobset completed successfully")]},
+                      SUCCEEDED),
+        "failed": ({"conditions": [condition("Failed", "FailedJobs", "jobset failed due to one or more job "
+                                             "failures")]}, FAILED),
+    },
+    # kuberay apis/ray/v1/rayjob_types.go: jobDeploymentStatus Complete whatever the Ray job's end
+    "RayJob": {
+        "running": ({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "jobId": "raysubmit-1",
+                     "rayClusterName": "c"}, RUNNING),
+        "succeeded": ({"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "jobId": "raysubmit-1",
+                       "message": "Job finished successfully."}, SUCCEEDED),
+        "failed": ({"jobDeploymentStatus": "Failed", "jobStatus": "", "reason": "DeadlineExceeded",
+                    "message": "The RayJob has passed the activeDeadlineSeconds."}, FAILED),
+        "complete but FAILED": ({"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed",
+                                 "jobId": "raysubmit-1", "message": "Job entrypoint command failed with exit "
+                                 "code 1"}, FAILED),
+    },
+}
+
+
+def _indexed_pods(name: str, template: dict, count: int, labels: dict) -> list[Pod]:
+    """A JobSet's replicated Job `node` (index 0): pods `<jobset>-node-0-<i>`, hostname that, subdomain
+    the JobSet (jobset pkg/controllers/pod_controller, jobset_controller constructJob: the Job
+    `<jobset>-node-0`, Indexed; with network.enableDNSHostnames the pod subdomain is the JobSet)."""
+    return [Pod(f"{name}-node-0-{i}", template, annotations={JOB_COMPLETION_INDEX: str(i)},
+                labels={**template["metadata"]["labels"], **labels, JOB_COMPLETION_INDEX: str(i)},
+                hostname=f"{name}-node-0-{i}", subdomain=name)
+            for i in range(count)]
+
+
+async def _start_jobset(api, namespace: str, js: dict) -> Started:
+    name = js["metadata"]["name"]
+    [rj] = js["spec"]["replicatedJobs"]
+    template = rj["template"]["spec"]["template"]
+    pods = _indexed_pods(name, template, rj["template"]["spec"]["completions"],
+                         {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": "node"})
+    return Started(pods, [f"{p.hostname}.{name}" for p in pods], template["spec"]["containers"][0]["name"])
+
+
+async def _finish_jobset(api, namespace: str, js: dict, ok: bool) -> None:
+    await api.patch_status(JOB_SETS, namespace, js["metadata"]["name"],
+                           STATUSES["JobSet"]["succeeded" if ok else "failed"][0])
+
+
+async def _start_trainjob(api, namespace: str, tj: dict) -> Started:
+    """The Trainer's torch plugin on the torch-distributed runtime (plugins/torch/torch.go): the
+    trainer's image, command, args, env and resourcesPerNode on the `node` container of the
+    runtime's replicated Job `node`, then PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the
+    completion index), PET_MASTER_ADDR `<trainjob>-node-0-0.<trainjob>`, PET_MASTER_PORT 29400;
+    the runtime patches (our labels, volumes) merged in; the JobSet has the TrainJob's name."""
+    name, spec = tj["metadata"]["name"], tj["spec"]
+    [patch] = spec["runtimePatches"]
+    [job] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = copy.deepcopy(job["template"]["spec"]["template"])
+    trainer = spec["trainer"]
+    mounts = next((c.get("volumeMounts") for c in pod["spec"].pop("containers", []) if c["name"] == "node"), None)
+    container = {"name": "node", "image": trainer.get("image", "pytorch"), "command": trainer.get("command"),
+                 "args": trainer.get("args"), "env": copy.deepcopy(trainer.get("env") or []),
+                 "resources": trainer.get("resourcesPerNode") or {}, "volumeMounts": mounts or []}
+    _append_env(container, [
+        {"name": "PET_NNODES", "value": str(trainer["numNodes"])},
+        {"name": "PET_NPROC_PER_NODE", "value": str(trainer["numProcPerNode"])},
+        {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{JOB_COMPLETION_INDEX}']"}}},
+        {"name": "PET_MASTER_ADDR", "value": f"{name}-node-0-0.{name}"},
+        {"name": "PET_MASTER_PORT", "value": "29400"}])
+    pod["spec"]["containers"] = [container]
+    pods = _indexed_pods(name, pod, trainer["numNodes"], {"jobset.sigs.k8s.io/jobset-name": name})
+    return Started(pods, [f"{p.hostname}.{name}" for p in pods], "node")
+
+
+async def _finish_trainjob(api, namespace: str, tj: dict, ok: bool) -> None:
+    await api.patch_status(TRAIN_JOBS, namespace, tj["metadata"]["name"],
+                           STATUSES["TrainJob"]["succeeded" if ok else "failed"][0])
+
+
+async def _start_rayjob(api, namespace: str, rj: dict) -> Started:
+    """KubeRay: a RayCluster `<rayjob>-<random>` with the head pod and the workers' pods (`ray start`
+    in their first container), then the submitter (K8sJobMode) runs `ray job submit -- ENTRYPOINT`,
+    whose driver runs on the head. Here the head's container runs the entrypoint itself (standing in
+    for `ray start` and the driver on it), the workers' containers nothing."""
+    name, cluster = rj["metadata"]["name"], rj["spec"]["rayClusterSpec"]
+    head = copy.deepcopy(cluster["headGroupSpec"]["template"])
+    entry = rj["spec"]["entrypoint"]
+    # A plain command line runs as its words (the test kubelet then finds python3 and moe-proxy here);
+    # one with shell variables through the shell. MASTER_PORT: the port the kubelet gives it.
+    head["spec"]["containers"][0]["command"] = shlex.split(entry) if "$" not in entry else ["/bin/sh", "-c", entry]
+    _append_env(head["spec"]["containers"][0], [{"name": "MASTER_PORT", "value": "29500"}])
+    pods = [Pod(f"{name}-head", head, labels={**head["metadata"]["labels"], "ray.io/node-type": "head"},
+                hostname=f"{name}-head")]
+    for group in cluster.get("workerGroupSpecs") or []:
+        worker = copy.deepcopy(group["template"])
+        worker["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "true"]
+        pods += [Pod(f"{name}-{group['groupName']}-{i}", worker,
+                     labels={**worker["metadata"]["labels"], "ray.io/node-type": "worker"})
+                 for i in range(group["replicas"])]
+    return Started(pods, [], head["spec"]["containers"][0]["name"])
+
+
+async def _finish_rayjob(api, namespace: str, rj: dict, ok: bool) -> None:
+    await api.patch_status(RAY_JOBS, namespace, rj["metadata"]["name"],
+                           STATUSES["RayJob"]["succeeded" if ok else "complete but FAILED"][0])
+
+
+CONTROLLERS.update({
+    "JobSet": Controller(_start_jobset, _finish_jobset),
+    "TrainJob": Controller(_start_trainjob, _finish_trainjob),
+    "RayJob": Controller(_start_rayjob, _finish_rayjob),
+})

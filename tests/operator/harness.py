@@ -207,13 +207,18 @@ def tiny_report(proxy) -> str:
                        "experts_per_layer": {"before": 8, "after": 4, "top_k": 2}, "params": {}, "bytes": {}})
 
 
-def registry_copy() -> kopf.OperatorRegistry:
+def registry_copy(runtimes: tuple[str, ...] | None = ()) -> kopf.OperatorRegistry:
     """A registry of its own holding what the default one holds (the handlers that importing
-    proxymodel_operator.handlers registers): a test adds to it without touching other tests."""
+    proxymodel_operator.handlers registers) and the handlers of the workloads of `runtimes`
+    (empty: all; None: none): a test adds to it without touching other tests."""
+    from proxymodel_operator.handlers import register_workloads
+
     default, fresh = kopf.get_default_registry(), kopf.OperatorRegistry()
     for part in ("_activities", "_indexing", "_watching", "_spawning", "_changing", "_webhooks"):
         for handler in getattr(default, part).get_all_handlers():
             getattr(fresh, part).append(handler)
+    if runtimes is not None:
+        register_workloads(runtimes, fresh)
     return fresh
 
 

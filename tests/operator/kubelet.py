@@ -142,8 +142,9 @@ class Kubelet:
                 for key, value in data.items():
                     (directory / key).write_text(value)
         env = {k: self._local(pod, container, v) for k, v in self.resolve_env(pod, container).items()}
-        if "MASTER_PORT" in env:
-            env["MASTER_PORT"] = self.master_port
+        for port in ("MASTER_PORT", "PET_MASTER_PORT"):  # a free port of this machine's (the Trainer's is PET_)
+            if port in env:
+                env[port] = self.master_port
         argv = [self._local(pod, container, expand(a, env))
                 for a in [*(container.get("command") or []), *(container.get("args") or [])]]
         argv = [MOE_PROXY if a == "moe-proxy" else sys.executable if a in ("python", "python3") else a for a in argv]

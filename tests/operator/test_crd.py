@@ -10,11 +10,14 @@ import pytest
 import yaml
 
 from proxymodel_operator.reproduction import reproduction_workload
+from proxymodel_operator.runtimes import RUNTIMES
 from proxymodel_operator.settings import Settings
 from proxymodel_operator.spec import parse
 from proxymodel_operator.transformer_job import transformer_job
 
 from ..checkpoints.crd_schema import ROOT, errors, load_crd, openapi
+from .test_upstream_crds import CRDS as UPSTREAM
+from .test_upstream_crds import upstream_errors
 
 EXAMPLES = sorted((ROOT / "examples").glob("proxymodel-*.yaml"))
 K8S = "1.31.0"
@@ -48,7 +51,7 @@ def test_crd_is_valid_kubernetes_with_status_columns_and_short_name(crd):
 
 def test_there_are_examples_for_every_runtime_and_a_user_template():
     specs = [_example(p)["spec"] for p in EXAMPLES]
-    assert {s.get("reproduction", {}).get("runtime") for s in specs} >= {"Job", "VolcanoJob", "AscendJob"}
+    assert {s.get("reproduction", {}).get("runtime") for s in specs} >= set(RUNTIMES)
     assert any("template" in s.get("reproduction", {}) for s in specs)
 
 
@@ -64,11 +67,10 @@ def test_examples_pass_the_schema_the_operator_and_make_valid_jobs(crd, path):
                                   spec.reproduction.accelerator.devices or 16)
     if repro["kind"] == "Job" and repro["apiVersion"] == "batch/v1":
         kubernetes_validate.validate(repro, K8S, strict=True)
-    else:  # CRDs of other projects: at least their pod templates are valid pods
-        spec_ = repro["spec"]
-        templates = [t["template"] for t in spec_.get("tasks", [])] or \
-            [r["template"] for r in spec_["replicaSpecs"].values()]
-        for template in templates:
+    else:  # CRDs of other projects: at least their pod templates are valid pods (and the upstream CRD's schema)
+        if repro["kind"] in UPSTREAM:
+            assert upstream_errors(repro["kind"], repro) == []
+        for template in RUNTIMES[spec.reproduction.runtime].pod_templates(repro["spec"]):
             pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": template["spec"]}
             kubernetes_validate.validate(pod, K8S, strict=True)
 
@@ -101,7 +103,7 @@ BAD = {
     "endpoint without scheme": (_with("spec.source.endpoint", "minio:9000"), "endpoint"),
     "unknown method": (_with("spec.pruning.method", "best"), "method"),
     "pin without colon": (_with("spec.pruning.pin", ["3-17"]), "pin"),
-    "unknown runtime": (_with("spec.reproduction.runtime", "RayJob"), "runtime"),
+    "unknown runtime": (_with("spec.reproduction.runtime", "MPIJob"), "runtime"),
     "devices a word": (_with("spec.reproduction.accelerator.devices", "many"), "devices"),
     "devices 0": (_with("spec.reproduction.accelerator.devices", 0), "devices"),
     "threshold without metric": (_with("spec.reproduction.failOn", {"signature": "threshold", "value": "1"}),

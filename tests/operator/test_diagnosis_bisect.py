@@ -21,7 +21,7 @@ import pytest
 
 from moe_proxy.investigate.bisect import Probe, search
 from proxymodel_operator.checkpoint_watch import CHECKPOINT_WATCHES
-from proxymodel_operator.diagnosis_bisect import BUILDING, PROBE_ROLE, in_flight, parse_bisection, progress, start
+from proxymodel_operator.diagnosis_bisect import BUILDING, PROBE_ROLE, flying, in_flight, parse_bisection, progress, start
 from proxymodel_operator.diagnosis_spec import InvalidDiagnosis
 from proxymodel_operator.diagnosis_rows import RUN_DONE, RUN_RUNNING
 from proxymodel_operator.diagnosis_runs import LABEL_DIAGNOSIS
@@ -357,3 +357,87 @@ async def test_too_few_checkpoints_are_refused_with_a_reason(cluster, s3, operat
     assert (accepted["status"], accepted["reason"]) == ("False", "TooFewCheckpoints")
     assert "bisect needs at least 2" in accepted["message"]
     assert cluster.names(PROXYMODELS, NS) == []
+
+
+# --- a round of probes side by side (#45 item 1) ----------------------------------------------------
+
+
+def _bisect_in_rounds(n: int, bad_from: int, parallelism: int, unjudged: frozenset = frozenset(),
+                      per_step: str | None = None):
+    """As _bisect_without_a_cluster, with spec.parallelism: every probe in flight has its
+    ProxyModel (built once created) and its run's outcome. Returns the final body, what was
+    created, and the largest number of probes in flight at once."""
+    listed = [{"step": 10 * (i + 1), "uri": f"s3://{BUCKET}/run/global_step_{10 * (i + 1)}/{HF}"} for i in range(n)]
+    body = _body(parallelism=parallelism)
+    b = parse_bisection(body["spec"])
+    body = _apply(body, start({}, b, checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
+    made: dict[str, dict] = {}
+    created, widest = [], 0
+    for _ in range(10 * n):
+        current = flying(body["status"])
+        widest = max(widest, len(current))
+        children = {p["proxyModel"]: _built(made[p["proxyModel"]]) if p["proxyModel"] in made else None
+                    for p in current}
+        for child in children.values():  # its plan: device-hours per RL step (the proxy's devices x its step time)
+            if child is not None and per_step is not None:
+                child["status"]["plan"] = {"deviceHoursPerStep": {"total": {"original": "9", "proxy": per_step}}}
+        seen = {}
+        for p in current:
+            if p.get("workload") in made:
+                bad = p["index"] >= bad_from
+                seen[p["workload"]] = Outcome(SUCCEEDED, report={
+                    "reproduced": bad, "signature": "overflow" if bad else None, "step": 0 if bad else None,
+                    "steps_completed": 1} | ({"stopped": "loss or weights are NaN", "also_seen": {"nan": 0}}
+                                             if p["index"] in unjudged else {}))
+        decision = progress(body, None, seen, Settings(), children=children)
+        body = _apply(body, decision)
+        for _, manifest in decision.create:
+            created.append((manifest["kind"], manifest["metadata"]["name"]))
+            made[manifest["metadata"]["name"]] = manifest
+        if body["status"].get("phase") in (DIAGNOSED, DIAGNOSIS_FAILED):
+            return body, created, widest
+    raise AssertionError("the bisection did not finish")
+
+
+@pytest.mark.parametrize("n, bad_from, unjudged", [(8, 5, ()), (9, 5, ()), (8, 0, ()), (17, 9, ()), (8, 5, (3,)),
+                                                   (8, 5, (1, 4)), (8, 99, ())])
+def test_a_round_of_three_probes_finds_the_clis_first_bad(n, bad_from, unjudged):
+    """spec.parallelism 3: the CLI's search at --parallel 3, round by round, to the first bad
+    checkpoint one at a time finds; on 8 or 9 checkpoints in 2 search rounds where one at a time
+    takes 3."""
+    unjudged = frozenset(unjudged)
+    steps = [10 * (i + 1) for i in range(n)]
+    ckpts = [SimpleNamespace(step=s, uri=f"u{s}") for s in steps]
+
+    def test(i):
+        return Probe(f"u{steps[i]}", steps[i], None if i in unjudged else i >= bad_from, None, None)
+    one_rounds, rounds = [], []
+    one, _ = search(ckpts, test, good_given=False, rounds=one_rounds)
+    first, expected = search(ckpts, test, good_given=False, parallel=3, rounds=rounds)
+    assert first == one
+    body, created, widest = _bisect_in_rounds(n, bad_from, 3, unjudged)
+    s = body["status"]
+    assert [p["index"] for p in s["probes"]] == [i for i, _ in expected]
+    assert [[p["index"] for p in s["probes"] if p["round"] == k] for k in range(1, len(rounds) + 1)] == \
+        [r for _, r in rounds]
+    assert s["firstBad"] == ({"checkpoint": f"s3://{BUCKET}/run/global_step_{steps[first]}/{HF}",
+                              "step": steps[first]} if first is not None else None)
+    assert s["rounds"] == len(rounds) and widest == max(len(r) for _, r in rounds)
+    assert len(created) == len(set(created)) == 2 * len(expected)  # each ProxyModel and run made once
+    if (n, bad_from, unjudged) in ((8, 5, frozenset()), (9, 5, frozenset())):
+        assert s["searchRounds"] == 2 and sum(k == "search" for k, _ in one_rounds) == 3
+        assert widest == 3
+
+
+def test_one_probe_a_round_is_the_clis_order_and_says_its_rounds():
+    body, _, widest = _bisect_in_rounds(8, 5, 1)
+    s = body["status"]
+    assert [p["index"] for p in s["probes"]] == [7, 3, 5, 4, 6] and widest == 1
+    assert s["rounds"] == 5 and s["searchRounds"] == 3 and s["deviceHours"] is None  # no plan in these ProxyModels
+
+
+def test_the_rounds_device_hours_are_the_plans():
+    """deviceHours: each probe's ProxyModel plan's device-hours per RL step x its run's steps (1)."""
+    body, _, _ = _bisect_in_rounds(8, 5, 3, per_step="0.25")
+    s = body["status"]
+    assert [p["deviceHours"] for p in s["probes"]] == ["0.25"] * 6 and s["deviceHours"] == "1.5"

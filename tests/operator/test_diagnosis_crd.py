@@ -72,9 +72,16 @@ def test_the_bisection_example_is_valid(crd):
     assert errors(crd, {**example, "spec": {**example["spec"], "checkpoints": {"watch": "qwen3-run"}}}) == []
 
 
+def test_a_bisection_with_candidates_is_valid_and_goes_on_to_them(crd):
+    """Issue 45 item 3: candidates with spec.checkpoints are tried on the first bad probe's ProxyModel."""
+    example = yaml.safe_load(BISECTION.read_text())
+    example["spec"]["candidates"] = ["fp32", "lower-lr"]
+    assert errors(crd, example) == []
+    assert [c.name for c in parse_bisection(example["spec"]).candidates] == ["fp32", "lower-lr"]
+
+
 @pytest.mark.parametrize("change, text", [
     (lambda s: s.update(proxyModel="pm"), "one of them"),
-    (lambda s: s.update(candidates=["fp32"]), "has no candidates"),
     (lambda s: s["checkpoints"].update(watch="w"), "not both"),
     (lambda s: s["checkpoints"].pop("template"), "needs a ProxyModel template"),
     (lambda s: s["checkpoints"].update(bad=50), "good comes before bad"),

@@ -162,7 +162,7 @@ def _done(step=None, **extra):
 
 def test_verdicts_are_the_clis():
     pm = built()
-    body = diagnosis({"candidates": ["lower-lr", "warmup", "z-loss"], "parallelism": 3})
+    body = diagnosis({"candidates": ["lower-lr", "warmup", "z-loss"], "parallelism": 3, "allSeeds": True})
     outcomes = {("baseline", 0): _done(1), ("baseline", 1): _done(3),
                 ("lower-lr", 0): _done(), ("lower-lr", 1): _done(),
                 ("warmup", 0): _done(2), ("warmup", 1): _done(3),
@@ -380,3 +380,47 @@ def test_the_cost_series_fits_the_termination_message_of_a_long_run():
     # steps logged unevenly (a framework logging every 10th step from 10) are listed
     uneven = series_rows(cost_series({10: {"actor/pg_loss": 1.0}, 20: {"actor/pg_loss": 2.0}, 40: {}}))
     assert uneven == {10: {"actor/pg_loss": 1.0}, 20: {"actor/pg_loss": 2.0}}
+
+
+def test_a_candidate_that_reproduced_on_one_seed_starts_no_other_and_stops_those_running():
+    """#45 item 2: `reproduced` needs one seed. Its pending runs are not started (no workload is
+    made for them) and its running ones deleted, once status says so; the baseline and a
+    no-change candidate run every seed; allSeeds runs the full matrix."""
+    pm = built()
+    spec = {"candidates": ["warmup", {"name": "same", "args": ["--lr", "0.1"]}], "seeds": 4, "parallelism": 3}
+    outcomes = {**{(v, s): _done(1) for v in ("baseline", "same") for s in range(4)},
+                ("warmup", 0): _done(2), **{("warmup", s): _done() for s in (1, 2, 3)}}
+    body = apply(diagnosis(spec), decide(diagnosis(spec), pm, {}, SETTINGS))
+    made, deleted = [], []
+    for _ in range(20):
+        running = recorded_running(body["status"])
+        if not running and body["status"].get("phase") == DIAGNOSED:
+            break
+        seen = {}
+        for w in running:  # warmup's seed 1 is still running when its seed 0 reproduced
+            variant, seed = w.removeprefix("dx-").rsplit("-s", 1)
+            seen[w] = Outcome(RUNNING) if (variant, seed) == ("warmup", "1") else outcomes[(variant, int(seed))]
+        decision = decide(body, pm, seen, SETTINGS)
+        made += [m["metadata"]["name"] for _, m in decision.create]
+        deleted += [w for _, w in decision.delete]
+        body = apply(body, decision)
+    s = body["status"]
+    warmup = next(c for c in s["candidates"] if c["name"] == "warmup")
+    assert [r["phase"] for r in warmup["runs"]] == [RUN_DONE, "NotRun", "NotRun", "NotRun"]
+    assert [r.get("message") for r in warmup["runs"][1:]] == ["stopped: reproduced on seed 0",
+                                                              "not run: reproduced on seed 0",
+                                                              "not run: reproduced on seed 0"]
+    assert "dx-warmup-s2" not in made and "dx-warmup-s3" not in made and deleted == ["dx-warmup-s1"]
+    assert warmup["verdict"] == "reproduced" and warmup["note"] == (
+        "delayed: seed 0 step 2; seed 1 stopped: reproduced on seed 0; seed 2 not run: reproduced on seed 0; "
+        "seed 3 not run: reproduced on seed 0")
+    same = next(c for c in s["candidates"] if c["name"] == "same")
+    assert same["verdict"] == "no-change" and all(r["phase"] == RUN_DONE for r in same["runs"])
+    assert s["progress"] == "12/12" and s["phase"] == DIAGNOSED
+
+    # allSeeds: every run of every candidate
+    spec["allSeeds"] = True
+    body = apply(diagnosis(spec), decide(diagnosis(spec), pm, {}, SETTINGS))
+    body = _finish_all(body, pm, outcomes)
+    warmup = next(c for c in body["status"]["candidates"] if c["name"] == "warmup")
+    assert [r["phase"] for r in warmup["runs"]] == [RUN_DONE] * 4 and warmup["note"] == "delayed: seed 0 step 2"

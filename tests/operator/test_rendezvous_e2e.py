@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import textwrap
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -100,15 +103,21 @@ def _runtime_wiring(runtime: str, workload: dict, started: Started, env: dict[st
         hosts = (root / started.pods[1].name / f"{job}-svc" / "worker.host").read_text().splitlines()
         assert env["MASTER_ADDR"] == hosts[0] == env["VC_WORKER_HOSTS"].split(",")[0] == f"{job}-worker-0.{job}"
         assert (env["VC_TASK_INDEX"], env["VK_TASK_INDEX"], env["VC_WORKER_NUM"]) == ("1", "1", "2")
+    elif runtime == "JobSet":  # the JobSet's pod host names under its own headless Service
+        assert (env["NODE_RANK"], env["MASTER_ADDR"]) == ("1", f"{job}-node-0-0.{job}")
+        assert started.pods[1].hostname == f"{job}-node-0-1" and started.pods[1].subdomain == job
+    elif runtime == "TrainJob":  # the Trainer's torch plugin's PET_* variables, read by the repro's flags
+        assert (env["PET_NODE_RANK"], env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("1", "2", "2")
+        assert env["PET_MASTER_ADDR"] == f"{job}-node-0-0.{job}"
     else:  # the Ascend operator's values, not torchrun's: the launcher clears them
         assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "4", "2", "0,1")
         assert env["MASTER_ADDR"] == ASCEND_MASTER_IP and started.pods[1].name == f"{job}-worker-0"
 
 
-@pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob"])
+@pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob", "JobSet", "TrainJob"])
 async def test_two_pods_of_two_ranks_are_one_run_with_the_one_process_metrics(cluster, operator, tiny_proxy,
                                                                               one_process, tmp_path, runtime):
-    name = {"Job": "d1", "VolcanoJob": "dv", "AscendJob": "da"}[runtime]
+    name = {"Job": "d1", "VolcanoJob": "dv", "AscendJob": "da", "JobSet": "dj", "TrainJob": "dt"}[runtime]
     await cluster.create(PROXYMODELS, NS, proxymodel(name, reproduction={
         "runtime": runtime, "maxSteps": STEPS, "precision": "fp32", "failOn": {"signature": "nan"},
         "accelerator": {"devices": 4, "devicesPerNode": 2}}))
@@ -161,11 +170,11 @@ FRAMEWORK = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob"])
+@pytest.mark.parametrize("runtime", ["Job", "VolcanoJob", "AscendJob", "JobSet"])
 async def test_a_frameworks_nan_at_step_3_is_the_sidecars_verdict(cluster, operator, tmp_path, runtime):
     """The template's containers learn their node rank from each runtime's own variable (the
     prelude), and node 0's watcher gives the verdict (on an AscendJob only the Master has one)."""
-    name = {"Job": "d2", "VolcanoJob": "dw", "AscendJob": "db"}[runtime]
+    name = {"Job": "d2", "VolcanoJob": "dw", "AscendJob": "db", "JobSet": "dk"}[runtime]
     script = tmp_path / "framework.py"
     script.write_text(FRAMEWORK)
     template = {"spec": {"containers": [{"name": "verl", "image": "verl:test", "command": ["python", str(script)]}]}}
@@ -196,3 +205,66 @@ async def test_a_frameworks_nan_at_step_3_is_the_sidecars_verdict(cluster, opera
     await eventually(lambda: cluster.status(NS, name).get("phase") == "Reproduced", 30, "the verdict in status")
     result = cluster.status(NS, name)["reproduction"]
     assert (result["signature"], result["step"]) == ("nan", 3)
+
+
+RAY_DRIVER = textwrap.dedent("""\
+    import json, os, time
+    assert os.environ["MOEPROXY_PROXY_URI"] and os.environ["NNODES"] == "1"
+    with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
+        for step in range(1, 6):
+            loss = float("nan") if step == 3 else 1.0 / step
+            f.write(json.dumps({"step": step, "data": {"actor/pg_loss": loss, "actor/grad_norm": 1.0}}) + "\\n")
+            f.flush()
+            time.sleep(0.3)
+""")
+
+
+async def test_a_rayjobs_driver_logs_and_the_heads_watcher_gives_the_verdict(cluster, operator, tmp_path):
+    """verl's way on a RayJob (one node here): the entrypoint (the template's command) runs on the
+    head with the head's environment, writes the FileLogger lines, and the head's watcher says `nan`
+    at step 3."""
+    script = tmp_path / "driver.py"
+    script.write_text(RAY_DRIVER)
+    template = {"spec": {"containers": [{"name": "verl", "image": "verl:test",
+                                         "command": [sys.executable, str(script)]}]}}
+    await cluster.create(PROXYMODELS, NS, proxymodel("dr", reproduction={
+        "runtime": "RayJob", "maxSteps": 5, "template": template, "failOn": {"signature": "nan"},
+        "accelerator": {"devices": 1, "devicesPerNode": 1}}))
+    workload = await _reproduction_of(cluster, "dr", tmp_path / "proxy", "RayJob")
+    assert workload["spec"]["entrypoint"] == f"{sys.executable} {script}"
+    started, ran, _ = await _run_and_report(cluster, tmp_path / "node", "RayJob", workload)
+    [head] = started.pods
+    assert all(r.exit_code == 0 for r in ran[head.name].values()), [r.output[-2000:] for r in ran[head.name].values()]
+    verdict = json.loads(ran[head.name][WATCHER].message)
+    assert (verdict["reproduced"], verdict["signature"], verdict["step"]) == (True, "nan", 3)
+    await eventually(lambda: cluster.status(NS, "dr").get("phase") == "Reproduced", 30, "the verdict in status")
+
+
+FAKE_RAY = Path(__file__).parent / "fake_ray"
+
+
+async def test_a_rayjobs_repro_over_two_nodes_is_one_run_through_the_launcher(cluster, operator, tiny_proxy,
+                                                                             one_process, tmp_path, monkeypatch):
+    """`moe-proxy repro` on a RayJob of 2 pods x 2 ranks: the entrypoint (runtimes_ray.LAUNCHER, here
+    on a stand-in of Ray's API, tests/operator/fake_ray) starts each node's ranks as a Ray task pinned
+    to its node; one run, with the 1-process metrics, its verdict the head's."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_RAY), os.environ.get("PYTHONPATH", "")]))
+    await cluster.create(PROXYMODELS, NS, proxymodel("dr2", reproduction={
+        "runtime": "RayJob", "maxSteps": STEPS, "precision": "fp32", "failOn": {"signature": "nan"},
+        "accelerator": {"devices": 4, "devicesPerNode": 2}}))
+    workload = await _reproduction_of(cluster, "dr2", tiny_proxy, "RayJob")
+    assert workload["spec"]["entrypoint"].startswith("python3 -c ")
+    assert workload["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 1
+    started, ran, _ = await _run_and_report(cluster, tmp_path / "node", "RayJob", workload)
+    head = ran[started.pods[0].name][started.container]
+    assert head.exit_code == 0, head.output[-3000:]
+    assert json.loads(head.message)["reproduced"] is False
+    await eventually(lambda: cluster.status(NS, "dr2").get("phase") == "NotReproduced", 30, "the verdict in status")
+    run = tmp_path / "node" / started.pods[0].name / "run"
+    assert json.loads((run / "summary.json").read_text())["ranks"] == 4
+    four = _metrics(run / "metrics.jsonl")
+    for step, row in one_process.items():
+        for key, x in row.items():
+            y = four[step][key]
+            assert key.startswith(UNTIMED) or (math.isnan(x) and math.isnan(y)) or \
+                math.isclose(x, y, rel_tol=RTOL, abs_tol=ATOL), f"step {step} {key}: {x} != {y}"

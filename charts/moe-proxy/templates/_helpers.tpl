@@ -51,6 +51,9 @@ Call with (dict "root" $ "scope" "all"|"cluster"|"namespaced").
 {{- define "moe-proxy.rbacRules" -}}
 {{- $root := .root -}}
 {{- $enabled := dict "preflight" $root.Values.operator.preflight "checkpointWatch" $root.Values.checkpointWatch.enabled -}}
+{{- range $name, $runtime := $root.Values.runtimes -}}
+{{- $_ := set $enabled $name $runtime.enabled -}}
+{{- end -}}
 {{- $file := $root.Files.Get "files/rbac-rules.yaml" | fromYaml -}}
 {{- if not $file.rules -}}
 {{- fail "files/rbac-rules.yaml has no rules: run python charts/generate_rbac.py" -}}
@@ -72,4 +75,19 @@ Call with (dict "root" $ "scope" "all"|"cluster"|"namespaced").
 {{- end -}}
 {{- end -}}
 {{- toYaml $out -}}
+{{- end -}}
+
+{{/*
+The reproduction runtimes the operator serves (MOEPROXY_RUNTIMES): batch/v1 Job always, then
+each runtime whose runtimes.<name>.enabled is true, by its spec.reproduction.runtime name.
+*/}}
+{{- define "moe-proxy.runtimes" -}}
+{{- $names := dict "volcanoJob" "VolcanoJob" "ascendJob" "AscendJob" "rayJob" "RayJob" "trainJob" "TrainJob" "jobSet" "JobSet" -}}
+{{- $out := list "Job" -}}
+{{- range $key := list "volcanoJob" "ascendJob" "rayJob" "trainJob" "jobSet" -}}
+{{- if (get $.Values.runtimes $key).enabled -}}
+{{- $out = append $out (get $names $key) -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $out -}}
 {{- end -}}

@@ -12,7 +12,7 @@ from moe_proxy.commands.diagnose import add_repro_pass_through
 
 def add_parser(sub) -> None:
     from moe_proxy.commands._common import add_replace_arg
-    from moe_proxy.investigate.diagnose import Seeds
+    from moe_proxy.investigate.diagnose import AtOnce, Seeds
     from moe_proxy.metrics.detect import FAIL_ON_CHOICES, FailOnOption
     from moe_proxy.options import add_arguments
 
@@ -30,6 +30,10 @@ def add_parser(sub) -> None:
     add_arguments(p, Seeds, defaults={"seeds": 1}, helps={
         "seeds": "runs per probe, on seeds --seed, --seed+1, ...: a checkpoint is bad when it reproduces on any "
                  "seed, clean when every seed ran all its steps without it, else inconclusive"})
+    add_arguments(p, AtOnce, only=("parallel",), helps={
+        "parallel": "probes a round, side by side (each a build and its runs, with its share of the CPU threads or "
+                    "devices of its own): the range left is cut in P + 1 parts a round, so n checkpoints take "
+                    "about log_{P+1}(n) rounds; the same answer as one at a time"})
     add_replace_arg(p, "bisection")
     p.set_defaults(func=run)
     add_probe_args(p)
@@ -55,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_proxy.commands._common import check_output_dir
     from moe_proxy.errors import BisectStopped
-    from moe_proxy.investigate.bisect import bisect, probe_settings, where
+    from moe_proxy.investigate.bisect import bisect, probe_settings, rounds_line, where
     from moe_proxy.investigate.processes import signals_interrupt
 
     check_output_dir(args.out, "--out")
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with signals_interrupt():  # Ctrl-C or SIGTERM: the probe's child stops, a partial report (Interrupted)
             report = bisect(args.prefix, args.out, settings, args.pattern, args.step_regex, args.good, args.bad,
-                            replace=args.replace)
+                            replace=args.replace, parallel=args.parallel)
     except BisectStopped as exc:
         print(f"moe-proxy bisect: error: {exc}; partial report: {args.out}/report.md", file=sys.stderr)
         return 1
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if reused := [str(p["step"]) for p in report["probes"] if p["reused"]]:
         print(f"reused (same checkpoint content, moe-proxy version and flags): the probes of step(s) "
               f"{', '.join(reused)}")
+    print(rounds_line(report))
     print(f"report: {args.out}/report.md")
     return 0
 

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_proxy.investigate.diagnose import RUN_OPTIONS, Seeds
+from moe_proxy.investigate.diagnose import RUN_OPTIONS, AtOnce, Seeds
 from moe_proxy.metrics.detect import FailOnOption
 from moe_proxy.options import add_arguments, add_pass_through
 from moe_proxy.rl.run_options import REPRO_MODELS
@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
     add_candidate_args(p)
     p.add_argument("--list", action=_ListCatalogue, help="print the catalogue (what each candidate changes) and exit")
     add_arguments(p, Seeds, helps={"seeds": "sampling seeds per variant, from repro's --seed on"})
-    add_parallel_arg(p)
+    add_arguments(p, AtOnce)
     add_replace_arg(p, "diagnosis")
     p.set_defaults(func=run, repro_flags=[])
     add_repro_pass_through(p)
@@ -81,13 +81,6 @@ def add_candidate_args(p, default_said: str = "") -> None:
                    help="a custom candidate: repro flags, e.g. 'slow=--lr 1e-6,--warmup-steps 5' (repeatable)")
     p.add_argument("--candidates-file", metavar="FILE",
                    help="custom candidates from YAML or JSON: a list of {name, flags: [...]} or NAME: flags")
-
-
-def add_parallel_arg(p) -> None:
-    """--parallel: a diagnosis's runs at a time (diagnose, triage)."""
-    p.add_argument("--parallel", type=int, default=1, metavar="P",
-                   help="runs at a time (local processes; with --device cuda/npu each gets devices of its own, as "
-                        "many as it has ranks; default 1)")
 
 
 def chosen_candidates(args: argparse.Namespace) -> list:
@@ -131,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with signals_interrupt():  # Ctrl-C or SIGTERM: the runs stop, a partial report (processes.Interrupted)
             report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, chosen_candidates(args),
-                              seeds=args.seeds, parallel=args.parallel, replace=args.replace)
+                              seeds=args.seeds, parallel=args.parallel, replace=args.replace,
+                              all_seeds=args.all_seeds)
     except BaselineFailed as exc:
         print(f"moe-proxy diagnose: error: {exc}", file=sys.stderr)
         return 1

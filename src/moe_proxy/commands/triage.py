@@ -10,12 +10,12 @@ import argparse
 
 from moe_proxy.commands._common import add_listing_args, add_replace_arg
 from moe_proxy.commands.bisect import add_probe_args
-from moe_proxy.commands.diagnose import add_candidate_args, add_parallel_arg
+from moe_proxy.commands.diagnose import add_candidate_args
 from moe_proxy.commands.watch import add_reading_options
 
 
 def add_parser(sub) -> None:
-    from moe_proxy.investigate.diagnose import Seeds
+    from moe_proxy.investigate.diagnose import AtOnce, Seeds
     from moe_proxy.metrics.detect import FAIL_ON_CHOICES, FailOnOption
     from moe_proxy.options import add_arguments
 
@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
                                             "same seeds: the first bad probe's reproduction is the diagnosis's "
                                             "baseline)"})
     add_candidate_args(p, "; default: the catalogue's for the failure (moe-proxy diagnose --list, docs/triage.md)")
-    add_parallel_arg(p)
+    add_arguments(p, AtOnce, helps={"parallel": "probes a round (bisect) and runs at a time (diagnose), side by side"})
     add_replace_arg(p, "triage")
     p.set_defaults(func=run)
     add_probe_args(p)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     probe = probe_settings(args.fail_on, args.build_flags, args.calibrate_flags, args.repro_flags, args.seeds)
     settings = TriageSettings(args.metrics, args.prefix, probe, chosen_candidates(args) or None, args.pattern,
-                              args.step_regex, reading_options(args), args.parallel)
+                              args.step_regex, reading_options(args), args.parallel, args.all_seeds)
     try:
         with signals_interrupt():  # Ctrl-C or SIGTERM: the child stops, partial reports; the same command resumes
             report = triage(settings, args.out, replace=args.replace)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> None:
+    from moe_proxy.commands._common import add_storage_args
     from moe_proxy.metrics.detect import FAIL_ON_CHOICES, FailOnOption
     from moe_proxy.options import OutputOptions, add_arguments
     from moe_proxy.rl.run_options import PlacementOptions
@@ -22,7 +23,8 @@ def add_parser(subparsers) -> None:
         "openrlhf, mindspeed-rl, megatron), apply repro's failure detectors and write the same verdict "
         "({reproduced, signature, step, metrics}) once the failure is seen or the run ends.")
     p.add_argument("metrics_file", metavar="METRICS_FILE", nargs="?", default=os.environ.get("VERL_FILE_LOGGER_PATH"),
-                   help="the file or directory to follow (default: $VERL_FILE_LOGGER_PATH)")
+                   help="the file or directory to follow, or an s3://bucket/prefix[/file] polled every --poll "
+                   "(default: $VERL_FILE_LOGGER_PATH)")
     add_reading_options(p)
     add_arguments(p, FailOnOption, helps={"fail_on": f"the failure to look for: {FAIL_ON_CHOICES}; without it the verdict "
                                                "names the first failure of any kind"})
@@ -39,7 +41,8 @@ def add_parser(subparsers) -> None:
                    help="the run's last step (verl: trainer.total_training_steps): once it is logged the verdict is "
                    "given; a log that shows its own end (TRL's train_runtime, trainer_state.json at max_steps) needs "
                    "no flag")
-    p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="how often to read the file")
+    p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
+                   help="how often to read the file (an s3:// location: list the prefix, read the new bytes)")
     p.add_argument("--hold", action="store_true",
                    help="once the verdict is written, stay until SIGTERM (or --until-file): a Kubernetes native "
                    "sidecar that exits is restarted")
@@ -49,6 +52,7 @@ def add_parser(subparsers) -> None:
     add_arguments(p, PlacementOptions, only=("node_rank",), helps={
         "node_rank": "this pod's node rank in a multi-node run; only node 0 has the metrics, so on any other node "
                      "the watch waits for SIGTERM (or --until-file) and writes no verdict"})
+    add_storage_args(p, only=("endpoint_url", "region"))
     p.set_defaults(func=run)
 
 
@@ -90,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, ended) -> int:
+    from moe_proxy.commands._common import store_options
     from moe_proxy.errors import InvalidReproConfig, MoeProxyError
     from moe_proxy.metrics.detect import Signature, Thresholds
     from moe_proxy.metrics.profiles import coverage_lines
@@ -113,7 +118,7 @@ def _run(args: argparse.Namespace, ended) -> int:
         options = reading_options(args)
         result = watch(args.metrics_file, fail_on=fail_on, thresholds=Thresholds(), until_file=args.until_file,
                        stop_file=args.stop_file, timeout_s=args.timeout, poll_s=args.poll, ended=ended,
-                       options=options, last_step=args.last_step)
+                       options=options, last_step=args.last_step, store_options=store_options(args))
     except MoeProxyError as exc:
         if args.termination_log:
             write_termination_log(args.termination_log, error_report(exc))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,8 +37,8 @@ from moe_proxy.options import (PruningOptions, TokenOptions, add_arguments, add_
                                parse_flags, statistics_flags)
 from moe_proxy.investigate.diagnose import SeedRun, repro_config, seed_outcome
 from moe_proxy.metrics.detect import Signature
-from moe_proxy.investigate.processes import (Interrupted, Stopped, claim_out, content_key, run_recorded,
-                                       stop_children)
+from moe_proxy.investigate.processes import (Interrupted, RunsInterrupted, Stopped, claim_out, content_key, run_each,
+                                             run_recorded, stop_children)
 
 log = logging.getLogger(__name__)
 
@@ -141,29 +142,49 @@ def probe_settings(fail_on: str, build_flags: list[str], calibrate_flags: list[s
     return ProbeSettings(fail_on, list(build_flags), calibrate, list(repro_flags), seeds, first_seed)
 
 
-def check_counts(checkpoint, build_flags: list[str], store_options: dict | None = None) -> None:
+def check_counts(checkpoint, build_flags: list[str], store_options: dict | None = None):
     """The expert count (or ratio) and top-k against the run's checkpoint, from its config alone,
     by the rule plan and build use (sizing.estimate): a count the model cannot take is refused
-    before any probe."""
+    before any probe. Returns that plan (sizing.Sizing: the probes' devices and device-hours per
+    step), None when the build options give no count."""
     from moe_proxy.checkpoint.reader import open_checkpoint
     from moe_proxy.sizing import SizingOptions, estimate
 
     options = build_options(build_flags)
     if isinstance(options.experts, int) or options.keep_ratio is not None:
         config = open_checkpoint(checkpoint.uri, **(store_options or {})).config
-        estimate(config, SizingOptions(experts=options.experts, keep_ratio=options.keep_ratio, top_k=options.top_k))
+        return estimate(config, SizingOptions(experts=options.experts, keep_ratio=options.keep_ratio,
+                                              top_k=options.top_k))
+    return None
+
+
+def probe_slots(s: ProbeSettings, parallel: int) -> list[dict[str, str]]:
+    """The environment of each of `parallel` probes side by side, as diagnose's run_slots gives
+    its runs: devices of its own (as many as a run has ranks) and, unless set, its share of the
+    CPU threads. Too few devices raise before anything runs; one probe at a time sets nothing."""
+    if parallel == 1:
+        return [{}]
+    from moe_proxy.rl.device import device_slots
+    from moe_proxy.rl.run_options import repro_settings
+
+    given = repro_settings(s.repro_flags)
+    slots = device_slots(given.run.device, given.placement.nproc_per_node or 1, parallel)
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1)
+                                                                                     // parallel))}
+    return [{**slot, **threads} for slot in slots]
 
 
 # --- a probe: build the checkpoint's proxy, run it on every seed ---------------------------
 
 
-def probe(checkpoint, out: Path, s: ProbeSettings) -> Probe:
+def probe(checkpoint, out: Path, s: ProbeSettings, env: dict[str, str] | None = None) -> Probe:
     """Build `checkpoint`'s proxy (calibrated first with calibrate flags), reproduce from it on
-    each seed, and judge the seeds together (judge_probe)."""
+    each seed, and judge the seeds together (judge_probe); `env`: its children's environment
+    added (probe_slots)."""
     home = out / "probes" / f"step-{checkpoint.step}"
-    proxy, built_before = _build(checkpoint, home, s)
+    proxy, built_before = _build(checkpoint, home, s, env)
     made = {str(proxy): content_key(str(proxy))}  # its runs' record: this proxy's manifest sha256
-    runs = {seed: _run(checkpoint, proxy, made, home, s, seed)
+    runs = {seed: _run(checkpoint, proxy, made, home, s, seed, env)
             for seed in range(s.first_seed, s.first_seed + s.seeds)}
     if all(o.reproduced is None for o in runs.values()):  # nothing ran: the probe failed, not the checkpoint
         seed = min(runs)
@@ -177,7 +198,7 @@ def probe(checkpoint, out: Path, s: ProbeSettings) -> Probe:
                  reused=built_before and all(o.reused for o in runs.values()))
 
 
-def _build(checkpoint, home: Path, s: ProbeSettings) -> tuple[Path, bool]:
+def _build(checkpoint, home: Path, s: ProbeSettings, env: dict[str, str] | None = None) -> tuple[Path, bool]:
     """The probe's proxy (and whether its build was reused): each step's record is keyed by the
     content it read (the checkpoint's, the dataset's, the statistics'), so a checkpoint or dataset
     rewritten in place, or statistics made with other --samples, build again."""
@@ -189,12 +210,13 @@ def _build(checkpoint, home: Path, s: ProbeSettings) -> tuple[Path, bool]:
     if s.calibrate_flags:
         dataset = s.calibrate_flags[s.calibrate_flags.index("--dataset") + 1]
         ran = run_recorded(["calibrate", checkpoint.uri, "--out", str(stats), *s.calibrate_flags, "--no-progress"],
-                           home, f"calibrate.{PROBE_RECORD}", "calibrate.log", done="stats/calibration.json",
+                           home, f"calibrate.{PROBE_RECORD}", "calibrate.log", env, done="stats/calibration.json",
                            inputs={**source, dataset: content_key(dataset)})
         _ok(ran, "calibrate", checkpoint, home / "calibrate.log")
         build += ["--calibration", str(stats)]
         inputs[str(stats)] = content_key(str(stats))  # its files' sha256
-    ran = run_recorded(build, home, f"build.{PROBE_RECORD}", "build.log", done=f"proxy/{MANIFEST}", inputs=inputs)
+    ran = run_recorded(build, home, f"build.{PROBE_RECORD}", "build.log", env, done=f"proxy/{MANIFEST}",
+                       inputs=inputs)
     _ok(ran, "build", checkpoint, home / "build.log")
     return proxy, ran.reused
 
@@ -207,11 +229,12 @@ def _checkpoint_key(uri: str) -> str:
         return f"unreadable: {exc}"
 
 
-def _run(checkpoint, proxy: Path, made: dict[str, str], home: Path, s: ProbeSettings, seed: int) -> SeedRun:
+def _run(checkpoint, proxy: Path, made: dict[str, str], home: Path, s: ProbeSettings, seed: int,
+         env: dict[str, str] | None = None) -> SeedRun:
     run = home / "runs" / f"seed-{seed}"
     argv = ["repro", str(proxy), "--out", str(run), *s.repro_flags, "--seed", str(seed), "--fail-on", s.fail_on,
             "--no-progress"]
-    ran = run_recorded(argv, run, PROBE_RECORD, "repro.log", done="summary.json", inputs=made)
+    ran = run_recorded(argv, run, PROBE_RECORD, "repro.log", env, done="summary.json", inputs=made)
     outcome = seed_outcome(run, ran.returncode, ran.error, ran.wall_s, ran.reused)
     said_seed = f"{outcome.signature} at step {outcome.step}" if outcome.reproduced else _seed_said(outcome) or "clean"
     log.info("  step %d seed %d: %s", checkpoint.step, seed, said_seed)
@@ -300,13 +323,84 @@ def next_probe(n: int, results: dict[int, bool | None], good_given: bool) -> Nex
     return Next(None, hi)
 
 
-def search(checkpoints: list, test, good_given: bool) -> tuple[int | None, list[tuple[int, Probe]]]:
-    """Binary search for the first index whose probe reproduces, `test(i) -> Probe`, by
-    `next_probe`. Returns (first bad index or None, the probes as (index, probe) in probe order)."""
+@dataclass(frozen=True)
+class Round:
+    """The probes of one round (`probes`, run side by side), or (none) the search is over and
+    `first_bad` is the answer. `kind`: "last" (the last checkpoint), "search" (cuts of the range
+    left, with --good the first checkpoint until probed; the boundary's after-neighbour may fill a
+    slot left over), "boundary" (the boundary's neighbours)."""
+
+    probes: tuple[int, ...]
+    first_bad: int | None = None
+    kind: str = ""
+
+
+def next_round(n: int, results: dict[int, bool | None], good_given: bool, parallel: int = 1) -> Round:
+    """The next round of at most `parallel` probes, a pure function of `results` as next_probe is.
+    parallel 1 is next_probe itself, one probe a round (today's order). Above 1: the last first
+    (alone: a clean last ends the search), then the untried checkpoints between the last clean one
+    and the earliest bad one are split into parallel + 1 parts (with --good, the first fills a
+    slot while unprobed), so n checkpoints take about log_{P+1}(n) search rounds instead of
+    log2(n); inconclusive ones are stepped around (never picked again); then the boundary's
+    neighbours together. The same answer as one at a time, on a monotone run."""
+    if parallel <= 1:
+        step = next_probe(n, results, good_given)
+        if step.probe is None:
+            return Round((), step.first_bad)
+        return Round((step.probe,), kind=_kind(n, results, step.probe))
+    last = n - 1
+    if last not in results:
+        return Round((last,), kind="last")
+    bad = [i for i, r in results.items() if r]
+    if not bad:
+        return Round((), None)
+    hi = min(bad)
+    lo = max((i for i, r in results.items() if r is False and i < hi), default=-1)
+    picks = [0] if good_given and 0 not in results else []  # (then nothing below the earliest bad was probed)
+    base = 0 if picks else lo  # the first counts as clean for the cuts: --good says so
+    picks += spread([i for i in range(base + 1, hi) if i not in results], parallel - len(picks), base, hi)
+    after = [hi + 1] if hi + 1 < n and hi + 1 not in results else []
+    if picks:  # a slot left over: the checkpoint after the earliest bad one, which the end probes anyway
+        return Round(tuple(picks + after[:parallel - len(picks)]), kind="search")
+    neighbours = after + ([lo - 1] if lo - 1 >= 0 and lo - 1 not in results else [])
+    return Round(tuple(neighbours[:parallel]), kind="boundary") if neighbours else Round((), hi)
+
+
+def _kind(n: int, results: dict, probe: int) -> str:
+    """What a one-at-a-time probe is for, as next_round names its rounds."""
+    if probe == n - 1:
+        return "last"
+    hi = min(i for i, r in results.items() if r)
+    lo = max((i for i, r in results.items() if r is False and i < hi), default=-1)
+    return "search" if lo < probe < hi else "boundary"
+
+
+def spread(untried: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """k of `untried` (indices between lo and hi, both excluded) that cut (lo, hi) into k + 1
+    near-equal parts: each ideal cut's nearest untried index not picked yet (ties: the lower);
+    all of them when k or more."""
+    if len(untried) <= k:
+        return list(untried)
+    picks: list[int] = []
+    for j in range(1, k + 1):
+        ideal = lo + (hi - lo) * j / (k + 1)
+        picks.append(min((i for i in untried if i not in picks), key=lambda i: (abs(i - ideal), i)))
+    return sorted(picks)
+
+
+def search(checkpoints: list, test, good_given: bool, parallel: int = 1, run_round=None,
+           rounds: list | None = None) -> tuple[int | None, list[tuple[int, Probe]]]:
+    """Search for the first index whose probe reproduces, `test(i) -> Probe`, by `next_round`,
+    `parallel` probes a round (`run_round(indices, test) -> [Probe]` runs a round's probes side by
+    side; by default one after another). Returns (first bad index or None, the probes as (index,
+    probe) in probe order); `rounds`, when given, gets each round as (kind, indices)."""
     probes: list[tuple[int, Probe]] = []
-    while (step := next_probe(len(checkpoints), {i: p.reproduced for i, p in probes}, good_given)).probe is not None:
-        probes.append((step.probe, test(step.probe)))
-    return step.first_bad, probes
+    run_round = run_round or (lambda indices, test: [test(i) for i in indices])
+    while (r := next_round(len(checkpoints), {i: p.reproduced for i, p in probes}, good_given, parallel)).probes:
+        if rounds is not None:
+            rounds.append((r.kind, list(r.probes)))
+        probes += zip(r.probes, run_round(list(r.probes), test))
+    return r.first_bad, probes
 
 
 # --- what the probes say (pure) ---------------------------------------------------------------
@@ -358,46 +452,103 @@ def _boundary(first: int | None, checkpoints: list, probes: list[tuple[int, Prob
 
 def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str | None = None,
            step_regex: str | None = None, good: int | None = None, bad: int | None = None,
-           store_options: dict | None = None, replace: bool = False) -> dict:
+           store_options: dict | None = None, replace: bool = False, parallel: int = 1) -> dict:
     """List, search, report: returns report.json's content. `out` holds one bisection: another
-    one's (other prefix or probe settings) is refused unless `replace` (processes.claim_out). A
+    one's (other prefix or probe settings) is refused unless `replace` (processes.claim_out).
+    `parallel` probes a round side by side (next_round; 1: one at a time, today's order). A
     bisection that ends before an answer writes a partial report, and raises BisectStopped (a
     probe failed) or processes.Interrupted (SIGINT, or SIGTERM within signals_interrupt)."""
+    if parallel < 1:
+        raise MoeProxyError(f"--parallel {parallel}: at least 1")
     checkpoints = sources(prefix, pattern, step_regex, good, bad, store_options)
-    check_counts(checkpoints[-1], settings.build_flags, store_options)
+    plan = check_counts(checkpoints[-1], settings.build_flags, store_options)
+    slots = probe_slots(settings, parallel)  # too few devices: refused before --out is touched
     out = Path(out)
     claim_out(out, "bisect", {"prefix": prefix, **asdict(settings)}, BISECTION_FILES, replace)
-    log.info("bisect: %d checkpoints, steps %d..%d; a probe builds a proxy and reproduces from it on %d seed(s)",
-             len(checkpoints), checkpoints[0].step, checkpoints[-1].step, settings.seeds)
-    done: list[tuple[int, Probe]] = []
-    current: list = []  # the checkpoint being probed
-
-    def test(i: int) -> Probe:
-        current[:] = [checkpoints[i]]
-        log.info("probe %d: step %d (%s)", len(done) + 1, checkpoints[i].step, checkpoints[i].uri)
-        p = probe(checkpoints[i], out, settings)
-        done.append((i, p))
-        log.info("probe %d: step %d: %s%s", len(done), p.step, said(p), " (reused)" if p.reused else "")
-        return p
-
-    head = {"prefix": prefix, "fail_on": settings.fail_on, "checkpoints": [c.step for c in checkpoints]}
+    log.info("bisect: %d checkpoints, steps %d..%d; a probe builds a proxy and reproduces from it on %d seed(s), "
+             "%d probe(s) at a time", len(checkpoints), checkpoints[0].step, checkpoints[-1].step, settings.seeds,
+             parallel)
+    run = _Probing(checkpoints, out, settings, slots)
+    head = {"prefix": prefix, "fail_on": settings.fail_on, "checkpoints": [c.step for c in checkpoints],
+            "parallel": parallel}
     try:
-        report = {**head, "status": "complete", **findings(*search(checkpoints, test, good is not None), checkpoints)}
+        first, probes = search(checkpoints, run.test, good is not None, parallel,
+                               run.side_by_side if parallel > 1 else None, run.rounds)
+        report = {**head, "status": "complete", **findings(first, probes, checkpoints),
+                  **rounds_cost(run.rounds, checkpoints, probe_cost(plan, settings))}
     except ProbeFailed as exc:
-        report = _stopped(head, done, checkpoints, "failed", f"probe step {exc.failure['step']}: {exc}")
+        report = _stopped(head, run.done, checkpoints, "failed", f"probe step {exc.failure['step']}: {exc}")
         report["failed_probe"] = exc.failure
         _write(out, {**report, "settings": asdict(settings)})
         raise BisectStopped(str(exc), report) from None
-    except (KeyboardInterrupt, Stopped):
-        signum = stop_children()  # the probe's child is stopped already; none starts after this
-        what = f"probe {len(done) + 1} (step {current[0].step})" if current else "the bisection"
+    except (KeyboardInterrupt, Stopped, RunsInterrupted):
+        signum = stop_children()  # the probes' children are stopped already; none starts after this
+        what = (f"probe {len(run.done) + 1} (step {run.current[0].step})" if len(run.current) == 1 else
+                f"probes of steps {', '.join(str(c.step) for c in run.current)}" if run.current else "the bisection")
         why = f"interrupted by {signal.Signals(signum).name} during {what}"
-        _write(out, {**_stopped(head, done, checkpoints, "interrupted", why), "settings": asdict(settings)})
-        raise Interrupted(signum, f"{why}; {len(done)} finished probe(s) kept; partial report: {out / 'report.md'}; "
-                                  "the same command resumes") from None
+        _write(out, {**_stopped(head, run.done, checkpoints, "interrupted", why), "settings": asdict(settings)})
+        raise Interrupted(signum, f"{why}; {len(run.done)} finished probe(s) kept; partial report: "
+                                  f"{out / 'report.md'}; the same command resumes") from None
     report["settings"] = asdict(settings)
     _write(out, report)
     return report
+
+
+class _Probing:
+    """bisect's probes as the search asks for them: one at a time (`test`), or a round side by
+    side (`side_by_side`, each probe with a slot of its own); what finished (`done`), what is in
+    flight (`current`) and the rounds (kind, indices) so far."""
+
+    def __init__(self, checkpoints: list, out: Path, settings: ProbeSettings, slots: list[dict[str, str]]):
+        self.checkpoints, self.out, self.settings, self.slots = checkpoints, out, settings, slots
+        self.done: list[tuple[int, Probe]] = []
+        self.current: list = []
+        self.rounds: list[tuple[str, list[int]]] = []
+
+    def test(self, i: int, env: dict[str, str] | None = None) -> Probe:
+        c = self.checkpoints[i]
+        self.current.append(c)
+        log.info("probe %d: step %d (%s)", len(self.done) + len(self.current), c.step, c.uri)
+        p = probe(c, self.out, self.settings, env) if env else probe(c, self.out, self.settings)
+        self.current.remove(c)
+        self.done.append((i, p))
+        log.info("probe %d: step %d: %s%s", len(self.done), p.step, said(p), " (reused)" if p.reused else "")
+        return p
+
+    def side_by_side(self, indices: list[int], test) -> list[Probe]:
+        """A round's probes at once, each in a thread with its own slot (processes.run_each: an
+        interrupt stops them all and starts none after)."""
+        got: dict[int, Probe] = {}
+        log.info("round %d (%s): step(s) %s%s", len(self.rounds), self.rounds[-1][0] if self.rounds else "",
+                 ", ".join(str(self.checkpoints[i].step) for i in indices), " side by side" * (len(indices) > 1))
+        run_each(indices, self.slots[:len(indices)], lambda i, env: test(i, env), got.__setitem__)
+        return [got[i] for i in indices]
+
+
+def probe_cost(plan, s: ProbeSettings) -> dict | None:
+    """What one probe's runs cost by the plan's cost model (sizing: the proxy's devices x its RL
+    step's time, per step), for the repro's steps on every seed; None without a plan."""
+    if plan is None:
+        return None
+    steps = repro_config(s.repro_flags).steps
+    return {"devices": plan.proxy.devices, "accelerator": plan.accelerator, "steps": steps, "seeds": s.seeds,
+            "device_hours": plan.proxy.device_hours_per_step * steps * s.seeds}
+
+
+def rounds_cost(rounds: list[tuple[str, list[int]]], checkpoints: list, per_probe: dict | None) -> dict:
+    """report.json's rounds (each: its kind and steps), their count, the search rounds among them,
+    and the device-hours of every probe by the plan's cost model (`per_probe`, probe_cost): the
+    probes of a round run side by side, so the wall time goes by rounds, the device-hours by probes."""
+    probes = sum(len(r) for _, r in rounds)
+    out = {"rounds": len(rounds), "search_rounds": sum(kind == "search" for kind, _ in rounds),
+           "round_list": [{"round": n, "kind": kind, "steps": [checkpoints[i].step for i in r]}
+                          for n, (kind, r) in enumerate(rounds, 1)]}
+    if per_probe is not None:
+        out["cost"] = {**per_probe, "probes": probes, "device_hours_per_probe": per_probe["device_hours"],
+                       "device_hours": per_probe["device_hours"] * probes,
+                       "model": "moe-proxy plan's: the proxy's devices x its RL step's time, x steps x seeds per "
+                                "probe (the probe builds are not counted)"}
+    return out
 
 
 def _stopped(head: dict, done: list[tuple[int, Probe]], checkpoints: list, status: str, why: str) -> dict:
@@ -423,13 +574,27 @@ def where(first_bad: dict | None) -> str:
     return f"step {first_bad['step']} ({first_bad['checkpoint']})" if first_bad else "none"
 
 
+def rounds_line(r: dict) -> str:
+    """The rounds and their cost in one line (stdout and report.md)."""
+    probes = sum(len(x["steps"]) for x in r.get("round_list", []))
+    line = (f"{r['rounds']} round(s) of probes ({r['search_rounds']} search round(s)), {probes} probe(s), "
+            f"at most {r.get('parallel', 1)} at a time")
+    if c := r.get("cost"):
+        line += (f"; by the plan's cost model {c['device_hours']:.4g} device-hours ({c['probes']} probe(s) x "
+                 f"{c['device_hours_per_probe']:.4g}: {c['devices']} device(s) x {c['steps']} step(s) x "
+                 f"{c['seeds']} seed(s))")
+    return line
+
+
 def _markdown(r: dict) -> str:
     lines = [f"# Bisection: {r['fail_on']} over {r['prefix']}", ""]
     if r["status"] != "complete":
         lines += [f"**Stopped before an answer** ({r['status']}): {r['stopped']}. The probes so far are below; "
                   "rerun the same command to resume (finished probes are reused).", ""]
     lines += [f"First bad checkpoint: {where(r['first_bad'])}; "
-              f"{r['boundary']}. {r['builds']} probe builds over {len(r['checkpoints'])} checkpoints.", ""]
+              f"{r['boundary']}. {r['builds']} probe builds over {len(r['checkpoints'])} checkpoints.", "",
+              *([rounds_line(r) + ": " + "; ".join(f"{x['kind']} {', '.join(map(str, x['steps']))}"
+                                                   for x in r["round_list"]) + ".", ""] if "rounds" in r else [])]
     if r["inconclusive"]:
         lines += ["**Could not judge**: " + "; ".join(f"step {c['step']} ({c['why']})" for c in r["inconclusive"])
                   + ". Rerun with more steps or other seeds to judge them.", ""]

@@ -33,6 +33,8 @@ import logging
 import os
 import signal
 import statistics
+import threading
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,8 +43,8 @@ from moe_proxy.investigate.catalogue import Fix
 from moe_proxy.options import flag, option
 from moe_proxy.rl.config import ReproConfig
 from moe_proxy.rl.run_options import repro_settings
-from moe_proxy.investigate.processes import (Interrupted, Recipe, RunsInterrupted, claim_out, content_key, reusable,
-                                             run_each, run_recorded)
+from moe_proxy.investigate.processes import (Cancelled, Interrupted, Recipe, RunsInterrupted, cancel, claim_out,
+                                             content_key, reusable, run_each, run_recorded)
 from moe_proxy.metrics.verdict import COST_SERIES
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,20 @@ class Seeds:
                         cli_only="a Diagnosis's spec.seeds")
 
 
+@dataclass
+class AtOnce:
+    """How a diagnosis (or a bisection) spends its runs: how many at once, and whether a
+    candidate's every seed runs after one reproduced."""
+
+    parallel: int = option(1, "int", "runs at a time (local processes; with --device cuda/npu each gets devices of "
+                           "its own, as many as it has ranks)", metavar="P", minimum=1,
+                           cli_only="a Diagnosis's spec.parallelism")
+    all_seeds: bool = option(False, "bool", "run every seed of every candidate (the full matrix): by default a "
+                             "candidate that reproduced on one seed is `reproduced` whatever its other seeds do, "
+                             "so they are not started (those running are stopped)", cli_only="a Diagnosis's "
+                             "spec.allSeeds")
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -94,6 +110,9 @@ class Diagnosis:
     baseline: ReproConfig
     variants: list[Variant]  # the baseline first
     inputs: dict[str, str] = field(default_factory=dict)  # what the runs read (proxy, --prompts) -> content key
+    # variant -> seed -> why it did not run to its end: "not run: reproduced on seed N" (never
+    # started) or "stopped: reproduced on seed N" (stopped while running); run_all fills it
+    skipped: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def run_dir(self, variant: str, seed: int) -> Path:
         return self.out / "runs" / variant / f"seed-{seed}"
@@ -222,30 +241,66 @@ def changed_settings(baseline: ReproConfig, config: ReproConfig) -> dict:
 # --- run: one `moe-proxy repro` process per variant and seed -------------------------------
 
 
-def run_all(d: Diagnosis, parallel: int = 1, variants: list[Variant] | None = None) -> dict[str, dict[int, SeedRun]]:
+def run_all(d: Diagnosis, parallel: int = 1, variants: list[Variant] | None = None,
+            all_seeds: bool = True) -> dict[str, dict[int, SeedRun]]:
     """Every variant (or those given) on every seed, `parallel` processes at a time, each on
-    devices no other running run holds (run_slots). Interrupted (SIGINT, or SIGTERM within
-    processes.signals_interrupt): no queued run starts, the running ones are stopped, a partial
-    report is written, and Interrupted says what was stopped."""
+    devices no other running run holds (run_slots). Unless `all_seeds`, a candidate that changes
+    something and reproduced on one seed stops there (early_stop): its queued seeds are not
+    started, its running ones stopped, each named in `d.skipped`. Interrupted (SIGINT, or SIGTERM
+    within processes.signals_interrupt): no queued run starts, the running ones are stopped, a
+    partial report is written, and Interrupted says what was stopped."""
     variants = d.variants if variants is None else variants
     jobs = [(v, s) for v in variants for s in d.seeds]
-    results: dict[str, dict[int, SeedRun]] = {v.name: {} for v in variants}
+    results: dict[str, dict[int, SeedRun | None]] = {v.name: {} for v in variants}
     slots = run_slots(d, parallel)
     threads = max(1, (os.cpu_count() or 1) // parallel)
+    stop = None if all_seeds else _EarlyStop(d)
     log.info("diagnose: %d runs (%d variants x %d seeds), %d at a time, in %s", len(jobs), len(variants),
              len(d.seeds), parallel, d.out / "runs")
 
-    def finished(job: tuple[Variant, int], outcome: SeedRun) -> None:
+    def finished(job: tuple[Variant, int], outcome: SeedRun | None) -> None:
         v, s = job
         results[v.name][s] = outcome
-        log.info("[%d/%d] %s seed %d: %s", sum(map(len, results.values())), len(jobs), v.name, s,
-                 ("reused: " if outcome.reused else "") + _said(outcome, d.fail_on))
+        said = d.skipped[v.name][s] if outcome is None else \
+            ("reused: " if outcome.reused else "") + _said(outcome, d.fail_on)
+        log.info("[%d/%d] %s seed %d: %s", sum(map(len, results.values())), len(jobs), v.name, s, said)
 
     try:
-        run_each(jobs, slots, lambda job, env: _run(d, *job, env, threads), finished)
-    except RunsInterrupted as stop:
-        raise _interrupted(d, stop) from None
-    return results
+        run_each(jobs, slots, lambda job, env: _run(d, *job, env, threads, stop), finished)
+    except RunsInterrupted as interrupt:
+        raise _interrupted(d, interrupt) from None
+    return {name: {s: o for s, o in runs.items() if o is not None} for name, runs in results.items()}
+
+
+class _EarlyStop:
+    """A candidate's first reproducing seed decides its verdict (`reproduced`): its other seeds
+    cannot change it, so none of them starts after it and those running are stopped
+    (processes.cancel). Not the baseline's (its every seed decides the onsets and which seeds
+    judge the candidates) nor a no-change candidate's (its runs are the method's own check)."""
+
+    def __init__(self, d: Diagnosis):
+        self.d, self.reproduced_on, self.lock = d, {}, threading.Lock()
+        self.tags = {v.name: f"diagnose {uuid.uuid4().hex} {v.name}" for v in d.variants}
+
+    def applies(self, v: Variant) -> bool:
+        return v.name != BASELINE and bool(v.changes)
+
+    def skip(self, v: Variant, seed: int, started: bool) -> None:
+        with self.lock:
+            self.d.skipped.setdefault(v.name, {})[seed] = \
+                f"{'stopped' if started else 'not run'}: reproduced on seed {self.reproduced_on[v.name]}"
+
+    def before(self, v: Variant) -> bool:
+        """Whether the run may start (False: its candidate reproduced already)."""
+        return not self.applies(v) or v.name not in self.reproduced_on
+
+    def after(self, v: Variant, seed: int, outcome: SeedRun) -> None:
+        if self.applies(v) and outcome.reproduced:
+            with self.lock:
+                first = v.name not in self.reproduced_on
+                self.reproduced_on.setdefault(v.name, seed)
+            if first and (running := cancel(self.tags[v.name])):
+                log.info("%s reproduced on seed %d: %d running seed(s) of it stopped", v.name, seed, running)
 
 
 def run_slots(d: Diagnosis, parallel: int) -> list[dict[str, str]]:
@@ -269,15 +324,28 @@ def _said(o: SeedRun, fail_on: str) -> str:
     return f"no {fail_on} in {o.steps} steps" + (f" ({o.stopped})" if o.stopped != "completed" else "") + others
 
 
-def _run(d: Diagnosis, variant: Variant, seed: int, env: dict[str, str], threads: int) -> SeedRun:
-    """One run, or the record of the same run made before (processes.Recipe), with `env`'s devices."""
+def _run(d: Diagnosis, variant: Variant, seed: int, env: dict[str, str], threads: int,
+         stop: _EarlyStop | None = None) -> SeedRun | None:
+    """One run, or the record of the same run made before (processes.Recipe), with `env`'s devices;
+    None when `stop` says its candidate reproduced already (not started, or stopped: d.skipped)."""
+    if stop is not None and not stop.before(variant):
+        stop.skip(variant, seed, started=False)
+        return None
     directory = d.run_dir(variant.name, seed)
     env = dict(env)
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     r = d.recipe(variant, seed)
-    ran = run_recorded(r.argv, directory, RUN_RECORD, "repro.log", env, done="summary.json", inputs=r.inputs)
-    return seed_outcome(directory, ran.returncode, ran.error, ran.wall_s, ran.reused)
+    try:
+        ran = run_recorded(r.argv, directory, RUN_RECORD, "repro.log", env, done="summary.json", inputs=r.inputs,
+                           tag=stop.tags[variant.name] if stop is not None else None)
+    except Cancelled:
+        stop.skip(variant, seed, started=True)
+        return None
+    outcome = seed_outcome(directory, ran.returncode, ran.error, ran.wall_s, ran.reused)
+    if stop is not None:
+        stop.after(variant, seed, outcome)
+    return outcome
 
 
 def _interrupted(d: Diagnosis, stop: RunsInterrupted) -> Interrupted:
@@ -287,11 +355,12 @@ def _interrupted(d: Diagnosis, stop: RunsInterrupted) -> Interrupted:
                          if (rec := reusable(d.run_dir(v.name, s), RUN_RECORD, d.recipe(v, s), "summary.json"))}
                 for v in d.variants}
     stopped = [f"{v.name} seed {s}" for v, s in stop.stopped]
+    done = {v.name: {*finished[v.name], *d.skipped.get(v.name, {})} for v in d.variants}  # left out: early stop
     not_started = [f"{v.name} seed {s}" for v in d.variants for s in d.seeds  # queued, or never queued
-                   if s not in finished[v.name] and f"{v.name} seed {s}" not in stopped]
+                   if s not in done[v.name] and f"{v.name} seed {s}" not in stopped]
     interrupted = {"signal": signal.Signals(stop.signum).name, "stopped": stopped, "not_started": not_started,
                    "finished_runs": sum(map(len, finished.values()))}
-    complete = [v for v in d.variants if len(finished[v.name]) == len(d.seeds)]
+    complete = [v for v in d.variants if len(done[v.name]) == len(d.seeds)]
     if complete and complete[0].name == BASELINE:
         partial = replace(d, variants=complete)
         report = judge(partial, {v.name: finished[v.name] for v in complete}) | {"interrupted": interrupted}
@@ -470,12 +539,27 @@ def judge(d: Diagnosis, results: dict[str, dict[int, SeedRun]], parallel: int = 
             continue
         mine = results[v.name]
         name, note = verdict(base, mine, v.steps, changed=bool(v.changes))
+        note += left_out_note(d.skipped.get(v.name) or {})
         report["candidates"][v.name] = entry | {
             "verdict": name, "note": note, "seeds": {str(s): o.as_json() for s, o in sorted(mine.items())},
-            "cost": against(cost(d, v.name, window, timed), base_cost)}
+            "cost": against(cost(d, v.name, window, timed), base_cost)} | _not_run(d, v.name)
+    report["not_run"] = sum(len(c.get("not_run", {})) for c in report["candidates"].values())
     report["fixed_by"] = [n for n, c in report["candidates"].items() if c["verdict"] == FIXED]
     report["fixed_with_other_failures"] = [n for n, c in report["candidates"].items() if c["verdict"] == FIXED_BUT]
     return report
+
+
+def left_out_note(skipped: dict[int, str]) -> str:
+    """What a verdict's note adds for the seeds left out (its verdict, and a `delayed`, are then
+    the seeds' that ran): '; seed 1 not run: reproduced on seed 0'."""
+    return "".join(f"; seed {s} {why}" for s, why in sorted(skipped.items()))
+
+
+def _not_run(d: Diagnosis, name: str) -> dict:
+    """A candidate's seeds that did not run to their end because another of its seeds reproduced
+    (run_all's early stop): {"not_run": {seed: "not run: reproduced on seed N" or "stopped: ..."}}."""
+    skipped = d.skipped.get(name) or {}
+    return {"not_run": {str(s): why for s, why in sorted(skipped.items())}} if skipped else {}
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -489,7 +573,9 @@ def write_report(d: Diagnosis, report: dict) -> list[Path]:
     (d.out / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
     variants = [(BASELINE, report["baseline"] | {"steps": report["steps"], "verdict": "baseline"}),
                 *report["candidates"].items()]
-    rows = [(n, {int(s): _cell(o, v["steps"]) for s, o in v["seeds"].items()}, v["verdict"]) for n, v in variants]
+    rows = [(n, {**{int(s): ("none", why.replace(": ", ":\n").replace(" on ", "\non ")) for s, why in
+                    v.get("not_run", {}).items()}, **{int(s): _cell(o, v["steps"]) for s, o in v["seeds"].items()}},
+             v["verdict"]) for n, v in variants]
     files = [plot_matrix(rows, d.seeds, d.out / "matrix.png", f"{d.fail_on}: verdict per candidate and seed")]
     runs = []
     for name, v in variants:  # the first seed's curves of every variant that ran
@@ -540,6 +626,9 @@ def _markdown(report: dict, pictures: list[str]) -> str:
                if (i := report.get("interrupted")) else []),
              *([f"Reused (the same proxy content, moe-proxy version and flags): {', '.join(r)}.", ""]
                if (r := reused_runs(report)) else []),
+             *([f"Not run: {report['not_run']} run(s) of candidates that had reproduced on another seed (a candidate "
+                "that reproduced on one seed is reproduced whatever its other seeds do; --all-seeds runs them all).",
+                ""] if report.get("not_run") else []),
              f"{report['steps']} steps per run; seeds {', '.join(map(str, seeds))}. Fixed by: "
              f"{', '.join(report['fixed_by']) or 'none'}. Fixed, but with another failure or an early stop: "
              f"{', '.join(report['fixed_with_other_failures']) or 'none'}.", "",
@@ -547,8 +636,8 @@ def _markdown(report: dict, pictures: list[str]) -> str:
              + (f"left out ({left_out})." if left_out else "mean ± standard deviation over every step of every seed."),
              "", head, "|" + "---|" * (len(seeds) + 6)]
 
-    def seed_cells(runs: dict, steps: int) -> list[str]:
-        return [_cell(runs[str(s)], steps)[1] if str(s) in runs else "-" for s in seeds]
+    def seed_cells(runs: dict, steps: int, not_run: dict | None = None) -> list[str]:
+        return [_cell(runs[str(s)], steps)[1] if str(s) in runs else (not_run or {}).get(str(s), "-") for s in seeds]
 
     b = report["baseline"]
     said = "reproduced" if any(o["reproduced"] for o in b["seeds"].values()) else "not reproduced"
@@ -557,7 +646,8 @@ def _markdown(report: dict, pictures: list[str]) -> str:
                  f"{_fmt(b['cost']['loss_mean'])} | {_time(b['cost'])} | {' '.join(b['settings']['flags'])} |")
     for name, c in report["candidates"].items():
         k = c["cost"] or {}
-        lines.append(f"| {name} | **{c['verdict']}** {c['note']} | {' | '.join(seed_cells(c['seeds'], c['steps']))} | "
+        lines.append(f"| {name} | **{c['verdict']}** {c['note']} | "
+                     f"{' | '.join(seed_cells(c['seeds'], c['steps'], c.get('not_run')))} | "
                      f"{_fmt(k.get('reward_mean'))} ({_fmt(k.get('reward_vs_baseline'), '+.3g')}) | "
                      f"{_fmt(k.get('loss_mean'))} ({_fmt(k.get('loss_vs_baseline'), '+.3g')}) | "
                      f"{_time(k, against=True)} | {' '.join(c['flags'])} |")
@@ -578,11 +668,13 @@ def _jsonable(value):
 
 
 def diagnose(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], candidates: list[Fix],
-             seeds: int = 2, parallel: int = 1, baseline_first: bool = True, replace: bool = False) -> dict:
+             seeds: int = 2, parallel: int = 1, baseline_first: bool = True, replace: bool = False,
+             all_seeds: bool = False) -> dict:
     """Plan, run, judge and report; returns report.json's content. The baseline runs first: when
     it reproduces on no seed, no candidate runs (`stopped` in the report) unless not
-    `baseline_first` (the fidelity lab compares every cell). An --out holding another diagnosis
-    is refused unless `replace` (processes.claim_out)."""
+    `baseline_first` (the fidelity lab compares every cell). A candidate that reproduced on one
+    seed runs no more of its seeds unless `all_seeds` (run_all; report.json's `not_run`). An
+    --out holding another diagnosis is refused unless `replace` (processes.claim_out)."""
     d = plan_diagnosis(proxy, out, fail_on, repro_flags, candidates, seeds)
     parallel = max(1, parallel)
     run_slots(d, parallel)  # too few devices: refused before --out is touched
@@ -593,7 +685,7 @@ def diagnose(proxy: str, out: str | Path, fail_on: str, repro_flags: list[str], 
         raise BaselineFailed(f"the baseline failed to run on every seed: {base[d.seeds[0]].error} "
                              f"(see {d.run_dir(BASELINE, d.seeds[0]) / 'repro.log'})")
     if any(o.reproduced for o in base.values()) or not baseline_first:
-        results |= run_all(d, parallel, d.variants[1:])
+        results |= run_all(d, parallel, d.variants[1:], all_seeds=all_seeds)
     else:
         log.info("diagnose: the baseline did not reproduce %s on any seed: no candidate runs", fail_on)
     report = judge(d, results, parallel)

@@ -61,11 +61,17 @@ class Stopped(Exception):
     """The run was stopped by an interrupt (or not started after it): it has no record."""
 
 
+class Cancelled(Exception):
+    """The run was stopped (or not started) because its `tag` was cancelled (`cancel`): what it
+    would say can no longer change the answer. It has no record."""
+
+
 def run_recorded(argv: list[str], directory: Path, record: str, log: str, env: dict[str, str] | None = None,
-                 done: str | None = None, inputs: dict[str, str] | None = None) -> Ran:
+                 done: str | None = None, inputs: dict[str, str] | None = None, tag: str | None = None) -> Ran:
     """`moe-proxy <argv>` with its output in `directory/log`, unless `directory/record` says the
     same recipe (argv, version, `inputs`' content keys) already ran to exit 0 (and `done`, a file
-    it writes, is there). Raises Stopped when an interrupt stops it (signals_interrupt)."""
+    it writes, is there). Raises Stopped when an interrupt stops it (signals_interrupt), Cancelled
+    when its `tag` is cancelled (`cancel`) before or while it runs."""
     recipe = Recipe(list(argv), dict(inputs or {}))
     if (old := reusable(directory, record, recipe, done)) is not None:
         return Ran(0, None, old.get("wall_s", 0.0), reused=True)
@@ -74,7 +80,7 @@ def run_recorded(argv: list[str], directory: Path, record: str, log: str, env: d
     path.unlink(missing_ok=True)
     started = time.monotonic()
     with open(directory / log, "w") as out:
-        code = _CHILDREN.run([sys.executable, "-m", "moe_proxy", *argv], out, {**os.environ, **(env or {})})
+        code = _CHILDREN.run([sys.executable, "-m", "moe_proxy", *argv], out, {**os.environ, **(env or {})}, tag)
     wall = time.monotonic() - started
     error = last_error(directory / log) if code != 0 else None
     tmp = path.with_suffix(".tmp")
@@ -144,15 +150,20 @@ class _Children:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
+        self._tags: dict[subprocess.Popen, str | None] = {}  # each running child's tag (cancel)
+        self._cancelled: set[str] = set()
         self.signum: int | None = None  # the signal that stopped them
 
-    def run(self, argv: list[str], out, env: dict[str, str]) -> int:
+    def run(self, argv: list[str], out, env: dict[str, str], tag: str | None = None) -> int:
         with self._lock:  # a child started here is either seen by stop() or not started at all
             if self.signum is not None:
                 raise Stopped()
+            if tag is not None and tag in self._cancelled:
+                raise Cancelled(tag)
             # its own process group: stop() reaches the ranks it starts too
             child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             self._running.add(child)
+            self._tags[child] = tag
         try:
             code = child.wait()
         except KeyboardInterrupt:  # a caller running children one at a time, in the main thread
@@ -161,9 +172,24 @@ class _Children:
         finally:
             with self._lock:
                 self._running.discard(child)
+                self._tags.pop(child, None)
         if self.signum is not None:
             raise Stopped()
+        if tag is not None and tag in self._cancelled:
+            raise Cancelled(tag)
         return code
+
+    def cancel(self, tag: str) -> int:
+        """Start no child of `tag` from now on and stop those running (SIGTERM to each one's group,
+        SIGKILL after STOP_GRACE_S, from a thread of its own: the caller goes on). Returns how
+        many were running."""
+        with self._lock:
+            self._cancelled.add(tag)
+            children = [c for c in self._running if self._tags.get(c) == tag]
+        for child in children:
+            _signal_group(child, signal.SIGTERM)
+            threading.Thread(target=_kill_after_grace, args=(child,), daemon=True).start()
+        return len(children)
 
     def stop(self, signum: int) -> None:
         """SIGTERM to every running child's group, SIGKILL to those still there after STOP_GRACE_S."""
@@ -183,6 +209,13 @@ class _Children:
     def reset(self) -> None:
         with self._lock:
             self.signum = None
+
+
+def _kill_after_grace(child: subprocess.Popen) -> None:
+    try:
+        child.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _signal_group(child, signal.SIGKILL)
 
 
 def _signal_group(child: subprocess.Popen, sig: int) -> None:
@@ -220,6 +253,13 @@ def signals_interrupt() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def cancel(tag: str) -> int:
+    """Stop the running children of `tag` and start none after (processes.Cancelled in their
+    callers); returns how many were running. Tags are for one command's life: make them unique
+    (diagnose's name the diagnosis's directory and the variant)."""
+    return _CHILDREN.cancel(tag)
 
 
 def stop_children() -> int:

@@ -59,7 +59,8 @@ class TriageSettings:
     pattern: str | None = None
     step_regex: str | None = None
     read: ReadOptions = field(default_factory=ReadOptions)
-    parallel: int = 1
+    parallel: int = 1  # bisect's probes a round, diagnose's runs at a time
+    all_seeds: bool = False  # diagnose: every seed of a candidate that reproduced on one
 
     def recorded(self) -> dict:
         """What makes a triage (claim_out): another one into the same --out is refused."""
@@ -231,7 +232,7 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
     log.info("triage: bisecting %d checkpoint(s), steps %d..%d, up to the failing step %d", len(listed),
              listed[0].step, listed[-1].step, found.failing_step)
     bisection = (bisect(s.prefix, out / "bisect", s.probe, pattern=s.pattern, step_regex=s.step_regex,
-                        bad=listed[-1].step, store_options=store_options)
+                        bad=listed[-1].step, store_options=store_options, parallel=s.parallel)
                  if len(listed) > 1 else probe_only(s, out / "bisect", listed[0]))
     report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
                "boundary": bisection["boundary"]}
@@ -253,7 +254,7 @@ def diagnose_first_bad(s: TriageSettings, out: Path, step: int, candidates: list
     proxy = probe_proxy(out / "bisect", step)
     log.info("triage: diagnosing on the proxy of step %d (%s): %s", step, proxy, ", ".join(c.name for c in candidates))
     return proxy, diagnose(str(proxy), out / "diagnose", s.probe.fail_on, s.probe.repro_flags, candidates,
-                           seeds=s.probe.seeds, parallel=s.parallel)
+                           seeds=s.probe.seeds, parallel=s.parallel, all_seeds=s.all_seeds)
 
 
 def _detected(found: Detection) -> str:

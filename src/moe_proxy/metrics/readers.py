@@ -1,14 +1,18 @@
-"""The metrics formats `watch` and `compare` read, detected from the path and its contents:
+"""The metrics formats `watch` and `compare` read, detected from the location and its contents:
 
 - jsonl: verl's FileLogger lines `{"step": N, "data": {...}}` or flat `{"step": N, "k": v}`
   (metrics_io.parse_line; a `null` value is non-finite: NaN);
 - tensorboard: a TensorBoard log directory (searched recursively for `events.out.tfevents.*`,
-  as TRL writes them under output_dir/runs/<date>_<host>/) or one event file, read with the
-  `tensorboard` package's own loader (no TensorFlow): scalars and single-value tensors, grouped
-  by step;
+  as TRL writes them under output_dir/runs/<date>_<host>/; a restarted run adds a file) or one
+  event file: TFRecords (length, CRC, data, CRC; the `tensorboard` package's CRC) parsed as
+  they arrive into the `tensorboard` package's Event protos (no TensorFlow): scalars and
+  single-value tensors, grouped by step;
 - trainer-state: an HF Trainer `trainer_state.json` (its `log_history`), or a run's output
-  directory with `checkpoint-N/` directories (the newest checkpoint's).
+  directory with `checkpoint-N/` directories (the newest checkpoint's); rewritten whole at each
+  save, so it is read again when its version (ETag, mtime) changes.
 
+A location is a local path or an `s3://bucket/prefix[/file]` (sources.py: the same followers
+read both; on S3 each poll lists the prefix and reads only the bytes past what was read).
 Each reader yields rows step -> {name: value} under the framework's names; profiles.py renames
 them to the detectors'. A follower reads what was appended since the last poll (watch), and says
 when the log itself shows that its writer is done (RunFollower.finished): transformers' Trainer
@@ -27,11 +31,13 @@ import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 from moe_proxy.errors import MalformedMetrics
 from moe_proxy.metrics.metrics_io import METRICS_FILE, parse_line
 from moe_proxy.metrics.profiles import Profile, parse_metric_options, profile_for
+from moe_proxy.metrics.sources import Entry, MetricsSource, Tail, open_source
 
 FORMATS = {
     "jsonl": "JSON lines, verl's FileLogger {step, data} or flat {step, metric: value}",
@@ -41,7 +47,7 @@ FORMATS = {
 EVENTS_GLOB = "events.out.tfevents.*"
 TRAINER_STATE = "trainer_state.json"
 END_NAMES = ("train_runtime", "train/train_runtime")  # the Trainer's speed metrics, logged when training ends
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT_STATE = re.compile(rf"^checkpoint-(\d+)/{re.escape(TRAINER_STATE)}$")
 
 
 @dataclass
@@ -70,9 +76,9 @@ def current_options() -> ReadOptions:
     return _OPTIONS.get()
 
 
-def refuse(path: Path, why: str) -> MalformedMetrics:
+def refuse(where: str | Path, why: str) -> MalformedMetrics:
     listed = "; ".join(f"{k} ({v})" for k, v in FORMATS.items())
-    return MalformedMetrics(f"{path}: {why}; readable formats: {listed} (--format picks one)")
+    return MalformedMetrics(f"{where}: {why}; readable formats: {listed} (--format picks one)")
 
 
 def check_format(name: str | None) -> str | None:
@@ -81,47 +87,44 @@ def check_format(name: str | None) -> str | None:
     return name
 
 
-def detect_format(path: Path) -> str | None:
-    """The format of `path`; None when it does not exist yet (or is an empty directory: a
-    follower waits); refused when it is something else."""
-    try:
-        return _detect_format(path)
-    except OSError as exc:
-        raise MalformedMetrics(f"{path}: cannot read ({exc.strerror or exc})") from None
+# ----------------------------------------------------------------------------- detection
+
+def detect_format(location: str | Path, store_options: dict | None = None) -> str | None:
+    """The format at `location` (a path or s3:// URI); None when nothing is there yet (or an
+    empty directory: a follower waits); refused when it is something else."""
+    source = open_source(location, store_options)
+    return detect_in(source, source.list())
 
 
-def _detect_format(path: Path) -> str | None:
-    if path.is_dir():
-        if (path / METRICS_FILE).is_file():
-            return "jsonl"
-        if (path / TRAINER_STATE).is_file() or _checkpoints(path):
-            return "trainer-state"
-        try:
-            if next(path.rglob(EVENTS_GLOB), None) is not None:
-                return "tensorboard"
-            empty = next(path.iterdir(), None) is None
-        except OSError as exc:
-            raise MalformedMetrics(f"{path}: cannot read the directory ({exc.strerror})") from None
-        if empty:
-            return None
-        raise refuse(path, f"no {METRICS_FILE}, {TRAINER_STATE}, checkpoint-N/ or {EVENTS_GLOB} in the directory")
-    if not path.exists():
+def detect_in(source: MetricsSource, listing: dict[str, Entry]) -> str | None:
+    if not listing:
         return None
-    if not path.is_file():
-        raise refuse(path, "not a regular file or directory")
-    if "tfevents" in path.name:
+    if source.kind == "dir":
+        names = set(listing)
+        if METRICS_FILE in names:
+            return "jsonl"
+        if TRAINER_STATE in names or any(_CHECKPOINT_STATE.match(n) for n in names):
+            return "trainer-state"
+        if any(_is_event_file(n) for n in names):
+            return "tensorboard"
+        raise refuse(source.where, f"no {METRICS_FILE}, {TRAINER_STATE}, checkpoint-N/ or {EVENTS_GLOB} in the "
+                     "directory")
+    (name, entry), = listing.items()
+    return _file_format(source, name, entry)
+
+
+def _file_format(source: MetricsSource, name: str, entry: Entry) -> str:
+    if "tfevents" in name:
         return "tensorboard"
-    if path.name == TRAINER_STATE:
+    if name == TRAINER_STATE:
         return "trainer-state"
-    try:
-        with path.open("rb") as f:
-            head = f.read(4096)
-    except OSError as exc:
-        raise MalformedMetrics(f"{path}: cannot read ({exc.strerror})") from None
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    head = source.read(name, 0, min(entry.size, 4096), entry.version) or b""
     if _is_record(head):
         return "tensorboard"
     text = head.decode("utf-8", errors="replace").lstrip()
-    if path.suffix == ".jsonl" or not text:
+    if not text:
         return "jsonl"
     if text.startswith("{"):
         first = text.split("\n", 1)[0]
@@ -131,9 +134,14 @@ def _detect_format(path: Path) -> str | None:
             record = None  # a JSON document over several lines: a trainer state?
         if isinstance(record, dict) and "step" in record:
             return "jsonl"
-        if '"log_history"' in path.read_text(errors="replace"):
+        whole = source.read(name, 0, entry.size, entry.version) or b""
+        if b'"log_history"' in whole:
             return "trainer-state"
-    raise refuse(path, "not a metrics file of a known format")
+    raise refuse(source.where, "not a metrics file of a known format")
+
+
+def _is_event_file(name: str) -> bool:
+    return fnmatch(name.rpartition("/")[2], EVENTS_GLOB)
 
 
 def _is_record(head: bytes) -> bool:
@@ -147,78 +155,87 @@ def _is_record(head: bytes) -> bool:
     return masked_crc32c(head[:8]) == struct.unpack("<I", head[8:12])[0]
 
 
-def walk_records(path: Path) -> int:
-    """The byte offset where the file's whole records end (each 8 length + 4 CRC + data + 4 CRC)."""
-    end = 0
-    with path.open("rb") as f:
-        while True:
-            header = f.read(8)
-            if len(header) < 8:
-                return end
-            length = struct.unpack("<Q", header)[0]
-            f.seek(4 + length, 1)
-            if len(f.read(4)) < 4 or f.tell() > path.stat().st_size:
-                return end
-            end = f.tell()
+# ----------------------------------------------------------------------------- JSON lines
+
+class JsonlFollower:
+    """The complete lines appended to a JSON-lines file since the last call (the location, or
+    its metrics.jsonl): only the new bytes are read."""
+
+    def __init__(self, source: MetricsSource):
+        self.source, self.tail, self.number, self.partial = source, None, 0, b""
+
+    def lines(self, final: bool = False) -> list[tuple[str, str]]:
+        """(line, where) of each new complete line; `final` also takes an unterminated last line."""
+        listing = self.source.list(METRICS_FILE)
+        name = next(iter(listing), None) if self.source.kind == "file" else METRICS_FILE
+        if name not in listing:
+            return []
+        self.tail = self.tail or Tail(self.source, name)
+        chunks = (self.partial + self.tail.new_bytes(listing[name])).split(b"\n")
+        self.partial = chunks.pop()
+        if final and self.partial:
+            chunks.append(self.partial)
+            self.partial = b""
+        where = self.source.label(name)
+        out = []
+        for chunk in chunks:
+            self.number += 1
+            out.append((chunk.decode("utf-8", errors="replace"), f"{where}:{self.number}"))
+        return out
+
+    def rows(self, final: bool = False) -> list[tuple[int, dict[str, float]]]:
+        out = []
+        for line, where in self.lines(final):
+            parsed = parse_line(line, where)
+            if parsed is not None:
+                out.append(parsed)
+        return out
+
+    def check(self) -> None:
+        if self.tail is None:
+            raise MalformedMetrics(f"{self.source.where}: no {METRICS_FILE} there (pass a run directory or a "
+                                   ".jsonl file)")
 
 
-def _checkpoints(path: Path) -> list[Path]:
-    found = [p for p in path.iterdir() if p.is_dir() and _CHECKPOINT.match(p.name)
-             and (p / TRAINER_STATE).is_file()] if path.is_dir() else []
-    return sorted(found, key=lambda p: int(_CHECKPOINT.match(p.name)[1]))
+# ----------------------------------------------------------------------------- TensorBoard
 
+class EventRecords:
+    """TFRecord framing over bytes as they arrive (each record: 8 length + 4 CRC + data + 4 CRC,
+    CRCs as the tensorboard package computes them): whole records out, a partial last one kept
+    for the next bytes."""
 
-def trainer_state_path(path: Path) -> Path:
-    if path.is_file():
-        return path
-    if (path / TRAINER_STATE).is_file():
-        return path / TRAINER_STATE
-    checkpoints = _checkpoints(path)
-    if not checkpoints:
-        raise MalformedMetrics(f"{path}: no {TRAINER_STATE} and no checkpoint-N/{TRAINER_STATE} there")
-    return checkpoints[-1] / TRAINER_STATE  # the newest checkpoint's holds the whole history
+    def __init__(self, where: str):
+        self.where, self.buffer, self.consumed = where, b"", 0
 
+    def feed(self, data: bytes) -> list[bytes]:
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-def trainer_state_rows(path: Path, partial_ok: bool = False) -> dict[int, dict[str, float]]:
-    """log_history's entries by step (an entry's numbers; a null is NaN, strings are left out)."""
-    return _history_rows(*_trainer_state(path, partial_ok))
+        buf, pos, out = self.buffer + data, 0, []
+        while len(buf) - pos >= 12:
+            header, crc = buf[pos:pos + 8], struct.unpack("<I", buf[pos + 8:pos + 12])[0]
+            if masked_crc32c(header) != crc:
+                raise MalformedMetrics(f"{self.where}: truncated or corrupt event file (a record's length fails "
+                                       f"its CRC at byte {self.consumed + pos})")
+            end = pos + 12 + struct.unpack("<Q", header)[0]
+            if end + 4 > len(buf):
+                break  # the rest of the record is still coming
+            record = buf[pos + 12:end]
+            if masked_crc32c(record) != struct.unpack("<I", buf[end:end + 4])[0]:
+                raise MalformedMetrics(f"{self.where}: truncated or corrupt event file (a record fails its CRC at "
+                                       f"byte {self.consumed + pos})")
+            out.append(record)
+            pos = end + 4
+        self.buffer, self.consumed = buf[pos:], self.consumed + pos
+        return out
 
-
-def _trainer_state(path: Path, partial_ok: bool) -> tuple[Path, dict | None]:
-    """(the state file, its JSON; None while it is being rewritten and `partial_ok`)."""
-    state_file = trainer_state_path(path)
-    try:
-        return state_file, json.loads(state_file.read_text())
-    except json.JSONDecodeError as exc:
-        if partial_ok:  # being rewritten: the next poll reads it whole
-            return state_file, None
-        raise MalformedMetrics(f"{state_file}: not JSON ({exc.msg})") from None
-    except OSError as exc:
-        raise MalformedMetrics(f"{state_file}: cannot read ({exc.strerror})") from None
-
-
-def _history_rows(state_file: Path, state: dict | None) -> dict[int, dict[str, float]]:
-    if state is None:
-        return {}
-    history = state.get("log_history") if isinstance(state, dict) else None
-    if not isinstance(history, list):
-        raise MalformedMetrics(f"{state_file}: no log_history list (not an HF Trainer state)")
-    rows: dict[int, dict[str, float]] = {}
-    for number, entry in enumerate(history):
-        parsed = parse_line(json.dumps(entry), f"{state_file}: log_history[{number}]") if isinstance(entry, dict) \
-            else None
-        if parsed is not None:
-            rows.setdefault(parsed[0], {}).update(parsed[1])
-    return rows
-
-
-def event_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    try:
-        return sorted(p for p in path.rglob(EVENTS_GLOB) if p.is_file())
-    except OSError as exc:
-        raise MalformedMetrics(f"{path}: cannot read the directory ({exc.strerror})") from None
+    def check_end(self) -> None:
+        """A finished event file must be whole records to its end, and not empty."""
+        size = self.consumed + len(self.buffer)
+        if size == 0:
+            raise MalformedMetrics(f"{self.where}: empty event file (no records)")
+        if self.buffer:
+            raise MalformedMetrics(f"{self.where}: truncated or corrupt event file (whole records end at byte "
+                                   f"{self.consumed} of {size})")
 
 
 def _event_values(event) -> Iterator[tuple[str, float]]:
@@ -238,120 +255,123 @@ def _event_values(event) -> Iterator[tuple[str, float]]:
                 yield value.tag, float(array.reshape(()))
 
 
-def _loader(path: Path):
+def _event_proto(where: str):
     try:
-        from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+        from tensorboard.compat.proto.event_pb2 import Event
     except ImportError:
-        raise MalformedMetrics(f"{path}: reading TensorBoard event files needs the tensorboard package "
+        raise MalformedMetrics(f"{where}: reading TensorBoard event files needs the tensorboard package "
                                "(pip install tensorboard)") from None
-    return LegacyEventFileLoader(str(path))
+    return Event
 
 
-def check_event_file(path: Path) -> None:
-    """A finished event file must be whole records (16 + length bytes each) to its end."""
-    size = path.stat().st_size
-    if size == 0:
-        raise MalformedMetrics(f"{path}: empty event file (no records)")
-    end = walk_records(path)
-    if end != size:
-        raise MalformedMetrics(f"{path}: truncated or corrupt event file (whole records end at byte {end} of "
-                               f"{size})")
+def _parsed(parse, data: bytes, where: str):
+    from google.protobuf.message import DecodeError
+
+    try:
+        return parse(data)
+    except DecodeError as exc:
+        raise MalformedMetrics(f"{where}: a record is not a TensorBoard event ({exc})") from None
 
 
 class EventsFollower:
-    """New events of a TensorBoard directory (new files included) or file, by step."""
+    """New events of a TensorBoard directory (new files included: a restarted run writes
+    another) or file, by step; each file's new bytes only."""
 
-    def __init__(self, path: Path):
-        self.path, self.loaders, self.pending = path, {}, {}
-        self.emitted_upto: int | None = None
+    def __init__(self, source: MetricsSource):
+        self.source, self.files, self.pending = source, {}, {}
 
-    def poll(self) -> None:
-        for file in event_files(self.path) if self.path.exists() else []:
-            if file not in self.loaders:
-                self.loaders[file] = _loader(file)
-            for event in self.loaders[file].Load():
+    def poll(self, final: bool = False) -> None:
+        listing = self.source.list()
+        names = sorted(n for n in listing if self.source.kind == "file" or _is_event_file(n))
+        for name in names:
+            if name not in self.files:
+                self.files[name] = Tail(self.source, name), EventRecords(self.source.label(name))
+            tail, records = self.files[name]
+            parse = _event_proto(records.where).FromString
+            for data in records.feed(tail.new_bytes(listing[name])):
+                event = _parsed(parse, data, records.where)
                 for tag, value in _event_values(event):
                     self.pending.setdefault(int(event.step), {})[tag] = value
+            if final:
+                records.check_end()
 
     def rows(self, final: bool = False) -> list[tuple[int, dict[str, float]]]:
         """The steps complete now: all but the newest (its values may still be coming), or all."""
-        self.poll()
+        self.poll(final)
         last = max(self.pending, default=None)
         done = sorted(s for s in self.pending if final or s != last)
         return [(s, self.pending.pop(s)) for s in done]
 
-
-def tensorboard_rows(path: Path) -> dict[int, dict[str, float]]:
-    files = event_files(path)
-    if not files:
-        raise MalformedMetrics(f"{path}: no {EVENTS_GLOB} files there")
-    for file in files:
-        check_event_file(file)
-    return dict(EventsFollower(path).rows(final=True))
+    def check(self) -> None:
+        if not self.files:
+            raise MalformedMetrics(f"{self.source.where}: no {EVENTS_GLOB} files there")
 
 
-class MetricsFollower:
-    """Reads the complete lines appended to a file since the last call."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.number, self.partial = path, 0, 0, b""
-
-    def lines(self, final: bool = False) -> list[tuple[str, str]]:
-        """(line, where) of each new complete line; `final` also takes an unterminated last line."""
-        if not self.path.is_file():
-            return []
-        size = self.path.stat().st_size
-        if size < self.offset:  # truncated or replaced: a new run starts over
-            raise MalformedMetrics(f"{self.path}: the file shrank from {self.offset} to {size} bytes while "
-                                   "being watched; a run's metrics file must only grow")
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        chunks = (self.partial + data).split(b"\n")
-        self.partial = chunks.pop()
-        if final and self.partial:
-            chunks.append(self.partial)
-            self.partial = b""
-        out = []
-        for chunk in chunks:
-            self.number += 1
-            out.append((chunk.decode("utf-8", errors="replace"), f"{self.path}:{self.number}"))
-        return out
-
-
-class JsonlFollower:
-    def __init__(self, path: Path):
-        self.lines = MetricsFollower(path)
-
-    def rows(self, final: bool = False) -> list[tuple[int, dict[str, float]]]:
-        out = []
-        for line, where in self.lines.lines(final):
-            parsed = parse_line(line, where)
-            if parsed is not None:
-                out.append(parsed)
-        return out
-
+# ----------------------------------------------------------------------------- trainer_state.json
 
 class TrainerStateFollower:
-    """trainer_state.json is rewritten whole at each save: the steps not yet given."""
+    """trainer_state.json is rewritten whole at each save (the newest checkpoint-N/ holds the
+    whole history): read again when its version changes; the steps not yet given."""
 
-    def __init__(self, path: Path):
-        self.path, self.given = path, set()
+    def __init__(self, source: MetricsSource):
+        self.source, self.given, self.read_version = source, set(), None
         self.finished: str | None = None
 
     def rows(self, final: bool = False) -> list[tuple[int, dict[str, float]]]:
+        listing = self.source.list()
+        name = _state_name(self.source, listing)
+        if name is None or (name, listing[name].version) == self.read_version:
+            if final and name is None:
+                raise MalformedMetrics(f"{self.source.where}: no {TRAINER_STATE} and no checkpoint-N/"
+                                       f"{TRAINER_STATE} there")
+            return []
         try:
-            state_file, state = _trainer_state(self.path, partial_ok=not final)
-            rows = _history_rows(state_file, state)
+            state = _state(self.source, name, listing[name])
+            rows = _history_rows(self.source.label(name), state)
         except MalformedMetrics:
             if final:
                 raise
-            return []  # no checkpoint yet
+            return []  # being rewritten, or not a state yet: the next poll reads it again
+        self.read_version = (name, listing[name].version)
         self.finished = self.finished or _state_end(state)
         new = sorted(s for s in rows if s not in self.given)
         self.given.update(new)
         return [(s, rows[s]) for s in new]
+
+    def check(self) -> None:
+        pass  # rows(final=True) refuses a location without a state
+
+
+def _state_name(source: MetricsSource, listing: dict[str, Entry]) -> str | None:
+    if source.kind == "file":
+        return next(iter(listing), None)
+    if TRAINER_STATE in listing:
+        return TRAINER_STATE
+    checkpoints = sorted((int(m[1]), n) for n in listing if (m := _CHECKPOINT_STATE.match(n)))
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def _state(source: MetricsSource, name: str, entry: Entry) -> dict:
+    data = source.read(name, 0, entry.size, entry.version)
+    if data is None:
+        raise MalformedMetrics(f"{source.label(name)}: changed while being read")
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MalformedMetrics(f"{source.label(name)}: not JSON ({getattr(exc, 'msg', exc)})") from None
+
+
+def _history_rows(where: str, state: dict) -> dict[int, dict[str, float]]:
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise MalformedMetrics(f"{where}: no log_history list (not an HF Trainer state)")
+    rows: dict[int, dict[str, float]] = {}
+    for number, entry in enumerate(history):
+        parsed = parse_line(json.dumps(entry), f"{where}: log_history[{number}]") if isinstance(entry, dict) \
+            else None
+        if parsed is not None:
+            rows.setdefault(parsed[0], {}).update(parsed[1])
+    return rows
 
 
 def _state_end(state: dict | None) -> str | None:
@@ -361,13 +381,22 @@ def _state_end(state: dict | None) -> str | None:
     return None
 
 
-class RunFollower:
-    """A growing run in any format, its rows renamed by the profile (detected from the first
-    names seen, unless asked for): what `watch` reads. `finished` says why the log shows its
-    writer is done (module doc), None while it does not; `last_step`: the run's last step."""
+FOLLOWERS = {"jsonl": JsonlFollower, "tensorboard": EventsFollower, "trainer-state": TrainerStateFollower}
 
-    def __init__(self, path: str | Path, options: ReadOptions | None = None, last_step: int | None = None):
-        self.path, self.options, self.last_step = Path(path), options or ReadOptions(), last_step
+
+# ----------------------------------------------------------------------------- a run
+
+class RunFollower:
+    """A growing run in any format, at a local path or an s3:// location (`store_options`:
+    storage.open_store's keyword arguments), its rows renamed by the profile (detected from the
+    first names seen, unless asked for): what `watch` reads. `finished` says why the log shows
+    its writer is done (module doc), None while it does not; `last_step`: the run's last step.
+    `source.kind` is None while nothing is at the location."""
+
+    def __init__(self, path: str | Path, options: ReadOptions | None = None, last_step: int | None = None,
+                 store_options: dict | None = None):
+        self.path, self.options, self.last_step = path, options or ReadOptions(), last_step
+        self.source = open_source(path, store_options)
         self.finished: str | None = None
         self.format = check_format(self.options.format)
         self.added = parse_metric_options(list(self.options.metrics))
@@ -384,11 +413,10 @@ class RunFollower:
 
     def _rows(self, final: bool) -> list[tuple[int, dict[str, float]]]:
         if self.inner is None:
-            self.format = self.format or detect_format(self.path)
+            self.format = self.format or detect_in(self.source, self.source.list())
             if self.format is None:
                 return []
-            self.inner = {"jsonl": JsonlFollower, "tensorboard": EventsFollower,
-                          "trainer-state": TrainerStateFollower}[self.format](self._source())
+            self.inner = FOLLOWERS[self.format](self.source)
         rows = self.inner.rows(final)
         self.finished = self.finished or self._end(rows)
         if rows and (self.profile is None or (self.profile.detected and self.profile.name == "verl")):
@@ -408,16 +436,13 @@ class RunFollower:
             return f"step {self.last_step} logged (--last-step)"
         return getattr(self.inner, "finished", None)
 
-    def _source(self) -> Path:
-        if self.format == "jsonl" and self.path.is_dir():
-            return self.path / METRICS_FILE
-        return self.path
 
-
-def read_run(path: str | Path, options: ReadOptions | None = None) -> tuple[dict[int, dict[str, float]], Profile]:
-    """A finished run's rows under the detectors' names, and the profile that named them."""
+def read_run(path: str | Path, options: ReadOptions | None = None,
+             store_options: dict | None = None) -> tuple[dict[int, dict[str, float]], Profile]:
+    """A finished run's rows under the detectors' names, and the profile that named them; a
+    local path or an s3:// location (`store_options`: storage.open_store's keyword arguments)."""
     try:
-        return _read_run(Path(path), options or current_options())
+        return _read_run(path, options or current_options(), store_options)
     except OSError as exc:
         raise MalformedMetrics(f"{path}: cannot read ({exc.strerror or exc})") from None
 
@@ -428,20 +453,21 @@ def read_metrics(run: str | Path) -> dict[int, dict[str, float]]:
     return read_run(run)[0]
 
 
-def _read_run(path: Path, options: ReadOptions) -> tuple[dict[int, dict[str, float]], Profile]:
-    fmt = check_format(options.format) or detect_format(path)
+def _read_run(path: str | Path, options: ReadOptions,
+              store_options: dict | None) -> tuple[dict[int, dict[str, float]], Profile]:
+    source = open_source(path, store_options)
+    listing = source.list()
+    fmt = check_format(options.format) or detect_in(source, listing)
     if fmt is None:
-        raise MalformedMetrics(f"{path}: no such file or directory, or an empty one (no {METRICS_FILE}, "
+        raise MalformedMetrics(f"{source.where}: no such file or directory, or an empty one (no {METRICS_FILE}, "
                                f"{EVENTS_GLOB} or {TRAINER_STATE} there)")
-    if fmt == "jsonl":
-        from moe_proxy.metrics.metrics_io import read_jsonl
-        rows = read_jsonl(path)
-    elif fmt == "tensorboard":
-        rows = tensorboard_rows(path)
-    else:
-        rows = trainer_state_rows(path)
+    follower = FOLLOWERS[fmt](source)
+    rows: dict[int, dict[str, float]] = {}
+    for step, values in follower.rows(final=True):
+        rows.setdefault(step, {}).update(values)
+    follower.check()
     if not rows:
-        raise MalformedMetrics(f"{path}: no steps recorded")
+        raise MalformedMetrics(f"{source.where}: no steps recorded")
     names = set().union(*rows.values())
     profile = profile_for(names, options.profile, parse_metric_options(list(options.metrics)))
     return {s: profile.rename(r) for s, r in sorted(rows.items())}, profile

@@ -77,14 +77,16 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
           until_file: str | Path | None = None, stop_file: str | Path | None = None,
           timeout_s: float | None = None, poll_s: float = 1.0,
           ended: threading.Event | None = None, options: ReadOptions | None = None,
-          last_step: int | None = None) -> WatchResult:
-    """Follow `metrics_file` until the verdict is in (see the module docstring). `ended` is the
-    run's end as SIGTERM reports it (`sigterm_ends`); without it none is listened for. `options`:
-    the format, name profile and added names (readers.ReadOptions; default: detected).
-    `last_step`: the run's last step; once it is logged the run is judged."""
-    path = Path(metrics_file)
+          last_step: int | None = None, store_options: dict | None = None) -> WatchResult:
+    """Follow `metrics_file` (a path, or an s3:// location polled every `poll_s`: sources.py)
+    until the verdict is in (see the module docstring). `ended` is the run's end as SIGTERM
+    reports it (`sigterm_ends`); without it none is listened for. `options`: the format, name
+    profile and added names (readers.ReadOptions; default: detected). `last_step`: the run's
+    last step; once it is logged the run is judged. `store_options`: storage.open_store's
+    keyword arguments for an s3:// location."""
+    path = metrics_file
     detector = FailureDetector(thresholds or Thresholds(), extra=[fail_on] if fail_on and fail_on.metric else [])
-    follower = RunFollower(path, options, last_step)
+    follower = RunFollower(path, options, last_step, store_options)
     rows: dict[int, dict[str, float]] = {}
     started = time.monotonic()
     ended = ended or threading.Event()
@@ -118,9 +120,9 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
             break
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             raise WatchTimeout(f"{path}: no end of the run within {timeout_s:g}s ({len(rows)} steps seen"
-                               f"{'' if path.exists() else ', and the file never appeared'}); no verdict")
+                               f"{'' if follower.source.kind else ', and the file never appeared'}); no verdict")
         ended.wait(poll_s)
-    if not rows and not path.exists():
+    if not rows and not follower.source.kind:
         raise MalformedMetrics(f"{path}: the run ended and the metrics file never appeared; no verdict")
     if stop_file and stopped.startswith(("reproduced", "loss or weights")):
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)

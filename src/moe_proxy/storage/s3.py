@@ -57,6 +57,7 @@ NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 DENIED = {"403", "AccessDenied", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 BAD_TOKEN = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
 BAD_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+CHANGED = {"PreconditionFailed", "412", "InvalidRange", "416"}  # a ranged If-Match read of a replaced object
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -259,6 +260,11 @@ class S3Store:
             raise ObjectNotFound(f"s3://{self.bucket}/{self._key(name)}: no such object")
         return int(head["ContentLength"])
 
+    def entry(self, name: str) -> tuple[int, str] | None:
+        """(size, ETag) of one object, as list_entries gives them, from one HEAD; None when there is none."""
+        head = self._head(name)
+        return None if head is None else (int(head["ContentLength"]), str(head.get("ETag", "")))
+
     def checksum(self, name: str) -> str | None:
         """The SHA256 checksum the store keeps for the object (of the whole object, or
         "<sha256 of part sha256s>-<parts>" for a multipart upload), without downloading it;
@@ -268,11 +274,13 @@ class S3Store:
             return None
         return head.get("ChecksumSHA256") or head.get("ETag")
 
-    def read_range(self, name: str, start: int, length: int) -> bytes:
+    def read_range(self, name: str, start: int, length: int, if_match: str | None = None) -> bytes:
+        """Bytes [start, start + length); `if_match`: only of the object version with that ETag
+        (a changed object fails with PreconditionFailed, a StorageError)."""
         if length == 0:
             return b""
         chunks: list[bytes] = []
-        got, etag, drops = 0, None, 0
+        got, etag, drops = 0, if_match, 0
         while got < length:
             first, last = start + got, start + length - 1
             # After a drop, ask only for the missing bytes, and only of the same object version.
@@ -302,6 +310,18 @@ class S3Store:
                 )
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def read_if_unchanged(self, name: str, start: int, length: int, etag: str | None) -> bytes | None:
+        """read_range of the object version `etag` (from a listing) only; None when the object was
+        replaced, shortened or deleted since (a follower's next listing sees the new version)."""
+        try:
+            return self.read_range(name, start, length, if_match=etag or None)
+        except (ObjectNotFound, CorruptCheckpoint):
+            return None
+        except StorageError as exc:
+            if _code(exc.__cause__) in CHANGED:
+                return None
+            raise
+
     def read_bytes(self, name: str) -> bytes:
         return self.read_range(name, 0, self.size(name))
 
@@ -311,10 +331,15 @@ class S3Store:
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         """Objects under this store's prefix whose names start with `prefix`, with their sizes
         (the listing carries them: one request per 1,000 objects)."""
+        return {name: size for name, (size, _) in self.list_entries(prefix).items()}
+
+    def list_entries(self, prefix: str = "") -> dict[str, tuple[int, str]]:
+        """As list_sizes, each with (size, ETag): the ETag changes when the object is replaced."""
         base = f"{self.prefix}/" if self.prefix else ""
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
-            return dict(sorted((o["Key"][len(base) :], int(o["Size"])) for page in pages for o in page.get("Contents", [])))
+            return dict(sorted((o["Key"][len(base) :], (int(o["Size"]), str(o.get("ETag", ""))))
+                               for page in pages for o in page.get("Contents", [])))
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, "list_objects_v2", None) from exc
 
