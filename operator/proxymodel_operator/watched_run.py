@@ -3,9 +3,11 @@ spec.onFailure, follow the run's metrics, open an incident on a watched failure,
 Diagnosis, follow it, and put the answer where the team looks (status, Events, report.md/json
 next to the run, a webhook). The decisions are incident.py's; this module does the I/O.
 
-The run's watcher (run_metrics) stays in kopf's memo between polls; a restarted operator reads
-the metrics again from the start (or from the last incident's step), and finds the incident in
-status and its Diagnosis under its deterministic name: never a second one.
+The run's watcher (run_metrics: a moe_proxy.metrics.incident.RunWatcher) stays in kopf's memo
+between polls; a restarted operator reads the metrics again from the start (or from the last
+incident's step), and finds the incident in status and its Diagnosis under its deterministic name:
+never a second one. Metrics that cannot be read (MetricsMalformed) are read again from the start
+at the next poll, by a fresh watcher: a file rewritten in place is read whole.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import kopf
 
 from moe_proxy.checkpoint.listing import list_checkpoints as list_prefix
 from moe_proxy.errors import MalformedMetrics, StorageError
+from moe_proxy.metrics.incident import RunWatcher
 from moe_proxy.storage.s3 import S3Store
 
 from . import incident as inc, kube
 from .preflight import PreflightError, plan_for, read_credentials, read_source_config, redact
 from .resources import DIAGNOSES, SECRETS
-from .run_metrics import watcher_for
+from .run_metrics import poll, watcher_for
 from .settings import Settings
 from .spec import InvalidSpec, parse as parse_proxymodel
 from .watch_spec import WatchSpec
@@ -40,14 +43,13 @@ def _store_options(watch: WatchSpec, credentials: dict[str, str]) -> dict:
             "credentials": credentials, "max_attempts": 2, "connect_timeout": 3, "read_timeout": 20}
 
 
-def _watcher(memo: kopf.Memo, watch: WatchSpec, credentials: dict[str, str], after: int | None):
-    """The run's watcher, kept in memo while what it follows is the same."""
+def _watcher(memo: kopf.Memo, watch: WatchSpec, credentials: dict[str, str], after: int | None,
+             fresh: bool = False) -> RunWatcher:
+    """The run's watcher, kept in memo while what it follows is the same (`fresh`: a new one)."""
     m, f = watch.metrics, watch.on_failure
     key = (m.uri, m.format, m.profile, m.last_step, tuple(f.fail_on), after, watch.source.endpoint)
     held = memo.get("run_watcher")
-    if held is None or held[0] != key:
-        if held is not None and hasattr(held[1], "close"):
-            held[1].close()
+    if fresh or held is None or held[0] != key:
         held = (key, watcher_for(m.uri, list(f.fail_on), m.format, m.profile, m.last_step,
                                  _store_options(watch, credentials), after))
         memo["run_watcher"] = held
@@ -63,10 +65,12 @@ async def follow_run(body: kopf.Body, watch: WatchSpec, status: dict, patch: kop
     credentials: dict[str, str] = {}
     try:
         credentials = await read_credentials(namespace, watch.source.credentials_secret)
-        watcher = _watcher(memo, watch, credentials, inc.after_step(incident))
-        failure = await asyncio.to_thread(watcher.poll)
-        hits = watcher.later_hits(failure) if failure else []
+        after = inc.after_step(incident)
+        polled = await asyncio.to_thread(poll, _watcher(memo, watch, credentials, after),
+                                         lambda: _watcher(memo, watch, credentials, after, fresh=True))
     except (PreflightError, StorageError, MalformedMetrics) as exc:
+        if isinstance(exc, MalformedMetrics):
+            memo.pop("run_watcher", None)  # what was read is in doubt: from the start next poll
         reason = exc.reason if isinstance(exc, PreflightError) else (
             "MetricsMalformed" if isinstance(exc, MalformedMetrics) else type(exc).__name__)
         message = redact(str(exc), credentials)[:1024]
@@ -74,7 +78,8 @@ async def follow_run(body: kopf.Body, watch: WatchSpec, status: dict, patch: kop
             kopf.warn(body, reason=reason, message=message)
         logger.warning("reading the metrics %s failed: %s: %s", watch.metrics.uri, reason, message)
         return
-    if watcher.rewound:
+    watcher, failure = polled.watcher, polled.failure
+    if polled.rewound:
         kopf.warn(body, reason="MetricsRewound", message=f"{watch.metrics.uri} is shorter than at the last poll: "
                   "the run started over; read again from the start (incidents in status stand)")
     said = f"{watch.metrics.uri}: through step {watcher.last_step}" if watcher.last_step is not None else \
@@ -83,8 +88,8 @@ async def follow_run(body: kopf.Body, watch: WatchSpec, status: dict, patch: kop
     patch.status["metrics"] = {"lastStep": watcher.last_step, "finished": watcher.finished}
     before = dict(incident) if incident else None
     try:
-        incident = await _advance(body, watch, incident, failure, hits, watcher.finished, credentials, memo.settings,
-                                  logger)
+        incident = await _advance(body, watch, incident, failure, polled.hits, watcher.finished, credentials,
+                                  memo.settings, logger)
     except StorageError as exc:  # listing the checkpoints for a new incident: tried again next poll
         logger.warning("listing %s for an incident failed: %s", watch.source.uri, redact(str(exc), credentials))
         return

@@ -46,6 +46,12 @@ class MalformedMetrics(MoeProxyError):
     """A run's metrics.jsonl cannot be read (not JSON, no step, missing file)."""
 
 
+class MetricsShrank(MalformedMetrics):
+    """A followed metrics file got shorter than what was read of it (truncated, or replaced by a
+    shorter one: a run restarted over the same file). A follower of it cannot go on; a caller that
+    expects restarts reads the run again from the start."""
+
+
 class ObjectNotFound(StorageError):
     """The bucket or the object does not exist."""
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from moe_proxy.metrics.incident import RunFailure
 from proxymodel_operator import incident as inc
 from proxymodel_operator.diagnosis_matrix import decide as matrix_decide
 from proxymodel_operator.diagnosis_bisect import in_flight, parse_bisection, progress, start
@@ -16,7 +17,6 @@ from proxymodel_operator.diagnosis_spec import candidates_spec
 from proxymodel_operator.diagnosis_status import DIAGNOSED, DIAGNOSING
 from proxymodel_operator.loop_spec import BudgetSpec, parse_on_failure
 from proxymodel_operator.outcome import SUCCEEDED, Outcome
-from proxymodel_operator.run_metrics import RunFailure
 from proxymodel_operator.settings import Settings
 from proxymodel_operator.watch_spec import InvalidWatch, parse_watch
 from proxymodel_operator.resources import PROXYMODELS

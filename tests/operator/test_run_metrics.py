@@ -1,13 +1,13 @@
-"""run_metrics.RunMetrics on SeaweedFS: the run's metrics followed poll after poll, RunWatcher's
-interface (poll() -> the earliest watched failure, last_step, finished) plus what the watched run
-needs around it (after_step, rewound, later_hits)."""
+"""run_metrics on SeaweedFS: the run's metrics followed poll after poll by the watch's RunWatcher
+(poll() -> the earliest watched failure, last_step, finished; after_step, the recovery rule's
+still_failing_after) and run_metrics.poll around it (a rewind read again from the start)."""
 
 from __future__ import annotations
 
 import json
 import uuid
 
-from proxymodel_operator.run_metrics import RunMetrics, watcher_for
+from proxymodel_operator.run_metrics import poll, watcher_for
 
 from .harness import ACCESS_KEY, BUCKET, SECRET_KEY
 
@@ -41,25 +41,29 @@ def test_a_run_followed_poll_after_poll(s3):
     failure = w.poll()
     assert (failure.step, failure.signature, failure.seen) == (6, "actor/grad_norm>100:2", 7)
     log.log(8, **{"actor/pg_loss": None})  # a NaN later: the earliest failure stands
-    assert w.poll() == failure and w.later_hits(failure) == [False] and w.finished is None
+    assert w.poll() == failure and w.still_failing_after(failure) == [False] and w.finished is None
     log.log(9)
-    w.poll()
-    assert w.later_hits(failure) == [False, False] and w.finished == "step 9 logged (spec.metrics.lastStep)"
+    polled = poll(w, lambda: None)
+    assert (polled.watcher, polled.failure, polled.hits, polled.rewound) == (w, failure, [False, False], False)
+    assert w.finished == "step 9 logged (spec.metrics.lastStep)"
     # a watcher past that incident sees only later steps: the NaN at 8
     after = watcher_for(log.uri, ["nan", "actor/grad_norm>100:2"], None, None, None, _options(s3), 7)
-    assert after.poll().step == 8
+    assert after.poll().step == 8 and after.last_step == 9  # the steps up to 7 read, not fed
 
 
 def test_shorter_metrics_are_read_again_from_the_start(s3):
     log = Log(s3)
     for step in range(1, 5):
         log.log(step)
-    w = RunMetrics(log.uri, ["nan"], store_options=_options(s3))
-    w.poll()
-    assert (w.last_step, w.rewound) == (4, False)
+
+    def fresh():
+        return watcher_for(log.uri, ["nan"], None, None, None, _options(s3), None)
+
+    w = fresh()
+    polled = poll(w, fresh)
+    assert (polled.watcher, polled.watcher.last_step, polled.rewound) == (w, 4, False)
     log.lines = log.lines[:2]
     log.log(3, **{"actor/pg_loss": None})
-    failure = w.poll()
-    assert w.rewound and failure.step == 3 and w.last_step == 3
-    w.close()
-    assert not w.local.exists()
+    polled = poll(w, fresh)
+    assert polled.rewound and polled.watcher is not w
+    assert polled.failure.step == 3 and polled.watcher.last_step == 3 and polled.hits == []

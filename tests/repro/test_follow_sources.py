@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from moe_proxy.errors import InvalidReproConfig, MalformedMetrics
+from moe_proxy.errors import InvalidReproConfig, MalformedMetrics, MetricsShrank
 from moe_proxy.metrics.incident import RunFailure, RunWatcher
 from moe_proxy.metrics.readers import RunFollower
 
@@ -45,7 +45,7 @@ def test_only_new_bytes_are_read_and_a_shrunk_file_is_refused(tmp_path):
         assert [s for s, _ in follower.rows()] == [step]
     assert sum(reads) == len(content)
     path.write_bytes(line(1))
-    with pytest.raises(MalformedMetrics, match=r"metrics\.jsonl: the file shrank from \d+ to \d+ bytes"):
+    with pytest.raises(MetricsShrank, match=r"metrics\.jsonl: the file shrank from \d+ to \d+ bytes"):
         follower.rows()
 
 
@@ -98,13 +98,40 @@ def test_the_watcher_names_the_first_failure_asked_for_and_keeps_it(tmp_path):
     with path.open("ab") as f:
         f.write(line(3, 200.0) + line(4, loss=None))
     failure = watcher.poll()
-    assert failure == RunFailure(2, "actor/grad_norm>100:2", failure.reason)
+    assert failure == RunFailure(2, "actor/grad_norm>100:2", failure.reason, seen=3)
     assert failure.reason == "step 2: actor/grad_norm>100:2 detected (at step 3: actor/grad_norm=200.0)"
     with path.open("ab") as f:
         f.write(line(5) + line(6))
     assert watcher.poll() is failure and watcher.last_step == 6 and watcher.finished == "step 6 logged (--last-step)"
     # without fail_on any failure counts; a NaN always does
     anything = RunWatcher(path)
-    assert anything.poll() == RunFailure(4, "nan", anything.failure.reason)
+    assert anything.poll() == RunFailure(4, "nan", anything.failure.reason, seen=4)
     with pytest.raises(InvalidReproConfig, match="--fail-on 'garbage'"):
         RunWatcher(path, fail_on=["garbage"])
+
+
+def test_the_watcher_past_a_step_and_the_steps_after_a_detection(tmp_path):
+    """after_step: the steps up to it are read, not judged (a resumed run's next incident);
+    still_failing_after: the per-step test, without its patience, on each step after the detection."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(line(1, loss=None) + b"".join(line(s, 150.0 if s in (3, 4, 5) else 0.5) for s in range(2, 7)))
+    watcher = RunWatcher(path, fail_on=["actor/grad_norm>100:2"], after_step=1)
+    failure = watcher.poll()  # the NaN at 1 is before after_step
+    assert (failure.step, failure.signature, failure.seen, watcher.last_step) == (3, "actor/grad_norm>100:2", 4, 6)
+    assert watcher.still_failing_after(failure) == [True, False]
+    with path.open("ab") as f:
+        f.write(line(7, 300.0))
+    assert watcher.poll() is failure and watcher.still_failing_after(failure) == [True, False, True]
+    assert watcher.detector.holds("actor/grad_norm>100:2", {"actor/grad_norm": 101.0})
+    assert not watcher.detector.holds("collapse", {"actor/grad_norm": 101.0})
+
+
+def test_an_overflow_and_a_nan_at_one_step_is_the_overflow(tmp_path):
+    """A half-precision forward overflow makes the loss NaN too: the watcher names the cause (the
+    order of detect.SIGNATURES), not the alphabet's first."""
+    path = tmp_path / "metrics.jsonl"
+    row = {"actor/pg_loss": float("nan"), "numerics/half_precision": 1, "numerics/nonfinite_activations": 7}
+    path.write_text(json.dumps({"step": 1, "data": {"actor/pg_loss": 0.1}}) + "\n"
+                    + json.dumps({"step": 2, "data": row}) + "\n" + json.dumps({"step": 3, "data": row}) + "\n")
+    failure = RunWatcher(path).poll()
+    assert (failure.step, failure.signature) == (2, "overflow"), failure

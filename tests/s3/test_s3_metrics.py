@@ -14,7 +14,7 @@ import math
 import pytest
 
 from moe_proxy.cli import main
-from moe_proxy.errors import AccessDenied, MalformedMetrics, ObjectNotFound
+from moe_proxy.errors import AccessDenied, MalformedMetrics, MetricsShrank, ObjectNotFound
 from moe_proxy.metrics.incident import RunFailure, RunWatcher
 from moe_proxy.metrics.readers import RunFollower, detect_format, read_run
 
@@ -75,7 +75,7 @@ def test_a_shrunk_object_and_a_missing_step_are_refused(s3):
     follower = RunFollower(run, store_options=options)
     assert [s for s, _ in follower.rows(final=True)] == [1, 2]
     put(client, f"{run}/metrics.jsonl", verl_line(1))  # replaced by a shorter one
-    with pytest.raises(MalformedMetrics, match=r"metrics\.jsonl: the file shrank from \d+ to \d+ bytes"):
+    with pytest.raises(MetricsShrank, match=r"metrics\.jsonl: the file shrank from \d+ to \d+ bytes"):
         follower.rows()
     put(client, f"{run}/flat/metrics.jsonl", b'{"data": {"actor/pg_loss": 0.1}}\n')
     with pytest.raises(MalformedMetrics, match=r"/flat/metrics\.jsonl:1: missing or non-integer \"step\""):
@@ -196,7 +196,7 @@ def test_the_watcher_gives_the_first_failure_tick_by_tick(s3):
     content += verl_line(4)
     put(client, f"{run}/metrics.jsonl", content)
     failure = watcher.poll()
-    assert failure == RunFailure(4, "nan", failure.reason) and failure.reason.startswith("step 4: nan detected")
+    assert failure == RunFailure(4, "nan", failure.reason, seen=4) and failure.reason.startswith("step 4: nan detected")
     content += verl_line(5) + verl_line(6)
     put(client, f"{run}/metrics.jsonl", content)
     assert watcher.poll() is failure and watcher.last_step == 6 and "step 6 logged" in watcher.finished

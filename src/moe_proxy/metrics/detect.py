@@ -164,6 +164,13 @@ class FailureDetector:
         self._steps_seen += 1
         return found
 
+    def holds(self, name: str, metrics: dict[str, float]) -> bool:
+        """Whether signature `name`'s per-step test holds on one step's metrics, its patience aside,
+        with the run's baseline as it stands (what `update` streaks; False for a name not watched):
+        how a step after a detection is judged (the operator's recovery rule)."""
+        hit = self._checks(metrics).get(name)
+        return bool(hit and hit[0])
+
     def first(self) -> tuple[str, Onset] | None:
         if not self.onsets:
             return None

@@ -394,8 +394,9 @@ class RunFollower:
     `source.kind` is None while nothing is at the location."""
 
     def __init__(self, path: str | Path, options: ReadOptions | None = None, last_step: int | None = None,
-                 store_options: dict | None = None):
+                 store_options: dict | None = None, last_step_said: str = "--last-step"):
         self.path, self.options, self.last_step = path, options or ReadOptions(), last_step
+        self.last_step_said = last_step_said  # where last_step was given, for `finished`
         self.source = open_source(path, store_options)
         self.finished: str | None = None
         self.format = check_format(self.options.format)
@@ -433,7 +434,7 @@ class RunFollower:
         if any(name in row for _, row in seen for name in END_NAMES):
             return "train_runtime logged (the Trainer's end of training)"
         if self.last_step is not None and any(step >= self.last_step for step, _ in seen):
-            return f"step {self.last_step} logged (--last-step)"
+            return f"step {self.last_step} logged ({self.last_step_said})"
         return getattr(self.inner, "finished", None)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from moe_proxy.errors import MalformedMetrics, StorageError
+from moe_proxy.errors import MalformedMetrics, MetricsShrank, StorageError
 
 
 @dataclass(frozen=True)
@@ -157,15 +157,15 @@ class S3Source:
 
 class Tail:
     """The bytes of one growing file not yet read: each call reads past its offset only. A
-    file (object) shorter than the offset was truncated or replaced: an error, as the run's
-    metrics must only grow."""
+    file (object) shorter than the offset was truncated or replaced: errors.MetricsShrank, as the
+    run's metrics must only grow."""
 
     def __init__(self, source: MetricsSource, name: str):
         self.source, self.name, self.offset = source, name, 0
 
     def new_bytes(self, entry: Entry) -> bytes:
         if entry.size < self.offset:
-            raise MalformedMetrics(f"{self.source.label(self.name)}: the file shrank from {self.offset} to "
+            raise MetricsShrank(f"{self.source.label(self.name)}: the file shrank from {self.offset} to "
                                    f"{entry.size} bytes while being watched (truncated, or replaced by a shorter "
                                    "one); a run's metrics file must only grow")
         if entry.size == self.offset:
