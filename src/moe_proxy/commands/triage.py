@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_proxy.commands._common import add_listing_args, add_replace_arg
+from moe_proxy.commands._common import add_listing_args, add_replace_arg, add_storage_args
 from moe_proxy.commands.bisect import add_probe_args
 from moe_proxy.commands.diagnose import add_candidate_args
 from moe_proxy.commands.watch import add_reading_options
@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
                    help="report.json, report.md, the pictures, bisect/ and diagnose/ (a rerun reuses what they hold)")
     add_arguments(p, FailOnOption, required=("fail_on",), helps={"fail_on": f"the failure: {FAIL_ON_CHOICES}"})
     add_reading_options(p)
+    add_storage_args(p, only=("endpoint_url", "region"))  # an s3:// METRICS (the checkpoints: the environment's)
     add_listing_args(p)
     add_arguments(p, Seeds, helps={"seeds": "runs per probe and per candidate, on seeds --seed, --seed+1, ... (the "
                                             "same seeds: the first bad probe's reproduction is the diagnosis's "
@@ -42,7 +43,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_proxy.commands._common import check_output_dir
+    from moe_proxy.commands._common import check_output_dir, store_options
     from moe_proxy.commands.diagnose import chosen_candidates
     from moe_proxy.commands.watch import reading_options
     from moe_proxy.errors import BaselineFailed, MoeProxyError
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                               args.step_regex, reading_options(args), args.parallel, args.all_seeds)
     try:
         with signals_interrupt():  # Ctrl-C or SIGTERM: the child stops, partial reports; the same command resumes
-            report = triage(settings, args.out, replace=args.replace)
+            report = triage(settings, args.out, replace=args.replace, store_options=store_options(args))
     except BaselineFailed as exc:
         import sys
 

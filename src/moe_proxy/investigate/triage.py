@@ -90,11 +90,12 @@ class Detection:
 # --- 1. detect ---------------------------------------------------------------------------------
 
 
-def detect(metrics: str, fail_on: str, read: ReadOptions | None = None) -> Detection:
+def detect(metrics: str, fail_on: str, read: ReadOptions | None = None, store_options: dict | None = None) -> Detection:
     """The original's rows fed to the detectors in step order, as watch feeds them, until the
-    failure asked for (or a NaN: later steps mean nothing) is seen."""
+    failure asked for (or a NaN: later steps mean nothing) is seen. `metrics`: a local path or an
+    s3:// location (`store_options`: storage.open_store's keyword arguments)."""
     signature = Signature.parse(fail_on)
-    rows = read_log(metrics, read)
+    rows = read_log(metrics, read, store_options)
     detector = FailureDetector(Thresholds(), extra=[signature] if signature.metric else [])
     stopped = None
     for step in sorted(rows):
@@ -118,11 +119,12 @@ def unjudged(signature: Signature, rows: dict[int, dict[str, float]]) -> str | N
     return coverage(names)[1].get(signature.name)
 
 
-def read_log(metrics: str, read: ReadOptions | None = None) -> dict[int, dict[str, float]]:
+def read_log(metrics: str, read: ReadOptions | None = None, store_options: dict | None = None
+             ) -> dict[int, dict[str, float]]:
     """The log's complete steps, finished or still growing, under the detectors' names (as watch
     reads it, readers.RunFollower): a jsonl line still being written is left for a later call; a
     TensorBoard log's newest step is taken too (a finished run has no later one to wait for)."""
-    follower = RunFollower(metrics, read)
+    follower = RunFollower(metrics, read, store_options=store_options)
     rows: dict[int, dict[str, float]] = {}
     for step, values in follower.rows() + (follower.rows(final=True) if follower.format != "jsonl" else []):
         rows.setdefault(step, {}).update(values)
@@ -218,7 +220,7 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
         raise MoeProxyError(f"every candidate the catalogue names for {s.probe.fail_on} changes none of the baseline's "
                             "settings: give --candidates or --candidate")
     check_candidates(s.probe.repro_flags, candidates)
-    found = detect(s.metrics, s.probe.fail_on, s.read)
+    found = detect(s.metrics, s.probe.fail_on, s.read, store_options)
     claim_out(out, "triage", s.recorded(), TRIAGE_OUTPUTS, replace)
     report = {"metrics": s.metrics, "checkpoints": s.prefix, "signature": found.signature,
               "failing_step": found.failing_step, "detection": found.as_json(), "first_bad": None, "fixed_by": [],
