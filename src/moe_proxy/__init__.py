@@ -47,6 +47,7 @@ TORCH_FREE = (
     "moe_proxy.investigate.diagnose",  # runs are child processes: torch loads in them
     "moe_proxy.investigate.processes",
     "moe_proxy.investigate.bisect",
+    "moe_proxy.investigate.triage",  # the loop: detect, bisect, diagnose, report
     "moe_proxy.cli",
     "moe_proxy.commands",
     "moe_proxy.commands._common",
@@ -56,6 +57,7 @@ TORCH_FREE = (
     "moe_proxy.commands.compare",
     "moe_proxy.commands.diagnose",
     "moe_proxy.commands.bisect",
+    "moe_proxy.commands.triage",
     "moe_proxy.commands.inspect",
     "moe_proxy.commands.plan",
     "moe_proxy.commands.repro",

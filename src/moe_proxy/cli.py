@@ -26,6 +26,7 @@ COMMANDS = [
     "moe_proxy.commands.repro",
     "moe_proxy.commands.diagnose",
     "moe_proxy.commands.bisect",
+    "moe_proxy.commands.triage",
     "moe_proxy.commands.watch",
     "moe_proxy.commands.compare",
 ]

@@ -534,6 +534,12 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         "--good": "a Diagnosis's spec.bisection.good", "--bad": "a Diagnosis's spec.bisection.bad",
         "--replace": "a Diagnosis's probes are its own children; a new spec starts over",
     },
+    "triage": {  # the loop on one machine; on a cluster a watched run's Diagnosis (ARCHITECTURE.md, the closed loop)
+        "--out": _OUT, "--pattern": _SEARCH, "--step-regex": _SEARCH,
+        **dict.fromkeys(("--format", "--profile", "--metric"), "how the original's metrics are read, as watch reads them"),
+        **dict.fromkeys(("--candidates", "--candidate", "--candidates-file"), "a Diagnosis's spec.candidates"),
+        "--replace": "a Diagnosis's children are its own; a new spec starts over",
+    },
     "checkpoints": {"--pattern": "a CheckpointWatch's spec.pattern", "--step-regex": "a CheckpointWatch's spec.stepRegex",
                     "--before": _LOCAL, "--deep": _LOCAL},
     "watch": {  # the sidecar the operator adds to a reproduction's pod (reproduction.watcher)

@@ -12,10 +12,9 @@ from moe_proxy.commands.diagnose import add_repro_pass_through
 
 def add_parser(sub) -> None:
     from moe_proxy.commands._common import add_replace_arg
-    from moe_proxy.investigate.bisect import PROBE_BUILD, PROBE_CALIBRATION
     from moe_proxy.investigate.diagnose import AtOnce, Seeds
     from moe_proxy.metrics.detect import FAIL_ON_CHOICES, FailOnOption
-    from moe_proxy.options import PruningOptions, TokenOptions, add_arguments, add_pass_through
+    from moe_proxy.options import add_arguments
 
     p = sub.add_parser("bisect", help="the earliest checkpoint of a run whose proxy reproduces a failure",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,7 +35,17 @@ def add_parser(sub) -> None:
                     "devices of its own): the range left is cut in P + 1 parts a round, so n checkpoints take "
                     "about log_{P+1}(n) rounds; the same answer as one at a time"})
     add_replace_arg(p, "bisection")
-    p.set_defaults(func=run, build_flags=[], calibrate_flags=[], repro_flags=[])
+    p.set_defaults(func=run)
+    add_probe_args(p)
+
+
+def add_probe_args(p) -> None:
+    """How each probe is made: its build, calibration and repro options, passed on as written
+    (into build_flags, calibrate_flags, repro_flags; bisect, triage)."""
+    from moe_proxy.investigate.bisect import PROBE_BUILD, PROBE_CALIBRATION
+    from moe_proxy.options import PruningOptions, TokenOptions, add_pass_through
+
+    p.set_defaults(build_flags=[], calibrate_flags=[], repro_flags=[])
     add_pass_through(p.add_argument_group("build options (each probe's proxy; see moe-proxy build -h)"),
                      PruningOptions, "build_flags", only=PROBE_BUILD)
     add_pass_through(p.add_argument_group("calibration (with --dataset each probe is calibrated on its checkpoint, "

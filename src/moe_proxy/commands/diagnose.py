@@ -62,13 +62,8 @@ def add_parser(sub) -> None:
                         "reuses the runs it finds with the same arguments)")
     add_arguments(p, FailOnOption, required=("fail_on",),
                   helps={"fail_on": f"the failure the baseline reproduces: {FAIL_ON_CHOICES}"})
-    p.add_argument("--candidates", metavar="LIST", default="",
-                   help=f"catalogue names, comma-separated: {', '.join(CATALOGUE)}")
+    add_candidate_args(p)
     p.add_argument("--list", action=_ListCatalogue, help="print the catalogue (what each candidate changes) and exit")
-    p.add_argument("--candidate", action="append", default=[], metavar="NAME=FLAGS",
-                   help="a custom candidate: repro flags, e.g. 'slow=--lr 1e-6,--warmup-steps 5' (repeatable)")
-    p.add_argument("--candidates-file", metavar="FILE",
-                   help="custom candidates from YAML or JSON: a list of {name, flags: [...]} or NAME: flags")
     add_arguments(p, Seeds, helps={"seeds": "sampling seeds per variant, from repro's --seed on"})
     add_arguments(p, AtOnce)
     add_replace_arg(p, "diagnosis")
@@ -76,7 +71,20 @@ def add_parser(sub) -> None:
     add_repro_pass_through(p)
 
 
-def _candidates(args: argparse.Namespace) -> list:
+def add_candidate_args(p, default_said: str = "") -> None:
+    """--candidates, --candidate, --candidates-file: the candidate fixes (diagnose, triage)."""
+    from moe_proxy.investigate.catalogue import CATALOGUE
+
+    p.add_argument("--candidates", metavar="LIST", default="",
+                   help=f"catalogue names, comma-separated: {', '.join(CATALOGUE)}{default_said}")
+    p.add_argument("--candidate", action="append", default=[], metavar="NAME=FLAGS",
+                   help="a custom candidate: repro flags, e.g. 'slow=--lr 1e-6,--warmup-steps 5' (repeatable)")
+    p.add_argument("--candidates-file", metavar="FILE",
+                   help="custom candidates from YAML or JSON: a list of {name, flags: [...]} or NAME: flags")
+
+
+def chosen_candidates(args: argparse.Namespace) -> list:
+    """The candidates the flags name: catalogue entries, then custom ones, then the file's."""
     from moe_proxy.errors import MoeProxyError
     from moe_proxy.investigate.catalogue import custom, from_file, pick
 
@@ -115,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     try:
         with signals_interrupt():  # Ctrl-C or SIGTERM: the runs stop, a partial report (processes.Interrupted)
-            report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, _candidates(args),
+            report = diagnose(args.proxy, args.out, args.fail_on, args.repro_flags, chosen_candidates(args),
                               seeds=args.seeds, parallel=args.parallel, replace=args.replace,
                               all_seeds=args.all_seeds)
     except BaselineFailed as exc:

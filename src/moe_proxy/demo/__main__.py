@@ -23,7 +23,7 @@ from moe_proxy.pruning.build import build_proxy
 from moe_proxy.checkpoint.reader import open_checkpoint
 from moe_proxy.commands.build import summary
 from moe_proxy.checkpoint.summary import summarize, text
-from moe_proxy.demo.run import OVERFLOWS, write_run
+from moe_proxy.demo.run import OVERFLOWS, write_log, write_run
 from moe_proxy.demo.tiny import make_tiny
 from moe_proxy.pruning.verify import text as verify_text
 from moe_proxy.pruning.verify import verify
@@ -33,6 +33,7 @@ from moe_proxy.pruning.verify import verify
 DEMO_OUTPUTS = ("original", "proxy", "seaweedfs", "run")
 # The short run: a massive activation grows in the dense MLP and leaves fp16's range at step 40.
 RUN_GROWTH = {10: 1, 20: 1, 30: 100, 40: OVERFLOWS, 50: OVERFLOWS}
+RUN_STEPS, RUN_OVERFLOWS_FROM = 50, 41  # its metrics log (verl's lines): the step after checkpoint 40 overflows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== 5. a short training run's checkpoints, steps {', '.join(map(str, RUN_GROWTH))} (a massive "
           f"activation grows in them: fp16 overflows from step 40)")
     print(f"  {write_run(src, out / 'run', RUN_GROWTH)}/global_step_<N>/actor/huggingface")
+    print(f"  {write_log(out / 'run' / 'metrics.jsonl', RUN_STEPS, RUN_OVERFLOWS_FROM)}: its metrics, fp16 overflowing "
+          f"from step {RUN_OVERFLOWS_FROM}")
     kept = sorted(p.name for p in out.iterdir() if p.name not in DEMO_OUTPUTS)
     if kept:
         print(f"\n(kept in {out} from before: {', '.join(kept)})")
@@ -85,7 +88,9 @@ NEXT = """
   .venv/bin/moe-proxy calibrate {src} --out {out}/stats --experts 8 && \\
     .venv/bin/moe-proxy build {src} {out}/proxy-calibrated --experts 8 --calibration {out}/stats
   .venv/bin/moe-proxy bisect {out}/run --out {out}/bisect --fail-on overflow --experts 8 --steps 1 \\
-    --precision fp16   # the first checkpoint whose proxy overflows: step 40 (docs/diagnosis.md)"""
+    --precision fp16   # the first checkpoint whose proxy overflows: step 40 (docs/diagnosis.md)
+  .venv/bin/moe-proxy triage {out}/run/metrics.jsonl {out}/run --out {out}/triage --fail-on overflow --experts 8 \\
+    --steps 1 --precision fp16 --seeds 1   # the loop: failing step, first bad checkpoint, fixes (docs/triage.md)"""
 
 
 if __name__ == "__main__":

@@ -2,11 +2,16 @@
 checkpoint in verl's layout (`<run>/global_step_<N>/actor/huggingface/`), in which a massive
 activation grows (a dense MLP's down_proj scaled by a factor per step, as super weights grow
 over training). A factor of 1e6 puts that MLP's output beyond fp16's range: `repro --precision
-fp16 --fail-on overflow` reproduces from those checkpoints on, which `bisect` then finds."""
+fp16 --fail-on overflow` reproduces from those checkpoints on, which `bisect` then finds.
+
+`write_log` writes the same run's metrics as verl's FileLogger would (one line a step, fp16): the
+massive activation grows step by step and overflows fp16 from the step given on, which `triage`
+detects before it bisects the checkpoints."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -38,3 +43,21 @@ def scale(checkpoint: Path, name: str, factor: float) -> None:
     tensors = load_file(checkpoint / shard)
     tensors[name] = tensors[name] * factor
     save_file(tensors, checkpoint / shard, metadata={"format": "pt"})
+
+
+def write_log(path: Path, last_step: int, overflow_from: int | None) -> Path:
+    """The run's metrics, one verl FileLogger line per step 1..last_step, in fp16: the dense MLP's
+    largest activation grows 3% a step, and from `overflow_from` on (None: never) the forward pass
+    holds values past fp16's range (numerics/nonfinite_activations), the loss and grad norm NaN."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, last_step + 1):
+        broken = overflow_from is not None and step >= overflow_from
+        data = {"actor/pg_loss": None if broken else 0.5 - 0.002 * step, "actor/entropy": 2.0 - 0.004 * step,
+                "actor/grad_norm": None if broken else 1.0 + 0.05 * math.sin(step),
+                "critic/rewards/mean": 0.2 + 0.003 * step, "moe/load_max_share": 0.3,
+                "numerics/max_activation": 1000.0 * 1.03 ** step, "numerics/half_precision": 1,
+                "numerics/nonfinite_activations": 96 if broken else 0}
+        lines.append(json.dumps({"step": step, "elapsed_seconds": 30.0 * step, "data": data}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

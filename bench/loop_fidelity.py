@@ -1,0 +1,237 @@
+"""Does the loop give the original's answer on a proxy? `moe-proxy triage` on a run's checkpoints
+with the original itself as the probe's model (`--keep-ratio 1`: every expert kept), with the
+default build at 50% and 12.5% of the experts, and with random builds of the same sizes (the
+control), on the fidelity lab's failure kinds planted into a run's checkpoints from one on:
+
+- super-fp16: a routed expert's output past fp16's range (its down_proj x 1e6), fp16 training:
+  `--fail-on overflow` (the lab's super-fp16 scenario);
+- expert-blowup: one expert's weights blow up (gate, up and down x 30), fp32: its output crosses
+  `numerics/max_activation>50`;
+- router-collapse: one expert's router row x 100, so it takes most tokens: `moe/load_max_share>0.6`.
+
+Each scenario's run is the base checkpoint copied once per step (verl's layout), the plant in the
+checkpoints from `--planted-from` on, and the original's metrics log failing the step after that
+checkpoint (the log is written, not trained: what the loop must find is the checkpoint). For each
+(scenario, build) cell it prints whether triage's first bad checkpoint, its `fixed_by` and each
+candidate's verdict equal the original's (the `--keep-ratio 1` triage), and the loop's cost.
+
+    nice -n 10 .venv/bin/python bench/loop_fidelity.py --out bench/out/loop-fidelity   # hours on 2 cores
+    .venv/bin/python bench/loop_fidelity.py --quick --out /tmp/lf   # a smoke run: tiny original, 3 checkpoints
+
+Full size uses the fidelity lab's trained Qwen3-MoE original (bench/fidelity.py, 64 experts, top-4;
+`--dataset` then calibrates each probe, the default build); `--quick` a tiny random Qwen3-MoE
+(16 experts, top-2), data-free builds, one scenario and the 50% builds unless asked for more.
+Each triage lives in OUT/<scenario>/<build>/ and resumes (triage's own rule); OUT/loop-fidelity.json
+holds the table's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    what: str
+    fail_on: str
+    repro: tuple[str, ...]  # the probes' and the diagnosis's repro flags
+    candidates: tuple[str, ...]  # catalogue names; () = the catalogue's for the signature
+    plant: str  # which plant (PLANTS)
+
+
+SCENARIOS = {
+    "super-fp16": Scenario("an expert's output past fp16's range, fp16 training", "overflow",
+                           ("--precision", "fp16", "--steps", "1"), ("bf16", "fp32", "lower-lr"), "overflow"),
+    # the tiny original's largest hidden value is 0.13 clean and 221 with the blown-up expert (probe, seed 0)
+    "expert-blowup": Scenario("one expert's weights x 30 (gate, up, down), fp32", "numerics/max_activation>50",
+                              ("--steps", "2"), ("lower-lr", "z-loss"), "blowup"),
+    # x 100 puts it in the top-2 of 66% of the tiny original's tokens (probe, seed 0; uniform: 12.5%)
+    "router-collapse": Scenario("one expert's router row x 100: it takes most tokens", "moe/load_max_share>0.6",
+                                ("--steps", "2"), ("aux-loss", "lower-lr"), "collapse"),
+}
+BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself
+
+
+def builds(ratios: tuple[float, ...], dataset: Path | None) -> dict[str, tuple[str, ...]]:
+    """The original, then per ratio the default build (calibrated with --dataset) and a random one."""
+    out = {"original": BUILDS_ORIGINAL}
+    for r in ratios:
+        out[f"default-{r:g}"] = ("--keep-ratio", f"{r:g}", *(("--dataset", str(dataset)) if dataset else ()))
+        out[f"random-{r:g}"] = ("--keep-ratio", f"{r:g}", "--method", "random")
+    return out
+
+
+# --- the planted run ----------------------------------------------------------------------------
+
+
+def plant(checkpoint: Path, kind: str, layer: int, expert: int) -> None:
+    """Plant a failure of `kind` into one routed expert of MoE layer `layer` (Qwen3-MoE names)."""
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(checkpoint.glob("*.safetensors"))
+    prefix = f"model.layers.{layer}.mlp"
+    factors = {"overflow": {f"{prefix}.experts.{expert}.down_proj.weight": 1e6},
+               "blowup": {f"{prefix}.experts.{expert}.{p}_proj.weight": 30.0 for p in ("gate", "up", "down")},
+               "collapse": {f"{prefix}.gate.weight": None}}[kind]
+    for file in files:
+        tensors = load_file(file)
+        hit = [n for n in factors if n in tensors]
+        for name in hit:
+            if factors[name] is None:  # the router: expert's row only
+                tensors[name][expert] *= 100.0
+            else:
+                tensors[name] = tensors[name] * factors[name]
+        if hit:
+            save_file(tensors, file, metadata={"format": "pt"})
+
+
+def planted_run(base: Path, run: Path, steps: tuple[int, ...], planted_from: int, kind: str, layer: int,
+                expert: int) -> Path:
+    """The run's checkpoints run/global_step_N/actor/huggingface, planted from `planted_from` on;
+    written once (run/planted.json holds what was planted)."""
+    from moe_proxy.demo.run import checkpoint_dir
+
+    stamp = {"steps": list(steps), "planted_from": planted_from, "kind": kind, "layer": layer, "expert": expert,
+             "base": str(base)}
+    if (run / "planted.json").is_file() and json.loads((run / "planted.json").read_text()) == stamp:
+        return run
+    shutil.rmtree(run, ignore_errors=True)
+    for step in steps:
+        target = checkpoint_dir(run, step)
+        shutil.copytree(base, target)
+        if step >= planted_from:
+            plant(target, kind, layer, expert)
+    (run / "planted.json").write_text(json.dumps(stamp))
+    return run
+
+
+def original_log(path: Path, scenario: Scenario, last_step: int, fails_from: int) -> Path:
+    """The original's metrics (verl's lines), the scenario's failure from `fails_from` on."""
+    from moe_proxy.demo.run import write_log
+
+    if scenario.fail_on == "overflow":
+        return write_log(path, last_step, fails_from)
+    metric, value = scenario.fail_on.split(">")
+    rows = [{"step": s, "data": {"actor/pg_loss": 0.5, "actor/grad_norm": 1.0, "critic/rewards/mean": 0.2,
+                                 metric: float(value) * (10 if s >= fails_from else 0.1)}}
+            for s in range(1, last_step + 1)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# --- the loop on each build ----------------------------------------------------------------------
+
+
+def triage(run: Path, log: Path, out: Path, scenario: Scenario, build: tuple[str, ...], seeds: int) -> dict:
+    """`moe-proxy triage` (a process of its own, one thread), or its report from before."""
+    argv = [sys.executable, "-m", "moe_proxy", "triage", str(log), str(run), "--out", str(out),
+            "--fail-on", scenario.fail_on, *build, *scenario.repro, "--seeds", str(seeds),
+            *(("--candidates", ",".join(scenario.candidates)) if scenario.candidates else ())]
+    ran = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if ran.returncode not in (0, 3) or not (out / "report.json").is_file():  # 3: nothing to diagnose
+        return {"error": (ran.stderr.strip().splitlines() or [f"exit {ran.returncode}"])[-1]}
+    return json.loads((out / "report.json").read_text())
+
+
+def agreement(truth: dict, cell: dict) -> dict:
+    """A cell against the original's triage: the same first bad checkpoint, fixed_by and verdicts."""
+    if "error" in cell or "error" in truth:
+        return {"error": cell.get("error") or truth.get("error")}
+    step = (cell.get("first_bad") or {}).get("step")
+    true_step = (truth.get("first_bad") or {}).get("step")
+    verdicts = {n: v["verdict"] for n, v in (cell.get("verdicts") or {}).items()}
+    true_verdicts = {n: v["verdict"] for n, v in (truth.get("verdicts") or {}).items()}
+    same = [n for n in true_verdicts if verdicts.get(n) == true_verdicts[n]]
+    return {"first_bad": step, "first_bad_equal": step == true_step, "fixed_by": cell.get("fixed_by", []),
+            "fixed_by_equal": cell.get("fixed_by", []) == truth.get("fixed_by", []),
+            "verdicts_equal": len(same), "verdicts": len(true_verdicts), "state": cell.get("state"),
+            "cost": {k: (cell.get("cost") or {}).get(k) for k in ("builds", "probe_runs", "candidate_runs",
+                                                                   "original_steps")}}
+
+
+def table(result: dict) -> str:
+    lines = ["| scenario | build | state | first bad (original's) | fixed by | verdicts equal | builds | runs |"
+             " original steps |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, cells in result.items():
+        truth_step = (cells["original"]["report"].get("first_bad") or {}).get("step")
+        for build, c in cells.items():
+            a = c["agreement"]
+            if "error" in a:
+                lines.append(f"| {name} | {build} | error: {a['error'][:80]} | | | | | | |")
+                continue
+            k = a["cost"]
+            steps = "-" if k["original_steps"] is None else f"{k['original_steps']:.3g}"
+            lines.append(f"| {name} | {build} | {a['state']} | {a['first_bad']} ({truth_step})"
+                         f"{'' if a['first_bad_equal'] else ' **differs**'} | {', '.join(a['fixed_by']) or 'none'}"
+                         f"{'' if a['fixed_by_equal'] else ' **differs**'} | {a['verdicts_equal']}/{a['verdicts']} | "
+                         f"{k['builds']} | {(k['probe_runs'] or 0) + (k['candidate_runs'] or 0)} | {steps} |")
+    return "\n".join(lines)
+
+
+def base_checkpoint(out: Path, quick: bool) -> tuple[Path, Path | None]:
+    """(the original's checkpoint, the calibration text or None): tiny with --quick, else the lab's."""
+    if quick:
+        from moe_proxy.demo.tiny import make_tiny
+
+        base = out / "base"
+        if not (base / "config.json").is_file():
+            make_tiny("qwen3_moe", base, num_experts=16)
+        return base, None
+    sys.path.insert(0, str(HERE))
+    import fidelity
+    import verdicts
+
+    original, _ = verdicts.original_and_stats(fidelity)
+    dataset = out / "calibration.txt"  # the lab's calibration text, as bytes (verdicts.py's bisection does so)
+    dataset.write_bytes(bytes(fidelity.calibration_ids().reshape(-1).tolist()).replace(b"\x00", b" "))
+    return original, dataset
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny original, 3 checkpoints")
+    p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), help="default: all (quick: super-fp16)")
+    p.add_argument("--ratios", nargs="+", type=float, help="default: 0.5 0.125 (quick: 0.5)")
+    p.add_argument("--seeds", type=int, help="default 2 (quick: 1)")
+    p.add_argument("--layer", type=int, default=1, help="the MoE layer planted (default 1)")
+    p.add_argument("--expert", type=int, default=0, help="the expert planted (default 0)")
+    args = p.parse_args()
+    quick = args.quick
+    scenarios = args.scenarios or (["super-fp16"] if quick else list(SCENARIOS))
+    ratios = tuple(args.ratios or ((0.5,) if quick else (0.5, 0.125)))
+    steps = (10, 20, 30) if quick else tuple(range(10, 90, 10))
+    planted_from = 20 if quick else 60
+    seeds = args.seeds or (1 if quick else 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    base, dataset = base_checkpoint(args.out, quick)
+    result = {}
+    for name in scenarios:
+        s = SCENARIOS[name]
+        run = planted_run(base, args.out / name / "run", steps, planted_from, s.plant, args.layer, args.expert)
+        log = original_log(args.out / name / "metrics.jsonl", s, steps[-1], planted_from + 5)
+        cells = {}
+        for build, flags in builds(ratios, dataset).items():
+            report = triage(run, log, args.out / name / build, s, flags, seeds)
+            cells[build] = {"report": report}
+            print(f"{name} {build}: {report.get('answer') or report.get('error')}", flush=True)
+        for c in cells.values():
+            c["agreement"] = agreement(cells["original"]["report"], c["report"])
+        result[name] = cells
+    (args.out / "loop-fidelity.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

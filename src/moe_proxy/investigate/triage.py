@@ -1,0 +1,463 @@
+"""`moe-proxy triage`: the closed loop on one machine, from a failing training run to an answer.
+
+Top-down, one step feeding the next:
+1. detect: the original run's own metrics (any format metrics/readers.py reads, finished or still
+   growing: what is complete now), judged by the detectors repro and watch use (metrics/detect.py);
+   the failing step is the first step of the asked-for failure (its onset). No failure: nothing
+   is built, and the report says so.
+2. bisect: the run's complete checkpoints up to the failing step (investigate/bisect.py's own
+   bisect(), into DIR/bisect): the first checkpoint whose proxy reproduces the failure.
+3. diagnose: on that probe's proxy (the bisection's own, never built again), the candidates the
+   catalogue names for the signature (catalogue.suggested) or the ones given, into DIR/diagnose.
+4. report: DIR/report.json and report.md (the answer first), the pictures (the original's
+   metrics with the failing step marked, diagnose's matrix and curves) and what the loop cost:
+   builds, probes, runs and device-hours by `plan`'s cost model (sizing.py) against one step of
+   the original by the same model.
+
+A rerun resumes: bisect and diagnose reuse their records in DIR/bisect and DIR/diagnose (a rerun
+of the same command builds and runs nothing), and DIR holds one triage (processes.claim_out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from moe_proxy.errors import MalformedMetrics, MoeProxyError, TooFewCheckpoints
+from moe_proxy.investigate.bisect import ProbeSettings, bisect, sources
+from moe_proxy.investigate.catalogue import Fix, pick, suggested
+from moe_proxy.investigate.diagnose import OWN_FLAGS, changed_settings, diagnose, repro_config
+from moe_proxy.investigate.processes import claim_out
+from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
+from moe_proxy.metrics.readers import ReadOptions, RunFollower
+from moe_proxy.metrics.verdict import stop_reason
+
+log = logging.getLogger(__name__)
+
+# What a triage writes in its --out (claim_out; --replace deletes these).
+TRIAGE_OUTPUTS = ("bisect", "diagnose", "report.json", "report.md", "original.png", "matrix.png", "curves.png")
+# report.json's `state`: how far the loop got.
+(STATE_NO_FAILURE, STATE_BEFORE_CHECKPOINTS, STATE_NOT_REPRODUCED, STATE_NOT_CURED, STATE_DIAGNOSED) = (
+    "no-failure", "before-first-checkpoint", "not-reproduced", "baseline-not-reproduced", "diagnosed")
+ORIGINAL_PLOT_METRICS = 6  # panels in original.png
+
+
+@dataclass(frozen=True)
+class TriageSettings:
+    """What a triage is asked: the original run's metrics and checkpoints, the failure, how each
+    probe is made (bisect's ProbeSettings: build, calibration and repro flags, seeds, --fail-on),
+    the candidates (None: the catalogue's for the signature) and how the metrics are read."""
+
+    metrics: str
+    prefix: str
+    probe: ProbeSettings
+    candidates: list[Fix] | None = None
+    pattern: str | None = None
+    step_regex: str | None = None
+    read: ReadOptions = field(default_factory=ReadOptions)
+    parallel: int = 1  # bisect's probes a round, diagnose's runs at a time
+    all_seeds: bool = False  # diagnose: every seed of a candidate that reproduced on one
+
+    def recorded(self) -> dict:
+        """What makes a triage (claim_out): another one into the same --out is refused."""
+        return {"METRICS": self.metrics, "CHECKPOINTS": self.prefix, "--pattern": self.pattern,
+                "--step-regex": self.step_regex, "read": asdict(self.read), **asdict(self.probe)}
+
+
+@dataclass
+class Detection:
+    """What the original's metrics say: the failing step (None: the failure asked for is not in
+    the log), the onset's detail, the steps read and the failures seen besides."""
+
+    signature: str
+    failing_step: int | None
+    detail: str
+    steps_read: int
+    last_step: int | None
+    also_seen: dict[str, int] = field(default_factory=dict)
+    stopped: str | None = None  # why the detector stopped reading (a NaN first: later steps mean nothing)
+    unjudged: str | None = None  # why the log cannot show the failure asked for (its metrics lack it), or None
+    rows: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
+
+    def as_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "rows"}
+
+
+# --- 1. detect ---------------------------------------------------------------------------------
+
+
+def detect(metrics: str, fail_on: str, read: ReadOptions | None = None, store_options: dict | None = None) -> Detection:
+    """The original's rows fed to the detectors in step order, as watch feeds them, until the
+    failure asked for (or a NaN: later steps mean nothing) is seen. `metrics`: a local path or an
+    s3:// location (`store_options`: storage.open_store's keyword arguments)."""
+    signature = Signature.parse(fail_on)
+    rows = read_log(metrics, read, store_options)
+    detector = FailureDetector(Thresholds(), extra=[signature] if signature.metric else [])
+    stopped = None
+    for step in sorted(rows):
+        detector.update(step, rows[step])
+        if stopped := stop_reason(detector, signature):
+            break
+    onset = detector.onsets.get(signature.name)
+    others = {name: o.step for name, o in detector.onsets.items() if name != signature.name}
+    return Detection(signature.name, onset.step if onset else None, onset.line(signature.name) if onset else "",
+                     len(rows), max(rows), others, stopped, unjudged(signature, rows), rows)
+
+
+def unjudged(signature: Signature, rows: dict[int, dict[str, float]]) -> str | None:
+    """Why these metrics cannot show the failure asked for (profiles.coverage: none of the roles
+    it is judged by is logged; a threshold's metric is not logged), or None."""
+    from moe_proxy.metrics.profiles import coverage
+
+    names = set().union(*rows.values())
+    if signature.metric:
+        return None if signature.metric in names else f"{signature.metric} is not in the log"
+    return coverage(names)[1].get(signature.name)
+
+
+def read_log(metrics: str, read: ReadOptions | None = None, store_options: dict | None = None
+             ) -> dict[int, dict[str, float]]:
+    """The log's complete steps, finished or still growing, under the detectors' names (as watch
+    reads it, readers.RunFollower): a jsonl line still being written is left for a later call; a
+    TensorBoard log's newest step is taken too (a finished run has no later one to wait for)."""
+    follower = RunFollower(metrics, read, store_options=store_options)
+    rows: dict[int, dict[str, float]] = {}
+    for step, values in follower.rows() + (follower.rows(final=True) if follower.format != "jsonl" else []):
+        rows.setdefault(step, {}).update(values)
+    if not rows:
+        raise MalformedMetrics(f"{metrics}: no steps logged (or no such file or directory)")
+    return dict(sorted(rows.items()))
+
+
+# --- 2. bisect ---------------------------------------------------------------------------------
+
+
+def before_failure(s: TriageSettings, failing_step: int, store_options: dict | None = None) -> list:
+    """The run's complete checkpoints at or before the failing step ([] when there is none)."""
+    try:
+        listed = sources(s.prefix, s.pattern, s.step_regex, None, None, store_options)
+    except TooFewCheckpoints:  # 0 or 1 in the whole run: list them without bisect's minimum
+        from moe_proxy.checkpoint.listing import list_checkpoints
+
+        listed = [c for c in list_checkpoints(s.prefix, s.pattern, s.step_regex, **(store_options or {}))
+                  if c.source and c.complete and c.step is not None]
+    return [c for c in listed if c.step <= failing_step]
+
+
+def probe_proxy(bisect_out: Path, step: int) -> Path:
+    """The proxy the bisection built for its probe of `step` (probes/step-<N>/proxy), checked
+    complete: the diagnosis runs on it, never on a proxy built again."""
+    from moe_proxy.checkpoint.reader import MANIFEST
+
+    proxy = bisect_out / "probes" / f"step-{step}" / "proxy"
+    if not (proxy / MANIFEST).is_file():
+        raise MoeProxyError(f"{proxy}: the bisection's proxy of step {step} is not there (no {MANIFEST})")
+    return proxy
+
+
+# --- 3. diagnose -------------------------------------------------------------------------------
+
+
+def candidates_for(signature: str, given: list[Fix] | None, repro_flags: list[str] | None = None
+                   ) -> tuple[list[Fix], dict[str, str]]:
+    """The candidates and why each: those given, else the catalogue's for the signature
+    (catalogue.suggested, most likely cure first) but those that change none of the baseline's
+    settings (fp16's dynamic loss scaling against repro's fp16 default, grad-clip at repro's 1.0):
+    diagnose would run them as `no-change`, a check of the method the loop need not pay for;
+    their `why` says they were left out."""
+    if given:
+        return list(given), {c.name: "given" for c in given}
+    baseline = repro_config(repro_flags or [])
+    chosen, why = [], {}
+    for entry, fix in zip(suggested(signature), pick([c.name for c in suggested(signature)])):
+        if changed_settings(baseline, repro_config([*(repro_flags or []), *fix.changes(baseline)])):
+            chosen.append(fix)
+            why[fix.name] = entry.why
+        else:
+            why[fix.name] = f"left out: {' '.join(fix.changes(baseline))} changes none of the baseline's settings"
+    return chosen, why
+
+
+def suggestion_table() -> str:
+    """The catalogue's table for the loop (FOR_SIGNATURE, then FOR_THRESHOLD) in markdown, as
+    docs/triage.md shows it (a test keeps the two the same)."""
+    from moe_proxy.investigate.catalogue import FOR_SIGNATURE, FOR_THRESHOLD
+
+    lines = ["| failure | candidate, most likely cure first | why |", "|---|---|---|"]
+    for signature, chosen in [*((f"`{k}`", v) for k, v in FOR_SIGNATURE.items()), ("`METRIC>X[:K]`", FOR_THRESHOLD)]:
+        lines += [f"| {signature if i == 0 else ''} | `{c.name}` | {c.why} |" for i, c in enumerate(chosen)]
+    return "\n".join(lines)
+
+
+def check_candidates(repro_flags: list[str], candidates: list[Fix]) -> None:
+    """Each candidate's flags as diagnose will check them, before anything is built."""
+    baseline = repro_config(repro_flags)
+    for c in candidates:
+        flags = c.changes(baseline)
+        if own := [f for f in flags if f.split("=")[0] in OWN_FLAGS]:
+            raise MoeProxyError(f"candidate {c.name!r}: {', '.join(own)}: set on each run by the loop itself")
+        try:
+            repro_config([*repro_flags, *flags])
+        except MoeProxyError as exc:
+            raise MoeProxyError(f"candidate {c.name!r} ({' '.join(flags)}): repro refuses it: {exc}") from None
+
+
+# --- the loop ----------------------------------------------------------------------------------
+
+
+def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_options: dict | None = None) -> dict:
+    """Detect, bisect, diagnose, report: returns report.json's content (its `state` says how far
+    the loop got). Bad input raises before anything is built; bisect's and diagnose's own stops
+    (BisectStopped, BaselineFailed, processes.Interrupted) pass through, their partial reports
+    written in DIR/bisect or DIR/diagnose."""
+    out, started = Path(out), time.monotonic()
+    candidates, why = candidates_for(Signature.parse(s.probe.fail_on).name, s.candidates, s.probe.repro_flags)
+    if not candidates:
+        raise MoeProxyError(f"every candidate the catalogue names for {s.probe.fail_on} changes none of the baseline's "
+                            "settings: give --candidates or --candidate")
+    check_candidates(s.probe.repro_flags, candidates)
+    found = detect(s.metrics, s.probe.fail_on, s.read, store_options)
+    claim_out(out, "triage", s.recorded(), TRIAGE_OUTPUTS, replace)
+    report = {"metrics": s.metrics, "checkpoints": s.prefix, "signature": found.signature,
+              "failing_step": found.failing_step, "detection": found.as_json(), "first_bad": None, "fixed_by": [],
+              "candidates": why, "bisect_report": None, "diagnose_report": None}
+    log.info("triage: %s: %s", s.metrics, _detected(found))
+    if found.failing_step is None:
+        return finish(out, found, {**report, "state": STATE_NO_FAILURE, "answer": _no_failure(found)}, started)
+    listed = before_failure(s, found.failing_step, store_options)
+    if not listed:
+        return finish(out, found, {**report, **_none_before(s.prefix, found.failing_step)}, started)
+    log.info("triage: bisecting %d checkpoint(s), steps %d..%d, up to the failing step %d", len(listed),
+             listed[0].step, listed[-1].step, found.failing_step)
+    bisection = (bisect(s.prefix, out / "bisect", s.probe, pattern=s.pattern, step_regex=s.step_regex,
+                        bad=listed[-1].step, store_options=store_options, parallel=s.parallel)
+                 if len(listed) > 1 else probe_only(s, out / "bisect", listed[0]))
+    report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
+               "boundary": bisection["boundary"]}
+    if bisection["first_bad"] is None:
+        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "cost": loop_cost(s, bisection, None),
+                                   "answer": _not_reproduced(found, bisection)}, started)
+    proxy, diagnosis = diagnose_first_bad(s, out, bisection["first_bad"]["step"], candidates)
+    report |= {"proxy": str(proxy), "diagnose_report": str(out / "diagnose" / "report.json"),
+               "fixed_by": diagnosis["fixed_by"], "fixed_with_other_failures": diagnosis["fixed_with_other_failures"],
+               "verdicts": {n: {"verdict": c["verdict"], "note": c["note"]}
+                            for n, c in diagnosis["candidates"].items()},
+               "cost": loop_cost(s, bisection, diagnosis, proxy)}
+    state = STATE_NOT_CURED if diagnosis.get("stopped") else STATE_DIAGNOSED
+    return finish(out, found, {**report, "state": state, "answer": answer(report, diagnosis)}, started)
+
+
+def diagnose_first_bad(s: TriageSettings, out: Path, step: int, candidates: list[Fix]) -> tuple[Path, dict]:
+    """diagnose() on the proxy the bisection built for its probe of `step`, into DIR/diagnose."""
+    proxy = probe_proxy(out / "bisect", step)
+    log.info("triage: diagnosing on the proxy of step %d (%s): %s", step, proxy, ", ".join(c.name for c in candidates))
+    return proxy, diagnose(str(proxy), out / "diagnose", s.probe.fail_on, s.probe.repro_flags, candidates,
+                           seeds=s.probe.seeds, parallel=s.parallel, all_seeds=s.all_seeds)
+
+
+def _detected(found: Detection) -> str:
+    if found.failing_step is not None:
+        return f"{found.signature} from step {found.failing_step} ({found.detail}; {found.steps_read} steps read)"
+    return _no_failure(found)
+
+
+def _no_failure(found: Detection) -> str:
+    seen = "; ".join(f"{n} at step {t}" for n, t in sorted(found.also_seen.items(), key=lambda i: i[1]))
+    return (f"no {found.signature} in the {found.steps_read} steps logged (to step {found.last_step})"
+            + (f" (it cannot be judged from this log: {found.unjudged})" if found.unjudged else "")
+            + (f"; seen: {seen}" if seen else "") + (f"; {found.stopped}" if found.stopped else "")
+            + ": nothing to bisect, nothing was built")
+
+
+def probe_only(s: TriageSettings, out: Path, checkpoint) -> dict:
+    """One checkpoint before the failure: nothing to search, its probe alone (bisect's probe, in
+    the bisection's --out as bisect would make it, so a rerun reuses it); the bisection's findings."""
+    from moe_proxy.investigate.bisect import BISECTION_FILES, findings, probe, said
+
+    claim_out(out, "bisect", {"prefix": s.prefix, **asdict(s.probe)}, BISECTION_FILES)
+    log.info("triage: one checkpoint before the failure (step %d): its probe alone", checkpoint.step)
+    p = probe(checkpoint, out, s.probe)
+    log.info("probe 1: step %d: %s%s", p.step, said(p), " (reused)" if p.reused else "")
+    report = {"prefix": s.prefix, "fail_on": s.probe.fail_on, "checkpoints": [checkpoint.step], "status": "complete",
+              **findings(0 if p.reproduced else None, [(0, p)], [checkpoint]), "settings": asdict(s.probe)}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _none_before(prefix: str, failing_step: int) -> dict:
+    return {"state": STATE_BEFORE_CHECKPOINTS, "answer": f"the failure began at step {failing_step}, before any "
+            f"complete checkpoint under {prefix}: no checkpoint can carry it; nothing was built"}
+
+
+def _first_bad(bisection: dict) -> dict | None:
+    first = bisection["first_bad"]
+    if first is None:
+        return None
+    return {"step": first["step"], "uri": first["checkpoint"],
+            "index": bisection["checkpoints"].index(first["step"]) + 1, "of": len(bisection["checkpoints"])}
+
+
+def _not_reproduced(found: Detection, bisection: dict) -> str:
+    return (f"{found.signature} at step {found.failing_step} in the original, but no checkpoint's proxy reproduces it "
+            f"({bisection['boundary']}): nothing to diagnose")
+
+
+def answer(report: dict, diagnosis: dict) -> str:
+    """The answer in one paragraph: where the failure began, what cures it, what does not."""
+    first = report["first_bad"]
+    head = (f"{report['signature']} at step {report['failing_step']} of the original; fails from checkpoint "
+            f"{first['index']} of {first['of']} (step {first['step']})")
+    if diagnosis.get("stopped"):
+        return f"{head}; but the diagnosis's baseline did not reproduce it ({diagnosis['stopped']})"
+    verdicts = {n: c["verdict"] for n, c in diagnosis["candidates"].items()}
+    fixed = ", ".join(report["fixed_by"]) or "none of the candidates"
+    parts = [f"{head}; fixed by {fixed}"]
+    if report["fixed_with_other_failures"]:
+        parts.append(f"fixed with other failures by {', '.join(report['fixed_with_other_failures'])}")
+    if rest := [f"{n} ({v})" if v != "reproduced" else n for n, v in verdicts.items()
+                if v not in ("fixed", "fixed-but")]:
+        parts.append(f"not by {', '.join(rest)}")
+    return "; ".join(parts)
+
+
+# --- what the loop cost ------------------------------------------------------------------------
+
+
+def loop_cost(s: TriageSettings, bisection: dict, diagnosis: dict | None, proxy: Path | None = None) -> dict:
+    """What the loop spent: proxy builds, probes, runs and RL steps (reused ones counted, and
+    said), and device-hours by plan's cost model (sizing.estimate: the proxy's device-hours per
+    RL step of plan's default shape, times the steps run) against one step of the original."""
+    probes = bisection["probes"]
+    probe_runs = [o for p in probes for o in p["seeds"].values()]
+    variants = [diagnosis["baseline"], *diagnosis["candidates"].values()] if diagnosis else []
+    runs = [o for v in variants for o in v["seeds"].values()]
+    steps = sum(o.get("steps_completed", 0) for o in probe_runs + runs)
+    out = {"builds": bisection["builds"], "calibrations": bisection["builds"] if s.probe.calibrate_flags else 0,
+           "probes": len(probes), "probe_runs": len(probe_runs), "candidate_runs": len(runs), "rl_steps": steps,
+           "reused": {"probes": sum(bool(p["reused"]) for p in probes),
+                      "runs": sum(bool(o.get("reused")) for o in probe_runs + runs)}}
+    return out | device_hours(s, bisection, steps, proxy)
+
+
+def device_hours(s: TriageSettings, bisection: dict, steps: int, proxy: Path | None) -> dict:
+    """The loop's RL steps in device-hours by plan's model, against one step of the original (the
+    first bad checkpoint's config, or the last probed; the proxy's expert count from its manifest
+    when it was built, else the build flags'). Builds are not in the model: they run on CPUs."""
+    from moe_proxy.checkpoint.reader import open_checkpoint
+    from moe_proxy.investigate.bisect import build_options
+    from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, estimate
+
+    probes = bisection["probes"]
+    uri = (bisection["first_bad"] or {}).get("checkpoint") or (probes[0]["checkpoint"] if probes else None)
+    if uri is None:
+        return {"device_hours": None, "device_hours_note": "no probe ran"}
+    options = build_options(s.probe.build_flags)
+    experts, keep, top_k = options.experts, options.keep_ratio, options.top_k
+    if proxy is not None:
+        manifest = json.loads((proxy / "proxy-manifest.json").read_text())
+        experts, keep, top_k = manifest["experts"]["after"], None, manifest["experts"]["top_k_after"]
+    if not isinstance(experts, int) and keep is None:
+        return {"device_hours": None, "device_hours_note": f"--experts {experts}: no fixed expert count to plan"}
+    precision = repro_config(s.probe.repro_flags).precision
+    plan = estimate(open_checkpoint(uri).config, SizingOptions(
+        experts=experts, keep_ratio=keep, top_k=top_k,
+        precision=precision if precision in BYTES_PER_PARAM else "bf16"))
+    per_step = plan.proxy.device_hours_per_step
+    original = plan.original.device_hours_per_step
+    return {"device_hours": steps * per_step, "proxy_device_hours_per_step": per_step,
+            "original_device_hours_per_step": original, "original_steps": steps * per_step / original,
+            "device_hours_model": f"moe-proxy plan's model: {plan.accelerator}, {plan.precision}, the default RL "
+                                  f"step shape; proxy {plan.proxy.devices} devices, original {plan.original.devices}; "
+                                  "builds and calibrations run on CPUs and are not counted"}
+
+
+# --- 4. report ---------------------------------------------------------------------------------
+
+
+def finish(out: Path, found: Detection, report: dict, started: float) -> dict:
+    """Write report.json, report.md and the pictures; returns the report."""
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    pictures = [p.name for p in [plot_original(out, found), *copy_pictures(out, report)] if p]
+    report["pictures"] = pictures
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    return report
+
+
+def plot_original(out: Path, found: Detection) -> Path | None:
+    """original.png: the original's key metrics, the failing step marked."""
+    from moe_proxy.metrics.compare import KEY_METRICS
+    from moe_proxy.metrics.plots import plot_curves
+
+    if not found.rows:
+        return None
+    names = set().union(*found.rows.values())
+    first = (found.signature, "numerics/nonfinite_activations", "numerics/max_activation", "actor/grad_norm")
+    wanted = [m for m in (*first, *KEY_METRICS) if m in names]
+    metrics = list(dict.fromkeys(wanted))[:ORIGINAL_PLOT_METRICS]
+    onsets = {found.signature: found.failing_step} if found.failing_step is not None else {}
+    original = _Curves("original", found.rows, onsets)
+    return next(iter(plot_curves([original], metrics, out, "original.png")), None)
+
+
+@dataclass
+class _Curves:
+    name: str
+    rows: dict[int, dict[str, float]]
+    onsets: dict[str, int]
+
+
+def copy_pictures(out: Path, report: dict) -> list[Path]:
+    """diagnose's matrix.png and curves.png beside the report (copied: the report's folder reads alone)."""
+    if not report.get("diagnose_report"):
+        return []
+    copied = []
+    for name in ("matrix.png", "curves.png"):
+        if (out / "diagnose" / name).is_file():
+            shutil.copyfile(out / "diagnose" / name, out / name)
+            copied.append(out / name)
+    return copied
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Triage: {r['signature']} in {r['metrics']}", "", f"**{r['answer']}.**", ""]
+    if r["state"] == STATE_DIAGNOSED:
+        lines += [f"Verdicts on the proxy of the first bad checkpoint ({r['first_bad']['uri']}):", ""]
+        lines += [f"- `{n}`: {v['verdict']} ({v['note']}); why tried: {r['candidates'].get(n, 'given')}"
+                  for n, v in r["verdicts"].items()]
+        lines += [f"- `{n}`: {why}" for n, why in r["candidates"].items() if why.startswith("left out")]
+        lines.append("")
+    if b := r.get("boundary"):
+        lines += [f"Bisection: {b}.", ""]
+    if c := r.get("cost"):
+        lines += [cost_line(c), ""]
+    seen = r["detection"]
+    lines += [f"Detected in the original's metrics ({seen['steps_read']} steps read, to step {seen['last_step']}): "
+              f"{seen['detail'] or 'nothing'}.", ""]
+    reports = [f"[{what}]({_readable(Path(r[key]))})" for what, key in (("bisection", "bisect_report"),
+                                                                           ("diagnosis", "diagnose_report")) if r[key]]
+    lines += [f"Reports: {', '.join(reports)}.", ""] if reports else []
+    lines += [*[f"![{p.removesuffix('.png')}]({p})" for p in r["pictures"]], ""]
+    return "\n".join(lines)
+
+
+def _readable(report_json: Path) -> str:
+    """A sub-report as report.md links it: its report.md where there is one (a probe alone has none)."""
+    md = report_json.with_suffix(".md")
+    return f"{report_json.parent.name}/{md.name if md.is_file() else report_json.name}"
+
+
+def cost_line(c: dict) -> str:
+    said = (f"Cost: {c['builds']} proxy builds ({c['calibrations']} calibrations), {c['probes']} probes "
+            f"({c['probe_runs']} runs), {c['candidate_runs']} diagnosis runs, {c['rl_steps']} RL steps on proxies")
+    reused = c["reused"]
+    if reused["probes"] or reused["runs"]:
+        said += f" ({reused['probes']} probes and {reused['runs']} runs reused from an earlier call)"
+    if c.get("device_hours") is not None:
+        said += (f"; {c['device_hours']:.4g} device-hours, {c['original_steps']:.3g} steps of the original "
+                 f"({c['original_device_hours_per_step']:.4g} device-hours each) by {c['device_hours_model']}")
+    return said + "."
