@@ -49,17 +49,8 @@ def register(tick: float, registry: kopf.OperatorRegistry | None = None) -> None
     kopf.timer(GROUP, VERSION, DIAGNOSES.plural, interval=tick, id="diagnose", registry=registry)(reconcile)
 
 
-async def _get(resource, namespace: str, name: str) -> dict | None:
-    try:
-        return await kube.get(resource, namespace, name)
-    except kube.ApiError as exc:
-        if exc.status == 404:
-            return None
-        raise
-
-
 async def _proxymodel(namespace: str, name: str) -> dict | None:
-    return await _get(PROXYMODELS, namespace, name)
+    return await kube.get_or_none(PROXYMODELS, namespace, name)
 
 
 async def list_checkpoints(namespace: str, b: bisection.BisectSpec, settings) -> tuple[dict, list[dict]]:
@@ -68,7 +59,7 @@ async def list_checkpoints(namespace: str, b: bisection.BisectSpec, settings) ->
     unreachable store) or InvalidDiagnosis (fewer than 2 checkpoints, good/bad at no checkpoint)."""
     raw = b.inline
     if b.watch is not None:
-        watch_body = await _get(CHECKPOINT_WATCHES, namespace, b.watch)
+        watch_body = await kube.get_or_none(CHECKPOINT_WATCHES, namespace, b.watch)
         if watch_body is None:
             raise NotYet("CheckpointWatchNotFound", f"CheckpointWatch {b.watch} does not exist in {namespace}")
         raw = {k: v for k, v in (watch_body.get("spec") or {}).items()

@@ -137,6 +137,16 @@ async def get(resource: Resource, namespace: str, name: str) -> dict:
     return await _request("GET", "get", resource, resource.path(namespace, name))
 
 
+async def get_or_none(resource: Resource, namespace: str, name: str) -> dict | None:
+    """The object, or None when it is not there (404)."""
+    try:
+        return await get(resource, namespace, name)
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
 async def delete(resource: Resource, namespace: str, name: str) -> bool:
     """Delete with background propagation (its pods go too); False if it was already gone."""
     body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}

@@ -140,7 +140,7 @@ async def _follow_diagnosis(namespace: str, watch: WatchSpec, incident: dict, lo
     """The incident as its Diagnosis has it; a Diagnosis past the budget is stopped (deleted with
     its runs, owned by it): what it found so far stays in the incident."""
     budget = watch.on_failure.budget
-    incident = incident | inc.answer(incident, await _get(DIAGNOSES, namespace, incident["diagnosis"]))
+    incident = incident | inc.answer(incident, await kube.get_or_none(DIAGNOSES, namespace, incident["diagnosis"]))
     runs = incident.get("spentRuns") or 0
     incident["budget"] = inc.budget_status(budget, runs, incident.get("runHours"))
     over = inc.over_budget(budget, runs, incident.get("runHours"))
@@ -149,15 +149,6 @@ async def _follow_diagnosis(namespace: str, watch: WatchSpec, incident: dict, lo
         logger.warning("Diagnosis %s %s", incident["diagnosis"], over)
         incident.update(state=inc.S_BUDGET_SPENT, budgetRefused=over)
     return incident
-
-
-async def _get(resource, namespace: str, name: str) -> dict | None:
-    try:
-        return await kube.get(resource, namespace, name)
-    except kube.ApiError as exc:
-        if exc.status == 404:
-            return None
-        raise
 
 
 def run_hours_of(watch: WatchSpec, checkpoint: str, credentials: dict[str, str], settings: Settings) -> float | None:
