@@ -99,7 +99,7 @@ class Decision:
 
 def considered(watch: WatchSpec, step: int | None, made: set[int], retired_through: int | None) -> bool:
     """Whether a checkpoint at `step` is still to be decided (before reading anything of it)."""
-    if step is None or step in made:
+    if step is None or step in made or not watch.proxy_per_checkpoint:
         return False
     if watch.start_after_step is not None and step <= watch.start_after_step:
         return False

@@ -63,6 +63,10 @@ class WatchSpec:
                                     crd_schema={"maxLength": 256})
     every: int | None = option(None, "int", "only checkpoints at least this many steps apart from each other get a "
                                "ProxyModel", crd="every", minimum=1)
+    proxy_per_checkpoint: bool = option(True, "bool", "a ProxyModel for every new complete checkpoint (every, "
+                                        "startAfterStep, keepLast and maxConcurrent bound them); false: the watch "
+                                        "only follows spec.metrics, and only an incident builds proxies",
+                                        crd="proxyPerCheckpoint")
     start_after_step: int | None = option(None, "int", "only checkpoints with a step greater than this",
                                           crd="startAfterStep", minimum=0)
     keep_last: int | None = option(None, "int", "at most this many ProxyModels of this watch; the oldest steps are "

@@ -51,6 +51,11 @@ def test_every_and_start_after_step():
     assert steps(d.create) == [50, 150]  # 200 and 300 are closer than 100 to 250 or 150
 
 
+def test_a_watch_without_proxies_per_checkpoint_makes_none():
+    d = decide(watch(proxyPerCheckpoint=False), [], [ckpt(100), ckpt(200)], None)
+    assert d.create == [] and d.pending == [] and d.waiting == []
+
+
 def test_keep_last_retires_oldest_and_skips_older_new_ones():
     d = decide(watch(keepLast=2), [child(100), child(200)], [ckpt(400)], None)
     assert steps(d.create) == [400] and steps(d.delete) == [100] and d.retired_through == 100

@@ -87,7 +87,7 @@ def watch_manifest(name: str, run: TrainingRun, **on_failure) -> dict:
     return {"metadata": {"name": name}, "spec": {
         "source": {"uri": run.uri, "credentialsSecret": "s3-creds", "region": "us-east-1"},
         "pattern": f"global_step_*/{HF}", "pollInterval": 1,
-        "startAfterStep": 10 ** 9,  # no ProxyModel per checkpoint here: the incidents are the subject
+        "proxyPerCheckpoint": False,  # the incidents are the subject
         "template": {"spec": {"pruning": {"experts": 4}, "reproduction": {"enabled": False}}},
         "metrics": {"uri": f"{run.uri}/metrics.jsonl"},
         "onFailure": {"failOn": ["nan", "overflow"], **on_failure}}}

@@ -96,7 +96,7 @@ async def test_a_watched_run_reports_the_first_bad_checkpoint_and_the_cure(clust
     await cluster.create(CHECKPOINT_WATCHES, NS, {"metadata": {"name": "run"}, "spec": {
         "source": {"uri": uri, "credentialsSecret": "s3-creds", "region": "us-east-1"},
         "pattern": f"global_step_*/{HF}", "pollInterval": 1, "template": TEMPLATE,
-        "startAfterStep": 10 ** 9,  # the incident's probes are the only ProxyModels here
+        "proxyPerCheckpoint": False,  # the incident's probes are the only ProxyModels here
         "metrics": {"uri": f"{uri}/metrics.jsonl"}, "onFailure": {"failOn": ["overflow", "nan"]}}})
     operator = Operator(registry=registry)
     await operator.start()
