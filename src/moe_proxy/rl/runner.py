@@ -246,6 +246,16 @@ class ActivationWatch:
         if not self.recording:
             return
         h = (output[0] if isinstance(output, tuple) else output).detach()
+        # One pass, no temporary: the extremes are finite only when every value is (a NaN or inf
+        # anywhere makes one of them so). The masked copy and count of every finite value cost 60x
+        # as much (bench/rl_step.py: 2.5 ms a layer of 1,400 tokens x 128) and run only when needed.
+        if h.numel() == 0:
+            return
+        lo, hi = torch.stack(torch.aminmax(h)).tolist()  # one read (a GPU: one synchronisation)
+        largest = max(-lo, hi)
+        if math.isfinite(largest):
+            self.max_abs = max(self.max_abs, largest)
+            return
         finite = torch.isfinite(h)
         if finite.any():
             self.max_abs = max(self.max_abs, h[finite].abs().max().item())
