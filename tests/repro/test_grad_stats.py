@@ -9,7 +9,7 @@ import torch
 
 from moe_proxy.rl.config import ReproConfig
 from moe_proxy.rl.distributed import Comm
-from moe_proxy.rl.runner import _LAYER, _Loop, clip_grads
+from moe_proxy.rl.runner import _LAYER, _Loop, clip_grads, zero_count
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,13 @@ def test_a_non_finite_gradient_is_counted_and_makes_the_norm_and_the_clipped_gra
     assert stats["numerics/nonfinite_grads"] == 2 and math.isnan(stats["actor/grad_norm"])
     clip_grads(loop.params, stats["actor/grad_norm"], 1.0)
     assert all(p.grad.isnan().all() for p in loop.params if p.grad is not None)  # as clip_grad_norm_ leaves them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zeros_are_counted_with_their_sign_and_nothing_else(dtype):
+    flat = torch.randn(1000).to(dtype)
+    flat[::10], flat[5::20], flat[7], flat[8] = 0.0, -0.0, math.nan, -math.inf
+    assert zero_count(flat) == 150 == int((flat == 0).sum())  # 100 of +0.0, 50 of -0.0
+    assert zero_count(flat[:0]) == 0 and zero_count(torch.full((4,), -0.0, dtype=dtype)) == 4
+    tiny = torch.tensor([-1e-45, 1e-45, -2.0**-126], dtype=torch.float32)  # the least patterns near -0.0
+    assert zero_count(tiny) == 0

@@ -305,6 +305,20 @@ def adamw(params: list[torch.nn.Parameter], config: ReproConfig, device: torch.d
                              **({"fused": True} if fused else {"foreach": True}))
 
 
+def zero_count(flat: torch.Tensor) -> int:
+    """How many elements of a 1-D tensor are 0 (+0.0 or -0.0). fp32 by its bit patterns:
+    count_nonzero of the int32 view is 2-3x as fast as of the floats on CPU (bench/rl_step.py:
+    79 -> 50 ms a step of 54M gradients with the check below), +0.0 being the pattern 0; -0.0
+    (fp16 underflow of a negative value) is the least int32 pattern, counted only where present."""
+    if flat.dtype != torch.float32:
+        return flat.numel() - int(torch.count_nonzero(flat))
+    bits = flat.view(torch.int32)
+    zeros = flat.numel() - int(torch.count_nonzero(bits))
+    if flat.numel() and int(bits.min()) == -2**31:
+        zeros += int((bits == -2**31).sum())
+    return zeros
+
+
 def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
     """clip_grad_norm_'s rule with the gradient's norm already taken (`norm`, of the full gradient:
     `_Loop._grad_stats` reduces it over the ranks): every gradient times max_norm / (norm + 1e-6)
@@ -527,7 +541,7 @@ class _Loop:
         # The LM head on the positions that predict an answer token only (the prompt's last on), as
         # TRL's logits_to_keep: the prompt's other positions' logits are never read.
         out = model(input_ids=seq, attention_mask=batch["attn"][sel], position_ids=batch["positions"][sel],
-                    logits_to_keep=seq.shape[1] - width + 1, **kwargs)
+                    logits_to_keep=seq.shape[1] - width + 1, use_cache=False, **kwargs)
         logits = out.logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, seq[:, width:].unsqueeze(-1)).squeeze(-1)
         return logp, logits, out
@@ -668,7 +682,7 @@ class _Loop:
             name = self.names[id(p)]
             if not math.isfinite(norm):
                 nonfinite += int((~torch.isfinite(flat)).sum())
-            zero = flat.numel() - int(torch.count_nonzero(flat))
+            zero = zero_count(flat)
             zeros += zero
             total += flat.numel()
             # Dense weights get a gradient from every token, so in fp32 none of its elements is
