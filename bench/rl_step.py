@@ -158,7 +158,8 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
         for phase, key in zip(PHASES, ("gen", "old_log_prob", "ref", "update_actor")):
             t.phases.setdefault(phase, []).append(m[f"timing_s/{key}"])
     t.phases["grad_stats"] = spent  # one update per step
-    t.phases["metrics"] = [sum(spent + other) / steps] * steps  # hooks run in every phase: their mean per step
+    # each step's gradient statistics, and the hooks (they run in every phase) at their mean per step
+    t.phases["metrics"] = [g + sum(other) / steps for g in spent]
     t.cpu_s = cpu
     update_cpu = [f + u for f, u in zip(forward_cpu, update_cpu)]  # one update per step
     t.cpu_phases = {"gen": gen_cpu, "log_probs": [c - g - u for c, g, u in zip(cpu, gen_cpu, update_cpu)],
