@@ -10,11 +10,17 @@ repro's `timing_s/*` metrics; TRL's own profiling (`profiling/Time taken: ...`, 
 its ProfilingContext): `transformers.generate`, the reference pass (a log-prob pass inside
 `_prepare_inputs`), and the rest of the step (forward, backward, optimizer) from a callback.
 Neither runs an old-log-prob pass when each batch gets one update: both take the update's own
-log-probs, detached (repro's `timing_s/old_log_prob` is then 0). A third run is repro with a
-fused AdamW (patched in this benchmark only, as TRL's Trainer runs by default), and repro's rows
-give the time of its gradient statistics (numerics/*, inside the update).
+log-probs, detached (repro's `timing_s/old_log_prob` is then 0). Both step with the fused AdamW
+kernel (TRL's Trainer's default `adamw_torch_fused`; repro's `rl.runner.adamw`); `--foreach` adds a
+third loop, repro with the multi-tensor AdamW it used before (patched in this benchmark only).
+repro's rows give the time of its gradient statistics (numerics/*, inside the update).
 
-    .venv/bin/python bench/rl_step.py [--quick] [--width 128] [--steps 4] [--batch 8] [--group 4] [--tokens 16]
+The loops run in one process, interleaved (A B, B A, A B, ...: other jobs' load drifts), `--repeats`
+times each; every figure is the median over the repeats, and ours / TRL is the median of the
+repeats' ratios (each of two runs next to each other) beside the ratio of the medians.
+
+    .venv/bin/python bench/rl_step.py [--quick] [--width 128] [--steps 5] [--batch 8] [--group 4] [--tokens 16]
+                                      [--repeats 5] [--foreach]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -107,22 +114,22 @@ def timed_hooks(cls, factory: str, spent: list[float]):
     return patched(cls, factory, lambda make: lambda self, *args: timing(make(self, *args), spent))
 
 
-def fused_adamw():
-    """repro's AdamW as the fused kernel (one pass over each parameter's states, as the
-    Trainer's default "adamw_torch_fused" that TRL uses), patched for this run only."""
+def foreach_adamw():
+    """repro's AdamW as the multi-tensor (foreach) loop it stepped with before the fused kernel,
+    patched for this run only."""
     import torch
 
-    def fused(plain):
-        class Fused(plain):
-            def __init__(self, params, **kwargs):
-                super().__init__(params, **(kwargs | {"foreach": None, "fused": True}))
-        return Fused
+    from moe_proxy.rl import runner
 
-    return patched(torch.optim, "AdamW", fused)
+    def foreach(_adamw):
+        return lambda params, config, device: torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0,
+                                                                eps=config.adam_eps, foreach=True)
+
+    return patched(runner, "adamw", foreach)
 
 
 def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, tokens: int,
-                   fused: bool = False) -> Timing:
+                   foreach: bool = False) -> Timing:
     from moe_proxy.rl.config import ReproConfig
     from moe_proxy.metrics.readers import read_metrics
     from moe_proxy.rl.routers import RouterTap
@@ -141,17 +148,18 @@ def run_repro_loop(model: Path, out: Path, steps: int, batch: int, group: int, t
                       timed_hooks(RouterTap, "_hook", other), timed(RouterTap, "metrics", other),
                       timed(ActivationWatch, "_hook", other), timed(ActivationWatch, "metrics", other)):
             patches.enter_context(patch)
-        if fused:
-            patches.enter_context(fused_adamw())
+        if foreach:
+            patches.enter_context(foreach_adamw())
         run_repro(str(model), out, config)
-    t = Timing("moe-proxy repro" + (", fused AdamW (patched here)" if fused else ""))
+    t = Timing("moe-proxy repro" + (", foreach AdamW (patched here)" if foreach else ""))
     for _, m in sorted(read_metrics(out).items()):
         t.step_s.append(m["perf/time_per_step"])
         t.tokens.append(m["response_length/mean"] * batch * group)
         for phase, key in zip(PHASES, ("gen", "old_log_prob", "ref", "update_actor")):
             t.phases.setdefault(phase, []).append(m[f"timing_s/{key}"])
     t.phases["grad_stats"] = spent  # one update per step
-    t.phases["metrics"] = [sum(spent + other) / steps] * steps  # hooks run in every phase: their mean per step
+    # each step's gradient statistics, and the hooks (they run in every phase) at their mean per step
+    t.phases["metrics"] = [g + sum(other) / steps for g in spent]
     t.cpu_s = cpu
     update_cpu = [f + u for f, u in zip(forward_cpu, update_cpu)]  # one update per step
     t.cpu_phases = {"gen": gen_cpu, "log_probs": [c - g - u for c, g, u in zip(cpu, gen_cpu, update_cpu)],
@@ -234,17 +242,42 @@ def run_trl_loop(model: Path, out: Path, steps: int, batch: int, group: int, tok
     return t
 
 
-def table(timings: list[Timing]) -> str:
-    rows = [t.summary() for t in timings]
+def median_summary(runs: list[Timing]) -> dict:
+    """Every figure of the runs' summaries, the median over the runs."""
+    summaries = [t.summary() for t in runs]
+
+    def median(values: list):
+        if isinstance(values[0], dict):
+            return {k: median([v[k] for v in values]) for k in values[0]}
+        return statistics.median(values)
+
+    return median(summaries)
+
+
+def table(rows: dict[str, dict]) -> str:
     lines = ["| loop | s per step | CPU s per step | generated tokens per step | ms per generated token | CPU ms per "
              "generated token | " + " | ".join(f"{p} s" for p in PHASES) + " | CPU s: gen / log-prob passes / update |",
              "|" + "---|" * (7 + len(PHASES))]
-    for t, r in zip(timings, rows):
+    for name, r in rows.items():
         cells = [f"{r['phases'][p]:.3f}" if p in r["phases"] else "-" for p in PHASES]
-        lines.append(f"| {t.name} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_step']:.1f} | "
+        lines.append(f"| {name} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_step']:.1f} | "
                      f"{r['s_per_token'] * 1e3:.2f} | {r['cpu_s_per_token'] * 1e3:.2f} | "
                      + " | ".join(cells) + " | " + " / ".join(f"{r['cpu_phases'][p]:.3f}" for p in CPU_PHASES) + " |")
     return "\n".join(lines)
+
+
+def run_interleaved(loops: list, repeats: int) -> list[list[Timing]]:
+    """Each loop `repeats` times, the order reversed every other repeat (A B, B A, ...)."""
+    runs: list[list[Timing]] = [[] for _ in loops]
+    for repeat in range(repeats):
+        for i in (range(len(loops)) if repeat % 2 == 0 else reversed(range(len(loops)))):
+            runs[i].append(loops[i]())
+    return runs
+
+
+def ratios(ours: list[Timing], trl: list[Timing]) -> list[float]:
+    """ours / TRL, CPU s per generated token, of each repeat's two runs."""
+    return [a.summary()["cpu_s_per_token"] / b.summary()["cpu_s_per_token"] for a, b in zip(ours, trl)]
 
 
 def main() -> int:
@@ -256,8 +289,8 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=None, help="answers per prompt")
     ap.add_argument("--tokens", type=int, default=None, help="completion length, at most")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="runs of each loop, in alternating order; the one with the fewest CPU s per step is kept "
-                         "(default 2; quick 1)")
+                    help="runs of each loop, interleaved; figures are medians over them (default 5; quick 1)")
+    ap.add_argument("--foreach", action="store_true", help="a third loop: repro with the multi-tensor AdamW")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "rl_step")
     args = ap.parse_args()
     quick = args.quick
@@ -270,23 +303,23 @@ def main() -> int:
     torch.set_num_threads(1)
     proxy = make_models(args.out / "models", width)["proxy 0.5"]
     loops = [lambda: run_repro_loop(proxy, args.out / "repro", steps, batch, group, tokens),
-             lambda: run_trl_loop(proxy, args.out / "trl", steps, batch, group, tokens),
-             lambda: run_repro_loop(proxy, args.out / "repro-fused", steps, batch, group, tokens, fused=True)]
-    runs: list[list[Timing]] = [[] for _ in loops]
-    for repeat in range(args.repeats or (1 if quick else 2)):  # other jobs' load drifts: alternate the order
-        for i in (range(len(loops)) if repeat % 2 == 0 else reversed(range(len(loops)))):
-            runs[i].append(loops[i]())
-    timings = [min(r, key=lambda t: t.summary()["cpu_s"]) for r in runs]
+             lambda: run_trl_loop(proxy, args.out / "trl", steps, batch, group, tokens)]
+    if args.foreach:
+        loops.append(lambda: run_repro_loop(proxy, args.out / "repro-foreach", steps, batch, group, tokens, True))
+    runs = run_interleaved(loops, args.repeats or (1 if quick else 5))
+    rows = {r[0].name: median_summary(r) for r in runs}
     print(f"\nproxy {proxy} (width {width}); {batch} prompts x {group} answers, up to {tokens} new tokens, "
-          f"fp32, 1 update per step, 1 thread; mean of steps 2-{steps}, the run of fewest CPU s per step of "
-          f"{len(runs[0])}\n")
-    print(table(timings))
-    ours, trl, fused = (t.summary() for t in timings)
-    print(f"\nours / TRL, CPU s per generated token: {ours['cpu_s_per_token'] / trl['cpu_s_per_token']:.2f}; with a "
-          f"fused AdamW {fused['cpu_s_per_token'] / trl['cpu_s_per_token']:.2f}")
+          f"fp32, 1 update per step, 1 thread; mean of steps 2-{steps}; medians of {len(runs[0])} interleaved runs\n")
+    print(table(rows))
+    paired = ratios(runs[0], runs[1])
+    ours, trl = list(rows.values())[:2]
+    print(f"\nours / TRL, CPU s per generated token: {statistics.median(paired):.3f} (median of the repeats' "
+          f"ratios {', '.join(f'{r:.3f}' for r in paired)}); of the medians "
+          f"{ours['cpu_s_per_token'] / trl['cpu_s_per_token']:.3f}")
     (args.out / "rl_step.json").write_text(json.dumps(
         {"quick": quick, "width": width, "steps": steps, "batch": batch, "group": group, "tokens": tokens,
-         "loops": {t.name: t.summary() for t in timings}}, indent=2))
+         "repeats": len(runs[0]), "ratios": paired, "ratio": statistics.median(paired), "loops": rows,
+         "runs": {r[0].name: [t.summary()["cpu_s_per_token"] for t in r] for r in runs}}, indent=2))
     return 0
 
 

@@ -158,3 +158,31 @@ def test_too_few_rows_for_the_ranks_is_refused(tiny_qwen3, tmp_path, capsys):
     code = launch(tiny_qwen3, tmp_path, 2, "--batch-size", "1", "--group-size", "2", "--mini-batches", "2")
     assert code == 2
     assert "fewer than the 2 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows", [8, 7])  # FSDP2 shards dim 0: evenly, and unevenly (the last rank's shard padded)
+def test_the_fused_adamw_steps_a_shard_as_it_steps_the_whole(rows):
+    """The RL optimizer is the fused AdamW kernel (as TRL's Trainer's default): elementwise, so a
+    parameter stepped whole (1 rank) and in two row halves (2 ranks' FSDP2 shards) is bitwise the
+    same after several steps with the same gradients. What 1 and 2 ranks still differ by is the
+    gradients' reduction order, which the tolerance above covers."""
+    import torch
+
+    from moe_proxy.rl.runner import adamw
+
+    torch.manual_seed(0)
+    whole = torch.nn.Parameter(torch.randn(rows, 5))
+    start = whole.detach().clone()
+    halves = [torch.nn.Parameter(h.detach().clone()) for h in whole.detach().tensor_split(2)]
+    config = ReproConfig(lr=1e-2)
+    one, two = adamw([whole], config, whole.device), adamw(halves, config, whole.device)
+    assert one.defaults["fused"] and two.defaults["fused"]
+    for _ in range(5):
+        grad = torch.randn(rows, 5) * 1e-3
+        whole.grad = grad.clone()
+        for h, g in zip(halves, grad.tensor_split(2)):
+            h.grad = g.clone()
+        one.step()
+        two.step()
+    assert torch.equal(whole.detach(), torch.cat([h.detach() for h in halves]))
+    assert not torch.equal(whole.detach(), start)  # it moved

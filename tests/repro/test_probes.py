@@ -240,3 +240,25 @@ def test_trl_grpo_with_the_callback_reaches_tensorboard_and_watch(tmp_path, monk
     found = next(line for line in out.splitlines() if "roles found" in line)
     assert all(role in found for role in roles), out
     assert "collapse: cannot be judged" not in out
+
+
+def test_the_activation_watch_reads_the_largest_magnitude_and_counts_what_is_not_finite():
+    """ActivationWatch's figures, of each decoder layer's output: the largest finite magnitude and
+    the count of values that are not; one pass (the extremes) where everything is finite."""
+    watch = ActivationWatch(torch.nn.Module())
+    finite = torch.randn(4, 7, 16)
+    finite[1, 2, 3] = -9.5  # the largest magnitude, negative
+    broken = torch.randn(4, 7, 16)
+    broken[0, 0, 0], broken[2, 1, 5], broken[3, 3, 3] = math.inf, math.nan, -7.25
+    watch.start()
+    watch._hook(None, (), (finite,))
+    assert (watch.max_abs, watch.nonfinite) == (9.5, 0)
+    watch._hook(None, (), broken)
+    watch.stop()
+    watch._hook(None, (), torch.full((2, 2), 100.0))  # not recording: ignored
+    assert (watch.max_abs, watch.nonfinite) == (9.5, 2)
+    watch.start()
+    watch._hook(None, (), (broken,))
+    assert watch.max_abs == broken[torch.isfinite(broken)].abs().max().item() == 7.25
+    assert watch.metrics(types.SimpleNamespace(max=lambda v: v, sum=lambda v: v)) == {
+        "numerics/max_activation": math.inf, "numerics/nonfinite_activations": 2.0}

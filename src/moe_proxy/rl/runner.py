@@ -36,7 +36,7 @@ from moe_proxy.errors import MoeProxyError
 from moe_proxy.reports import error_report, write_termination_log
 from moe_proxy.rl.config import RankFault, ReproConfig
 from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.rl.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, check_rows, full_value, join,
+from moe_proxy.rl.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, check_rows, join,
                                          local, shard)
 from moe_proxy.rl.faults import FaultInjector
 from moe_proxy.metrics.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
@@ -246,6 +246,16 @@ class ActivationWatch:
         if not self.recording:
             return
         h = (output[0] if isinstance(output, tuple) else output).detach()
+        # One pass, no temporary: the extremes are finite only when every value is (a NaN or inf
+        # anywhere makes one of them so). The masked copy and count of every finite value cost 60x
+        # as much (bench/rl_step.py: 2.5 ms a layer of 1,400 tokens x 128) and run only when needed.
+        if h.numel() == 0:
+            return
+        lo, hi = torch.stack(torch.aminmax(h)).tolist()  # one read (a GPU: one synchronisation)
+        largest = max(-lo, hi)
+        if math.isfinite(largest):
+            self.max_abs = max(self.max_abs, largest)
+            return
         finite = torch.isfinite(h)
         if finite.any():
             self.max_abs = max(self.max_abs, h[finite].abs().max().item())
@@ -280,6 +290,42 @@ class _RowSampler:
         noise = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
         gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
         return scores / self.temperature + gumbel.to(scores.device, scores.dtype)
+
+
+def adamw(params: list[torch.nn.Parameter], config: ReproConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW as TRL's Trainer steps it by default (`adamw_torch_fused`): the fused kernel, one pass
+    over each parameter's states (CPU: 0.06 s against the multi-tensor loop's 0.28 s a step of 54M
+    parameters), where the device has it; the multi-tensor (foreach) loop elsewhere. The fused
+    kernel's values differ from the loop's in the last bits, not by rank: a tensor stepped whole
+    and in two FSDP halves is bitwise equal (tests/repro/test_distributed.py)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    fused = device.type in _get_fused_kernels_supported_devices() and all(p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, eps=config.adam_eps,
+                             **({"fused": True} if fused else {"foreach": True}))
+
+
+def zero_count(flat: torch.Tensor) -> int:
+    """How many elements of a 1-D tensor are 0 (+0.0 or -0.0). fp32 by its bit patterns:
+    count_nonzero of the int32 view is 2-3x as fast as of the floats on CPU (bench/rl_step.py:
+    79 -> 50 ms a step of 54M gradients with the check below), +0.0 being the pattern 0; -0.0
+    (fp16 underflow of a negative value) is the least int32 pattern, counted only where present."""
+    if flat.dtype != torch.float32:
+        return flat.numel() - int(torch.count_nonzero(flat))
+    bits = flat.view(torch.int32)
+    zeros = flat.numel() - int(torch.count_nonzero(bits))
+    if flat.numel() and int(bits.min()) == -2**31:
+        zeros += int((bits == -2**31).sum())
+    return zeros
+
+
+def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """clip_grad_norm_'s rule with the gradient's norm already taken (`norm`, of the full gradient:
+    `_Loop._grad_stats` reduces it over the ranks): every gradient times max_norm / (norm + 1e-6)
+    where that is below 1 (a non-finite norm makes every gradient so); a factor of 1 is no pass."""
+    factor = min(max_norm / (norm + 1e-6), 1.0)
+    if factor != 1.0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
 
 
 class _Loop:
@@ -332,12 +378,7 @@ class _Loop:
         # Router weights are not dense in the underflow sense: with a renormalised top-k, the row
         # of an expert no token chose gets no gradient (exactly 0 in fp16, rounding noise in fp32).
         self.router_params = {id(p) for r in self.tap.routers for p in r.module.parameters()}
-        # The multi-tensor (foreach) AdamW, bitwise the per-tensor loop's results with one temporary per
-        # parameter instead of two (CPU: 0.28 s against 0.39 s a step of 54M parameters; CUDA's default).
-        # Not the fused kernel (6x faster): its values differ in the last bits, and a bf16 rollout copy can
-        # round that into a different weight, so 1 and 2 ranks then drift past the tests' tolerance.
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0, eps=config.adam_eps,
-                                           foreach=True)
+        self.optimizer = adamw(self.params, config, self.device)
         if comm.distributed:  # found-inf agreed over ranks, so all skip the same steps
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -496,9 +537,12 @@ class _Loop:
         """Log-probabilities of the answer tokens (and the forward output)."""
         sel = slice(None) if idx is None else idx
         seq = batch["seq"][sel]
-        out = model(input_ids=seq, attention_mask=batch["attn"][sel], position_ids=batch["positions"][sel], **kwargs)
         width = int(batch["prompt_len"])
-        logits = out.logits[:, width - 1: -1].float()
+        # The LM head on the positions that predict an answer token only (the prompt's last on), as
+        # TRL's logits_to_keep: the prompt's other positions' logits are never read.
+        out = model(input_ids=seq, attention_mask=batch["attn"][sel], position_ids=batch["positions"][sel],
+                    logits_to_keep=seq.shape[1] - width + 1, use_cache=False, **kwargs)
+        logits = out.logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, seq[:, width:].unsqueeze(-1)).squeeze(-1)
         return logp, logits, out
 
@@ -605,11 +649,8 @@ class _Loop:
         (self.scaler.scale(loss) if scaled else loss).backward()
         if scaled:
             self.scaler.unscale_(self.optimizer)
-        metrics = self._grad_stats()
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        # Of the full gradient: with sharded parameters the norm is reduced over the ranks.
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm)).item()
-        metrics["actor/grad_norm"] = grad_norm
+        metrics = self._grad_stats()  # with the full gradient's norm (reduced over the ranks)
+        clip_grads(self.params, metrics["actor/grad_norm"], cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         found_inf = metrics["numerics/nonfinite_grads"] > 0
         backoff = 0.0
         if scaled:
@@ -626,23 +667,22 @@ class _Loop:
         return metrics
 
     def _grad_stats(self) -> dict[str, float]:
-        """Counts and per-layer norms of the full gradient (summed over the ranks' shards)."""
-        nonfinite, zeros, total, dense_zeros, dense_total = 0, 0, 0, 0, 0
-        layer_sq: dict[int, float] = {}
-        for p in self.params:
+        """Counts and per-layer norms of the full gradient, and its norm (`actor/grad_norm`, the
+        clipping's): summed over the ranks' shards."""
+        nonfinite, zeros, total, dense_zeros, dense_total, norm_sq = 0, 0, 0, 0, 0, 0.0
+        layer_sq = {int(m.group(1)): 0.0 for m in map(_LAYER.search, (self.names[id(p)] for p in self.params)) if m}
+        grads = [(p, local(p.grad.detach()).reshape(-1)) for p in self.params if p.grad is not None]
+        # Two passes over each gradient, no temporaries: the norms (one multi-tensor kernel; the
+        # clipping takes its total), then the zeros. A NaN or inf anywhere makes a norm non-finite
+        # (so may an overflow of finite values: then they are counted). bench/rl_step.py: a norm
+        # per figure (the sum's finiteness, a dot product, clip_grad_norm_'s own) cost 1.6x as much.
+        norms = (torch.stack(torch._foreach_norm([g for _, g in grads], 2, dtype=torch.float32)).tolist()
+                 if grads else [])
+        for (p, flat), norm in zip(grads, norms):
             name = self.names[id(p)]
-            match = _LAYER.search(name)
-            if match:  # every layer, grad or not, so that all ranks reduce the same list
-                layer_sq.setdefault(int(match.group(1)), 0.0)
-            if p.grad is None:
-                continue
-            # Three passes over each gradient, no temporaries (a pass per figure with its own boolean
-            # tensor cost 15x as much: bench/rl_step.py): a NaN or inf anywhere makes the sum
-            # non-finite (so may an overflowing sum of finite values: then they are counted).
-            flat = local(p.grad.detach()).reshape(-1).float()
-            if not torch.isfinite(flat.sum()):
+            if not math.isfinite(norm):
                 nonfinite += int((~torch.isfinite(flat)).sum())
-            zero = flat.numel() - int(torch.count_nonzero(flat))
+            zero = zero_count(flat)
             zeros += zero
             total += flat.numel()
             # Dense weights get a gradient from every token, so in fp32 none of its elements is
@@ -651,13 +691,16 @@ class _Loop:
             if "experts" not in name and "embed" not in name and id(p) not in self.router_params:
                 dense_zeros += zero
                 dense_total += flat.numel()
+            match = _LAYER.search(name)
             if match:
-                layer_sq[int(match.group(1))] += float(torch.dot(flat, flat))
+                layer_sq[int(match.group(1))] += norm * norm
+            norm_sq += norm * norm
         layers = sorted(layer_sq)
-        nonfinite, zeros, total, dense_zeros, dense_total, *squares = self.comm.sum(
-            [nonfinite, zeros, total, dense_zeros, dense_total, *(layer_sq[k] for k in layers)])
+        nonfinite, zeros, total, dense_zeros, dense_total, norm_sq, *squares = self.comm.sum(
+            [nonfinite, zeros, total, dense_zeros, dense_total, norm_sq, *(layer_sq[k] for k in layers)])
         stats = {f"numerics/grad_norm/layer_{k}": math.sqrt(v) for k, v in zip(layers, squares)}
         stats["numerics/nonfinite_grads"] = float(nonfinite)
         stats["numerics/grad_zero_frac"] = zeros / max(1, total)
         stats["numerics/dense_grad_zero_frac"] = dense_zeros / max(1, dense_total)
+        stats["actor/grad_norm"] = math.sqrt(norm_sq)
         return stats

@@ -1,0 +1,72 @@
+"""The update's gradient figures and clipping (rl.runner: `_Loop._grad_stats`, `clip_grads`): the
+per-parameter norms are taken once, in one multi-tensor kernel, and give the per-layer norms, the
+total norm (`actor/grad_norm`) and the clipping's factor; they are torch's own figures."""
+
+import math
+
+import pytest
+import torch
+
+from moe_proxy.rl.config import ReproConfig
+from moe_proxy.rl.distributed import Comm
+from moe_proxy.rl.runner import _LAYER, _Loop, clip_grads, zero_count
+
+
+@pytest.fixture(scope="module")
+def loop(tiny_qwen3):
+    return _Loop(tiny_qwen3, ReproConfig(steps=1), Comm())
+
+
+def _random_grads(loop, seed: int, scale: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for i, p in enumerate(loop.params):
+        p.grad = None if i == 3 else torch.randn(p.shape, generator=gen) * scale  # one parameter without
+
+
+def test_the_norms_are_torchs(loop):
+    _random_grads(loop, 0, 0.1)
+    stats = loop._grad_stats()
+    grads = [p.grad for p in loop.params if p.grad is not None]
+    expected = torch.nn.utils.get_total_norm(grads).item()
+    assert stats["actor/grad_norm"] == pytest.approx(expected, rel=1e-6)
+    for layer in (0, 1):
+        mine = [p.grad for p in loop.params if p.grad is not None and (m := _LAYER.search(loop.names[id(p)]))
+                and int(m.group(1)) == layer]
+        assert stats[f"numerics/grad_norm/layer_{layer}"] == pytest.approx(
+            math.sqrt(sum(float(torch.dot(g.reshape(-1), g.reshape(-1))) for g in mine)), rel=1e-6)
+    assert stats["numerics/nonfinite_grads"] == 0 and stats["numerics/grad_zero_frac"] == 0
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e6, math.inf])  # clipped, and not (no pass)
+def test_clipping_is_clip_grad_norm(loop, max_norm):
+    _random_grads(loop, 1, 0.1)
+    shadow = [torch.nn.Parameter(p.detach().clone()) for p in loop.params if p.grad is not None]
+    for s, p in zip(shadow, [p for p in loop.params if p.grad is not None]):
+        s.grad = p.grad.clone()
+    norm = torch.nn.utils.clip_grad_norm_(shadow, max_norm).item()
+    stats = loop._grad_stats()
+    clip_grads(loop.params, stats["actor/grad_norm"], max_norm)
+    ours = [p.grad for p in loop.params if p.grad is not None]
+    assert stats["actor/grad_norm"] == pytest.approx(norm, rel=1e-6) and norm > 1.0
+    assert all(torch.allclose(a, s.grad, rtol=1e-6, atol=0) for a, s in zip(ours, shadow))
+    after = torch.nn.utils.get_total_norm(ours).item()
+    assert after == pytest.approx(1.0, rel=1e-5) if max_norm == 1.0 else after > 1.0
+
+
+def test_a_non_finite_gradient_is_counted_and_makes_the_norm_and_the_clipped_gradients_so(loop):
+    _random_grads(loop, 2, 0.1)
+    loop.params[0].grad[0, 0], loop.params[5].grad.view(-1)[1] = math.nan, math.inf
+    stats = loop._grad_stats()
+    assert stats["numerics/nonfinite_grads"] == 2 and math.isnan(stats["actor/grad_norm"])
+    clip_grads(loop.params, stats["actor/grad_norm"], 1.0)
+    assert all(p.grad.isnan().all() for p in loop.params if p.grad is not None)  # as clip_grad_norm_ leaves them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zeros_are_counted_with_their_sign_and_nothing_else(dtype):
+    flat = torch.randn(1000).to(dtype)
+    flat[::10], flat[5::20], flat[7], flat[8] = 0.0, -0.0, math.nan, -math.inf
+    assert zero_count(flat) == 150 == int((flat == 0).sum())  # 100 of +0.0, 50 of -0.0
+    assert zero_count(flat[:0]) == 0 and zero_count(torch.full((4,), -0.0, dtype=dtype)) == 4
+    tiny = torch.tensor([-1e-45, 1e-45, -2.0**-126], dtype=torch.float32)  # the least patterns near -0.0
+    assert zero_count(tiny) == 0
