@@ -178,15 +178,16 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def base_checkpoint(out: Path, quick: bool) -> tuple[Path, Path | None]:
-    """(the original's checkpoint, the calibration text or None): tiny with --quick, else the lab's."""
+def base_checkpoint(out: Path, quick: bool, dataset: Path | None = None) -> tuple[Path, Path | None]:
+    """(the original's checkpoint, the calibration text or None): tiny with --quick (calibrated
+    with --dataset if given), else the lab's."""
     if quick:
         from moe_proxy.demo.tiny import make_tiny
 
         base = out / "base"
         if not (base / "config.json").is_file():
             make_tiny("qwen3_moe", base, num_experts=16)
-        return base, None
+        return base, dataset
     sys.path.insert(0, str(HERE))
     import fidelity
     import verdicts
@@ -204,6 +205,8 @@ def main() -> int:
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), help="default: all (quick: super-fp16)")
     p.add_argument("--ratios", nargs="+", type=float, help="default: 0.5 0.125 (quick: 0.5)")
     p.add_argument("--seeds", type=int, help="default 2 (quick: 1)")
+    p.add_argument("--dataset", type=Path, help="with --quick: calibrate the default builds on this text "
+                   "(without it, quick's default builds are data-free)")
     p.add_argument("--layer", type=int, default=1, help="the MoE layer planted (default 1)")
     p.add_argument("--expert", type=int, default=0, help="the expert planted (default 0)")
     args = p.parse_args()
@@ -214,7 +217,7 @@ def main() -> int:
     planted_from = 20 if quick else 60
     seeds = args.seeds or (1 if quick else 2)
     args.out.mkdir(parents=True, exist_ok=True)
-    base, dataset = base_checkpoint(args.out, quick)
+    base, dataset = base_checkpoint(args.out, quick, args.dataset)
     result = {}
     for name in scenarios:
         s = SCENARIOS[name]
