@@ -17,7 +17,8 @@ from .crd_schema import ROOT
 CW_GRANTS = {("moeproxy.io", "checkpointwatches", v) for v in ("get", "list", "watch", "patch")} | \
     {("moeproxy.io", "checkpointwatches/status", v) for v in ("get", "patch")} | \
     {("moeproxy.io", "proxymodels", v) for v in ("create", "delete")} | \
-    {("moeproxy.io", "checkpointwatches/finalizers", "update")}
+    {("moeproxy.io", "checkpointwatches/finalizers", "update")} | \
+    {("moeproxy.io", "diagnoses", v) for v in ("create", "delete")}  # a watched run's incidents (watched_run.py)
 SECRET_GET = ("", "secrets", "get")
 DIAGNOSIS_TOO = {("moeproxy.io", "proxymodels", "create")}  # a Diagnosis's bisection makes ProxyModels, watch or not
 
