@@ -145,6 +145,14 @@ def operator_env(monkeypatch, s3) -> dict[str, str]:
     return env
 
 
+@pytest.fixture()
+def checkpointwatch_resource(cluster):
+    """The emulator serves CheckpointWatches too (asked for before the operator starts)."""
+    cluster.emulator.resources["moeproxy.io/v1alpha1/checkpointwatches"] = kmock.ResourceInfo(
+        kind="CheckpointWatch", subresources={"status"}, shortnames={"ckw"}, namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"})
+
+
 @pytest_asyncio.fixture()
 async def cluster(tmp_path, monkeypatch) -> AsyncIterator[Api]:
     async with Emulator() as emulator, kmock.Server(emulator):

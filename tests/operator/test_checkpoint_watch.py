@@ -36,11 +36,8 @@ WATCH_EVENT_TIMEOUT = 20.0
 
 
 @pytest.fixture(autouse=True)
-def checkpointwatch_resource(cluster):
-    """The emulator serves CheckpointWatches too (before the operator starts)."""
-    cluster.emulator.resources["moeproxy.io/v1alpha1/checkpointwatches"] = kmock.ResourceInfo(
-        kind="CheckpointWatch", subresources={"status"}, shortnames={"ckw"}, namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "delete"})
+def _checkpointwatches_served(checkpointwatch_resource):
+    """Every test here: the emulator serves CheckpointWatches (conftest)."""
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-import kmock
 import pytest
 
 from moe_proxy.investigate.bisect import Probe, search
@@ -196,13 +195,6 @@ def test_bad_bisection_specs_are_refused(spec, text):
 
 
 # --- end to end: kopf, the emulated API, SeaweedFS, local runs ------------------------------------------
-
-
-@pytest.fixture()
-def checkpointwatch_resource(cluster):
-    cluster.emulator.resources["moeproxy.io/v1alpha1/checkpointwatches"] = kmock.ResourceInfo(
-        kind="CheckpointWatch", subresources={"status"}, shortnames={"ckw"}, namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "delete"})
 
 
 @pytest.fixture(scope="module")

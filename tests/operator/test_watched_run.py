@@ -17,7 +17,6 @@ import asyncio
 import json
 import uuid
 
-import kmock
 import kopf
 import pytest
 from aiohttp import web
@@ -38,10 +37,8 @@ CLEAN = {"actor/pg_loss": 0.1, "actor/grad_norm": 1.0, "critic/rewards/mean": 0.
 
 
 @pytest.fixture(autouse=True)
-def checkpointwatch_resource(cluster):
-    cluster.emulator.resources["moeproxy.io/v1alpha1/checkpointwatches"] = kmock.ResourceInfo(
-        kind="CheckpointWatch", subresources={"status"}, shortnames={"ckw"}, namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "delete"})
+def _checkpointwatches_served(checkpointwatch_resource):
+    """Every test here: the emulator serves CheckpointWatches (conftest)."""
 
 
 @pytest.fixture

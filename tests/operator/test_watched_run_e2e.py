@@ -15,7 +15,6 @@ import asyncio
 import json
 import uuid
 
-import kmock
 import pytest
 
 from moe_proxy.investigate.catalogue import suggested
@@ -85,11 +84,8 @@ async def _play(cluster, prefix: str, local_run, tmp_path) -> None:
 
 
 @pytest.mark.slow
-async def test_a_watched_run_reports_the_first_bad_checkpoint_and_the_cure(cluster, s3, operator_env, registry,
-                                                                         local_run, tmp_path):
-    cluster.emulator.resources["moeproxy.io/v1alpha1/checkpointwatches"] = kmock.ResourceInfo(
-        kind="CheckpointWatch", subresources={"status"}, shortnames={"ckw"}, namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "delete"})
+async def test_a_watched_run_reports_the_first_bad_checkpoint_and_the_cure(cluster, checkpointwatch_resource, s3,
+                                                                         operator_env, registry, local_run, tmp_path):
     client, prefix = s3.client(), f"loop-e2e/{uuid.uuid4().hex[:8]}"
     uri = f"s3://{BUCKET}/{prefix}"
     await _secret(cluster)
