@@ -132,13 +132,10 @@ def _job(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
     r = spec.reproduction
     if r.scheduler_name:
         template["spec"]["schedulerName"] = r.scheduler_name
-    job: dict = {"backoffLimit": r.workload.backoff_limit, "template": template}
-    if spec.queue_name:
-        job["suspend"] = True  # Kueue admits it
+    job: dict = {"backoffLimit": r.workload.backoff_limit, "template": template, **spec.admission()}
     if pods > 1:  # pods <job>-<index>: the completion index is the node rank
         job.update(completionMode="Indexed", completions=pods, parallelism=pods)
-    if r.workload.active_deadline_seconds:
-        job["activeDeadlineSeconds"] = r.workload.active_deadline_seconds
+    job.update(r.workload.deadline())
     if spec.ttl_seconds_after_finished is not None:
         job["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
     return job

@@ -36,9 +36,7 @@ def _indexed(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
         template["spec"]["schedulerName"] = spec.reproduction.scheduler_name
     job: dict = {"completionMode": "Indexed", "completions": pods, "parallelism": pods, "backoffLimit": 0,
                  "template": template}
-    if spec.reproduction.workload.active_deadline_seconds:
-        job["activeDeadlineSeconds"] = spec.reproduction.workload.active_deadline_seconds
-    return job
+    return {**job, **spec.reproduction.workload.deadline()}
 
 
 def job_set(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
@@ -51,9 +49,7 @@ def job_set(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
     }
     if spec.ttl_seconds_after_finished is not None:
         out["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
-    if spec.queue_name:
-        out["suspend"] = True  # Kueue admits it
-    return out
+    return {**out, **spec.admission()}
 
 
 def job_set_templates(spec: dict) -> list[dict]:
@@ -84,11 +80,7 @@ def train_job(spec: ProxyModelSpec, pods: int, template: dict) -> dict:
         "trainer": trainer,
         "runtimePatches": [_runtime_patch(template)],
     }
-    if r.workload.active_deadline_seconds:
-        out["activeDeadlineSeconds"] = r.workload.active_deadline_seconds
-    if spec.queue_name:
-        out["suspend"] = True  # Kueue admits it
-    return out
+    return {**out, **r.workload.deadline(), **spec.admission()}
 
 
 def train_job_templates(spec: dict) -> list[dict]:

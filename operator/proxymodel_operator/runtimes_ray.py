@@ -135,10 +135,7 @@ def ray_job(spec: ProxyModelSpec, pods: int, template: dict, watcher: str, maste
         "backoffLimit": 0,  # a retry is a new cluster: failures are signal, not noise
         "rayClusterSpec": cluster,
     }
-    if r.workload.active_deadline_seconds:
-        job["activeDeadlineSeconds"] = r.workload.active_deadline_seconds
-    if spec.queue_name:
-        job["suspend"] = True  # Kueue admits it
+    job.update(r.workload.deadline(), **spec.admission())
     return job
 
 

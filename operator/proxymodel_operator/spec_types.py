@@ -73,6 +73,10 @@ class Workload:
     command: list | None = None
     args: list | None = None
 
+    def deadline(self) -> dict:
+        """activeDeadlineSeconds for the workload's spec, when one is set (every runtime has the field)."""
+        return {"activeDeadlineSeconds": self.active_deadline_seconds} if self.active_deadline_seconds else {}
+
 
 @dataclass(frozen=True)
 class FailOn:
@@ -138,6 +142,10 @@ class ProxyModelSpec:
     queue_name: str | None = None  # Kueue LocalQueue: the label on every child workload, created suspended
     calibration: TokenOptions | None = None  # spec.calibration: the tokens `moe-proxy calibrate` runs
     workers: int = 1  # spec.transformer.parallelism: pods sharing the build (an Indexed Job when > 1)
+
+    def admission(self) -> dict:
+        """`suspend: true` for a workload Kueue admits (its queue-name label), else nothing."""
+        return {"suspend": True} if self.queue_name else {}
 
     @property
     def calibration_uri(self) -> str:

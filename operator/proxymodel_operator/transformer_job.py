@@ -194,12 +194,9 @@ def _job(proxymodel: str, kind: str, namespace: str, generation: int, spec: Prox
             "spec": pod,
         },
     }
-    if workload.active_deadline_seconds:
-        job_spec["activeDeadlineSeconds"] = workload.active_deadline_seconds
+    job_spec.update(workload.deadline(), **spec.admission())
     if spec.ttl_seconds_after_finished is not None:
         job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
-    if spec.queue_name:
-        job_spec["suspend"] = True  # Kueue admits it (its queue-name label)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
