@@ -158,20 +158,27 @@ async def test_a_diagnosis_runs_its_matrix_on_each_runtime(cluster, operator, ru
     assert {c["name"]: c["verdict"] for c in status["candidates"]} == {"lower-lr": "fixed"}
 
 
-async def test_a_runtime_the_cluster_does_not_serve_is_a_clear_condition(cluster, operator):
-    """KubeRay not installed: the API answers 404 for rayjobs; the ProxyModel fails once with
-    RuntimeNotInstalled naming KubeRay, and nothing is tried again."""
+def not_served(cluster, plural: str) -> list:
+    """The emulator answers for `plural` as an API server without its CRD does (404 NotFound);
+    the creates tried on it, listed."""
     handle, creates = cluster.emulator._handle, []
 
-    async def not_served(request):  # what an API server without KubeRay's CRDs answers
-        if request.resource is not None and request.resource.plural == "rayjobs":
+    async def answer(request):
+        if request.resource is not None and request.resource.plural == plural:
             creates.extend([request.action] if request.action == kmock.action.CREATE else [])
             return aiohttp.web.json_response(status=404, data={
                 "kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
                 "message": "the server could not find the requested resource"})
         return await handle(request)
 
-    object.__setattr__(cluster.emulator, "_handle", not_served)
+    object.__setattr__(cluster.emulator, "_handle", answer)
+    return creates
+
+
+async def test_a_runtime_the_cluster_does_not_serve_is_a_clear_condition(cluster, operator):
+    """KubeRay not installed: the API answers 404 for rayjobs; the ProxyModel fails once with
+    RuntimeNotInstalled naming KubeRay, and nothing is tried again."""
+    creates = not_served(cluster, "rayjobs")  # KubeRay not installed
     await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     await cluster.create(PROXYMODELS, NS, proxymodel("noray", reproduction={
         "runtime": "RayJob", "accelerator": SIZES["RayJob"], "failOn": {"signature": "nan"}}))
@@ -185,16 +192,7 @@ async def test_a_runtime_the_cluster_does_not_serve_is_a_clear_condition(cluster
 
 
 async def test_a_diagnosis_on_a_runtime_the_cluster_does_not_serve_says_what_to_install(cluster, operator):
-    handle = cluster.emulator._handle
-
-    async def not_served(request):  # no JobSet controller: its CRD is not there
-        if request.resource is not None and request.resource.plural == "jobsets":
-            return aiohttp.web.json_response(status=404, data={
-                "kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
-                "message": "the server could not find the requested resource"})
-        return await handle(request)
-
-    object.__setattr__(cluster.emulator, "_handle", not_served)
+    not_served(cluster, "jobsets")  # no JobSet controller: its CRD is not there
     await cluster.secret(NS, "s3-creds", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     await cluster.create(PROXYMODELS, NS, proxymodel("pj", reproduction={
         "runtime": "JobSet", "accelerator": SIZES["JobSet"], "failOn": {"signature": "nan"}}))
