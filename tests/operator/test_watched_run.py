@@ -60,6 +60,13 @@ class TrainingRun:
         content = {k: v for k, v in self.files.items() if k not in without}
         synthetic.upload(self.client, BUCKET, f"{self.prefix}/global_step_{step}/{HF}", content)
 
+    def train(self, steps: range, every: int = 4) -> None:
+        """Log each step clean, and save a checkpoint every `every` steps."""
+        for step in steps:
+            self.log(step)
+            if step % every == 0:
+                self.save(step)
+
     def log(self, step: int, **values) -> None:
         self.lines.append(json.dumps({"step": step, "data": {**CLEAN, **values}}))
         self.put()
@@ -115,10 +122,7 @@ def nan_step(step: int, run: TrainingRun) -> None:
 
 
 async def test_a_failure_opens_one_diagnosis_and_nothing_makes_a_second(cluster, s3, operator_env, registry, run):
-    for step in range(1, 10):
-        run.log(step)
-        if step % 4 == 0:
-            run.save(step)
+    run.train(range(1, 10))
     await secret(cluster)
     await cluster.create(CHECKPOINT_WATCHES, NS, watch_manifest("w", run))
     first = Operator(registry=registry)
@@ -161,10 +165,7 @@ async def test_a_failure_opens_one_diagnosis_and_nothing_makes_a_second(cluster,
 
 
 async def test_a_later_failure_after_a_fix_is_a_new_incident_linked_to_the_first(cluster, s3, operator, registry, run):
-    for step in range(1, 9):
-        run.log(step)
-        if step % 4 == 0:
-            run.save(step)
+    run.train(range(1, 9))
     nan_step(9, run)
     await secret(cluster)
     await cluster.create(CHECKPOINT_WATCHES, NS, watch_manifest("w", run))
@@ -193,10 +194,7 @@ async def test_a_later_failure_after_a_fix_is_a_new_incident_linked_to_the_first
 
 
 async def test_a_run_that_recovers_by_itself_makes_no_diagnosis(cluster, s3, operator, run):
-    for step in range(1, 9):
-        run.log(step)
-        if step % 4 == 0:
-            run.save(step)
+    run.train(range(1, 9))
     nan_step(9, run)
     await secret(cluster)
     await cluster.create(CHECKPOINT_WATCHES, NS, watch_manifest("w", run, confirmSteps=2))
@@ -273,10 +271,7 @@ async def test_metrics_without_a_step_then_shrinking_metrics(cluster, s3, operat
     bad = await eventually(lambda: condition(cluster, "w", "MetricsReadable").get("reason") == "MetricsMalformed"
                            and condition(cluster, "w", "MetricsReadable"), 20, "the refusal")
     assert "step" in bad["message"] and bad["status"] == "False"
-    for step in range(1, 9):
-        run.log(step)
-        if step % 4 == 0:
-            run.save(step)
+    run.train(range(1, 9))
     nan_step(9, run)
     await eventually(lambda: cluster.get(DIAGNOSES, NS, "w-incident-9"), 20, "the incident's Diagnosis")
     run.lines = run.lines[:3]  # the run started over: its metrics file is shorter
@@ -291,10 +286,7 @@ async def test_metrics_without_a_step_then_shrinking_metrics(cluster, s3, operat
 
 
 async def test_a_budget_too_small_for_the_bisection_is_its_own_status(cluster, s3, operator, run):
-    for step in range(1, 13):
-        run.log(step)
-        if step % 4 == 0:
-            run.save(step)
+    run.train(range(1, 13))
     nan_step(13, run)
     await secret(cluster)
     await cluster.create(CHECKPOINT_WATCHES, NS, watch_manifest("w", run, budget={"probes": 2}))
@@ -310,10 +302,7 @@ async def test_a_budget_too_small_for_the_bisection_is_its_own_status(cluster, s
 
 async def test_a_diagnosis_that_starts_more_runs_than_the_budget_is_stopped(cluster, s3, operator, run):
     """A bisection stepping around inconclusive probes can pass log2(n) + 3: the watch stops it."""
-    for step in range(1, 9):
-        run.log(step)
-        if step % 4 == 0:
-            run.save(step)
+    run.train(range(1, 9))
     nan_step(9, run)
     await secret(cluster)
     await cluster.create(CHECKPOINT_WATCHES, NS, watch_manifest("w", run, budget={"probes": 6}))
