@@ -253,7 +253,9 @@ def watcher(spec: ProxyModelSpec, runtime: Runtime, where: Placement, env: list[
     r = spec.reproduction
     rank = runtime.rendezvous.init_node_rank
     args = ["watch", metrics, "--termination-log", TERMINATION_LOG, "--hold", "--ready-file", READY_FILE,
-            "--node-rank", _var(rank) if rank and where.pods > 1 else "0"]
+            "--node-rank", _var(rank) if rank and where.pods > 1 else "0",
+            # logged, the run is judged at once (a framework that never marks its end is judged at SIGTERM)
+            "--last-step", str(r.max_steps)]
     if r.fail_on:
         args += ["--fail-on", r.fail_on.cli()]
         if r.fail_on.stop_on_reproduce:

@@ -547,7 +547,7 @@ CLI_ONLY: dict[str, dict[str, str]] = {
         **dict.fromkeys(("--format", "--profile", "--metric"),
                         "the sidecar reads the runtime's metrics file with its framework's profile"),
         **dict.fromkeys(("--poll", "--timeout", "--until-file"), "the sidecar ends with its pod (SIGTERM)"),
-        "--last-step": "not passed from spec.reproduction.maxSteps yet: a log that shows its own end ends the watch",
+        "--last-step": "the sidecar takes spec.reproduction.maxSteps",
     },
     "compare": dict.fromkeys(("--out", "--format", "--profile", "--metric", "--metrics", "--names", "--permutations"),
                              _LOCAL),

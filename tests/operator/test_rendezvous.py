@@ -93,6 +93,7 @@ def test_a_template_gets_the_rendezvous_the_facts_and_a_watcher(runtime, rank_va
     args = sidecar["args"]
     assert args[:2] == ["watch", "/run/moe-proxy/metrics.jsonl"] and "--hold" in args
     assert args[args.index("--node-rank") + 1] == sidecar_rank and args[args.index("--stop-file") + 1] == STOP_FILE
+    assert args[args.index("--last-step") + 1] == env["MOEPROXY_MAX_STEPS"]  # its log's end: judged at once
     for template in templates[1:]:  # AscendJob's Workers: node 0 is the Master, the watcher is there only
         assert WATCHER not in json.dumps(template.get("spec", {}).get("initContainers", []))
 
