@@ -1,4 +1,4 @@
-"""`--experts auto --max-kl X`: the smallest expert count whose proxy has KL(original || proxy)
+"""`--experts auto --max-kl X`: the smallest expert count, within noise, whose proxy has KL(original || proxy)
 at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
 
 1. Screen: every candidate count is selected without fits (the plain selection, from the one
@@ -6,32 +6,38 @@ at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
    (fidelity.measure_many). A build without fits (--no-reconstruct, no --heal or --merge) is
    exactly that plain proxy, so its answer is read off the screen: no full build at all.
 2. With fits (the default reconstruction, --heal, --merge), a full build of a count fits its
-   plain plan (expert_plan.fit_plan) and measures it: hours on a real model. Fitting scales a
-   count's plain figure by a factor that drifts with the count (on the lab's original 0.023 at 5
-   experts, 0.08 at 25, 0.49 at 30), so the full figures are predicted as the plain ones times
-   the fit factor's trend: the line, in log over the count's index, through the built counts
-   around it, or beyond them through the lowest and highest (Search.predicted; the plain figures
-   smoothed over 5 counts, so that one count's selection noise is not read as the trend). The
-   first build is the smallest count (the cheapest fits; a target above its figure is met by
-   it, 1 build). Each next build is the smallest count predicted to meet the target, among those
-   between the largest count seen to miss and the smallest seen to meet it (where none is
-   predicted to, the count right below the one that met, or the largest count). Two builds give
-   the trend, so a steady drift is predicted exactly by the third. The search stops when a count
-   that meets sits right above one that misses, or after BUDGET (3) full builds once one meets
-   and the trend through all the builds predicts every count between it and the largest miss to
-   miss: the smallest count measured to meet the target is chosen, and the notes name the counts
-   right below it left unbuilt with their predicted figures (Search.gap). Where the last build
-   taught the trend that some of those meet, the search goes on past the budget (Search.hopes).
-   An unreachable target is refused once the largest count (and, where another count's plain
-   figure is the best, that one) misses.
+   plain plan (expert_plan.fit_plan) and measures it: hours on a real model. Fitting damps what
+   the selection loses, by a factor that drifts with the count (on the lab's original 0.023 at 5
+   experts, 0.08 at 25, 0.49 at 30), so a count's full figure is predicted from its plain one
+   (smoothed over 5 counts, so that one count's selection noise is not read as the trend): the
+   line, in log, of the full figure over the plain one through the built counts around it, or
+   beyond them through the lowest and highest (Search.predicted); with one build, the plain
+   figure times that build's factor. Every prediction has a noise margin (Search.margin): the
+   plain figures' scatter around their smoothed curve (the same measure on the same tokens made
+   them, and fitting only shrinks a selection's departures, so it bounds the full figures' noise
+   from above), grown by the noise of the builds the line leans on, more so beyond them. The
+   first build is the smallest count (the cheapest fits; a target above its figure is met by it,
+   1 build). Each next build is the smallest count predicted to meet the target beyond its
+   margin, among those between the largest count seen to miss and the smallest seen to meet it
+   (where none is, the count right below the one that met, or the largest count). The search
+   stops when a count that meets sits right above one that misses, or after BUDGET (3) full
+   builds once one meets and no count between it and the largest miss is predicted to meet the
+   target beyond its margin: the smallest count measured to meet the target is chosen, and the
+   notes name the counts right below it left unbuilt with their predicted figures, and which of
+   them were judged within noise of the target (Search.gap). Where the last build taught the
+   trend that one of those meets beyond noise, the search goes on past the budget
+   (Search.hopes). An unreachable target is refused once the largest count (and, where another
+   count's plain figure is the best, that one) misses; the refusal names the counts predicted
+   within noise of the target.
 
    The answer is the exhaustive one (building every count: the smallest that meets the target)
-   except (a) where the full figure does not fall with the count, so that a count below one seen
-   to miss meets the target (where the plain figure rises, the notes say so), or (b) where the
-   budget stopped the search with counts between the largest miss and the chosen count unbuilt
-   and one of them meets the target although the trend predicts it misses. Either way the chosen
-   count is measured to meet the target: the proxy is at worst larger than needed, never
-   further from the original than asked.
+   where the figures follow a steady trend (the noise figure is then 0), and otherwise within
+   noise: a smaller count than the chosen one may meet the target where (a) the full figure does
+   not fall with the count, so that a count below one seen to miss meets it (where the plain
+   figure rises, the notes say so), or (b) the search stopped with counts between the largest
+   miss and the chosen count unbuilt, predicted to meet the target by less than their margin or
+   to miss it. Either way the chosen count is measured to meet the target: the proxy is at worst
+   larger than needed, never further from the original than asked.
 3. The chosen count's plan, fitted once, is the one the build writes (steps.prepare `planned`).
 """
 
@@ -308,9 +314,9 @@ def _within_note(search: Search, indices) -> str:
     """The unbuilt counts among `indices` whose predicted figure lies within its noise margin of the
     target (a build could measure it either side), with that figure and margin."""
     within = [i for i in indices if i not in search.full and search.within_noise(i)]
-    return (f"; judged within noise of the target: "
-            f"{', '.join(f'{search.counts[i]} (predicted KL {search.predicted(i):.3g}, noise x{math.exp(search.margin(i)):.2f})' for i in within)}"
-            if within else "")
+    named = (f"{search.counts[i]} (predicted KL {search.predicted(i):.3g}, noise x{math.exp(search.margin(i)):.2f})"
+             for i in within)
+    return f"; judged within noise of the target: {', '.join(named)}" if within else ""
 
 
 def _impossible(why: dict[int, str]) -> str:
