@@ -126,7 +126,10 @@ class Search:
         below, above = [j for j in built if j < i], [j for j in built if j > i]
         a, b = (below[-1], above[0]) if below and above else (built[0], built[-1])
         span = self.smooth[b] - self.smooth[a]
-        return a, b, (self.smooth[i] - self.smooth[a]) / span if span else (i - a) / (b - a)
+        w = (self.smooth[i] - self.smooth[a]) / span if span else (i - a) / (b - a)
+        # between two builds whose smoothed plain figures are out of order or close, w would be a
+        # wild extrapolation: a count between them is taken to lie between them
+        return a, b, min(1.0, max(0.0, w)) if below and above else w
 
     def predicted(self, i: int) -> float:
         """Count i's full figure as predicted: measured where built; else the line, in log, of the
