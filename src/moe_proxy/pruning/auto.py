@@ -118,8 +118,8 @@ class Search:
     def base(self, i: int) -> tuple[int, int, float] | None:
         """The two built counts the line for count i goes through (those around it, or beyond
         them the lowest and highest: the widest base, as neighbours' noise makes a wild slope)
-        and i's place on it, in smoothed log plain figure (0 at the first, 1 at the second, outside
-        [0, 1] beyond them); None while fewer than two counts are built."""
+        and i's place on it, in smoothed log plain figure (0 at the first, 1 at the second, beyond
+        them outside [0, 1]); None while fewer than two counts are built."""
         built = sorted(self.full)
         if len(built) < 2:
             return None
