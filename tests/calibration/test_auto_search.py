@@ -146,6 +146,18 @@ def test_an_unreachable_target_is_refused_from_the_largest_count():
     assert found is None and built == [0, len(COUNTS) - 1, bumpy.index(min(bumpy))]  # three builds
 
 
+@pytest.mark.parametrize("sigma", [0.1, 0.3])
+def test_the_noise_figure_is_the_plain_figures_scatter_around_their_trend(sigma):
+    """0 on a steady trend; on plain figures scattered by exp(N(0, sigma)) around it, sigma (the
+    estimate's mean over 20 seeds within 5%, each within 35%)."""
+    assert Search(COUNTS, falling(0), 1.0).noise < 1e-9
+    found = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        found.append(Search(COUNTS, [kl * math.exp(rng.gauss(0, sigma)) for kl in falling(seed)], 1.0).noise)
+    assert abs(sum(found) / len(found) / sigma - 1) < 0.05 and all(abs(f / sigma - 1) < 0.35 for f in found)
+
+
 def test_on_the_lab_figures_at_most_three_full_builds_and_an_answer_within_noise():
     """The fidelity lab's trained original (29 counts, 5-33; docs/performance.md): from 16 experts
     up its full figure is flat within a few percent and rises here and there. For every target,
