@@ -14,7 +14,7 @@ import pytest
 
 import moe_proxy.pruning.fidelity as fidelity
 import moe_proxy.pruning.reconstruct as reconstruct
-from moe_proxy.pruning.auto import Search, _gap_note
+from moe_proxy.pruning.auto import Search, _gap_note, _within_note
 from moe_proxy.errors import FidelityTargetNotMet
 from moe_proxy.pruning.build import build_proxy
 from moe_proxy.calibrate import statistics as cal
@@ -195,6 +195,20 @@ def test_the_notes_name_the_counts_judged_within_noise():
     note = _gap_note(s, found, s.gap(found))
     assert "judged within noise of the target: " in note
     assert f"20 (predicted KL {s.predicted(counts.index(20)):.3g}, noise x" in note
+
+
+def test_a_target_met_only_within_noise_is_refused_naming_the_counts_within_noise():
+    """On the lab's figures a target met by 30 experts alone (0.0010, by 5%; 31-33 miss it): the
+    search refuses it after 3 builds, the largest count among them, and the refusal names 30
+    among the counts predicted within noise."""
+    lab = json.loads(LAB.read_text())
+    counts, plain, full = lab["counts"], lab["plain"], lab["full"]
+    target = math.sqrt(0.0010 * 0.0011)
+    s = Search(counts, plain, target)
+    built: list[int] = []
+    assert s.run(lambda i: built.append(i) or full[i]) is None and exhaustive(full, target) == counts.index(30)
+    assert len(built) <= 3 and built[-1] == len(counts) - 1
+    assert f"30 (predicted KL {s.predicted(counts.index(30)):.3g}, noise x" in _within_note(s, range(len(counts)))
 
 
 # --- on a tiny model: what the build does ------------------------------------------------------
