@@ -13,17 +13,27 @@ search (pruning/auto.py Search), for every target X across the whole range (issu
    built; beside them the exhaustive answer (the smallest count whose full figure meets X).
    Builds are counted, not timed: the figures are deterministic, the machine is shared.
 
-    .venv/bin/python bench/auto_search.py [--before 6b841d8] [--counts 5-35] [--jobs 2]
+    .venv/bin/python bench/auto_search.py [--before b5dd109] [--counts 5-35] [--jobs 2]
+    .venv/bin/python bench/auto_search.py --replay            # the lab's figures as checked in: seconds
     .venv/bin/python bench/auto_search.py --synthetic 0.03    # the unit test's drifting figures instead
+    .venv/bin/python bench/auto_search.py --synthetic 0.03 --noise 0.1 --plain-noise 0.3 --seeds 10
+
+`--replay` reads bench/auto_search_lab.json: the 29 counts' plain and full figures as
+docs/performance.md printed them (the build cache is not kept). `--noise` multiplies each full
+figure by exp(N(0, NOISE)), `--plain-noise` each plain one, seeded: each seed is one sweep.
 
 Prints a table (target, exhaustive answer, each search's answer and counts built, in order) and
-the mean and largest number of full builds, and writes bench/out/auto-search/sweep.json.
+the mean and largest number of full builds, how often the answer is the exhaustive one and, for
+this tree's search, whether it is within noise (every smaller count that meets the target was
+not built and meets it by less than the noise margin the search gave it: Search.margin), and
+writes bench/out/auto-search/sweep.json (or sweep-synthetic-*.json).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import random
 import subprocess
 import sys
 import types
@@ -32,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "auto-search"
+LAB = ROOT / "bench" / "auto_search_lab.json"
 sys.path.append(str(ROOT / "src"))  # after PYTHONPATH, as bench/fidelity.py
 
 
@@ -117,10 +128,21 @@ def sweep(counts: list[int], plain: list[float], full: list[float], classes: dic
         row = {"max_kl": x, "exhaustive": next((c for c, kl in zip(counts, full) if kl <= x), None)}
         for name, cls in classes.items():
             built: list[int] = []
-            answer = cls(list(counts), list(plain), x).run(lambda i: built.append(i) or full[i])
+            search = cls(list(counts), list(plain), x)
+            answer = search.run(lambda i: built.append(i) or full[i])
             row[name] = {"answer": None if answer is None else counts[answer], "built": [counts[i] for i in built]}
+            if hasattr(search, "margin"):  # this tree's search: is the answer within its noise?
+                row[name]["within_noise"] = within_noise(search, answer, full)
         rows.append(row)
     return rows
+
+
+def within_noise(search, answer: int | None, full: list[float]) -> bool:
+    """Whether every count below the answer (every count, for a refusal) that meets the target
+    was left unbuilt and meets it by less than the noise margin the search gave it."""
+    end = len(full) if answer is None else answer
+    return all(i not in search.full and math.log(search.max_kl / full[i]) < search.margin(i)
+               for i in range(end) if full[i] <= search.max_kl)
 
 
 def report(rows: list[dict], classes: dict[str, type]) -> str:
@@ -131,21 +153,36 @@ def report(rows: list[dict], classes: dict[str, type]) -> str:
     for r in rows:
         lines.append(f"| {r['max_kl']:.4g} | {r['exhaustive']} | " + " | ".join(
             f"{r[n]['answer']} | {', '.join(map(str, r[n]['built']))} | {len(r[n]['built'])}" for n in names) + " |")
-    for n in names:
-        builds = [len(r[n]["built"]) for r in rows]
-        same = sum(r[n]["answer"] == r["exhaustive"] for r in rows)
-        lines.append(f"{n}: full builds mean {sum(builds) / len(builds):.2f}, max {max(builds)} over {len(rows)} "
-                     f"targets; answer = exhaustive at {same}/{len(rows)}")
+    lines += [summary(rows, n) for n in names]
     return "\n".join(lines)
 
 
-def synthetic(drift: float, seed: int = 0) -> tuple[list[int], list[float], list[float]]:
+def summary(rows: list[dict], name: str) -> str:
+    builds = [len(r[name]["built"]) for r in rows]
+    same = sum(r[name]["answer"] == r["exhaustive"] for r in rows)
+    noise = [r[name]["within_noise"] for r in rows if "within_noise" in r[name]]
+    return (f"{name}: full builds mean {sum(builds) / len(builds):.2f}, max {max(builds)}, <= 3 at "
+            f"{sum(b <= 3 for b in builds)}/{len(rows)} targets; answer = exhaustive at {same}/{len(rows)}"
+            + (f", within noise at {sum(noise)}/{len(noise)}" if noise else ""))
+
+
+def synthetic(drift: float, seed: int = 0, noise: float = 0.0,
+              plain_noise: float = 0.0) -> tuple[list[int], list[float], list[float]]:
     """tests/calibration/test_auto_search.py's figures: 59 counts (5-63) of a 64-expert top-4 model, a
-    plain figure falling at a seeded rate, and a fit factor of 0.01 x exp(drift x index)."""
+    plain figure falling at a seeded rate, and a fit factor of 0.01 x exp(drift x index); then,
+    seeded, each full figure times exp(N(0, noise)) and each plain one times exp(N(0, plain_noise))."""
     counts = list(range(5, 64))
-    rate = __import__("random").Random(seed).uniform(0.04, 0.12)
-    plain = [3.0 * math.exp(-rate * c) for c in counts]
-    return counts, plain, [kl * 0.01 * math.exp(drift * i) for i, kl in enumerate(plain)]
+    rng = random.Random(seed)
+    rate = rng.uniform(0.04, 0.12)
+    trend = [3.0 * math.exp(-rate * c) for c in counts]
+    full = [kl * 0.01 * math.exp(drift * i + rng.gauss(0, noise)) for i, kl in enumerate(trend)]
+    return counts, [kl * math.exp(rng.gauss(0, plain_noise)) for kl in trend], full
+
+
+def replayed(path: Path = LAB) -> tuple[list[int], list[float], list[float]]:
+    """The lab's figures as checked in (bench/auto_search_lab.json)."""
+    lab = json.loads(path.read_text())
+    return lab["counts"], lab["plain"], lab["full"]
 
 
 def lab(args) -> tuple[list[int], list[float], list[float]]:
@@ -162,17 +199,34 @@ def lab(args) -> tuple[list[int], list[float], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default="6b841d8", help="the commit whose search is compared")
+    parser.add_argument("--before", default="b5dd109", help="the commit whose search is compared")
     parser.add_argument("--counts", help="LO-HI: only these counts (default: every buildable count)")
     parser.add_argument("--jobs", type=int, default=1, help="full builds made at once (each a process)")
     parser.add_argument("--synthetic", type=float, metavar="DRIFT", help="instead of the lab's figures, the "
                         "test's: a fit factor drifting by exp(DRIFT) a count (seconds, no model)")
+    parser.add_argument("--noise", type=float, default=0.0, help="with --synthetic: the full figures' noise (log sd)")
+    parser.add_argument("--plain-noise", type=float, default=0.0, help="with --synthetic: the plain figures' noise")
+    parser.add_argument("--seeds", type=int, default=1, help="with --synthetic: sweeps, one per seed (0, 1, ...)")
+    parser.add_argument("--replay", nargs="?", const=str(LAB), metavar="JSON", help="the lab's figures as checked "
+                        "in (bench/auto_search_lab.json), no builds")
     args = parser.parse_args()
-    counts, plain, full = synthetic(args.synthetic) if args.synthetic is not None else lab(args)
     classes = searches(args.before)
+    if args.synthetic is not None and args.seeds > 1:  # one line per seed, then all of them together
+        every: list[dict] = []
+        for seed in range(args.seeds):
+            rows = sweep(*synthetic(args.synthetic, seed, args.noise, args.plain_noise), classes)
+            every += rows
+            print(f"seed {seed}: " + "; ".join(summary(rows, n) for n in classes))
+        print(f"all {args.seeds} seeds: " + "; ".join(summary(every, n) for n in classes))
+        return
+    if args.synthetic is not None:
+        counts, plain, full = synthetic(args.synthetic, 0, args.noise, args.plain_noise)
+    else:
+        counts, plain, full = replayed(Path(args.replay)) if args.replay else lab(args)
     rows = sweep(counts, plain, full, classes)
     OUT.mkdir(parents=True, exist_ok=True)
-    name = "sweep.json" if args.synthetic is None else f"sweep-synthetic-{args.synthetic:g}.json"
+    name = ("sweep.json" if args.synthetic is None else
+            f"sweep-synthetic-{args.synthetic:g}-{args.noise:g}-{args.plain_noise:g}.json")
     (OUT / name).write_text(json.dumps({"counts": counts, "plain": plain, "full": full, "rows": rows}, indent=1))
     print("count: plain -> full KL: " + ", ".join(f"{c}: {p:.3g} -> {kl:.3g}" for c, p, kl in zip(counts, plain, full)))
     print(report(rows, classes))

@@ -1,4 +1,4 @@
-"""`--experts auto --max-kl X`: the smallest expert count whose proxy has KL(original || proxy)
+"""`--experts auto --max-kl X`: the smallest expert count, within noise, whose proxy has KL(original || proxy)
 at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
 
 1. Screen: every candidate count is selected without fits (the plain selection, from the one
@@ -6,32 +6,38 @@ at most X (pruning/fidelity.py), with at most 3 full builds (issues 31, 45).
    (fidelity.measure_many). A build without fits (--no-reconstruct, no --heal or --merge) is
    exactly that plain proxy, so its answer is read off the screen: no full build at all.
 2. With fits (the default reconstruction, --heal, --merge), a full build of a count fits its
-   plain plan (expert_plan.fit_plan) and measures it: hours on a real model. Fitting scales a
-   count's plain figure by a factor that drifts with the count (on the lab's original 0.023 at 5
-   experts, 0.08 at 25, 0.49 at 30), so the full figures are predicted as the plain ones times
-   the fit factor's trend: the line, in log over the count's index, through the built counts
-   around it, or beyond them through the lowest and highest (Search.predicted; the plain figures
-   smoothed over 5 counts, so that one count's selection noise is not read as the trend). The
-   first build is the smallest count (the cheapest fits; a target above its figure is met by
-   it, 1 build). Each next build is the smallest count predicted to meet the target, among those
-   between the largest count seen to miss and the smallest seen to meet it (where none is
-   predicted to, the count right below the one that met, or the largest count). Two builds give
-   the trend, so a steady drift is predicted exactly by the third. The search stops when a count
-   that meets sits right above one that misses, or after BUDGET (3) full builds once one meets
-   and the trend through all the builds predicts every count between it and the largest miss to
-   miss: the smallest count measured to meet the target is chosen, and the notes name the counts
-   right below it left unbuilt with their predicted figures (Search.gap). Where the last build
-   taught the trend that some of those meet, the search goes on past the budget (Search.hopes).
-   An unreachable target is refused once the largest count (and, where another count's plain
-   figure is the best, that one) misses.
+   plain plan (expert_plan.fit_plan) and measures it: hours on a real model. Fitting damps what
+   the selection loses, by a factor that drifts with the count (on the lab's original 0.023 at 5
+   experts, 0.08 at 25, 0.49 at 30), so a count's full figure is predicted from its plain one
+   (smoothed over 5 counts, so that one count's selection noise is not read as the trend): the
+   line, in log, of the full figure over the plain one through the built counts around it, or
+   beyond them through the lowest and highest (Search.predicted); with one build, the plain
+   figure times that build's factor. Every prediction has a noise margin (Search.margin): the
+   plain figures' scatter around their smoothed curve (the same measure on the same tokens made
+   them, and fitting only shrinks a selection's departures, so it bounds the full figures' noise
+   from above), grown by the noise of the builds the line leans on, more so beyond them. The
+   first build is the smallest count (the cheapest fits; a target above its figure is met by it,
+   1 build). Each next build is the smallest count predicted to meet the target beyond its
+   margin, among those between the largest count seen to miss and the smallest seen to meet it
+   (where none is, the count right below the one that met, or the largest count). The search
+   stops when a count that meets sits right above one that misses, or after BUDGET (3) full
+   builds once one meets and no count between it and the largest miss is predicted to meet the
+   target beyond its margin: the smallest count measured to meet the target is chosen, and the
+   notes name the counts right below it left unbuilt with their predicted figures, and which of
+   them were judged within noise of the target (Search.gap). Where the last build taught the
+   trend that one of those meets beyond noise, the search goes on past the budget
+   (Search.hopes). An unreachable target is refused once the largest count (and, where another
+   count's plain figure is the best, that one) misses; the refusal names the counts predicted
+   within noise of the target.
 
    The answer is the exhaustive one (building every count: the smallest that meets the target)
-   except (a) where the full figure does not fall with the count, so that a count below one seen
-   to miss meets the target (where the plain figure rises, the notes say so), or (b) where the
-   budget stopped the search with counts between the largest miss and the chosen count unbuilt
-   and one of them meets the target although the trend predicts it misses. Either way the chosen
-   count is measured to meet the target: the proxy is at worst larger than needed, never
-   further from the original than asked.
+   where the figures follow a steady trend (the noise figure is then 0), and otherwise within
+   noise: a smaller count than the chosen one may meet the target where (a) the full figure does
+   not fall with the count, so that a count below one seen to miss meets it (where the plain
+   figure rises, the notes say so), or (b) the search stopped with counts between the largest
+   miss and the chosen count unbuilt, predicted to meet the target by less than their margin or
+   to miss it. Either way the chosen count is measured to meet the target: the proxy is at worst
+   larger than needed, never further from the original than asked.
 3. The chosen count's plan, fitted once, is the one the build writes (steps.prepare `planned`).
 """
 
@@ -94,35 +100,73 @@ class Search:
     full: dict[int, float] = field(default_factory=dict)  # index into counts -> KL of its full build
     budget: int = BUDGET
     smooth: list[float] = field(init=False)  # log of each count's plain figure, smoothed (SMOOTH)
+    noise: float = field(init=False)  # the plain figures' scatter around it (log, root mean square)
 
     def __post_init__(self):
         logs = [math.log(max(kl, 1e-300)) for kl in self.plain]
         n = len(logs)
         widths = [min(SMOOTH, i, n - 1 - i) for i in range(n)]  # a window centred on each count
         self.smooth = [sum(logs[i - w:i + w + 1]) / (2 * w + 1) for i, w in zip(range(n), widths)]
+        # The noise figure of the full figures: the same measure on the same held-out tokens made
+        # the plain ones, and fitting only shrinks a selection's departure from the trend, so the
+        # plain figures' scatter bounds it from above. A window of n counts holds the count
+        # itself, which hides 1/n of its departure: each square is scaled by n / (n - 1) (the
+        # end counts, windows of 1, say nothing).
+        squares = [(x - m) ** 2 * (2 * w + 1) / (2 * w) for x, m, w in zip(logs, self.smooth, widths) if w]
+        self.noise = math.sqrt(sum(squares) / len(squares)) if squares else 0.0
 
-    def factor(self, i: int) -> float:
-        """What fitting did to count i's figure (full / smoothed plain), in log space."""
-        return math.log(max(self.full[i], 1e-300)) - self.smooth[i]
-
-    def predicted(self, i: int) -> float:
-        """Count i's full figure as predicted: its plain figure (smoothed: the mean log of the
-        SMOOTH counts on either side and its own) scaled by the fit factor's trend, the line (in
-        log, over the index) through the built counts around i, or beyond them through the lowest
-        and highest built counts (the widest base: neighbours' noise makes a wild slope);
-        constant while one count is built. A steady trend (a plain figure and a fit
-        factor each exponential in the index) is predicted exactly once two counts are built."""
+    def base(self, i: int) -> tuple[int, int, float] | None:
+        """The two built counts the line for count i goes through (those around it, or beyond
+        them the lowest and highest: the widest base, as neighbours' noise makes a wild slope)
+        and i's place on it, in smoothed log plain figure (0 at the first, 1 at the second, beyond
+        them outside [0, 1]); None while fewer than two counts are built."""
         built = sorted(self.full)
-        if not built:
-            return self.plain[i]
-        if i in self.full:
-            return self.full[i]
-        if len(built) == 1:
-            return math.exp(self.smooth[i] + self.factor(built[0]))
+        if len(built) < 2:
+            return None
         below, above = [j for j in built if j < i], [j for j in built if j > i]
         a, b = (below[-1], above[0]) if below and above else (built[0], built[-1])
-        w = (i - a) / (b - a)
-        return math.exp(self.smooth[i] + (1 - w) * self.factor(a) + w * self.factor(b))
+        span = self.smooth[b] - self.smooth[a]
+        w = (self.smooth[i] - self.smooth[a]) / span if span else (i - a) / (b - a)
+        # between two builds whose smoothed plain figures are out of order or close, w would be a
+        # wild extrapolation: a count between them is taken to lie between them
+        return a, b, min(1.0, max(0.0, w)) if below and above else w
+
+    def predicted(self, i: int) -> float:
+        """Count i's full figure as predicted: measured where built; else the line, in log, of the
+        full figure over the plain one (smoothed: the mean log of the SMOOTH counts on either side
+        and its own), through two built counts (Search.base): fitting damps what the selection
+        loses as a power of it; with one build, the plain figure times that build's fit factor.
+        A steady trend (plain figure and fit factor each exponential in the count's order) is
+        predicted exactly once two counts are built."""
+        if i in self.full:
+            return self.full[i]
+        if not self.full:
+            return self.plain[i]
+        if (line := self.base(i)) is None:
+            j = next(iter(self.full))
+            return math.exp(self.smooth[i] + math.log(max(self.full[j], 1e-300)) - self.smooth[j])
+        a, b, w = line
+        fa, fb = (math.log(max(self.full[j], 1e-300)) for j in (a, b))
+        return math.exp(fa + w * (fb - fa))
+
+    def margin(self, i: int) -> float:
+        """How far (log) count i's measured figure may lie from its prediction by noise alone:
+        its own noise, and that of the builds the prediction leans on (a line through two noisy
+        points, whose error grows beyond them); 0 where built."""
+        if i in self.full:
+            return 0.0
+        line = self.base(i)
+        lean = 1.0 if line is None else (1 - line[2]) ** 2 + line[2] ** 2
+        return self.noise * math.sqrt(1 + lean)
+
+    def meets(self, i: int) -> bool:
+        """Whether count i is predicted to meet the target by more than its noise margin."""
+        return self.predicted(i) * math.exp(self.margin(i)) <= self.max_kl
+
+    def within_noise(self, i: int) -> bool:
+        """Whether count i is predicted within its noise margin of the target, either side: a
+        build could measure it either side."""
+        return abs(math.log(self.predicted(i) / self.max_kl)) < self.margin(i)
 
     def rising(self) -> list[str]:
         """Where the plain figure rises with the count (the search assumes it falls)."""
@@ -131,17 +175,17 @@ class Search:
 
     def probe_after(self, lo: int, hi: int | None) -> int:
         """The next count to build, the answer known to lie in (lo, hi] (hi None: above lo, if
-        anywhere): the smallest count predicted to meet the target; where none is, the count
-        right below hi (to see it miss), or the largest count."""
+        anywhere): the smallest count predicted to meet the target beyond noise (Search.meets);
+        where none is, the count right below hi (to see it miss), or the largest count."""
         end = len(self.counts) if hi is None else hi
-        return next((i for i in range(lo + 1, end) if self.predicted(i) <= self.max_kl), end - 1)
+        return next((i for i in range(lo + 1, end) if self.meets(i)), end - 1)
 
     def run(self, build: Callable[[int], float]) -> int | None:
         """Full builds (`build(i)`: count i's fitted KL) until the answer is known: the index of
         the smallest count meeting the target, None when none does. The first build is the
         smallest count (the cheapest fits); after `budget` builds, the smallest count measured
-        to meet the target once every count below it down to the largest seen to miss is
-        predicted to miss, whether or not the one right below it was built (gap())."""
+        to meet the target once no count below it down to the largest seen to miss is predicted
+        to meet it beyond noise, whether or not the one right below it was built (gap())."""
         lo, hi, probe, top = -1, None, 0, len(self.counts) - 1
         while True:
             self.full[probe] = kl = build(probe)
@@ -157,9 +201,9 @@ class Search:
             probe = self.probe_after(lo, hi)
 
     def hopes(self, lo: int, hi: int) -> bool:
-        """Whether a count between lo and hi is predicted to meet the target (with what the last
-        build taught: where it was not predicted, the budget does not stop the search)."""
-        return any(self.predicted(i) <= self.max_kl for i in range(lo + 1, hi))
+        """Whether a count between lo and hi is predicted to meet the target beyond noise (with
+        what the last build taught: where it was not predicted, the budget does not stop the search)."""
+        return any(self.meets(i) for i in range(lo + 1, hi))
 
     def gap(self, chosen: int) -> list[int]:
         """The counts right below the chosen one, down to the largest built one, that were not
@@ -248,7 +292,8 @@ def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict
         reached = min(search.full.items(), key=lambda item: item[1])
         raise FidelityTargetNotMet(f"--experts auto: no expert count reaches KL <= {search.max_kl:g} (best KL "
                                    f"{reached[1]:.4g} with {search.counts[reached[0]]} experts); full builds "
-                                   f"{', '.join(built)}; {notes[0].split(': ', 1)[1]}; raise --max-kl or the device budget")
+                                   f"{', '.join(built)}{_within_note(search, range(len(search.counts)))}; "
+                                   f"{notes[0].split(': ', 1)[1]}; raise --max-kl or the device budget")
     notes.append(f"chose {search.counts[chosen]}; {len(built)} full build(s) with fits, in order: {', '.join(built)}")
     if gap := search.gap(chosen):
         notes.append(_gap_note(search, chosen, gap))
@@ -257,13 +302,24 @@ def _search_full(ckpt, layout, calibration, options, search: Search, plans: dict
 
 
 def _gap_note(search: Search, chosen: int, gap: list[int]) -> str:
-    """What the budget left unbuilt below the chosen count, and what the fit factor's trend predicts there."""
+    """What the budget left unbuilt below the chosen count, what the fit factor's trend predicts
+    there, and which of those counts it judged within noise of the target."""
     counts, below = search.counts, gap[0] - 1
     missed = f"{counts[below]} missed it" if below >= 0 else "no smaller count was built"
     return (f"after {len(search.full)} full builds the smallest count measured to meet the target was chosen; "
             f"{missed}, and {', '.join(str(counts[i]) for i in gap)} between were not built (predicted KL "
-            f"{', '.join(f'{search.predicted(i):.3g}' for i in gap)} from the fit factor's trend, all missing "
-            f"it): if one of them met it, it would have been the answer")
+            f"{', '.join(f'{search.predicted(i):.3g}' for i in gap)} from the fit factor's trend, none meeting "
+            f"it beyond noise: the plain figures' scatter is {search.noise:.2g} in log){_within_note(search, gap)}: "
+            f"if one of them met it, it would have been the answer")
+
+
+def _within_note(search: Search, indices) -> str:
+    """The unbuilt counts among `indices` whose predicted figure lies within its noise margin of the
+    target (a build could measure it either side), with that figure and margin."""
+    within = [i for i in indices if i not in search.full and search.within_noise(i)]
+    named = (f"{search.counts[i]} (predicted KL {search.predicted(i):.3g}, noise x{math.exp(search.margin(i)):.2f})"
+             for i in within)
+    return f"; judged within noise of the target: {', '.join(named)}" if within else ""
 
 
 def _impossible(why: dict[int, str]) -> str:
