@@ -20,6 +20,7 @@ of the same command builds and runs nothing), and DIR holds one triage (processe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -32,9 +33,9 @@ from moe_proxy.investigate.bisect import ProbeSettings, bisect, sources
 from moe_proxy.investigate.catalogue import Fix, pick, suggested
 from moe_proxy.investigate.diagnose import OWN_FLAGS, changed_settings, diagnose, repro_config
 from moe_proxy.investigate.processes import claim_out
-from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.metrics.readers import ReadOptions, RunFollower
-from moe_proxy.metrics.verdict import stop_reason
+from moe_proxy.metrics.detect import Signature
+from moe_proxy.metrics.incident import RunWatcher
+from moe_proxy.metrics.readers import ReadOptions
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +71,29 @@ class TriageSettings:
 
 @dataclass
 class Detection:
-    """What the original's metrics say: the failing step (None: the failure asked for is not in
-    the log), the onset's detail, the steps read and the failures seen besides."""
+    """What the original's metrics say: the failure the loop investigates (`signature`: the one
+    asked for, or `nan` when a NaN came before any of it: metrics.incident's rule, a NaN is never
+    a clean log), its onset (failing_step None: no failure in the log), the detector's line, the
+    steps read and the failures seen besides, up to the failure's detection."""
 
+    asked: str  # --fail-on, as Signature.parse names it
     signature: str
     failing_step: int | None
     detail: str
     steps_read: int
     last_step: int | None
     also_seen: dict[str, int] = field(default_factory=dict)
-    stopped: str | None = None  # why the detector stopped reading (a NaN first: later steps mean nothing)
     unjudged: str | None = None  # why the log cannot show the failure asked for (its metrics lack it), or None
     rows: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
+
+    @property
+    def instead(self) -> bool:
+        """A NaN came first: the loop investigates it, not the failure asked for."""
+        return self.signature != self.asked
+
+    def what(self) -> str:
+        """The failure in words: "overflow", or "nan (no overflow before it)"."""
+        return f"{self.signature} (no {self.asked} before it)" if self.instead else self.signature
 
     def as_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "rows"}
@@ -91,21 +103,29 @@ class Detection:
 
 
 def detect(metrics: str, fail_on: str, read: ReadOptions | None = None, store_options: dict | None = None) -> Detection:
-    """The original's rows fed to the detectors in step order, as watch feeds them, until the
-    failure asked for (or a NaN: later steps mean nothing) is seen. `metrics`: a local path or an
-    s3:// location (`store_options`: storage.open_store's keyword arguments)."""
-    signature = Signature.parse(fail_on)
-    rows = read_log(metrics, read, store_options)
-    detector = FailureDetector(Thresholds(), extra=[signature] if signature.metric else [])
-    stopped = None
-    for step in sorted(rows):
-        detector.update(step, rows[step])
-        if stopped := stop_reason(detector, signature):
-            break
-    onset = detector.onsets.get(signature.name)
-    others = {name: o.step for name, o in detector.onsets.items() if name != signature.name}
-    return Detection(signature.name, onset.step if onset else None, onset.line(signature.name) if onset else "",
-                     len(rows), max(rows), others, stopped, unjudged(signature, rows), rows)
+    """The original's complete steps (as watch reads them: a JSON line still being written waits
+    for a later call; a TensorBoard log's newest step is taken) judged by the operator's
+    watched-run rule, metrics.incident.RunWatcher: the earliest onset of `fail_on` or of a NaN.
+    `metrics`: a local path or an s3:// location (`store_options`: storage.open_store's keyword
+    arguments)."""
+    asked = Signature.parse(fail_on)
+    watcher = RunWatcher(metrics, [fail_on], read, store_options, keep_rows=True)
+    failure = watcher.poll(newest=True)
+    rows = watcher.rows
+    if not rows:
+        raise MalformedMetrics(f"{metrics}: no steps logged (or no such file or directory)")
+    # the failures seen besides, up to the failure's detection (after a NaN, steps mean nothing)
+    upto = max(rows) if failure is None else _seen(failure)
+    others = {name: o.step for name, o in watcher.detector.onsets.items()
+              if (failure is None or name != failure.signature) and _seen(o) <= upto}
+    return Detection(asked.name, failure.signature if failure else asked.name, failure.step if failure else None,
+                     failure.reason if failure else "", len(rows), max(rows), others, unjudged(asked, rows),
+                     dict(sorted(rows.items())))
+
+
+def _seen(onset) -> int:
+    """The step a detection completed at (an Onset's or a RunFailure's `seen`; None: its onset)."""
+    return onset.step if onset.seen is None else onset.seen
 
 
 def unjudged(signature: Signature, rows: dict[int, dict[str, float]]) -> str | None:
@@ -117,20 +137,6 @@ def unjudged(signature: Signature, rows: dict[int, dict[str, float]]) -> str | N
     if signature.metric:
         return None if signature.metric in names else f"{signature.metric} is not in the log"
     return coverage(names)[1].get(signature.name)
-
-
-def read_log(metrics: str, read: ReadOptions | None = None, store_options: dict | None = None
-             ) -> dict[int, dict[str, float]]:
-    """The log's complete steps, finished or still growing, under the detectors' names (as watch
-    reads it, readers.RunFollower): a jsonl line still being written is left for a later call; a
-    TensorBoard log's newest step is taken too (a finished run has no later one to wait for)."""
-    follower = RunFollower(metrics, read, store_options=store_options)
-    rows: dict[int, dict[str, float]] = {}
-    for step, values in follower.rows() + (follower.rows(final=True) if follower.format != "jsonl" else []):
-        rows.setdefault(step, {}).update(values)
-    if not rows:
-        raise MalformedMetrics(f"{metrics}: no steps logged (or no such file or directory)")
-    return dict(sorted(rows.items()))
 
 
 # --- 2. bisect ---------------------------------------------------------------------------------
@@ -215,14 +221,18 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
     (BisectStopped, BaselineFailed, processes.Interrupted) pass through, their partial reports
     written in DIR/bisect or DIR/diagnose."""
     out, started = Path(out), time.monotonic()
-    candidates, why = candidates_for(Signature.parse(s.probe.fail_on).name, s.candidates, s.probe.repro_flags)
-    if not candidates:
-        raise MoeProxyError(f"every candidate the catalogue names for {s.probe.fail_on} changes none of the baseline's "
-                            "settings: give --candidates or --candidate")
-    check_candidates(s.probe.repro_flags, candidates)
+    if s.candidates:  # those given are checked before the log is read
+        check_candidates(s.probe.repro_flags, s.candidates)
     found = detect(s.metrics, s.probe.fail_on, s.read, store_options)
+    candidates, why = candidates_for(found.signature, s.candidates, s.probe.repro_flags)
+    if not candidates:
+        raise MoeProxyError(f"every candidate the catalogue names for {found.signature} changes none of the "
+                            "baseline's settings: give --candidates or --candidate")
+    check_candidates(s.probe.repro_flags, candidates)
     claim_out(out, "triage", s.recorded(), TRIAGE_OUTPUTS, replace)
-    report = {"metrics": s.metrics, "checkpoints": s.prefix, "signature": found.signature,
+    if found.instead:  # a NaN came first: the probes and the diagnosis judge on it (repro --fail-on nan)
+        s = dataclasses.replace(s, probe=dataclasses.replace(s.probe, fail_on=found.signature))
+    report = {"metrics": s.metrics, "checkpoints": s.prefix, "asked": found.asked, "signature": found.signature,
               "failing_step": found.failing_step, "detection": found.as_json(), "first_bad": None, "fixed_by": [],
               "candidates": why, "bisect_report": None, "diagnose_report": None}
     log.info("triage: %s: %s", s.metrics, _detected(found))
@@ -230,7 +240,7 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
         return finish(out, found, {**report, "state": STATE_NO_FAILURE, "answer": _no_failure(found)}, started)
     listed = before_failure(s, found.failing_step, store_options)
     if not listed:
-        return finish(out, found, {**report, **_none_before(s.prefix, found.failing_step)}, started)
+        return finish(out, found, {**report, **_none_before(s.prefix, found)}, started)
     log.info("triage: bisecting %d checkpoint(s), steps %d..%d, up to the failing step %d", len(listed),
              listed[0].step, listed[-1].step, found.failing_step)
     bisection = (bisect(s.prefix, out / "bisect", s.probe, pattern=s.pattern, step_regex=s.step_regex,
@@ -261,7 +271,7 @@ def diagnose_first_bad(s: TriageSettings, out: Path, step: int, candidates: list
 
 def _detected(found: Detection) -> str:
     if found.failing_step is not None:
-        return f"{found.signature} from step {found.failing_step} ({found.detail}; {found.steps_read} steps read)"
+        return f"{found.what()} from step {found.failing_step} ({found.detail}; {found.steps_read} steps read)"
     return _no_failure(found)
 
 
@@ -269,8 +279,7 @@ def _no_failure(found: Detection) -> str:
     seen = "; ".join(f"{n} at step {t}" for n, t in sorted(found.also_seen.items(), key=lambda i: i[1]))
     return (f"no {found.signature} in the {found.steps_read} steps logged (to step {found.last_step})"
             + (f" (it cannot be judged from this log: {found.unjudged})" if found.unjudged else "")
-            + (f"; seen: {seen}" if seen else "") + (f"; {found.stopped}" if found.stopped else "")
-            + ": nothing to bisect, nothing was built")
+            + (f"; seen: {seen}" if seen else "") + ": nothing to bisect, nothing was built")
 
 
 def probe_only(s: TriageSettings, out: Path, checkpoint) -> dict:
@@ -288,9 +297,10 @@ def probe_only(s: TriageSettings, out: Path, checkpoint) -> dict:
     return report
 
 
-def _none_before(prefix: str, failing_step: int) -> dict:
-    return {"state": STATE_BEFORE_CHECKPOINTS, "answer": f"the failure began at step {failing_step}, before any "
-            f"complete checkpoint under {prefix}: no checkpoint can carry it; nothing was built"}
+def _none_before(prefix: str, found: Detection) -> dict:
+    return {"state": STATE_BEFORE_CHECKPOINTS, "answer": f"the failure, {found.what()}, began at step "
+            f"{found.failing_step}, before any complete checkpoint under {prefix}: no checkpoint can carry it; "
+            "nothing was built"}
 
 
 def _first_bad(bisection: dict) -> dict | None:
@@ -302,15 +312,23 @@ def _first_bad(bisection: dict) -> dict | None:
 
 
 def _not_reproduced(found: Detection, bisection: dict) -> str:
-    return (f"{found.signature} at step {found.failing_step} in the original, but no checkpoint's proxy reproduces it "
+    return (f"{_onset(found.signature, found.asked, found.failing_step)}, but no checkpoint's proxy reproduces it "
             f"({bisection['boundary']}): nothing to diagnose")
+
+
+def _onset(signature: str, asked: str, step: int) -> str:
+    """The failure at the head of an answer: "overflow at step 25 of the original", or, a NaN
+    first, "failed on nan at step 12 of the original (no overflow before it)"."""
+    if signature == asked:
+        return f"{signature} at step {step} of the original"
+    return f"failed on {signature} at step {step} of the original (no {asked} before it)"
 
 
 def answer(report: dict, diagnosis: dict) -> str:
     """The answer in one paragraph: where the failure began, what cures it, what does not."""
-    first = report["first_bad"]
-    head = (f"{report['signature']} at step {report['failing_step']} of the original; fails from checkpoint "
-            f"{first['index']} of {first['of']} (step {first['step']})")
+    first, signature, asked = report["first_bad"], report["signature"], report["asked"]
+    head = (f"{_onset(signature, asked, report['failing_step'])}; fails from checkpoint {first['index']} of "
+            f"{first['of']} (step {first['step']})")
     if diagnosis.get("stopped"):
         return f"{head}; but the diagnosis's baseline did not reproduce it ({diagnosis['stopped']})"
     verdicts = {n: c["verdict"] for n, c in diagnosis["candidates"].items()}
