@@ -54,6 +54,12 @@ def test_triage_finds_the_first_bad_checkpoint_and_its_fixes(triaged, run):
     cost = report["cost"]
     assert (cost["builds"], cost["probes"], cost["probe_runs"], cost["candidate_runs"]) == (2, 2, 2, 3)
     assert cost["rl_steps"] >= 3 and cost["device_hours"] > 0 and cost["original_steps"] > 0
+    # one cost rule (sizing.run_device_hours): bisect's report and triage's price the same probes alike,
+    # each run by the steps it completed, at the fp16 it ran at
+    assert bisection["cost"]["precision"] == "fp16" and cost["probe_device_hours"] == bisection["cost"]["device_hours"]
+    completed = [o["steps_completed"] for p in bisection["probes"] for o in p["seeds"].values()]
+    assert bisection["cost"]["device_hours"] == pytest.approx(sum(completed) * cost["proxy_device_hours_per_step"])
+    assert cost["device_hours"] == pytest.approx(cost["rl_steps"] * cost["proxy_device_hours_per_step"])  # fp16, bf16
     md = (out / "report.md").read_text()
     assert md.startswith("# Triage") and "fails from checkpoint 2 of 2 (step 20); fixed by bf16; not by lower-lr" in md
     assert {"original.png", "matrix.png", "curves.png"} <= {p.name for p in out.iterdir()}

@@ -245,18 +245,18 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
              listed[0].step, listed[-1].step, found.failing_step)
     bisection = (bisect(s.prefix, out / "bisect", s.probe, pattern=s.pattern, step_regex=s.step_regex,
                         bad=listed[-1].step, store_options=store_options, parallel=s.parallel)
-                 if len(listed) > 1 else probe_only(s, out / "bisect", listed[0]))
+                 if len(listed) > 1 else probe_only(s, out / "bisect", listed[0], store_options))
     report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
                "boundary": bisection["boundary"]}
     if bisection["first_bad"] is None:
-        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "cost": loop_cost(s, bisection, None),
+        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "cost": loop_cost(s, out, bisection, None, store_options),
                                    "answer": _not_reproduced(found, bisection)}, started)
     proxy, diagnosis = diagnose_first_bad(s, out, bisection["first_bad"]["step"], candidates)
     report |= {"proxy": str(proxy), "diagnose_report": str(out / "diagnose" / "report.json"),
                "fixed_by": diagnosis["fixed_by"], "fixed_with_other_failures": diagnosis["fixed_with_other_failures"],
                "verdicts": {n: {"verdict": c["verdict"], "note": c["note"]}
                             for n, c in diagnosis["candidates"].items()},
-               "cost": loop_cost(s, bisection, diagnosis, proxy)}
+               "cost": loop_cost(s, out, bisection, diagnosis, store_options)}
     state = STATE_NOT_CURED if diagnosis.get("stopped") else STATE_DIAGNOSED
     return finish(out, found, {**report, "state": state, "answer": answer(report, diagnosis)}, started)
 
@@ -282,17 +282,18 @@ def _no_failure(found: Detection) -> str:
             + (f"; seen: {seen}" if seen else "") + ": nothing to bisect, nothing was built")
 
 
-def probe_only(s: TriageSettings, out: Path, checkpoint) -> dict:
+def probe_only(s: TriageSettings, out: Path, checkpoint, store_options: dict | None = None) -> dict:
     """One checkpoint before the failure: nothing to search, its probe alone (bisect's probe, in
     the bisection's --out as bisect would make it, so a rerun reuses it); the bisection's findings."""
-    from moe_proxy.investigate.bisect import BISECTION_FILES, findings, probe, said
+    from moe_proxy.investigate.bisect import BISECTION_FILES, findings, probe, probes_cost, said
 
     claim_out(out, "bisect", {"prefix": s.prefix, **asdict(s.probe)}, BISECTION_FILES)
     log.info("triage: one checkpoint before the failure (step %d): its probe alone", checkpoint.step)
     p = probe(checkpoint, out, s.probe)
     log.info("probe 1: step %d: %s%s", p.step, said(p), " (reused)" if p.reused else "")
+    found = findings(0 if p.reproduced else None, [(0, p)], [checkpoint])
     report = {"prefix": s.prefix, "fail_on": s.probe.fail_on, "checkpoints": [checkpoint.step], "status": "complete",
-              **findings(0 if p.reproduced else None, [(0, p)], [checkpoint]), "settings": asdict(s.probe)}
+              **found, "cost": probes_cost(found, out, s.probe, store_options), "settings": asdict(s.probe)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -345,52 +346,60 @@ def answer(report: dict, diagnosis: dict) -> str:
 # --- what the loop cost ------------------------------------------------------------------------
 
 
-def loop_cost(s: TriageSettings, bisection: dict, diagnosis: dict | None, proxy: Path | None = None) -> dict:
+def loop_cost(s: TriageSettings, out: Path, bisection: dict, diagnosis: dict | None,
+              store_options: dict | None = None) -> dict:
     """What the loop spent: proxy builds, probes, runs and RL steps (reused ones counted, and
-    said), and device-hours by plan's cost model (sizing.estimate: the proxy's device-hours per
-    RL step of plan's default shape, times the steps run) against one step of the original."""
+    said), and device-hours by sizing's RUN_COST_RULE, the rule bisect's report prices its probes
+    by: each run's completed steps x the proxy's device-hours per step at the precision it ran at
+    (a candidate that changes the precision is priced at its own), against one step of the
+    original."""
     probes = bisection["probes"]
-    probe_runs = [o for p in probes for o in p["seeds"].values()]
-    variants = [diagnosis["baseline"], *diagnosis["candidates"].values()] if diagnosis else []
-    runs = [o for v in variants for o in v["seeds"].values()]
-    steps = sum(o.get("steps_completed", 0) for o in probe_runs + runs)
-    out = {"builds": bisection["builds"], "calibrations": bisection["builds"] if s.probe.calibrate_flags else 0,
-           "probes": len(probes), "probe_runs": len(probe_runs), "candidate_runs": len(runs), "rl_steps": steps,
-           "reused": {"probes": sum(bool(p["reused"]) for p in probes),
-                      "runs": sum(bool(o.get("reused")) for o in probe_runs + runs)}}
-    return out | device_hours(s, bisection, steps, proxy)
+    base = repro_config(s.probe.repro_flags).precision
+    probe_runs = [(base, o) for p in probes for o in p["seeds"].values()]
+    candidates = list(diagnosis["candidates"].values()) if diagnosis else []
+    variants = ([(base, diagnosis["baseline"])] if diagnosis else []) + [
+        ((c.get("changes") or {}).get("precision", base), c) for c in candidates]  # a candidate's own precision
+    runs = [(precision, o) for precision, v in variants for o in v["seeds"].values()]
+    steps = sum(o.get("steps_completed", 0) for _, o in probe_runs + runs)
+    cost = {"builds": bisection["builds"], "calibrations": bisection["builds"] if s.probe.calibrate_flags else 0,
+            "probes": len(probes), "probe_runs": len(probe_runs), "candidate_runs": len(runs), "rl_steps": steps,
+            "reused": {"probes": sum(bool(p["reused"]) for p in probes),
+                       "runs": sum(bool(o.get("reused")) for _, o in probe_runs + runs)}}
+    return cost | device_hours(s, out, bisection, probe_runs, runs, store_options)
 
 
-def device_hours(s: TriageSettings, bisection: dict, steps: int, proxy: Path | None) -> dict:
-    """The loop's RL steps in device-hours by plan's model, against one step of the original (the
-    first bad checkpoint's config, or the last probed; the proxy's expert count from its manifest
-    when it was built, else the build flags'). Builds are not in the model: they run on CPUs."""
-    from moe_proxy.checkpoint.reader import open_checkpoint
-    from moe_proxy.investigate.bisect import build_options
-    from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, estimate
+def device_hours(s: TriageSettings, out: Path, bisection: dict, probe_runs: list[tuple[str, dict]],
+                 runs: list[tuple[str, dict]], store_options: dict | None) -> dict:
+    """The runs ((precision, outcome) each) in device-hours by sizing.run_device_hours, priced by
+    the plan bisect prices its probes by (bisect.probe_plan of the first bad probe's proxy, else
+    the last probed), against one step of the original at the baseline's precision.
+    `probe_device_hours`, the probes' part, is bisect's report's own `cost.device_hours`."""
+    from moe_proxy.investigate.bisect import probe_plan
+    from moe_proxy.sizing import RUN_COST_RULE, run_device_hours
 
     probes = bisection["probes"]
-    uri = (bisection["first_bad"] or {}).get("checkpoint") or (probes[0]["checkpoint"] if probes else None)
-    if uri is None:
+    if not probes:
         return {"device_hours": None, "device_hours_note": "no probe ran"}
-    options = build_options(s.probe.build_flags)
-    experts, keep, top_k = options.experts, options.keep_ratio, options.top_k
-    if proxy is not None:
-        manifest = json.loads((proxy / "proxy-manifest.json").read_text())
-        experts, keep, top_k = manifest["experts"]["after"], None, manifest["experts"]["top_k_after"]
-    if not isinstance(experts, int) and keep is None:
-        return {"device_hours": None, "device_hours_note": f"--experts {experts}: no fixed expert count to plan"}
-    precision = repro_config(s.probe.repro_flags).precision
-    plan = estimate(open_checkpoint(uri).config, SizingOptions(
-        experts=experts, keep_ratio=keep, top_k=top_k,
-        precision=precision if precision in BYTES_PER_PARAM else "bf16"))
-    per_step = plan.proxy.device_hours_per_step
-    original = plan.original.device_hours_per_step
-    return {"device_hours": steps * per_step, "proxy_device_hours_per_step": per_step,
-            "original_device_hours_per_step": original, "original_steps": steps * per_step / original,
-            "device_hours_model": f"moe-proxy plan's model: {plan.accelerator}, {plan.precision}, the default RL "
-                                  f"step shape; proxy {plan.proxy.devices} devices, original {plan.original.devices}; "
-                                  "builds and calibrations run on CPUs and are not counted"}
+    priced = bisection["first_bad"] or probes[-1]
+    proxy = out / "bisect" / "probes" / f"step-{priced['step']}" / "proxy"
+    base = repro_config(s.probe.repro_flags).precision
+    plans = {p: probe_plan(priced["checkpoint"], s.probe, store_options, proxy, p)
+             for p in {base, *(p for p, _ in runs)}}
+    if plans[base] is None:
+        return {"device_hours": None, "device_hours_note": f"{' '.join(s.probe.build_flags)}: no fixed expert count "
+                                                           "to plan"}
+
+    def hours(priced_runs: list[tuple[str, dict]]) -> float:
+        return sum(run_device_hours(plans[p].proxy.device_hours_per_step, o.get("steps_completed", 0))
+                   for p, o in priced_runs)
+
+    plan = plans[base]
+    total, original = hours(probe_runs + runs), plan.original.device_hours_per_step
+    return {"device_hours": total, "probe_device_hours": hours(probe_runs),
+            "proxy_device_hours_per_step": plan.proxy.device_hours_per_step,
+            "original_device_hours_per_step": original, "original_steps": total / original,
+            "device_hours_model": f"{RUN_COST_RULE}; {plan.accelerator}, the default RL step shape, the baseline "
+                                  f"{base}; proxy {plan.proxy.devices} devices, original {plan.original.devices}"}
 
 
 # --- 4. report ---------------------------------------------------------------------------------
@@ -476,6 +485,7 @@ def cost_line(c: dict) -> str:
     if reused["probes"] or reused["runs"]:
         said += f" ({reused['probes']} probes and {reused['runs']} runs reused from an earlier call)"
     if c.get("device_hours") is not None:
-        said += (f"; {c['device_hours']:.4g} device-hours, {c['original_steps']:.3g} steps of the original "
+        said += (f"; {c['device_hours']:.4g} device-hours ({c['probe_device_hours']:.4g} of them the probes'), "
+                 f"{c['original_steps']:.3g} steps of the original "
                  f"({c['original_device_hours_per_step']:.4g} device-hours each) by {c['device_hours_model']}")
     return said + "."
