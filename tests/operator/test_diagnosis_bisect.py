@@ -380,8 +380,9 @@ def _bisect_in_rounds(n: int, bad_from: int, parallelism: int, unjudged: frozens
                 bad = p["index"] >= bad_from
                 seen[p["workload"]] = Outcome(SUCCEEDED, report={
                     "reproduced": bad, "signature": "overflow" if bad else None, "step": 0 if bad else None,
-                    "steps_completed": 1 if bad else steps} | ({"stopped": "loss or weights are NaN", "also_seen": {"nan": 0}}
-                                             if p["index"] in unjudged else {}))
+                    "steps_completed": 1 if bad else steps} | (
+                        {"stopped": "loss or weights are NaN", "also_seen": {"nan": 0}} if p["index"] in unjudged
+                        else {}))
         decision = progress(body, None, seen, Settings(), children=children)
         body = _apply(body, decision)
         for _, manifest in decision.create:

@@ -2,17 +2,19 @@
 
 Top-down, one step feeding the next:
 1. detect: the original run's own metrics (any format metrics/readers.py reads, finished or still
-   growing: what is complete now), judged by the detectors repro and watch use (metrics/detect.py);
-   the failing step is the first step of the asked-for failure (its onset). No failure: nothing
-   is built, and the report says so.
+   growing: what is complete now), judged by the operator's watched-run rule itself
+   (metrics.incident.RunWatcher: the detectors of repro and watch, metrics/detect.py): the failure
+   is the earliest onset of the one asked for or of a NaN (a NaN is never a clean log; a NaN first
+   is what the loop investigates, on `nan`, and the answer says the other was not seen before
+   it). No failure: nothing is built, and the report says so.
 2. bisect: the run's complete checkpoints up to the failing step (investigate/bisect.py's own
    bisect(), into DIR/bisect): the first checkpoint whose proxy reproduces the failure.
 3. diagnose: on that probe's proxy (the bisection's own, never built again), the candidates the
    catalogue names for the signature (catalogue.suggested) or the ones given, into DIR/diagnose.
 4. report: DIR/report.json and report.md (the answer first), the pictures (the original's
    metrics with the failing step marked, diagnose's matrix and curves) and what the loop cost:
-   builds, probes, runs and device-hours by `plan`'s cost model (sizing.py) against one step of
-   the original by the same model.
+   builds, probes, runs and device-hours by the one run-cost rule (sizing.run_device_hours, as
+   bisect's report prices its probes) against one step of the original by the same model.
 
 A rerun resumes: bisect and diagnose reuse their records in DIR/bisect and DIR/diagnose (a rerun
 of the same command builds and runs nothing), and DIR holds one triage (processes.claim_out).
@@ -249,8 +251,8 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
     report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
                "boundary": bisection["boundary"]}
     if bisection["first_bad"] is None:
-        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "cost": loop_cost(s, out, bisection, None, store_options),
-                                   "answer": _not_reproduced(found, bisection)}, started)
+        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "answer": _not_reproduced(found, bisection),
+                                   "cost": loop_cost(s, out, bisection, None, store_options)}, started)
     proxy, diagnosis = diagnose_first_bad(s, out, bisection["first_bad"]["step"], candidates)
     report |= {"proxy": str(proxy), "diagnose_report": str(out / "diagnose" / "report.json"),
                "fixed_by": diagnosis["fixed_by"], "fixed_with_other_failures": diagnosis["fixed_with_other_failures"],
