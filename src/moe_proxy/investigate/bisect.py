@@ -540,10 +540,7 @@ def probes_cost(found: dict, out: Path, s: ProbeSettings, store_options: dict | 
     reused probes are counted. None when nothing can be priced (no probe, no fixed count)."""
     from moe_proxy.sizing import RUN_COST_RULE, run_device_hours
 
-    if not found["probes"]:
-        return None
-    priced = found["first_bad"] or found["probes"][-1]
-    plan = probe_plan(priced["checkpoint"], s, store_options, out / "probes" / f"step-{priced['step']}" / "proxy")
+    plan = pricing_plan(found, out, s, store_options)
     if plan is None:
         return None
     per_step = plan.proxy.device_hours_per_step
@@ -553,6 +550,18 @@ def probes_cost(found: dict, out: Path, s: ProbeSettings, store_options: dict | 
             "original_devices": plan.original.devices, "probes": len(found["probes"]), "runs": len(steps),
             "steps": sum(steps), "device_hours": sum(run_device_hours(per_step, n) for n in steps),
             "model": RUN_COST_RULE}
+
+
+def pricing_plan(found: dict, out: Path, s: ProbeSettings, store_options: dict | None = None,
+                 precision: str | None = None):
+    """The plan a bisection's runs are priced by (probe_plan): that of its first bad probe's
+    proxy, else its last probed (`found`: findings, or a report holding them; `out`: its --out),
+    at `precision` (default the probes' runs'). None: no probe, or no fixed expert count."""
+    if not found["probes"]:
+        return None
+    priced = found["first_bad"] or found["probes"][-1]
+    return probe_plan(priced["checkpoint"], s, store_options, out / "probes" / f"step-{priced['step']}" / "proxy",
+                      precision)
 
 
 def rounds_of(rounds: list[tuple[str, list[int]]], checkpoints: list) -> dict:

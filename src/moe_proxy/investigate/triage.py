@@ -373,19 +373,16 @@ def loop_cost(s: TriageSettings, out: Path, bisection: dict, diagnosis: dict | N
 def device_hours(s: TriageSettings, out: Path, bisection: dict, probe_runs: list[tuple[str, dict]],
                  runs: list[tuple[str, dict]], store_options: dict | None) -> dict:
     """The runs ((precision, outcome) each) in device-hours by sizing.run_device_hours, priced by
-    the plan bisect prices its probes by (bisect.probe_plan of the first bad probe's proxy, else
-    the last probed), against one step of the original at the baseline's precision.
-    `probe_device_hours`, the probes' part, is bisect's report's own `cost.device_hours`."""
-    from moe_proxy.investigate.bisect import probe_plan
+    the plan bisect prices its probes by (bisect.pricing_plan), against one step of the original
+    at the baseline's precision. `probe_device_hours`, the probes' part, is bisect's report's own
+    `cost.device_hours`."""
+    from moe_proxy.investigate.bisect import pricing_plan
     from moe_proxy.sizing import RUN_COST_RULE, run_device_hours
 
-    probes = bisection["probes"]
-    if not probes:
+    if not bisection["probes"]:
         return {"device_hours": None, "device_hours_note": "no probe ran"}
-    priced = bisection["first_bad"] or probes[-1]
-    proxy = out / "bisect" / "probes" / f"step-{priced['step']}" / "proxy"
     base = repro_config(s.probe.repro_flags).precision
-    plans = {p: probe_plan(priced["checkpoint"], s.probe, store_options, proxy, p)
+    plans = {p: pricing_plan(bisection, out / "bisect", s.probe, store_options, p)
              for p in {base, *(p for p, _ in runs)}}
     if plans[base] is None:
         return {"device_hours": None, "device_hours_note": f"{' '.join(s.probe.build_flags)}: no fixed expert count "
