@@ -12,9 +12,10 @@ inconclusive, never clean: the search steps around it and status.inconclusive na
 seed per probe (the CLI's --seeds is not yet the Diagnosis's). spec.parallelism probes a round
 (the CLI's --parallel): the range left is cut in parallelism + 1 parts, the round's ProxyModels
 and runs go side by side, and the next round waits for all of them (each depends on the last's
-results); 1 is one at a time, the CLI's order. status.rounds, searchRounds and deviceHours (the
-plan's cost model: each probe ProxyModel's device-hours per RL step x the run's steps) say what
-it took.
+results); 1 is one at a time, the CLI's order. status.rounds, searchRounds and deviceHours say
+what it took: each probe's run priced as the CLI's bisect and triage price theirs
+(sizing.run_device_hours: its ProxyModel's plan, at the reproduction's precision, per RL step x
+the steps the run completed; a run stopped at its failure costs the steps it ran).
 
 Status is the single source of truth, as for the matrix: the listed checkpoints and the spec
 they were listed with (`status.bisection`) are fixed once recorded, and a probe's row says
@@ -28,7 +29,9 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+from moe_proxy.errors import InvalidOptions
 from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_round
+from moe_proxy.sizing import run_device_hours
 
 from .diagnosis_rows import RUN_DONE, RUN_ERROR, RUN_RUNNING, finished_row, seed_run
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet, RunVariant, baseline_of, proxy_built, run_manifest
@@ -163,22 +166,23 @@ def _make_probe(body: dict, rec: dict, c: dict, index: int, number: int, kind: s
 
 def round_figures(probes: list[dict]) -> dict:
     """status's rounds (of probes side by side), searchRounds (those cutting the range) and
-    deviceHours (every probe's run by the plan's cost model: its ProxyModel's device-hours per
-    RL step x the run's steps; None until one is known)."""
+    deviceHours (every finished probe's run by sizing.RUN_COST_RULE, _device_hours; None until
+    one is known)."""
     rounds = {p.get("round") or n for n, p in enumerate(probes, 1)}
     search = {p.get("round") for p in probes if p.get("roundKind") == "search"}
     hours = [float(p["deviceHours"]) for p in probes if p.get("deviceHours") is not None]
     return {"rounds": len(rounds), "searchRounds": len(search), "deviceHours": f"{sum(hours):.4g}" if hours else None}
 
 
-def _device_hours(child: dict, steps: int) -> str | None:
-    """A probe's run by the plan's cost model: its ProxyModel's plan (deviceHoursPerStep.total.proxy,
-    the proxy's devices x its RL step's time) x the run's steps."""
+def _device_hours(child: dict, steps_completed: int) -> str | None:
+    """A finished probe's run by sizing.RUN_COST_RULE: its ProxyModel's plan
+    (deviceHoursPerStep.total.proxy: the proxy's devices x its RL step's time, at the
+    reproduction's precision) x the steps the run completed. None without a plan."""
     try:
         per_step = float(child["status"]["plan"]["deviceHoursPerStep"]["total"]["proxy"])
-    except (KeyError, TypeError, ValueError):
+        return f"{run_device_hours(per_step, steps_completed):.4g}"
+    except (KeyError, TypeError, ValueError, InvalidOptions):
         return None
-    return f"{per_step * steps:.4g}"
 
 
 def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dict[str, Outcome],
@@ -207,8 +211,7 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
     if p["phase"] == BUILDING:
         resource, manifest, service = run_manifest(name, namespace, generation, baseline, variant,
                                                    baseline.seeds_from, p["proxyModel"])
-        p.update(phase=RUN_RUNNING, workload=manifest["metadata"]["name"], seed=baseline.seeds_from,
-                 deviceHours=_device_hours(child, baseline.steps))
+        p.update(phase=RUN_RUNNING, workload=manifest["metadata"]["name"], seed=baseline.seeds_from)
         out.create += ([(SERVICES, service)] if service else []) + [(resource, manifest)]
         out.events.append(("Normal", "RunCreated", f"{manifest['kind']} {p['workload']}: probe step {p['step']}"))
         return None
@@ -226,7 +229,8 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
     # the CLI's rule for a probe: a run stopped early by another failure (NaN) cannot say clean
     reproduced, note = judge_probe({p["seed"]: seed_run(row)})
     p.update(phase=RUN_DONE, reproduced=reproduced, state=PROBE_STATES[reproduced], note=note or None,
-             signature=row["signature"], onset=row["step"], stepsCompleted=row["stepsCompleted"])
+             signature=row["signature"], onset=row["step"], stepsCompleted=row["stepsCompleted"],
+             deviceHours=_device_hours(child, row["stepsCompleted"]))
     said = f"{row['signature']} at step {row['step']}" if reproduced else PROBE_STATES[reproduced]
     out.events.append(("Normal" if reproduced is not None else "Warning", "ProbeFinished",
                        f"step {p['step']}: {said}" + (f" ({note})" if note else "")))

@@ -26,6 +26,11 @@ Step time, for the device-hours ratio: the phases of one RL step (rollout prefil
 old-log-prob and reference passes, training, optimizer, weight sync, expert-parallel
 all-to-all), each timed on the side's devices by step_cost.py, whose docstring states the
 model; device-hours per step = devices * the phases' sum.
+
+What a run cost (run_device_hours, RUN_COST_RULE): one rule for bisect's and triage's reports
+and the operator's Diagnosis probes: the steps the run completed (one stopped at its failure
+costs the steps it ran, not those planned) x the proxy's device-hours per step planned at the
+precision it ran at.
 """
 
 from __future__ import annotations
@@ -175,6 +180,22 @@ class Sizing:
         o["total"], x["total"] = self.original.device_hours_per_step, self.proxy.device_hours_per_step
         return {name: {"original": o[name], "proxy": x[name], "ratio": x[name] / o[name] if o[name] else None}
                 for name in o}
+
+
+# What a run cost: said in every report that prices runs (bisect, triage, a Diagnosis's status).
+RUN_COST_RULE = ("moe-proxy plan's model: the proxy's devices x its RL step's time at the run's precision, x the "
+                 "steps each run completed (a run stopped at its failure costs the steps it ran); builds not counted")
+
+
+def run_device_hours(per_step: float, steps_completed: int) -> float:
+    """What one run cost by RUN_COST_RULE: `per_step`, the proxy's device-hours per RL step as
+    plan prices it at the precision the run ran at (Sizing.proxy.device_hours_per_step; the
+    operator's status.plan.deviceHoursPerStep.total.proxy), x the steps it completed."""
+    if not (per_step >= 0 and math.isfinite(per_step)):
+        raise InvalidOptions(f"device-hours per step {per_step!r}: a finite number, 0 or more")
+    if isinstance(steps_completed, bool) or not isinstance(steps_completed, int) or steps_completed < 0:
+        raise InvalidOptions(f"steps completed {steps_completed!r}: a whole number, 0 or more")
+    return per_step * steps_completed
 
 
 # --- the expert target ---------------------------------------------------------------------

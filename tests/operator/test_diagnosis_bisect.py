@@ -355,12 +355,13 @@ async def test_too_few_checkpoints_are_refused_with_a_reason(cluster, s3, operat
 
 
 def _bisect_in_rounds(n: int, bad_from: int, parallelism: int, unjudged: frozenset = frozenset(),
-                      per_step: str | None = None):
+                      per_step: str | None = None, steps: int = 1):
     """As _bisect_without_a_cluster, with spec.parallelism: every probe in flight has its
-    ProxyModel (built once created) and its run's outcome. Returns the final body, what was
-    created, and the largest number of probes in flight at once."""
+    ProxyModel (built once created) and its run's outcome (a clean run completes its `steps`, a
+    reproducing one stops at its failure, step 0). Returns the final body, what was created, and
+    the largest number of probes in flight at once."""
     listed = [{"step": 10 * (i + 1), "uri": f"s3://{BUCKET}/run/global_step_{10 * (i + 1)}/{HF}"} for i in range(n)]
-    body = _body(parallelism=parallelism)
+    body = _body(parallelism=parallelism, **({"steps": steps} if steps != 1 else {}))
     b = parse_bisection(body["spec"])
     body = _apply(body, start({}, b, checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
     made: dict[str, dict] = {}
@@ -379,8 +380,9 @@ def _bisect_in_rounds(n: int, bad_from: int, parallelism: int, unjudged: frozens
                 bad = p["index"] >= bad_from
                 seen[p["workload"]] = Outcome(SUCCEEDED, report={
                     "reproduced": bad, "signature": "overflow" if bad else None, "step": 0 if bad else None,
-                    "steps_completed": 1} | ({"stopped": "loss or weights are NaN", "also_seen": {"nan": 0}}
-                                             if p["index"] in unjudged else {}))
+                    "steps_completed": 1 if bad else steps} | (
+                        {"stopped": "loss or weights are NaN", "also_seen": {"nan": 0}} if p["index"] in unjudged
+                        else {}))
         decision = progress(body, None, seen, Settings(), children=children)
         body = _apply(body, decision)
         for _, manifest in decision.create:
@@ -429,7 +431,11 @@ def test_one_probe_a_round_is_the_clis_order_and_says_its_rounds():
 
 
 def test_the_rounds_device_hours_are_the_plans():
-    """deviceHours: each probe's ProxyModel plan's device-hours per RL step x its run's steps (1)."""
-    body, _, _ = _bisect_in_rounds(8, 5, 3, per_step="0.25")
+    """deviceHours, the CLI's rule (sizing.run_device_hours): each probe's ProxyModel plan's
+    device-hours per RL step x the steps its run completed: 4 for a clean run, 1 for one that
+    stopped at its failure (not the 4 planned)."""
+    body, _, _ = _bisect_in_rounds(8, 5, 3, per_step="0.25", steps=4)
     s = body["status"]
-    assert [p["deviceHours"] for p in s["probes"]] == ["0.25"] * 6 and s["deviceHours"] == "1.5"
+    hours = [(p["index"], float(p["deviceHours"]), p["stepsCompleted"]) for p in s["probes"]]
+    assert hours == [(i, 0.25 if i >= 5 else 1.0, 1 if i >= 5 else 4) for i, _, _ in hours] and len(hours) == 6
+    assert float(s["deviceHours"]) == sum(h for _, h, _ in hours) < 0.25 * 4 * 6

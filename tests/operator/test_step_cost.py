@@ -153,3 +153,19 @@ def test_operator_status_plan_has_device_hours_by_phase():
     assert float(status["total"]["ratio"]) == pytest.approx(plan.device_hours_ratio, abs=1e-3)
     assert math.isclose(float(status["rolloutDecode"]["original"]), plan.phase_table()["rollout_decode"]["original"],
                         rel_tol=1e-3)
+
+
+def test_a_run_costs_the_steps_it_completed_at_the_precision_it_ran_at():
+    """sizing.run_device_hours, the one rule of bisect's, triage's and a Diagnosis's probe costs:
+    plan's per-step figure at the run's precision (fp32 moves twice bf16's bytes: dearer) x the
+    steps completed (a run stopped at step 3 of 10 costs 3)."""
+    from moe_proxy.sizing import run_device_hours
+
+    bf16, fp32 = (estimate(QWEN3_30B, SizingOptions(keep_ratio=0.25, precision=p)).proxy.device_hours_per_step
+                  for p in ("bf16", "fp32"))
+    assert run_device_hours(bf16, 3) == pytest.approx(3 * bf16) and run_device_hours(bf16, 0) == 0
+    assert run_device_hours(fp32, 3) > run_device_hours(bf16, 3)
+    for per_step, steps, said in ((bf16, -1, "steps completed -1"), (bf16, 2.5, "steps completed 2.5"),
+                                  (math.nan, 1, "device-hours per step nan")):
+        with pytest.raises(InvalidOptions, match=said):
+            run_device_hours(per_step, steps)

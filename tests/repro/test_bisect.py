@@ -45,7 +45,7 @@ def test_probes_that_are_not_monotone_are_said(monkeypatch, tmp_path):
     that the probes contradict each other, and the report says so with them."""
     ckpts = [_Ckpt(i) for i in range(8)]
     monkeypatch.setattr(bisect_module, "sources", lambda *a, **k: ckpts)
-    monkeypatch.setattr(bisect_module, "check_counts", lambda *a, **k: None)  # no checkpoint to read
+    monkeypatch.setattr(bisect_module, "probe_plan", lambda *a, **k: None)  # no checkpoint to read
     monkeypatch.setattr(bisect_module, "probe", lambda c, out, s: _probing(5, flips={6})(c.step))
     report = bisect_module.bisect("run", tmp_path, ProbeSettings("nan", [], [], []))
     assert report["first_bad"]["step"] == 5 and [p["step"] for p in report["probes"]] == [7, 3, 5, 4, 6]

@@ -96,7 +96,7 @@ def test_a_round_runs_its_probes_side_by_side_each_with_its_share_of_threads(mon
             now[0] -= 1
         return _probing(5)(c.step)
     monkeypatch.setattr(bisect_module, "sources", lambda *a, **k: ckpts)
-    monkeypatch.setattr(bisect_module, "check_counts", lambda *a, **k: None)
+    monkeypatch.setattr(bisect_module, "probe_plan", lambda *a, **k: None)
     monkeypatch.setattr(bisect_module, "probe", fake_probe)
     monkeypatch.setattr(bisect_module.os, "cpu_count", lambda: 6)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -137,7 +137,9 @@ def test_the_planted_run_at_p3_finds_step_60_in_two_search_rounds(run, tmp_path,
     assert [r["steps"] for r in report["round_list"]] == [[80], [20, 40, 60], [50, 70]]
     assert report["search_rounds"] == 2 and report["rounds"] == 3
     cost = report["cost"]
-    assert cost["probes"] == 6 and cost["device_hours"] == pytest.approx(6 * cost["device_hours_per_probe"])
+    steps = [o["steps_completed"] for p in report["probes"] for o in p["seeds"].values()]  # what each run completed
+    assert cost["probes"] == 6 and (cost["runs"], cost["steps"]) == (6, sum(steps))
+    assert cost["device_hours"] == pytest.approx(sum(steps) * cost["device_hours_per_step"])
     assert "3 round(s) of probes (2 search round(s)), 6 probe(s), at most 3 at a time" in printed
 
 

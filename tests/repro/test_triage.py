@@ -15,7 +15,7 @@ import pytest
 from moe_proxy.cli import main
 from moe_proxy.demo.run import write_log
 from moe_proxy.investigate.catalogue import FOR_SIGNATURE, FOR_THRESHOLD
-from moe_proxy.investigate.triage import candidates_for, suggestion_table
+from moe_proxy.investigate.triage import candidates_for, detect, suggestion_table
 
 from .test_bisect import planted_run
 
@@ -54,6 +54,12 @@ def test_triage_finds_the_first_bad_checkpoint_and_its_fixes(triaged, run):
     cost = report["cost"]
     assert (cost["builds"], cost["probes"], cost["probe_runs"], cost["candidate_runs"]) == (2, 2, 2, 3)
     assert cost["rl_steps"] >= 3 and cost["device_hours"] > 0 and cost["original_steps"] > 0
+    # one cost rule (sizing.run_device_hours): bisect's report and triage's price the same probes alike,
+    # each run by the steps it completed, at the fp16 it ran at
+    assert bisection["cost"]["precision"] == "fp16" and cost["probe_device_hours"] == bisection["cost"]["device_hours"]
+    completed = [o["steps_completed"] for p in bisection["probes"] for o in p["seeds"].values()]
+    assert bisection["cost"]["device_hours"] == pytest.approx(sum(completed) * cost["proxy_device_hours_per_step"])
+    assert cost["device_hours"] == pytest.approx(cost["rl_steps"] * cost["proxy_device_hours_per_step"])  # fp16, bf16
     md = (out / "report.md").read_text()
     assert md.startswith("# Triage") and "fails from checkpoint 2 of 2 (step 20); fixed by bf16; not by lower-lr" in md
     assert {"original.png", "matrix.png", "curves.png"} <= {p.name for p in out.iterdir()}
@@ -69,12 +75,58 @@ def test_a_second_call_runs_nothing(triaged, run, capsys):
     assert "fixed by bf16" in capsys.readouterr().out
 
 
+def nan_log(path: Path, last_step: int, nan_from: int) -> Path:
+    """write_log's run, but its forward pass never overflows: the loss is NaN from `nan_from` on."""
+    rows = [json.loads(line) for line in write_log(path, last_step, nan_from).read_text().splitlines()]
+    for row in rows:
+        row["data"]["numerics/nonfinite_activations"] = 0
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_nan_before_the_failure_asked_for_is_the_failure(tmp_path):
+    """One rule with the operator's watched run (metrics.incident.RunWatcher): a NaN is never a
+    clean log. A NaN first is the failure the loop investigates, and it says so; the failure asked
+    for, when it comes first, stays the answer."""
+    found = detect(str(nan_log(tmp_path / "nan.jsonl", 40, 25)), "overflow")
+    assert (found.signature, found.failing_step, found.asked) == ("nan", 25, "overflow")
+    assert found.what() == "nan (no overflow before it)" and found.also_seen == {}
+    found = detect(str(write_log(tmp_path / "overflow.jsonl", 40, 25)), "overflow")  # overflow and NaN at 25
+    assert (found.signature, found.failing_step, found.also_seen) == ("overflow", 25, {"nan": 25})
+    assert not found.instead
+
+
+def test_the_probes_judge_the_nan_the_loop_investigates(run, tmp_path, monkeypatch, capsys):
+    """A NaN first: bisect's probes run `repro --fail-on nan` (a probe that stops at the NaN
+    reproduces, rather than being inconclusive about an overflow that cannot come after it), and
+    the answer says the overflow was not seen before it. bisect itself is replaced here: what is
+    checked is what triage hands it."""
+    import moe_proxy.investigate.triage as loop
+
+    given = []
+    monkeypatch.setattr(loop, "bisect", lambda prefix, out, settings, **_: given.append(settings) or {
+        "first_bad": None, "boundary": "the last checkpoint does not reproduce", "probes": [], "builds": 0})
+    log = nan_log(tmp_path / "metrics.jsonl", 40, 25)
+    assert main(["triage", str(log), str(run), "--out", str(tmp_path / "t"), *ARGS]) == 3
+    assert [s.fail_on for s in given] == ["nan"]
+    report = json.loads((tmp_path / "t" / "report.json").read_text())
+    assert (report["asked"], report["signature"], report["state"]) == ("overflow", "nan", "not-reproduced")
+    said = "failed on nan at step 25 of the original (no overflow before it), but no checkpoint's proxy reproduces"
+    assert report["answer"].startswith(said) and said in capsys.readouterr().out
+    assert "skip-nonfinite" in report["candidates"]  # the catalogue's for nan
+
+
 @pytest.mark.parametrize("fails_from, state, said", [
     (None, "no-failure", "no overflow in the 40 steps logged (to step 40)"),
-    (5, "before-first-checkpoint", "the failure began at step 5, before any complete checkpoint"),
+    (5, "before-first-checkpoint", "the failure, overflow, began at step 5, before any complete checkpoint"),
+    ("nan 5", "before-first-checkpoint",
+     "the failure, nan (no overflow before it), began at step 5, before any complete checkpoint"),
 ])
 def test_nothing_to_bisect_builds_nothing(run, tmp_path, capsys, fails_from, state, said):
-    log = write_log(tmp_path / "metrics.jsonl", 40, fails_from)
+    if fails_from == "nan 5":  # a NaN and no overflow: the loop goes on with the NaN
+        log, fails_from = nan_log(tmp_path / "metrics.jsonl", 40, 5), 5
+    else:
+        log = write_log(tmp_path / "metrics.jsonl", 40, fails_from)
     out = tmp_path / "t"
     assert main(["triage", str(log), str(run), "--out", str(out), *ARGS]) == 3
     report = json.loads((out / "report.json").read_text())

@@ -34,6 +34,7 @@ def test_verl_file_with_nan_at_step_3_as_it_grows(tmp_path, capsys):
     report = json.loads(log.read_text())
     assert report.pop("steps_completed") == 3  # steps 1..3 read when it stopped
     assert report.pop("last_step") == 3  # what the operator reports should the framework crash after it
+    assert report.pop("stopped") == "reproduced nan"  # as repro's verdict says why it stopped
     # the cost columns' metrics step by step (the operator's Diagnosis reads them)
     assert report.pop("series") == {"first": 1, "stride": 1, "reward": [0.5, 0.5, 0.5], "loss": [0.1, 0.1, None]}
     assert report == {"reproduced": True, "signature": "nan", "step": 3,
@@ -131,6 +132,29 @@ def test_a_failure_not_asked_for_is_named_with_its_step_not_contradicted():
     assert lines == ["collapse not reproduced in 6 steps", "  divergence seen at step 3 (not the failure asked for)"]
     assert verdict_lines(None, "divergence", 3, 6, failures) == ["divergence at step 3"]
     assert verdict_lines(Signature.parse("nan"), None, None, 6, {}) == ["no failure in 6 steps (nan not reproduced)"]
+    nan_first = verdict_lines(Signature.parse("collapse"), None, None, 4, {**failures, "nan": {"step": 4}})
+    assert nan_first == ["failed on nan at step 4 (no collapse before it)",
+                         "  divergence seen at step 3 (not the failure asked for)"]
+
+
+def test_a_nan_before_the_failure_asked_for_is_never_a_clean_run(tmp_path):
+    """metrics.incident's rule: `--fail-on overflow` on a run whose loss turns NaN at step 3 stops
+    there, and its termination message says why; a Diagnosis reading it (the operator's
+    finished_row, the CLI's judge_probe) finds a run cut short, inconclusive, not one that ran clean."""
+    from moe_proxy.investigate.bisect import judge_probe
+    from moe_proxy.metrics.detect import Signature
+    from moe_proxy.metrics.watch import watch
+    from proxymodel_operator.diagnosis_rows import finished_row, seed_run
+    from proxymodel_operator.outcome import SUCCEEDED, Outcome
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(verl_line(s, **{"actor/pg_loss": float("nan") if s >= 3 else 0.1}) for s in range(1, 7)))
+    report = watch(metrics, fail_on=Signature.parse("overflow"), last_step=6, timeout_s=30, poll_s=0.01).report
+    assert (report["reproduced"], report["steps_completed"], report["also_seen"]) == (False, 3, {"nan": 3})
+    assert report["stopped"].startswith("loss or weights are NaN")
+    row = finished_row({}, Outcome(SUCCEEDED, report=report), steps=6)
+    reproduced, note = judge_probe({0: seed_run(row)})
+    assert reproduced is None and note == "seed 0: stopped after 3 steps by nan at step 3"
 
 
 def test_each_figure_is_shown_with_its_own_step(tmp_path, capsys, caplog):

@@ -142,20 +142,27 @@ def probe_settings(fail_on: str, build_flags: list[str], calibrate_flags: list[s
     return ProbeSettings(fail_on, list(build_flags), calibrate, list(repro_flags), seeds, first_seed)
 
 
-def check_counts(checkpoint, build_flags: list[str], store_options: dict | None = None):
-    """The expert count (or ratio) and top-k against the run's checkpoint, from its config alone,
-    by the rule plan and build use (sizing.estimate): a count the model cannot take is refused
-    before any probe. Returns that plan (sizing.Sizing: the probes' devices and device-hours per
-    step), None when the build options give no count."""
+def probe_plan(uri: str, s: ProbeSettings, store_options: dict | None = None, proxy: Path | None = None,
+               precision: str | None = None):
+    """plan's estimate (sizing.Sizing: the proxy's devices and device-hours per RL step) for a
+    probe's proxy of the checkpoint at `uri`, from its config alone, at the precision its runs
+    ran at (`precision`, default the repro flags'): the expert count and top-k of the built
+    proxy (`proxy`'s manifest) when given, else the build options' by the rule plan and build use
+    (a count the model cannot take is refused: bisect checks it before any probe). None when
+    the build options give no count (--experts auto) and no proxy is given."""
     from moe_proxy.checkpoint.reader import open_checkpoint
     from moe_proxy.sizing import SizingOptions, estimate
 
-    options = build_options(build_flags)
-    if isinstance(options.experts, int) or options.keep_ratio is not None:
-        config = open_checkpoint(checkpoint.uri, **(store_options or {})).config
-        return estimate(config, SizingOptions(experts=options.experts, keep_ratio=options.keep_ratio,
-                                              top_k=options.top_k))
-    return None
+    options = build_options(s.build_flags)
+    experts, keep, top_k = options.experts, options.keep_ratio, options.top_k
+    if proxy is not None and (proxy / MANIFEST).is_file():
+        manifest = json.loads((proxy / MANIFEST).read_text())
+        experts, keep, top_k = manifest["experts"]["after"], None, manifest["experts"]["top_k_after"]
+    if not isinstance(experts, int) and keep is None:
+        return None
+    config = open_checkpoint(uri, **(store_options or {})).config
+    return estimate(config, SizingOptions(experts=experts, keep_ratio=keep, top_k=top_k,
+                                          precision=precision or repro_config(s.repro_flags).precision))
 
 
 def probe_slots(s: ProbeSettings, parallel: int) -> list[dict[str, str]]:
@@ -461,7 +468,7 @@ def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str |
     if parallel < 1:
         raise MoeProxyError(f"--parallel {parallel}: at least 1")
     checkpoints = sources(prefix, pattern, step_regex, good, bad, store_options)
-    plan = check_counts(checkpoints[-1], settings.build_flags, store_options)
+    probe_plan(checkpoints[-1].uri, settings, store_options)  # a count the model cannot take: refused now
     slots = probe_slots(settings, parallel)  # too few devices: refused before --out is touched
     out = Path(out)
     claim_out(out, "bisect", {"prefix": prefix, **asdict(settings)}, BISECTION_FILES, replace)
@@ -474,8 +481,9 @@ def bisect(prefix: str, out: str | Path, settings: ProbeSettings, pattern: str |
     try:
         first, probes = search(checkpoints, run.test, good is not None, parallel,
                                run.side_by_side if parallel > 1 else None, run.rounds)
-        report = {**head, "status": "complete", **findings(first, probes, checkpoints),
-                  **rounds_cost(run.rounds, checkpoints, probe_cost(plan, settings))}
+        found = findings(first, probes, checkpoints)
+        report = {**head, "status": "complete", **found, **rounds_of(run.rounds, checkpoints),
+                  "cost": probes_cost(found, out, settings, store_options)}
     except ProbeFailed as exc:
         report = _stopped(head, run.done, checkpoints, "failed", f"probe step {exc.failure['step']}: {exc}")
         report["failed_probe"] = exc.failure
@@ -525,30 +533,44 @@ class _Probing:
         return [got[i] for i in indices]
 
 
-def probe_cost(plan, s: ProbeSettings) -> dict | None:
-    """What one probe's runs cost by the plan's cost model (sizing: the proxy's devices x its RL
-    step's time, per step), for the repro's steps on every seed; None without a plan."""
+def probes_cost(found: dict, out: Path, s: ProbeSettings, store_options: dict | None = None) -> dict | None:
+    """report.json's `cost`: the probes' runs by sizing's RUN_COST_RULE (each run's completed
+    steps x the proxy's device-hours per step at the runs' precision), priced by the plan of the
+    first bad probe's proxy (else the last probed: every probe's proxy has the same counts);
+    reused probes are counted. None when nothing can be priced (no probe, no fixed count)."""
+    from moe_proxy.sizing import RUN_COST_RULE, run_device_hours
+
+    plan = pricing_plan(found, out, s, store_options)
     if plan is None:
         return None
-    steps = repro_config(s.repro_flags).steps
-    return {"devices": plan.proxy.devices, "accelerator": plan.accelerator, "steps": steps, "seeds": s.seeds,
-            "device_hours": plan.proxy.device_hours_per_step * steps * s.seeds}
+    per_step = plan.proxy.device_hours_per_step
+    steps = [o.get("steps_completed", 0) for p in found["probes"] for o in p["seeds"].values()]
+    return {"devices": plan.proxy.devices, "accelerator": plan.accelerator, "precision": plan.precision,
+            "device_hours_per_step": per_step, "original_device_hours_per_step": plan.original.device_hours_per_step,
+            "original_devices": plan.original.devices, "probes": len(found["probes"]), "runs": len(steps),
+            "steps": sum(steps), "device_hours": sum(run_device_hours(per_step, n) for n in steps),
+            "model": RUN_COST_RULE}
 
 
-def rounds_cost(rounds: list[tuple[str, list[int]]], checkpoints: list, per_probe: dict | None) -> dict:
-    """report.json's rounds (each: its kind and steps), their count, the search rounds among them,
-    and the device-hours of every probe by the plan's cost model (`per_probe`, probe_cost): the
-    probes of a round run side by side, so the wall time goes by rounds, the device-hours by probes."""
-    probes = sum(len(r) for _, r in rounds)
-    out = {"rounds": len(rounds), "search_rounds": sum(kind == "search" for kind, _ in rounds),
-           "round_list": [{"round": n, "kind": kind, "steps": [checkpoints[i].step for i in r]}
-                          for n, (kind, r) in enumerate(rounds, 1)]}
-    if per_probe is not None:
-        out["cost"] = {**per_probe, "probes": probes, "device_hours_per_probe": per_probe["device_hours"],
-                       "device_hours": per_probe["device_hours"] * probes,
-                       "model": "moe-proxy plan's: the proxy's devices x its RL step's time, x steps x seeds per "
-                                "probe (the probe builds are not counted)"}
-    return out
+def pricing_plan(found: dict, out: Path, s: ProbeSettings, store_options: dict | None = None,
+                 precision: str | None = None):
+    """The plan a bisection's runs are priced by (probe_plan): that of its first bad probe's
+    proxy, else its last probed (`found`: findings, or a report holding them; `out`: its --out),
+    at `precision` (default the probes' runs'). None: no probe, or no fixed expert count."""
+    if not found["probes"]:
+        return None
+    priced = found["first_bad"] or found["probes"][-1]
+    return probe_plan(priced["checkpoint"], s, store_options, out / "probes" / f"step-{priced['step']}" / "proxy",
+                      precision)
+
+
+def rounds_of(rounds: list[tuple[str, list[int]]], checkpoints: list) -> dict:
+    """report.json's rounds (each: its kind and steps), their count and the search rounds among
+    them: the probes of a round run side by side, so the wall time goes by rounds, the
+    device-hours (`cost`) by the probes' runs."""
+    return {"rounds": len(rounds), "search_rounds": sum(kind == "search" for kind, _ in rounds),
+            "round_list": [{"round": n, "kind": kind, "steps": [checkpoints[i].step for i in r]}
+                           for n, (kind, r) in enumerate(rounds, 1)]}
 
 
 def _stopped(head: dict, done: list[tuple[int, Probe]], checkpoints: list, status: str, why: str) -> dict:
@@ -580,10 +602,15 @@ def rounds_line(r: dict) -> str:
     line = (f"{r['rounds']} round(s) of probes ({r['search_rounds']} search round(s)), {probes} probe(s), "
             f"at most {r.get('parallel', 1)} at a time")
     if c := r.get("cost"):
-        line += (f"; by the plan's cost model {c['device_hours']:.4g} device-hours ({c['probes']} probe(s) x "
-                 f"{c['device_hours_per_probe']:.4g}: {c['devices']} device(s) x {c['steps']} step(s) x "
-                 f"{c['seeds']} seed(s))")
+        line += f"; {cost_said(c)}"
     return line
+
+
+def cost_said(c: dict) -> str:
+    """A `cost` (probes_cost) in words."""
+    return (f"{c['device_hours']:.4g} device-hours: {c['runs']} run(s), {c['steps']} step(s) completed x "
+            f"{c['device_hours_per_step']:.4g} ({c['devices']} device(s), {c['accelerator']}, {c['precision']}) "
+            f"by {c['model']}")
 
 
 def _markdown(r: dict) -> str:

@@ -2,17 +2,19 @@
 
 Top-down, one step feeding the next:
 1. detect: the original run's own metrics (any format metrics/readers.py reads, finished or still
-   growing: what is complete now), judged by the detectors repro and watch use (metrics/detect.py);
-   the failing step is the first step of the asked-for failure (its onset). No failure: nothing
-   is built, and the report says so.
+   growing: what is complete now), judged by the operator's watched-run rule itself
+   (metrics.incident.RunWatcher: the detectors of repro and watch, metrics/detect.py): the failure
+   is the earliest onset of the one asked for or of a NaN (a NaN is never a clean log; a NaN first
+   is what the loop investigates, on `nan`, and the answer says the other was not seen before
+   it). No failure: nothing is built, and the report says so.
 2. bisect: the run's complete checkpoints up to the failing step (investigate/bisect.py's own
    bisect(), into DIR/bisect): the first checkpoint whose proxy reproduces the failure.
 3. diagnose: on that probe's proxy (the bisection's own, never built again), the candidates the
    catalogue names for the signature (catalogue.suggested) or the ones given, into DIR/diagnose.
 4. report: DIR/report.json and report.md (the answer first), the pictures (the original's
    metrics with the failing step marked, diagnose's matrix and curves) and what the loop cost:
-   builds, probes, runs and device-hours by `plan`'s cost model (sizing.py) against one step of
-   the original by the same model.
+   builds, probes, runs and device-hours by the one run-cost rule (sizing.run_device_hours, as
+   bisect's report prices its probes) against one step of the original by the same model.
 
 A rerun resumes: bisect and diagnose reuse their records in DIR/bisect and DIR/diagnose (a rerun
 of the same command builds and runs nothing), and DIR holds one triage (processes.claim_out).
@@ -20,6 +22,7 @@ of the same command builds and runs nothing), and DIR holds one triage (processe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -32,9 +35,9 @@ from moe_proxy.investigate.bisect import ProbeSettings, bisect, sources
 from moe_proxy.investigate.catalogue import Fix, pick, suggested
 from moe_proxy.investigate.diagnose import OWN_FLAGS, changed_settings, diagnose, repro_config
 from moe_proxy.investigate.processes import claim_out
-from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
-from moe_proxy.metrics.readers import ReadOptions, RunFollower
-from moe_proxy.metrics.verdict import stop_reason
+from moe_proxy.metrics.detect import Signature
+from moe_proxy.metrics.incident import RunWatcher
+from moe_proxy.metrics.readers import ReadOptions
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +73,29 @@ class TriageSettings:
 
 @dataclass
 class Detection:
-    """What the original's metrics say: the failing step (None: the failure asked for is not in
-    the log), the onset's detail, the steps read and the failures seen besides."""
+    """What the original's metrics say: the failure the loop investigates (`signature`: the one
+    asked for, or `nan` when a NaN came before any of it: metrics.incident's rule, a NaN is never
+    a clean log), its onset (failing_step None: no failure in the log), the detector's line, the
+    steps read and the failures seen besides, up to the failure's detection."""
 
+    asked: str  # --fail-on, as Signature.parse names it
     signature: str
     failing_step: int | None
     detail: str
     steps_read: int
     last_step: int | None
     also_seen: dict[str, int] = field(default_factory=dict)
-    stopped: str | None = None  # why the detector stopped reading (a NaN first: later steps mean nothing)
     unjudged: str | None = None  # why the log cannot show the failure asked for (its metrics lack it), or None
     rows: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
+
+    @property
+    def instead(self) -> bool:
+        """A NaN came first: the loop investigates it, not the failure asked for."""
+        return self.signature != self.asked
+
+    def what(self) -> str:
+        """The failure in words: "overflow", or "nan (no overflow before it)"."""
+        return f"{self.signature} (no {self.asked} before it)" if self.instead else self.signature
 
     def as_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "rows"}
@@ -91,21 +105,29 @@ class Detection:
 
 
 def detect(metrics: str, fail_on: str, read: ReadOptions | None = None, store_options: dict | None = None) -> Detection:
-    """The original's rows fed to the detectors in step order, as watch feeds them, until the
-    failure asked for (or a NaN: later steps mean nothing) is seen. `metrics`: a local path or an
-    s3:// location (`store_options`: storage.open_store's keyword arguments)."""
-    signature = Signature.parse(fail_on)
-    rows = read_log(metrics, read, store_options)
-    detector = FailureDetector(Thresholds(), extra=[signature] if signature.metric else [])
-    stopped = None
-    for step in sorted(rows):
-        detector.update(step, rows[step])
-        if stopped := stop_reason(detector, signature):
-            break
-    onset = detector.onsets.get(signature.name)
-    others = {name: o.step for name, o in detector.onsets.items() if name != signature.name}
-    return Detection(signature.name, onset.step if onset else None, onset.line(signature.name) if onset else "",
-                     len(rows), max(rows), others, stopped, unjudged(signature, rows), rows)
+    """The original's complete steps (as watch reads them: a JSON line still being written waits
+    for a later call; a TensorBoard log's newest step is taken) judged by the operator's
+    watched-run rule, metrics.incident.RunWatcher: the earliest onset of `fail_on` or of a NaN.
+    `metrics`: a local path or an s3:// location (`store_options`: storage.open_store's keyword
+    arguments)."""
+    asked = Signature.parse(fail_on)
+    watcher = RunWatcher(metrics, [fail_on], read, store_options, keep_rows=True)
+    failure = watcher.poll(newest=True)
+    rows = watcher.rows
+    if not rows:
+        raise MalformedMetrics(f"{metrics}: no steps logged (or no such file or directory)")
+    # the failures seen besides, up to the failure's detection (after a NaN, steps mean nothing)
+    upto = max(rows) if failure is None else _seen(failure)
+    others = {name: o.step for name, o in watcher.detector.onsets.items()
+              if (failure is None or name != failure.signature) and _seen(o) <= upto}
+    return Detection(asked.name, failure.signature if failure else asked.name, failure.step if failure else None,
+                     failure.reason if failure else "", len(rows), max(rows), others, unjudged(asked, rows),
+                     dict(sorted(rows.items())))
+
+
+def _seen(onset) -> int:
+    """The step a detection completed at (an Onset's or a RunFailure's `seen`; None: its onset)."""
+    return onset.step if onset.seen is None else onset.seen
 
 
 def unjudged(signature: Signature, rows: dict[int, dict[str, float]]) -> str | None:
@@ -117,20 +139,6 @@ def unjudged(signature: Signature, rows: dict[int, dict[str, float]]) -> str | N
     if signature.metric:
         return None if signature.metric in names else f"{signature.metric} is not in the log"
     return coverage(names)[1].get(signature.name)
-
-
-def read_log(metrics: str, read: ReadOptions | None = None, store_options: dict | None = None
-             ) -> dict[int, dict[str, float]]:
-    """The log's complete steps, finished or still growing, under the detectors' names (as watch
-    reads it, readers.RunFollower): a jsonl line still being written is left for a later call; a
-    TensorBoard log's newest step is taken too (a finished run has no later one to wait for)."""
-    follower = RunFollower(metrics, read, store_options=store_options)
-    rows: dict[int, dict[str, float]] = {}
-    for step, values in follower.rows() + (follower.rows(final=True) if follower.format != "jsonl" else []):
-        rows.setdefault(step, {}).update(values)
-    if not rows:
-        raise MalformedMetrics(f"{metrics}: no steps logged (or no such file or directory)")
-    return dict(sorted(rows.items()))
 
 
 # --- 2. bisect ---------------------------------------------------------------------------------
@@ -215,14 +223,18 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
     (BisectStopped, BaselineFailed, processes.Interrupted) pass through, their partial reports
     written in DIR/bisect or DIR/diagnose."""
     out, started = Path(out), time.monotonic()
-    candidates, why = candidates_for(Signature.parse(s.probe.fail_on).name, s.candidates, s.probe.repro_flags)
-    if not candidates:
-        raise MoeProxyError(f"every candidate the catalogue names for {s.probe.fail_on} changes none of the baseline's "
-                            "settings: give --candidates or --candidate")
-    check_candidates(s.probe.repro_flags, candidates)
+    if s.candidates:  # those given are checked before the log is read
+        check_candidates(s.probe.repro_flags, s.candidates)
     found = detect(s.metrics, s.probe.fail_on, s.read, store_options)
+    candidates, why = candidates_for(found.signature, s.candidates, s.probe.repro_flags)
+    if not candidates:
+        raise MoeProxyError(f"every candidate the catalogue names for {found.signature} changes none of the "
+                            "baseline's settings: give --candidates or --candidate")
+    check_candidates(s.probe.repro_flags, candidates)
     claim_out(out, "triage", s.recorded(), TRIAGE_OUTPUTS, replace)
-    report = {"metrics": s.metrics, "checkpoints": s.prefix, "signature": found.signature,
+    if found.instead:  # a NaN came first: the probes and the diagnosis judge on it (repro --fail-on nan)
+        s = dataclasses.replace(s, probe=dataclasses.replace(s.probe, fail_on=found.signature))
+    report = {"metrics": s.metrics, "checkpoints": s.prefix, "asked": found.asked, "signature": found.signature,
               "failing_step": found.failing_step, "detection": found.as_json(), "first_bad": None, "fixed_by": [],
               "candidates": why, "bisect_report": None, "diagnose_report": None}
     log.info("triage: %s: %s", s.metrics, _detected(found))
@@ -230,23 +242,23 @@ def triage(s: TriageSettings, out: str | Path, replace: bool = False, store_opti
         return finish(out, found, {**report, "state": STATE_NO_FAILURE, "answer": _no_failure(found)}, started)
     listed = before_failure(s, found.failing_step, store_options)
     if not listed:
-        return finish(out, found, {**report, **_none_before(s.prefix, found.failing_step)}, started)
+        return finish(out, found, {**report, **_none_before(s.prefix, found)}, started)
     log.info("triage: bisecting %d checkpoint(s), steps %d..%d, up to the failing step %d", len(listed),
              listed[0].step, listed[-1].step, found.failing_step)
     bisection = (bisect(s.prefix, out / "bisect", s.probe, pattern=s.pattern, step_regex=s.step_regex,
                         bad=listed[-1].step, store_options=store_options, parallel=s.parallel)
-                 if len(listed) > 1 else probe_only(s, out / "bisect", listed[0]))
+                 if len(listed) > 1 else probe_only(s, out / "bisect", listed[0], store_options))
     report |= {"bisect_report": str(out / "bisect" / "report.json"), "first_bad": _first_bad(bisection),
                "boundary": bisection["boundary"]}
     if bisection["first_bad"] is None:
-        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "cost": loop_cost(s, bisection, None),
-                                   "answer": _not_reproduced(found, bisection)}, started)
+        return finish(out, found, {**report, "state": STATE_NOT_REPRODUCED, "answer": _not_reproduced(found, bisection),
+                                   "cost": loop_cost(s, out, bisection, None, store_options)}, started)
     proxy, diagnosis = diagnose_first_bad(s, out, bisection["first_bad"]["step"], candidates)
     report |= {"proxy": str(proxy), "diagnose_report": str(out / "diagnose" / "report.json"),
                "fixed_by": diagnosis["fixed_by"], "fixed_with_other_failures": diagnosis["fixed_with_other_failures"],
                "verdicts": {n: {"verdict": c["verdict"], "note": c["note"]}
                             for n, c in diagnosis["candidates"].items()},
-               "cost": loop_cost(s, bisection, diagnosis, proxy)}
+               "cost": loop_cost(s, out, bisection, diagnosis, store_options)}
     state = STATE_NOT_CURED if diagnosis.get("stopped") else STATE_DIAGNOSED
     return finish(out, found, {**report, "state": state, "answer": answer(report, diagnosis)}, started)
 
@@ -261,7 +273,7 @@ def diagnose_first_bad(s: TriageSettings, out: Path, step: int, candidates: list
 
 def _detected(found: Detection) -> str:
     if found.failing_step is not None:
-        return f"{found.signature} from step {found.failing_step} ({found.detail}; {found.steps_read} steps read)"
+        return f"{found.what()} from step {found.failing_step} ({found.detail}; {found.steps_read} steps read)"
     return _no_failure(found)
 
 
@@ -269,28 +281,29 @@ def _no_failure(found: Detection) -> str:
     seen = "; ".join(f"{n} at step {t}" for n, t in sorted(found.also_seen.items(), key=lambda i: i[1]))
     return (f"no {found.signature} in the {found.steps_read} steps logged (to step {found.last_step})"
             + (f" (it cannot be judged from this log: {found.unjudged})" if found.unjudged else "")
-            + (f"; seen: {seen}" if seen else "") + (f"; {found.stopped}" if found.stopped else "")
-            + ": nothing to bisect, nothing was built")
+            + (f"; seen: {seen}" if seen else "") + ": nothing to bisect, nothing was built")
 
 
-def probe_only(s: TriageSettings, out: Path, checkpoint) -> dict:
+def probe_only(s: TriageSettings, out: Path, checkpoint, store_options: dict | None = None) -> dict:
     """One checkpoint before the failure: nothing to search, its probe alone (bisect's probe, in
     the bisection's --out as bisect would make it, so a rerun reuses it); the bisection's findings."""
-    from moe_proxy.investigate.bisect import BISECTION_FILES, findings, probe, said
+    from moe_proxy.investigate.bisect import BISECTION_FILES, findings, probe, probes_cost, said
 
     claim_out(out, "bisect", {"prefix": s.prefix, **asdict(s.probe)}, BISECTION_FILES)
     log.info("triage: one checkpoint before the failure (step %d): its probe alone", checkpoint.step)
     p = probe(checkpoint, out, s.probe)
     log.info("probe 1: step %d: %s%s", p.step, said(p), " (reused)" if p.reused else "")
+    found = findings(0 if p.reproduced else None, [(0, p)], [checkpoint])
     report = {"prefix": s.prefix, "fail_on": s.probe.fail_on, "checkpoints": [checkpoint.step], "status": "complete",
-              **findings(0 if p.reproduced else None, [(0, p)], [checkpoint]), "settings": asdict(s.probe)}
+              **found, "cost": probes_cost(found, out, s.probe, store_options), "settings": asdict(s.probe)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def _none_before(prefix: str, failing_step: int) -> dict:
-    return {"state": STATE_BEFORE_CHECKPOINTS, "answer": f"the failure began at step {failing_step}, before any "
-            f"complete checkpoint under {prefix}: no checkpoint can carry it; nothing was built"}
+def _none_before(prefix: str, found: Detection) -> dict:
+    return {"state": STATE_BEFORE_CHECKPOINTS, "answer": f"the failure, {found.what()}, began at step "
+            f"{found.failing_step}, before any complete checkpoint under {prefix}: no checkpoint can carry it; "
+            "nothing was built"}
 
 
 def _first_bad(bisection: dict) -> dict | None:
@@ -302,15 +315,23 @@ def _first_bad(bisection: dict) -> dict | None:
 
 
 def _not_reproduced(found: Detection, bisection: dict) -> str:
-    return (f"{found.signature} at step {found.failing_step} in the original, but no checkpoint's proxy reproduces it "
+    return (f"{_onset(found.signature, found.asked, found.failing_step)}, but no checkpoint's proxy reproduces it "
             f"({bisection['boundary']}): nothing to diagnose")
+
+
+def _onset(signature: str, asked: str, step: int) -> str:
+    """The failure at the head of an answer: "overflow at step 25 of the original", or, a NaN
+    first, "failed on nan at step 12 of the original (no overflow before it)"."""
+    if signature == asked:
+        return f"{signature} at step {step} of the original"
+    return f"failed on {signature} at step {step} of the original (no {asked} before it)"
 
 
 def answer(report: dict, diagnosis: dict) -> str:
     """The answer in one paragraph: where the failure began, what cures it, what does not."""
-    first = report["first_bad"]
-    head = (f"{report['signature']} at step {report['failing_step']} of the original; fails from checkpoint "
-            f"{first['index']} of {first['of']} (step {first['step']})")
+    first, signature, asked = report["first_bad"], report["signature"], report["asked"]
+    head = (f"{_onset(signature, asked, report['failing_step'])}; fails from checkpoint {first['index']} of "
+            f"{first['of']} (step {first['step']})")
     if diagnosis.get("stopped"):
         return f"{head}; but the diagnosis's baseline did not reproduce it ({diagnosis['stopped']})"
     verdicts = {n: c["verdict"] for n, c in diagnosis["candidates"].items()}
@@ -327,52 +348,57 @@ def answer(report: dict, diagnosis: dict) -> str:
 # --- what the loop cost ------------------------------------------------------------------------
 
 
-def loop_cost(s: TriageSettings, bisection: dict, diagnosis: dict | None, proxy: Path | None = None) -> dict:
+def loop_cost(s: TriageSettings, out: Path, bisection: dict, diagnosis: dict | None,
+              store_options: dict | None = None) -> dict:
     """What the loop spent: proxy builds, probes, runs and RL steps (reused ones counted, and
-    said), and device-hours by plan's cost model (sizing.estimate: the proxy's device-hours per
-    RL step of plan's default shape, times the steps run) against one step of the original."""
+    said), and device-hours by sizing's RUN_COST_RULE, the rule bisect's report prices its probes
+    by: each run's completed steps x the proxy's device-hours per step at the precision it ran at
+    (a candidate that changes the precision is priced at its own), against one step of the
+    original."""
     probes = bisection["probes"]
-    probe_runs = [o for p in probes for o in p["seeds"].values()]
-    variants = [diagnosis["baseline"], *diagnosis["candidates"].values()] if diagnosis else []
-    runs = [o for v in variants for o in v["seeds"].values()]
-    steps = sum(o.get("steps_completed", 0) for o in probe_runs + runs)
-    out = {"builds": bisection["builds"], "calibrations": bisection["builds"] if s.probe.calibrate_flags else 0,
-           "probes": len(probes), "probe_runs": len(probe_runs), "candidate_runs": len(runs), "rl_steps": steps,
-           "reused": {"probes": sum(bool(p["reused"]) for p in probes),
-                      "runs": sum(bool(o.get("reused")) for o in probe_runs + runs)}}
-    return out | device_hours(s, bisection, steps, proxy)
+    base = repro_config(s.probe.repro_flags).precision
+    probe_runs = [(base, o) for p in probes for o in p["seeds"].values()]
+    candidates = list(diagnosis["candidates"].values()) if diagnosis else []
+    variants = ([(base, diagnosis["baseline"])] if diagnosis else []) + [
+        ((c.get("changes") or {}).get("precision", base), c) for c in candidates]  # a candidate's own precision
+    runs = [(precision, o) for precision, v in variants for o in v["seeds"].values()]
+    steps = sum(o.get("steps_completed", 0) for _, o in probe_runs + runs)
+    cost = {"builds": bisection["builds"], "calibrations": bisection["builds"] if s.probe.calibrate_flags else 0,
+            "probes": len(probes), "probe_runs": len(probe_runs), "candidate_runs": len(runs), "rl_steps": steps,
+            "reused": {"probes": sum(bool(p["reused"]) for p in probes),
+                       "runs": sum(bool(o.get("reused")) for _, o in probe_runs + runs)}}
+    return cost | device_hours(s, out, bisection, probe_runs, runs, store_options)
 
 
-def device_hours(s: TriageSettings, bisection: dict, steps: int, proxy: Path | None) -> dict:
-    """The loop's RL steps in device-hours by plan's model, against one step of the original (the
-    first bad checkpoint's config, or the last probed; the proxy's expert count from its manifest
-    when it was built, else the build flags'). Builds are not in the model: they run on CPUs."""
-    from moe_proxy.checkpoint.reader import open_checkpoint
-    from moe_proxy.investigate.bisect import build_options
-    from moe_proxy.sizing import BYTES_PER_PARAM, SizingOptions, estimate
+def device_hours(s: TriageSettings, out: Path, bisection: dict, probe_runs: list[tuple[str, dict]],
+                 runs: list[tuple[str, dict]], store_options: dict | None) -> dict:
+    """The runs ((precision, outcome) each) in device-hours by sizing.run_device_hours, priced by
+    the plan bisect prices its probes by (bisect.pricing_plan), against one step of the original
+    at the baseline's precision. `probe_device_hours`, the probes' part, is bisect's report's own
+    `cost.device_hours`."""
+    from moe_proxy.investigate.bisect import pricing_plan
+    from moe_proxy.sizing import RUN_COST_RULE, run_device_hours
 
-    probes = bisection["probes"]
-    uri = (bisection["first_bad"] or {}).get("checkpoint") or (probes[0]["checkpoint"] if probes else None)
-    if uri is None:
+    if not bisection["probes"]:
         return {"device_hours": None, "device_hours_note": "no probe ran"}
-    options = build_options(s.probe.build_flags)
-    experts, keep, top_k = options.experts, options.keep_ratio, options.top_k
-    if proxy is not None:
-        manifest = json.loads((proxy / "proxy-manifest.json").read_text())
-        experts, keep, top_k = manifest["experts"]["after"], None, manifest["experts"]["top_k_after"]
-    if not isinstance(experts, int) and keep is None:
-        return {"device_hours": None, "device_hours_note": f"--experts {experts}: no fixed expert count to plan"}
-    precision = repro_config(s.probe.repro_flags).precision
-    plan = estimate(open_checkpoint(uri).config, SizingOptions(
-        experts=experts, keep_ratio=keep, top_k=top_k,
-        precision=precision if precision in BYTES_PER_PARAM else "bf16"))
-    per_step = plan.proxy.device_hours_per_step
-    original = plan.original.device_hours_per_step
-    return {"device_hours": steps * per_step, "proxy_device_hours_per_step": per_step,
-            "original_device_hours_per_step": original, "original_steps": steps * per_step / original,
-            "device_hours_model": f"moe-proxy plan's model: {plan.accelerator}, {plan.precision}, the default RL "
-                                  f"step shape; proxy {plan.proxy.devices} devices, original {plan.original.devices}; "
-                                  "builds and calibrations run on CPUs and are not counted"}
+    base = repro_config(s.probe.repro_flags).precision
+    plans = {p: pricing_plan(bisection, out / "bisect", s.probe, store_options, p)
+             for p in {base, *(p for p, _ in runs)}}
+    if plans[base] is None:
+        return {"device_hours": None, "device_hours_note": f"{' '.join(s.probe.build_flags)}: no fixed expert count "
+                                                           "to plan"}
+
+    def hours(priced_runs: list[tuple[str, dict]]) -> float:
+        return sum(run_device_hours(plans[p].proxy.device_hours_per_step, o.get("steps_completed", 0))
+                   for p, o in priced_runs)
+
+    plan = plans[base]
+    total, original = hours(probe_runs + runs), plan.original.device_hours_per_step
+    return {"device_hours": total, "probe_device_hours": hours(probe_runs),
+            "proxy_device_hours_per_step": plan.proxy.device_hours_per_step,
+            "original_device_hours_per_step": original, "original_steps": total / original,
+            "device_hours_model": f"{RUN_COST_RULE}; {plan.accelerator}, the default RL step shape, the baseline "
+                                  f"{base}; proxy {plan.proxy.devices} devices, original {plan.original.devices}"}
 
 
 # --- 4. report ---------------------------------------------------------------------------------
@@ -458,6 +484,7 @@ def cost_line(c: dict) -> str:
     if reused["probes"] or reused["runs"]:
         said += f" ({reused['probes']} probes and {reused['runs']} runs reused from an earlier call)"
     if c.get("device_hours") is not None:
-        said += (f"; {c['device_hours']:.4g} device-hours, {c['original_steps']:.3g} steps of the original "
+        said += (f"; {c['device_hours']:.4g} device-hours ({c['probe_device_hours']:.4g} of them the probes'), "
+                 f"{c['original_steps']:.3g} steps of the original "
                  f"({c['original_device_hours_per_step']:.4g} device-hours each) by {c['device_hours_model']}")
     return said + "."

@@ -5,6 +5,9 @@
     w.last_step, w.finished   # the newest step read; why the log shows its writer is done (or None)
     w.still_failing_after(failure)  # each step logged after its detection: does its test still hold?
 
+`moe-proxy triage` reads a log once through the same watcher (keep_rows=True, poll(newest=True)):
+one path, one rule for the operator and the CLI loop.
+
 The watcher holds a readers.RunFollower (what was read: offsets, partial records) and a
 detect.FailureDetector (the same detectors as `repro` and `watch`, fed each step once, a
 step logged again is not fed twice), and the rows logged after the failure's detection; nothing
@@ -13,7 +16,8 @@ one listing and ranged reads of the new bytes, sources.py) and returns at once. 
 
 Which failures count: the signatures in `fail_on` (detect.SIGNATURES names, or METRIC>VALUE[:STEPS]
 thresholds); every built-in signature when `fail_on` is empty; and a NaN always, as `repro` and
-`watch` stop at it (the steps after it mean nothing). The failure returned is the earliest onset
+`watch` stop at it (the steps after it mean nothing): a NaN before any failure asked for is the
+failure (its signature `nan`), never a clean log. The failure returned is the earliest onset
 among those found at the first poll that finds any, and it stays the answer: later polls return
 the same RunFailure (one incident per run). `after_step`: the steps up to it are read (last_step)
 but not fed to the detectors: a resumed run's next failure, past an incident already handled.
@@ -45,7 +49,8 @@ class RunWatcher:
 
     def __init__(self, uri: str | Path, fail_on: list[str] | tuple[str, ...] = (), options: ReadOptions | None = None,
                  store_options: dict | None = None, thresholds: Thresholds | None = None,
-                 last_step: int | None = None, after_step: int | None = None, last_step_said: str = "--last-step"):
+                 last_step: int | None = None, after_step: int | None = None, last_step_said: str = "--last-step",
+                 keep_rows: bool = False):
         signatures = [Signature.parse(text) for text in fail_on]
         self.wanted = {s.name for s in signatures} or set(SIGNATURES)
         self.wanted.add("nan")
@@ -56,21 +61,28 @@ class RunWatcher:
         self.last_step: int | None = None
         self.failure: RunFailure | None = None
         self.later: dict[int, dict[str, float]] = {}  # the rows logged after the failure's detection
+        # keep_rows: every row read, a step logged twice merged (triage plots them; a watched run's
+        # operator does not keep a long run's rows)
+        self.rows: dict[int, dict[str, float]] | None = {} if keep_rows else None
 
     @property
     def finished(self) -> str | None:
         """Why the log shows that its writer is done (readers.RunFollower.finished), or None."""
         return self.follower.finished
 
-    def poll(self) -> RunFailure | None:
+    def poll(self, newest: bool = False) -> RunFailure | None:
         """Read what is new, feed it to the detectors; the first failure seen so far, or None.
-        Storage and format errors (errors.StorageError, errors.MalformedMetrics, its MetricsShrank)
-        are raised."""
+        `newest`: the newest step is taken without waiting for a later one (a log read once, as
+        triage reads it: what is complete now), but a JSON line without its newline, which may
+        still be being written. Storage and format errors (errors.StorageError,
+        errors.MalformedMetrics, its MetricsShrank) are raised."""
         rows = self.follower.rows()
-        if self.follower.finished:  # the writer is done: the newest step need not wait for a later one
-            rows += self.follower.rows(final=True)
+        if self.follower.finished or (newest and self.follower.format != "jsonl"):
+            rows += self.follower.rows(final=True)  # the writer is done: the newest step need not wait
         fed = []
         for step, values in rows:
+            if self.rows is not None:
+                self.rows.setdefault(step, {}).update(values)
             if step in self.seen:
                 continue
             self.seen.add(step)

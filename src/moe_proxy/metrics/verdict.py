@@ -91,11 +91,17 @@ def verdict_lines(fail_on: Signature | None, signature: str | None, step: int | 
                   failures: dict[str, dict]) -> list[str]:
     """What `repro` and `watch` print: the verdict, and any failure seen that was not the one
     asked for, each with its own step (never a failure asked for reported as absent while
-    another one is shown as detected, without saying which is which)."""
+    another one is shown as detected, without saying which is which). A NaN before the failure
+    asked for ended the run: it is the failure, never a clean run (metrics.incident's rule), and
+    the line says the one asked for was not seen before it."""
+    nan_first = fail_on is not None and signature is None and "nan" in failures
     others = [f"  {name} seen at step {onset['step']} (not the failure asked for)"
-              for name, onset in failures.items() if name != signature] if fail_on else []
+              for name, onset in failures.items() if name != signature and not (nan_first and name == "nan")
+              ] if fail_on else []
     if signature:
         return [f"{signature} at step {step}" + (" (reproduced)" if fail_on else "")] + others
+    if nan_first:
+        return [f"failed on nan at step {failures['nan']['step']} (no {fail_on.name} before it)"] + others
     if others:
         return [f"{fail_on.name} not reproduced in {steps} steps"] + others
     return [f"no failure in {steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else "")]

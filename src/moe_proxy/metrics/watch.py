@@ -124,10 +124,14 @@ def watch(metrics_file: str | Path, *, fail_on: Signature | None = None, thresho
         ended.wait(poll_s)
     if not rows and not follower.source.kind:
         raise MalformedMetrics(f"{path}: the run ended and the metrics file never appeared; no verdict")
-    if stop_file and stopped.startswith(("reproduced", "loss or weights")):
+    by_detector = stopped.startswith(("reproduced", "loss or weights"))  # stop_reason's: the failure, or a NaN
+    if stop_file and by_detector:
         Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
         Path(stop_file).write_text(stopped + "\n")
-    return WatchResult(ending(verdict_report(detector, fail_on, rows), rows), len(rows), stopped,
+    # the verdict says why the detector stopped, as repro's does: a run cut short by a NaN is never
+    # read as one that ran clean to its end (a Diagnosis judges its runs from this message)
+    verdict = verdict_report(detector, fail_on, rows, stopped if by_detector else None)
+    return WatchResult(ending(verdict, rows), len(rows), stopped,
                        detector.to_dict(), run_ended, follower.profile, set().union(*rows.values()) if rows else set())
 
 
