@@ -29,11 +29,9 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from moe_proxy.errors import InvalidOptions
 from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_round
-from moe_proxy.sizing import run_device_hours
 
-from .diagnosis_rows import RUN_DONE, RUN_ERROR, RUN_RUNNING, finished_row, seed_run
+from .diagnosis_rows import RUN_DONE, RUN_ERROR, RUN_RUNNING, finished_row, plan_price, run_hours, seed_run
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet, RunVariant, baseline_of, proxy_built, run_manifest
 from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
                                FAILED_CONDITION, RUNNING_CONDITION, DiagnosisDecision, condition_changed, refused,
@@ -178,11 +176,7 @@ def _device_hours(child: dict, steps_completed: int) -> str | None:
     """A finished probe's run by sizing.RUN_COST_RULE: its ProxyModel's plan
     (deviceHoursPerStep.total.proxy: the proxy's devices x its RL step's time, at the
     reproduction's precision) x the steps the run completed. None without a plan."""
-    try:
-        per_step = float(child["status"]["plan"]["deviceHoursPerStep"]["total"]["proxy"])
-        return f"{run_device_hours(per_step, steps_completed):.4g}"
-    except (KeyError, TypeError, ValueError, InvalidOptions):
-        return None
+    return run_hours(plan_price(child), steps_completed)
 
 
 def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dict[str, Outcome],

@@ -24,8 +24,8 @@ from moe_proxy.investigate.diagnose import FIXED, FIXED_BUT
 from .diagnosis_baseline import changes as baseline_changes
 from .diagnosis_spec import DiagnosisSpec, InvalidDiagnosis, parse_diagnosis
 from .diagnosis_rows import (FINISHED, RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING, any_reproduced, finished_row,
-                             judge_baseline, judge_candidate, not_run, recorded_running, row_phase, run_rows, said,
-                             stop_early)
+                             judge_baseline, judge_candidate, not_run, recorded_running, row_phase, run_hours,
+                             run_rows, said, stop_early)
 from .diagnosis_runs import (Baseline, NotYet, RunVariant, baseline_of, changes, run_manifest, run_name,
                              variants)
 from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, FAILED_CONDITION,
@@ -102,7 +102,9 @@ def _start(status: dict, d: DiagnosisSpec, baseline: Baseline, name: str, namesp
         "observedGeneration": generation, "message": None,
         # the pinned baseline: what every run is made from (a later change starts no run: _wind_down)
         "proxyModel": {"name": d.proxy_model, **baseline.pinned, "uri": baseline.proxy_uri, "runtime": r.runtime,
-                       "devices": baseline.devices, "failOn": d.fail_on},
+                       "devices": baseline.devices, "failOn": d.fail_on,
+                       # each finished run priced by it, as a bisection's probes (diagnosis_rows.run_hours)
+                       **({"price": baseline.price} if baseline.price else {})},
         "failOn": r.fail_on.cli(), "steps": baseline.steps, "seeds": seeds, "parallelism": d.parallelism,
         "allSeeds": d.all_seeds,
         "baseline": rows[0], "candidates": rows[1:], "fixedBy": None,
@@ -213,7 +215,8 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
     variants_by_name = {row["name"]: RunVariant(row["name"], tuple(row.get("args") or ()), tuple(row.get("env") or ()))
                         for row in [base, *cands]}
     maker = RunMaker(name, namespace, generation, d.proxy_model, baseline, variants_by_name)
-    running = _follow([base, *cands], seen, steps, maker, out)
+    price = (status.get("proxyModel") or {}).get("price") or {}
+    running = _follow([base, *cands], seen, steps, maker, price, out)
     if not status.get("allSeeds", d.all_seeds):
         running -= _stop_early(status, cands, out)
     running = _start_next(base, cands, running, d.parallelism, maker, out)
@@ -223,10 +226,12 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
     return out
 
 
-def _follow(variant_rows: list[dict], seen: dict[str, Outcome], steps: int, maker: RunMaker,
+def _follow(variant_rows: list[dict], seen: dict[str, Outcome], steps: int, maker: RunMaker, price: dict,
             out: DiagnosisDecision) -> int:
-    """Record the runs that finished; create again a run recorded as running whose workload is
-    not there (the operator stopped before creating it). How many run now."""
+    """Record the runs that finished, each with its deviceHours (by sizing.RUN_COST_RULE, as a
+    probe's: `price`, the pinned plan's, x its steps completed; a candidate at another precision is
+    left unpriced); create again a run recorded as running whose workload is not there (the
+    operator stopped before creating it). How many run now."""
     running = 0
     for row in variant_rows:
         runs = [dict(r) for r in row["runs"]]
@@ -241,6 +246,9 @@ def _follow(variant_rows: list[dict], seen: dict[str, Outcome], steps: int, make
                 running += 1
             else:
                 runs[i] = finished_row(run, outcome, steps)
+                if runs[i]["phase"] == RUN_DONE:
+                    runs[i]["deviceHours"] = run_hours(price, runs[i]["stepsCompleted"],
+                                                       (row.get("changes") or {}).get("precision"))
                 out.events.append(("Normal" if runs[i]["phase"] == RUN_DONE else "Warning", "RunFinished",
                                    f"{row['name']} seed {run['seed']}: {said(runs[i])}"))
         row["runs"] = runs

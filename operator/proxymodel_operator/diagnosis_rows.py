@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from moe_proxy.investigate.diagnose import (NOT_RUN, SeedRun, against, cost_of, cost_window, findings, left_out_note,
                                             verdict)
+from moe_proxy.errors import InvalidOptions
 from moe_proxy.metrics.verdict import series_rows
+from moe_proxy.sizing import run_device_hours
 
 from .outcome import FAILED as OUTCOME_FAILED, Outcome
 
@@ -99,6 +101,30 @@ def said(row: dict) -> str:
     if row.get("reproduced"):
         return f"{row['signature']} at step {row['step']}{others}"
     return f"not reproduced in {row.get('stepsCompleted')} steps{others}"
+
+
+# --- what a run cost (sizing.RUN_COST_RULE) ------------------------------------------------------------
+
+
+def plan_price(proxymodel: dict) -> dict:
+    """What a run on this ProxyModel is priced by: its plan's device-hours per RL step
+    (status.plan.deviceHoursPerStep.total.proxy: the proxy's devices x its step's time) and the
+    precision the plan priced it at; {} without a plan."""
+    plan = (proxymodel.get("status") or {}).get("plan") or {}
+    per_step = ((plan.get("deviceHoursPerStep") or {}).get("total") or {}).get("proxy")
+    return {"deviceHoursPerStep": per_step, "precision": plan.get("precision")} if per_step is not None else {}
+
+
+def run_hours(price: dict, steps_completed: int, precision: str | None = None) -> str | None:
+    """A finished run's device-hours by sizing.run_device_hours: `price`'s per step (plan_price) x
+    the steps it completed. None: no price, or the run ran at another `precision` than the plan
+    priced (that plan is not the operator's to make: the one who reads it prices it as planned)."""
+    if precision is not None and precision != price.get("precision"):
+        return None
+    try:
+        return f"{run_device_hours(float(price['deviceHoursPerStep']), steps_completed):.4g}"
+    except (KeyError, TypeError, ValueError, InvalidOptions):
+        return None
 
 
 # --- a variant's phase, verdict and cost ----------------------------------------------------------------

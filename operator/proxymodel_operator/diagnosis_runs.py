@@ -18,6 +18,7 @@ from moe_proxy.investigate.diagnose import BASELINE, OWN_FLAGS, changed_settings
 
 from .children import MAX_NAME
 from .diagnosis_baseline import pin
+from .diagnosis_rows import plan_price
 from .diagnosis_spec import DiagnosisSpec, InvalidDiagnosis
 from .reproduction import (ArgsIgnored, Naming, appended, first_container, headless_service, name_reserve,
                            repro_flags, reproduction_workload)
@@ -61,6 +62,7 @@ class Baseline:
     experts_per_layer: int | None
     top_k: int | None
     pinned: dict = field(default_factory=dict)  # what status.proxyModel records of it (diagnosis_baseline.pin)
+    price: dict = field(default_factory=dict)  # what its runs are priced by (diagnosis_rows.plan_price)
 
     @property
     def steps(self) -> int:
@@ -127,7 +129,7 @@ def baseline_of(d: DiagnosisSpec, proxymodel: dict | None, namespace: str, setti
     proxy = status["proxy"]
     experts = proxy.get("expertsPerLayer") or {}
     return Baseline(spec, proxy["uri"], proxy.get("manifestSha256") or "", int(devices), experts.get("after"),
-                    experts.get("topK"), pin(proxymodel))
+                    experts.get("topK"), pin(proxymodel), plan_price(proxymodel))
 
 
 def variants(d: DiagnosisSpec, baseline: Baseline) -> list[RunVariant]:

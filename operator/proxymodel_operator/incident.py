@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from moe_proxy.metrics.detect import SIGNATURES, Signature
 
+from .diagnosis_bisect import BUILDING
+from .diagnosis_rows import RUN_NOT_RUN, RUN_PENDING, RUN_RUNNING
 from .loop_spec import BudgetSpec, OnFailureSpec
 from .resources import DIAGNOSES, GROUP, LABEL_ROLE
 from .watch_decisions import LABEL_WATCH, short_name, watch_label
@@ -155,27 +157,65 @@ SEEDS = 1  # seeds per candidate (and of the matrix's baseline) in an incident's
 def spent(diagnosis_status: dict) -> int:
     """Runs the Diagnosis started: its probes, and its matrix's runs past Pending."""
     probes = len(diagnosis_status.get("probes") or [])
+    return probes + sum(1 for run in _matrix_runs(diagnosis_status)
+                        if run.get("phase") not in (None, RUN_PENDING, RUN_NOT_RUN))
+
+
+def _matrix_runs(diagnosis_status: dict) -> list[dict]:
     rows = [diagnosis_status.get("baseline") or {}, *(diagnosis_status.get("candidates") or [])]
-    return probes + sum(1 for r in rows for run in r.get("runs") or [] if run.get("phase") not in (None, "Pending",
-                                                                                                    "NotRun"))
+    return [run for r in rows for run in r.get("runs") or []]
 
 
-def over_budget(budget: BudgetSpec, runs: int, run_hours: float | None) -> str | None:
+@dataclass(frozen=True)
+class Cost:
+    """What a Diagnosis's runs have cost, and what is still to run."""
+
+    hours: float | None  # the finished runs, by sizing.RUN_COST_RULE (None: one cannot be priced)
+    to_run: int  # runs building, running or pending: priced as planned until they finish
+
+
+def cost(diagnosis_status: dict, run_hours: float | None) -> Cost:
+    """The finished runs by the one run-cost rule (sizing.run_device_hours): each at the
+    deviceHours its Diagnosis recorded (a probe's or a matrix run's: its plan's device-hours per
+    step x the steps it completed, so one stopped at its failure costs less than planned). One
+    finished without it (failed to run, a candidate at another precision, an older operator's) at
+    the planned `run_hours`: what it may have cost."""
+    hours, unpriced, to_run = 0.0, 0, 0
+    for run in [*(diagnosis_status.get("probes") or []), *_matrix_runs(diagnosis_status)]:
+        phase = run.get("phase")
+        if phase in (None, RUN_PENDING, RUN_RUNNING, BUILDING):
+            to_run += 1
+        elif phase != RUN_NOT_RUN:
+            try:
+                hours += float(run["deviceHours"])
+            except (KeyError, TypeError, ValueError):
+                unpriced += 1
+    if unpriced and run_hours is None:
+        return Cost(None, to_run)
+    return Cost(hours + unpriced * (run_hours or 0.0), to_run)
+
+
+def over_budget(budget: BudgetSpec, runs: int, spent_hours: float | None, to_run: int,
+                run_hours: float | None) -> str | None:
     """Why a running Diagnosis must stop: it started more runs than the budget holds (a bisection
-    stepping around inconclusive probes, or a non-monotone run, probes past log2(n) + 3), or their
-    device-hours passed deviceHours. None: within the budget."""
+    stepping around inconclusive probes, or a non-monotone run, probes past log2(n) + 3), or what
+    its runs cost (`spent_hours`, cost's) and the planned hours of those still to run pass
+    deviceHours. None: within the budget."""
     if runs > budget.probes:
         return f"stopped: {runs} runs started, the budget is {budget.probes}"
-    if budget.hours is not None and run_hours is not None and runs * run_hours > budget.hours:
-        return f"stopped: {runs * run_hours:.4g} device-hours started, the budget is {budget.device_hours}"
+    if budget.hours is None or spent_hours is None:
+        return None
+    ahead = to_run * run_hours if run_hours is not None else 0.0
+    if float(f"{spent_hours + ahead:.4g}") > budget.hours:  # at the figures' own precision (each is .4g)
+        return (f"stopped: {spent_hours:.4g} device-hours spent and {ahead:.4g} planned for the {to_run} run(s) "
+                f"still to run, the budget is {budget.device_hours}")
     return None
 
 
-def budget_status(budget: BudgetSpec, runs: int, run_hours: float | None) -> dict:
-    """status.incident.budget: spent and left, in runs and (where the plan prices a run) device-hours."""
-    hours = runs * run_hours if run_hours is not None else None
-    left = None if budget.hours is None or hours is None else f"{max(0.0, budget.hours - hours):.4g}"
-    return {"spent": {"runs": runs, "deviceHours": None if hours is None else f"{hours:.4g}"},
+def budget_status(budget: BudgetSpec, runs: int, spent_hours: float | None) -> dict:
+    """status.incident.budget: spent (runs started; device-hours of those finished, cost's) and left."""
+    left = None if budget.hours is None or spent_hours is None else f"{max(0.0, budget.hours - spent_hours):.4g}"
+    return {"spent": {"runs": runs, "deviceHours": None if spent_hours is None else f"{spent_hours:.4g}"},
             "left": {"runs": max(0, budget.probes - runs), "deviceHours": left}}
 
 
@@ -194,7 +234,7 @@ def answer(incident: dict, diagnosis: dict | None) -> dict:
     first = (st.get("firstBad") or {}).get("step")
     out = {"firstBad": first, "firstBadCheckpoint": (st.get("firstBad") or {}).get("checkpoint"),
            "fixedBy": st.get("fixedBy") or None, "fixedWithOtherFailures": st.get("fixedWithOtherFailures") or None,
-           "spentRuns": spent(st)}
+           "spentRuns": spent(st), "spentDeviceHours": cost(st, incident.get("runHours")).hours}
     if st.get("phase") == "Failed":
         return out | {"state": S_DIAGNOSIS_FAILED, "message": (st.get("message") or "")[:512]}
     if st.get("phase") != "Complete":

@@ -138,12 +138,16 @@ async def _advance(body: kopf.Body, watch: WatchSpec, incident: dict | None, fai
 
 async def _follow_diagnosis(namespace: str, watch: WatchSpec, incident: dict, logger: logging.Logger) -> dict:
     """The incident as its Diagnosis has it; a Diagnosis past the budget is stopped (deleted with
-    its runs, owned by it): what it found so far stays in the incident."""
+    its runs, owned by it): what it found so far stays in the incident. Spent is what its runs
+    cost (inc.cost: each by the completed steps); the check adds the planned hours of those still
+    to run."""
     budget = watch.on_failure.budget
-    incident = incident | inc.answer(incident, await kube.get_or_none(DIAGNOSES, namespace, incident["diagnosis"]))
-    runs = incident.get("spentRuns") or 0
-    incident["budget"] = inc.budget_status(budget, runs, incident.get("runHours"))
-    over = inc.over_budget(budget, runs, incident.get("runHours"))
+    diagnosis = await kube.get_or_none(DIAGNOSES, namespace, incident["diagnosis"])
+    incident = incident | inc.answer(incident, diagnosis)
+    runs, hours = incident.get("spentRuns") or 0, incident.get("spentDeviceHours")
+    incident["budget"] = inc.budget_status(budget, runs, hours)
+    to_run = inc.cost((diagnosis or {}).get("status") or {}, None).to_run
+    over = inc.over_budget(budget, runs, hours, to_run, incident.get("runHours"))
     if incident["state"] == inc.S_DIAGNOSING and over:
         await kube.delete(DIAGNOSES, namespace, incident["diagnosis"])
         logger.warning("Diagnosis %s %s", incident["diagnosis"], over)
@@ -152,9 +156,10 @@ async def _follow_diagnosis(namespace: str, watch: WatchSpec, incident: dict, lo
 
 
 def run_hours_of(watch: WatchSpec, checkpoint: str, credentials: dict[str, str], settings: Settings) -> float | None:
-    """What one run costs, in device-hours, as `plan` prices it (status.plan's deviceHoursPerStep
-    total of the proxy, x the template's steps), from the checkpoint's config.json (blocking);
-    None when it cannot be priced (the plan's own refusal, an unreadable config)."""
+    """What one run is planned to cost, in device-hours, as `plan` prices it (status.plan's
+    deviceHoursPerStep total of the proxy, x the template's steps: all of them), from the
+    checkpoint's config.json (blocking); None when it cannot be priced (the plan's own refusal, an
+    unreadable config). The forecast only: what was spent is what the runs cost (inc.cost)."""
     try:
         spec = parse_proxymodel({**watch.template_spec, "source": {"uri": checkpoint, **watch.source_fields}},
                                 "namespace", "probe", settings)
@@ -182,7 +187,7 @@ async def _open(body: kopf.Body, watch: WatchSpec, incident: dict, failure, cred
     candidates = f.candidates_for(failure.signature)
     p = inc.plan(len(steps), candidates, f.budget, inc.SEEDS, run_hours)
     incident.update(badStep=steps[-1], candidates=list(p.candidates), leftOut=list(p.left_out), runHours=run_hours,
-                    budget=inc.budget_status(f.budget, 0, run_hours))
+                    budget=inc.budget_status(f.budget, 0, 0.0))  # nothing spent yet
     if p.refused:
         return incident | {"state": inc.S_BUDGET_SPENT, "budgetRefused": p.refused}
     manifest = inc.diagnosis_for(dict(body), f, failure, steps[-1], p, incident.get("previous"))

@@ -71,11 +71,50 @@ def test_the_plan_bisects_first_then_the_candidates_that_fit_in_order():
 
 
 def test_a_diagnosis_past_its_budget_is_stopped():
+    """Spent (what the finished runs cost) plus the planned hours of those still to run."""
     budget = BudgetSpec(probes=8, device_hours="4")
-    assert inc.over_budget(budget, 8, 0.5) is None
-    assert inc.over_budget(budget, 9, None) == "stopped: 9 runs started, the budget is 8"
-    assert inc.over_budget(BudgetSpec(probes=20, device_hours="4"), 9, 0.5) == (
-        "stopped: 4.5 device-hours started, the budget is 4")
+    assert inc.over_budget(budget, 8, 3.0, 2, 0.5) is None  # 3 + 2 x 0.5: the budget, not past it
+    assert inc.over_budget(budget, 9, None, 0, None) == "stopped: 9 runs started, the budget is 8"
+    assert inc.over_budget(BudgetSpec(probes=20, device_hours="4"), 9, 3.5, 2, 0.5) == (
+        "stopped: 3.5 device-hours spent and 1 planned for the 2 run(s) still to run, the budget is 4")
+    assert inc.over_budget(budget, 8, None, 2, 0.5) is None  # a run that cannot be priced: runs only
+
+
+def _ran(phase: str, hours: str | None = None, **row) -> dict:
+    return {"phase": phase, **({"deviceHours": hours} if hours is not None else {}), **row}
+
+
+def test_spent_is_what_the_diagnosis_runs_cost_by_their_completed_steps():
+    """Each finished run at the deviceHours its Diagnosis recorded (a probe stopped at its
+    failure: its 1 step of 4, 0.25 of the 1 planned); one finished without a figure (a candidate
+    at another precision) as planned; runs building, running or pending are still to run; one left
+    out (NotRun) cost nothing."""
+    st = {"phase": "Running",
+          "probes": [_ran("Succeeded", "1", stepsCompleted=4), _ran("Succeeded", "0.25", stepsCompleted=1),
+                     _ran("Running"), _ran("Building")],
+          "baseline": {"runs": [_ran("Succeeded", "0.25", stepsCompleted=1)]},
+          "candidates": [{"runs": [_ran("Succeeded", stepsCompleted=4)]}, {"runs": [_ran("Pending")]},
+                         {"runs": [_ran("NotRun")]}]}
+    assert inc.cost(st, 1.0) == inc.Cost(2.5, 3)  # 1 + 0.25 + 0.25 + 1 (unpriced: as planned); 3 to run
+    assert inc.cost(st, None).hours is None  # the unpriced one, and no plan to price it by
+    answer = inc.answer({"runHours": 1.0}, {"status": st})
+    assert (answer["spentRuns"], answer["spentDeviceHours"]) == (6, 2.5)  # 6 started; 2.5, not 6 x 1 planned
+    b = inc.budget_status(BudgetSpec(probes=20, device_hours="10"), answer["spentRuns"], answer["spentDeviceHours"])
+    assert b == {"spent": {"runs": 6, "deviceHours": "2.5"}, "left": {"runs": 14, "deviceHours": "7.5"}}
+    assert inc.over_budget(BudgetSpec(probes=20, device_hours="5"), 6, 2.5, 3, 1.0) == (
+        "stopped: 2.5 device-hours spent and 3 planned for the 3 run(s) still to run, the budget is 5")
+
+
+def test_a_bisections_probes_that_stopped_at_their_failure_cost_less_than_planned():
+    """The incident's spent is the Diagnosis's own deviceHours (sizing.run_device_hours per probe),
+    not the probes x the planned hours a run: the probes that reproduced ran 1 step of 4."""
+    from .test_diagnosis_bisect import _bisect_in_rounds
+
+    body, _, _ = _bisect_in_rounds(8, 5, 3, per_step="0.25", steps=4)
+    st = body["status"]
+    spent = inc.answer({"runHours": 1.0}, body)["spentDeviceHours"]
+    assert spent == pytest.approx(float(st["deviceHours"])) and spent < 1.0 * len(st["probes"])
+    assert inc.cost(st, 1.0).to_run == 0
 
 
 def test_the_diagnosis_is_named_by_the_incident_owned_by_the_watch_and_linked_to_the_previous():
@@ -127,7 +166,7 @@ def test_events_follow_the_stages_once_each():
 def test_the_report_and_the_webhook_body():
     incident = {"step": 650, "signature": "nan", "reason": "r", "state": inc.S_FIXED, "firstBad": 600,
                 "fixedBy": "bf16,fp32", "candidates": ["bf16", "fp32", "lower-lr"], "diagnosis": "run-incident-650",
-                "budget": inc.budget_status(BudgetSpec(probes=20, device_hours="10"), 7, 0.5)}
+                "budget": inc.budget_status(BudgetSpec(probes=20, device_hours="10"), 7, 3.5)}
     r = inc.report("run", "team", incident)
     assert {k: r[k] for k in ("failing_step", "signature", "first_bad", "fixed_by")} == {
         "failing_step": 650, "signature": "nan", "first_bad": 600, "fixed_by": ["bf16", "fp32"]}
@@ -220,3 +259,30 @@ def test_a_bisection_with_candidates_and_no_bad_checkpoint_ends_as_before():
     body = _apply(body, start({}, parse_bisection(body["spec"]), checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
     body, _ = _drive(body, bad_from=99)
     assert body["status"]["phase"] == DIAGNOSED and not body["status"].get("candidatesOn")
+
+
+def test_the_candidates_runs_are_priced_as_the_probes_and_the_incident_spends_them():
+    """A matrix run records deviceHours as a probe does (its ProxyModel's plan per step x the steps
+    it completed); a candidate that changes the precision is not priced by that plan (null), and
+    the incident counts it as planned."""
+    listed = [{"step": 10 * (i + 1), "uri": f"s3://{BUCKET}/run/global_step_{10 * (i + 1)}/{HF}"} for i in range(4)]
+    body = _body(candidates=["fp32", "lower-lr"], failOn={"signature": "nan"}, seeds=1, steps=4)
+    body = _apply(body, start({}, parse_bisection(body["spec"]), checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
+    body, made = _drive(body, bad_from=2)
+    child = _built(made["bx-step-30"])
+    child["status"]["plan"] = {"precision": "fp16", "deviceHoursPerStep": {"total": {"original": "9", "proxy": "0.25"}}}
+    matrix = {**body, "spec": candidates_spec(body["spec"], "bx-step-30")}
+    completed = {"baseline": 2, "fp32": 4, "lower-lr": 3}  # the baseline and lower-lr stop at their NaN
+    for _ in range(6):
+        seen = {r["workload"]: Outcome(SUCCEEDED, report={
+                    "reproduced": row["name"] != "fp32", "signature": "nan", "step": completed[row["name"]] - 1,
+                    "steps_completed": completed[row["name"]]})
+                for row in [matrix["status"].get("baseline") or {"runs": []}, *matrix["status"].get("candidates", [])]
+                for r in row["runs"] if r["phase"] == "Running"}
+        matrix = _apply(matrix, matrix_decide(matrix, child, seen, Settings()))
+    st = matrix["status"]
+    assert st["phase"] == DIAGNOSED and st["proxyModel"]["price"] == {"deviceHoursPerStep": "0.25", "precision": "fp16"}
+    hours = {row["name"]: row["runs"][0]["deviceHours"] for row in [st["baseline"], *st["candidates"]]}
+    assert hours == {"baseline": "0.5", "fp32": None, "lower-lr": "0.75"}
+    probes = sum(1 for p in st["probes"])  # the probes' ProxyModels had no plan: each as planned
+    assert inc.cost(st, 1.0) == inc.Cost(probes * 1.0 + 0.5 + 1.0 + 0.75, 0)
