@@ -55,7 +55,8 @@ class BudgetSpec:
     parallelism: int = option(1, "int", "runs at once (the Diagnosis's parallelism; a bisection probes one at a "
                               "time)", crd="parallelism", minimum=1, maximum=64)
     device_hours: str | None = option(None, "str", "device-hours at most, as the probes' ProxyModels' plan prices a "
-                                      "step (status.plan.deviceHoursPerStep.total.proxy x steps x runs); a number",
+                                      "step (status.plan.deviceHoursPerStep.total.proxy): planned x steps x runs, "
+                                      "spent x the steps each run completed; a number",
                                       crd="deviceHours", crd_schema={"pattern": r"^[0-9]+(\.[0-9]*)?$"})
 
     @property

@@ -309,13 +309,15 @@ async def test_a_diagnosis_that_starts_more_runs_than_the_budget_is_stopped(clus
     await eventually(lambda: cluster.get(DIAGNOSES, NS, "w-incident-9"), 20, "the incident's Diagnosis")
     await cluster.patch_status(DIAGNOSES, NS, "w-incident-9", {  # as its timer would write it (played here)
         "phase": "Running", "firstBad": {"step": 8, "checkpoint": f"{run.uri}/global_step_8/{HF}"},
-        "probes": [{"step": 8}] * 3, "baseline": {"runs": [{"phase": "Succeeded"}]},
+        "probes": [{"step": 8, "phase": "Succeeded", "deviceHours": "0.5"}] * 3,
+        "baseline": {"runs": [{"phase": "Succeeded", "deviceHours": "0.25"}]},
         "candidates": [{"runs": [{"phase": "Running"}]}, {"runs": [{"phase": "Running"}]},
                        {"runs": [{"phase": "Running"}]}, {"runs": [{"phase": "Pending"}]}]})
     spent = await eventually(lambda: incident(cluster, "w").get("state") == "BudgetSpent" and incident(cluster, "w"),
                              20, "the budget spent")
     assert spent["budgetRefused"] == "stopped: 7 runs started, the budget is 6" and spent["firstBad"] == 8
     assert spent["budget"]["spent"]["runs"] == 7 and spent["budget"]["left"]["runs"] == 0
+    assert spent["budget"]["spent"]["deviceHours"] == "1.75"  # what the 4 finished runs cost, not 4 x planned
     await eventually(lambda: cluster.names(DIAGNOSES, NS) == [], 20, "the Diagnosis stopped")
     await asyncio.sleep(4 * TICK + 1)
     assert diagnoses_made(cluster) == 1 and incident(cluster, "w")["state"] == "BudgetSpent"
