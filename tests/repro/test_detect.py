@@ -80,3 +80,48 @@ def test_collapse_is_judged_layer_by_layer():
     assert feed(detector, rows) == {"collapse": 4}
     assert "layer 0's" in detector.onsets["collapse"].detail
     assert feed(FailureDetector(), [row(0.8)] * 7) == {}  # layer 1, at 1 from the start, is not a collapse
+
+
+def routed(layer_shares, experts, top_k=2):
+    """A row as the probes write it: per layer the busiest expert's raw share and its excess over
+    uniform routing (routers.load_max_excess), and the busiest layer's."""
+    uniform = top_k / experts
+    row = {"moe/load_uniform_share": uniform, "moe/load_max_share": max(layer_shares),
+           "moe/load_max_excess": (max(layer_shares) - uniform) / (1 - uniform)}
+    for layer, share in enumerate(layer_shares):
+        row[f"moe/load_max_share/layer_{layer}"] = share
+        row[f"moe/load_max_excess/layer_{layer}"] = (share - uniform) / (1 - uniform)
+    return row
+
+
+def test_collapse_reads_the_scale_free_share_a_4_of_32_proxy_included():
+    """Top-2 over 4 kept experts gives each 0.5 of the tokens when routing is even: a clean proxy
+    whose routing narrows from 0.8 to 0.92 is 0.84 of the way to collapse, not past the 0.9 bar;
+    the raw share alone (what the rule read before, and reads still for logs without the excess)
+    called it a collapse. One expert in 0.97 of the tokens' top-2 (0.94 of the way) is one."""
+    clean = [routed([s, 0.6], experts=4) for s in (0.8, 0.8, 0.8, 0.92, 0.92, 0.92)]
+    assert feed(FailureDetector(), clean) == {}
+    raw_only = [{k: v for k, v in row.items() if "excess" not in k} for row in clean]
+    assert feed(FailureDetector(), raw_only) == {"collapse": 3}
+    collapsed = clean[:3] + [routed([0.97, 0.6], experts=4)] * 2
+    detector = FailureDetector()
+    assert feed(detector, collapsed) == {"collapse": 3}
+    assert "layer 0's busiest expert is 0.94 of the way" in detector.onsets["collapse"].detail
+    # the original (32 experts) at the same raw share is as far from uniform: judged alike
+    assert feed(FailureDetector(), [routed([0.8], 32)] * 3 + [routed([0.97], 32)] * 2) == {"collapse": 3}
+
+
+def test_a_model_with_experts_at_most_top_k_says_collapse_cannot_show():
+    from moe_proxy.metrics.verdict import verdict_lines
+
+    trivial = {"moe/load_max_share": 1.0, "moe/load_max_share/layer_1": 1.0, "moe/load_uniform_share": 1.0}
+    threshold = Signature.parse("moe/load_max_share>0.6")
+    detector = FailureDetector(extra=[threshold])
+    assert feed(detector, [trivial] * 4) == {threshold.name: 0}  # a raw threshold fires on it, meaning nothing
+    assert set(detector.cannot_show) == {"collapse", threshold.name}
+    lines = verdict_lines(Signature.parse("collapse"), None, None, 4, {}, detector.cannot_show)
+    assert lines[0] == "no failure in 4 steps (collapse not reproduced)"
+    assert lines[1].startswith("  collapse cannot show in this run: experts <= top-k")
+    healthy = FailureDetector()
+    feed(healthy, [routed([0.6], experts=8)] * 4)
+    assert healthy.cannot_show == {}

@@ -128,3 +128,21 @@ def test_a_path_that_is_no_checkpoint_is_refused(tmp_path, capsys):
                  "--candidates", "fp32"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moe-proxy diagnose: error:") and "\n" not in err
+
+
+def test_a_run_that_cannot_show_the_failure_asked_for_is_no_verdict(tmp_path):
+    """A proxy keeping <= top-k experts: its clean run is no cure and a raw-share threshold that
+    fired is no reproduction; the run reads as one that could not judge (as a failed run does)."""
+    from moe_proxy.investigate.diagnose import seed_outcome
+
+    why = "experts <= top-k (moe/load_uniform_share 1): every token uses every expert"
+    for reproduced in (False, True):
+        (tmp_path / "summary.json").write_text(json.dumps({
+            "fail_on": "collapse", "reproduced": reproduced, "steps_completed": 4,
+            "first_failure": {"signature": "collapse", "step": 3} if reproduced else None,
+            "cannot_show": {"collapse": why}}))
+        outcome = seed_outcome(tmp_path, 0, None, 1.0)
+        assert outcome.reproduced is None and outcome.error == f"collapse cannot show in this run: {why}"
+    (tmp_path / "summary.json").write_text(json.dumps({"fail_on": "divergence", "reproduced": False,
+                                                       "steps_completed": 4, "cannot_show": {"collapse": why}}))
+    assert seed_outcome(tmp_path, 0, None, 1.0).reproduced is False  # another failure: judged as before

@@ -12,8 +12,9 @@ import torch
 
 from moe_proxy import probes
 from moe_proxy.demo.tiny import make_tiny
+from moe_proxy.metrics.detect import FailureDetector
 from moe_proxy.metrics.metrics_io import read_jsonl
-from moe_proxy.rl.routers import RouterTap
+from moe_proxy.rl.routers import RouterTap, moe_metrics
 from moe_proxy.rl.runner import ActivationWatch
 
 from .trl_grpo import char_tokenizer
@@ -64,6 +65,10 @@ def test_probes_equal_repro_metrics_on_a_forward_pass(tiny):
     # Shares of the top_k slots per token: the busiest expert has at least the uniform share,
     # the idlest at most; entropy of a softmax over E experts lies in [0, log E].
     assert ours["moe/load_min_share"] <= ours["moe/load_uniform_share"] <= ours["moe/load_max_share"] <= 1.0
+    uniform = ours["moe/load_uniform_share"]
+    for key in (k for k in ours if k.startswith("moe/load_max_share/layer_")):
+        excess = ours[key.replace("max_share", "max_excess")]
+        assert 0.0 <= excess <= 1.0 and excess == pytest.approx((ours[key] - uniform) / (1 - uniform))
     for key in (k for k in ours if k.startswith("moe/router_entropy/")):
         assert 0.0 <= ours[key] <= math.log(experts) + 1e-6
     assert math.isfinite(ours["numerics/max_activation"]) and ours["numerics/max_activation"] > 0
@@ -118,6 +123,7 @@ def test_a_planted_router_preference_raises_load_max_share(tiny):
     after = probe.step()
     assert after["moe/load_max_share"] > before["moe/load_max_share"]
     assert after["moe/load_max_share"] >= 2 * after["moe/load_uniform_share"]
+    assert after["moe/load_max_excess"] > max(0.5, before["moe/load_max_excess"])
     assert after["moe/router_logit_max"] > before["moe/router_logit_max"]
     probe.detach()
 
@@ -167,6 +173,33 @@ def test_jsonl_writer_lines_are_read_by_watch_readers(tmp_path, tiny):
     assert sorted(rows) == [1, 2]
     assert rows[2]["moe/load_uniform_share"] == pytest.approx(0.25)
     assert "moe/load_max_share/layer_1" in rows[1]
+
+
+def test_load_max_excess_runs_from_uniform_routing_to_collapse():
+    def layer(share):
+        return {"router_entropy": 1.0, "load_max_share": share, "load_min_share": 0.0, "router_logit_max": 1.0}
+
+    # 4 experts under top-2 (a 12.5% proxy of a 32-expert original): uniform routing gives each 0.5
+    out = moe_metrics({0: layer(0.5), 1: layer(1.0), 2: layer(0.75)}, 2 / 4)
+    assert [out[f"moe/load_max_excess/layer_{i}"] for i in range(3)] == [0.0, 1.0, 0.5]
+    assert out["moe/load_max_excess"] == 1.0  # the busiest layer's
+    # the original's 32 experts: the same busiest-expert share is further from uniform
+    assert moe_metrics({0: layer(0.75)}, 2 / 32)["moe/load_max_excess"] == pytest.approx((0.75 - 1 / 16) / (15 / 16))
+    # experts <= top-k: every token uses every expert, no collapse can show and none is written
+    assert not [k for k in moe_metrics({0: layer(1.0)}, 2 / 2) if "excess" in k]
+
+
+def test_no_load_excess_where_every_token_uses_every_expert(tmp_path):
+    model = make_tiny("qwen3_moe", tmp_path, num_experts=2)  # top-2 of 2
+    probe = probes.attach(model)
+    model(*_batch(model))
+    row = probe.step()
+    assert row["moe/load_uniform_share"] == 1.0 and row["moe/load_max_share"] == pytest.approx(1.0)
+    assert not [k for k in row if k.startswith("moe/load_max_excess")]
+    detector = FailureDetector()
+    for step in range(6):
+        detector.update(step, row)
+    assert detector.onsets == {} and "every token uses every expert" in detector.cannot_show["collapse"]
 
 
 def test_aggregate_means_sums_counts_and_maxes_magnitudes():

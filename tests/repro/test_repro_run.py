@@ -14,9 +14,9 @@ from moe_proxy.metrics.readers import read_metrics
 VERL_NAMES = ["actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/kl_loss",
               "actor/pg_clipfrac", "actor/lr", "critic/rewards/mean", "critic/score/mean", "response_length/mean",
               "timing_s/gen", "perf/time_per_step"]
-MOE_NAMES = ["moe/router_entropy/layer_1", "moe/load_max_share/layer_1", "moe/load_min_share/layer_1",
-             "moe/router_logit_max/layer_1", "numerics/max_activation", "numerics/max_logit",
-             "numerics/grad_norm/layer_0", "numerics/grad_norm/layer_1", "numerics/nonfinite_grads",
+MOE_NAMES = ["moe/router_entropy/layer_1", "moe/load_max_share/layer_1", "moe/load_max_excess/layer_1",
+             "moe/load_min_share/layer_1", "moe/router_logit_max/layer_1", "numerics/max_activation",
+             "numerics/max_logit", "numerics/grad_norm/layer_0", "numerics/grad_norm/layer_1", "numerics/nonfinite_grads",
              "numerics/loss_scale_backoffs"]
 
 

@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if launched() and int(os.environ["RANK"]) != 0:
         return 0
-    _print_verdict(args, fail_on, result.signature, result.step, result.steps_completed, result.failures)
+    _print_verdict(args, fail_on, result.signature, result.step, result.steps_completed, result.failures,
+                   result.cannot_show)
     return 0
 
 
@@ -105,12 +106,13 @@ def _launch(args: argparse.Namespace, config, fail_on, common: dict) -> int:
     summary = json.loads((Path(args.out) / "summary.json").read_text())
     first = summary["first_failure"] or {}
     _print_verdict(args, fail_on, first.get("signature"), first.get("step"), summary["steps_completed"],
-                   summary.get("failures") or {})
+                   summary.get("failures") or {}, summary.get("cannot_show"))
     return 0
 
 
-def _print_verdict(args, fail_on, signature: str | None, step: int | None, steps: int, failures: dict) -> None:
+def _print_verdict(args, fail_on, signature: str | None, step: int | None, steps: int, failures: dict,
+                   cannot_show: dict[str, str] | None = None) -> None:
     from moe_proxy.metrics.verdict import verdict_lines
 
-    print("\n".join(verdict_lines(fail_on, signature, step, steps, failures)))
+    print("\n".join(verdict_lines(fail_on, signature, step, steps, failures, cannot_show)))
     print(f"metrics: {args.out}/metrics.jsonl  summary: {args.out}/summary.json")

@@ -126,7 +126,8 @@ def _run(args: argparse.Namespace, ended) -> int:
     if args.termination_log:
         write_termination_log(args.termination_log, result.report)
     report = result.report
-    print("\n".join(verdict_lines(fail_on, report["signature"], report["step"], result.steps, result.failures)))
+    print("\n".join(verdict_lines(fail_on, report["signature"], report["step"], result.steps, result.failures,
+                                  report.get("cannot_show"))))
     print("\n".join(coverage_lines(result.profile, result.names)))
     if args.hold and not result.run_ended:
         _wait_for_end(ended, args.until_file, args.poll)

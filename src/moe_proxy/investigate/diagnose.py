@@ -387,6 +387,10 @@ def seed_outcome(directory: Path, code: int, error: str | None, wall: float, reu
     if code != 0 or not summary_file.is_file():
         return SeedRun(None, error=error or f"exit code {code}, no summary.json", wall_s=wall)
     s = json.loads(summary_file.read_text())
+    if why := (s.get("cannot_show") or {}).get(s.get("fail_on")):
+        # e.g. collapse on a proxy keeping <= top-k experts: neither its clean run nor a threshold on
+        # a load share that every token saturates says anything; the run cannot judge, as if it failed
+        return SeedRun(None, error=f"{s['fail_on']} cannot show in this run: {why}", wall_s=wall, reused=reused)
     first = s.get("first_failure") or {}
     reproduced = bool(s.get("reproduced"))
     asked = first.get("signature") if reproduced else None

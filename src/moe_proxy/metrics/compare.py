@@ -40,7 +40,8 @@ EVIDENCE_STEPS = 10  # fewer aligned steps than this: a correlation says little,
 CONTROL_P = 0.05  # a shuffled-step control p above this does not support a "tracks"
 # Quantities whose scale is set by the expert count (uniform routing gives each expert top_k / E
 # of the tokens: 0.125 with 32 experts, 0.5 with 8): compared as multiples of the uniform share,
-# from repro's `moe/load_uniform_share` in each row.
+# from repro's `moe/load_uniform_share` in each row. `moe/load_max_excess` is scale-free already
+# (0 for uniform routing, 1 for collapse, whatever the count) and is compared as written.
 COUNT_DEPENDENT = ("moe/load_max_share", "moe/load_min_share")
 UNIFORM = "moe/load_uniform_share"
 

@@ -28,11 +28,15 @@ Definitions (thresholds in `Thresholds`):
   fp16 without loss scaling. How many flush depends on the gradients' size (tokens per batch,
   model width). An fp32 step is never judged: its rare exact zeros are cancellations, as are a
   half-precision step's up to `underflow_frac`.
-- collapse: one expert receives at least `collapse_share` of a layer's tokens (uniform routing
-  gives top_k / experts; models where that is already above the threshold are not judged) for
-  `collapse_patience` steps in a row, in a layer where it did not in the baseline steps (a layer
-  that routes the task's narrow data to one expert from the start is in its normal state, not a
-  failure of the run; the other layers are still judged).
+- collapse: a layer's busiest expert is at least `collapse_excess` of the way from uniform routing
+  to being in every token's top-k (`moe/load_max_excess/layer_N`, scale-free: uniform routing gives
+  0 whatever the expert count), for `collapse_patience` steps in a row, in a layer where it was not
+  in the baseline steps (a layer that routes the task's narrow data to one expert from the start is
+  in its normal state, not a failure of the run; the other layers are still judged). Logs with raw
+  shares only (`moe/load_max_share`, other frameworks' probes) are judged as before: one expert
+  receives at least `collapse_share` of a layer's tokens, unless uniform routing (top_k / experts)
+  already gives that. With experts <= top_k every token uses every expert: no collapse can show,
+  and `cannot_show` says so rather than the run passing as clean.
 - mismatch: the rollout engine's probabilities and the trainer's have come apart, for
   `mismatch_patience` steps in a row: the mismatch KL (`training/rollout_kl`, k3 of
   KL(rollout || trainer) per token) above `mismatch_kl`, or the Pearson correlation of their token
@@ -70,8 +74,11 @@ class FailOnOption:
 
 
 DIVERGENCE_METRICS = ("actor/grad_norm", "moe/router_logit_max", "numerics/max_activation")
-BASELINE_METRICS = DIVERGENCE_METRICS + ("moe/load_max_share",)
 LAYER_SHARE = "moe/load_max_share/layer_"  # + N: one layer's busiest expert's share of its tokens
+EXCESS = "moe/load_max_excess"  # the same on a scale from uniform (0) to collapse (1); routers.load_max_excess
+LAYER_EXCESS = EXCESS + "/layer_"
+UNIFORM = "moe/load_uniform_share"  # top_k / experts: >= 1 when every token uses every expert
+BASELINE_METRICS = DIVERGENCE_METRICS + ("moe/load_max_share", EXCESS)
 NAN_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
 _THRESHOLD = re.compile(r"^(?P<metric>[\w/.\-]+)\s*(?P<op>[<>])\s*(?P<value>[-+0-9.eEinfINF]+)(?::(?P<k>\d+))?$")
 
@@ -84,7 +91,11 @@ class Thresholds:
     kl_limit: float = 0.5
     overflow_patience: int = 3
     min_loss_scale: float = 1.0
-    collapse_share: float = 0.9
+    collapse_share: float = 0.9  # raw share, for logs without moe/load_max_excess
+    # On a 64-expert top-4 original (uniform share 1/16) 0.9 of the way is a raw share of 0.906:
+    # the raw bar, within a point; a proxy keeping fewer experts meets it only when its busiest
+    # expert is as far from uniform, not for having few experts (4 kept under top-2: raw >= 0.5).
+    collapse_excess: float = 0.9
     collapse_patience: int = 2
     # Above the exact cancellations any run has (2.2e-6 of the dense elements on the fidelity lab's
     # model, in fp32 and in fp16 with loss scaling alike); fp16 without loss scaling flushed 1.1e-5
@@ -142,6 +153,8 @@ class FailureDetector:
     thresholds: Thresholds = field(default_factory=Thresholds)
     extra: list[Signature] = field(default_factory=list)  # user thresholds, watched besides the built-ins
     onsets: dict[str, Onset] = field(default_factory=dict)
+    # signature -> why these rows cannot show it (a model whose experts <= top_k cannot collapse)
+    cannot_show: dict[str, str] = field(default_factory=dict)
     _baseline: dict[str, list[float]] = field(default_factory=dict)
     _streaks: dict[str, list[int]] = field(default_factory=dict)  # signature -> steps of the current run
     _steps_seen: int = 0
@@ -160,6 +173,7 @@ class FailureDetector:
             if len(streak) >= patience:
                 self.onsets[name] = Onset(step=streak[0], detail=detail, seen=step)
                 found.append(name)
+        self._note_cannot_show(metrics)
         self._record_baseline(metrics)
         self._steps_seen += 1
         return found
@@ -235,25 +249,50 @@ class FailureDetector:
         return checks
 
     def _collapse(self, m: dict[str, float]) -> tuple[bool, str, int]:
-        """Layer by layer (`moe/load_max_share/layer_N`; the busiest layer's `moe/load_max_share`
-        where a reader has no per-layer loads): a layer that already sent collapse_share of its
-        tokens to one expert in the baseline steps is skipped, the others still judged. Judging
-        only the busiest layer missed every collapse of a model with one such layer: a 25% or
-        12.5% proxy of a top-4 model, whose last layers put one expert in every token's top-4
-        from step 0 (docs/fidelity.md, issue 29)."""
+        """Layer by layer (`moe/load_max_excess/layer_N`, else `moe/load_max_share/layer_N`; the
+        busiest layer's figure where a reader has no per-layer loads): a layer already past the
+        threshold in the baseline steps is skipped, the others still judged. Judging only the
+        busiest layer missed every collapse of a model with one such layer: a 25% or 12.5% proxy
+        of a top-4 model, whose last layers put one expert in every token's top-4 from step 0
+        (docs/fidelity.md, issue 29)."""
         t = self.thresholds
-        if self._steps_seen < t.baseline_steps or m.get("moe/load_uniform_share", 0.0) >= t.collapse_share:
+        if self._steps_seen < t.baseline_steps or m.get(UNIFORM, 0.0) >= 1.0:
             return False, "", t.collapse_patience
-        shares = {k: v for k, v in m.items() if k.startswith(LAYER_SHARE) and _finite(v)}
-        if not shares and _finite(m.get("moe/load_max_share")):
-            shares = {"moe/load_max_share": m["moe/load_max_share"]}
-        hit = [(v, k) for k, v in shares.items() if v >= t.collapse_share
-               and statistics.median(self._baseline.get(k) or [1.0]) < t.collapse_share]
+        shares = {k: v for k, v in m.items() if k.startswith(LAYER_EXCESS) and _finite(v)}
+        if not shares and _finite(m.get(EXCESS)):
+            shares = {EXCESS: m[EXCESS]}
+        limit = t.collapse_excess
+        if not shares:  # raw shares only: judged unless uniform routing already passes the bar
+            if m.get(UNIFORM, 0.0) >= t.collapse_share:
+                return False, "", t.collapse_patience
+            limit = t.collapse_share
+            shares = {k: v for k, v in m.items() if k.startswith(LAYER_SHARE) and _finite(v)}
+            if not shares and _finite(m.get("moe/load_max_share")):
+                shares = {"moe/load_max_share": m["moe/load_max_share"]}
+        hit = [(v, k) for k, v in shares.items() if v >= limit
+               and statistics.median(self._baseline.get(k) or [1.0]) < limit]
         if not hit:
             return False, "", t.collapse_patience
-        share, key = max(hit)
-        where = f"layer {key.rsplit('_', 1)[1]}'s" if key.startswith(LAYER_SHARE) else "a layer's"
-        return True, f"one expert takes {share:.3g} of {where} tokens", t.collapse_patience
+        value, key = max(hit)
+        where = f"layer {key.rsplit('_', 1)[1]}'s" if "/layer_" in key else "a layer's"
+        if key.startswith(EXCESS):
+            return True, (f"{where} busiest expert is {value:.3g} of the way from uniform routing to every "
+                          f"token's top-k ({key})"), t.collapse_patience
+        return True, f"one expert takes {value:.3g} of {where} tokens", t.collapse_patience
+
+    def _note_cannot_show(self, m: dict[str, float]) -> None:
+        """A model with experts <= top_k (moe/load_uniform_share >= 1) routes every token to every
+        expert: collapse, and a threshold on an expert-load metric, cannot show on it. Said once
+        (`cannot_show`), so that a run that did not collapse is not read as one that was cured."""
+        uniform = m.get(UNIFORM)
+        if not _finite(uniform) or uniform < 1.0:
+            return
+        why = (f"experts <= top-k ({UNIFORM} {uniform:g}): every token uses every expert, so no "
+               "expert can take more tokens than another")
+        self.cannot_show.setdefault("collapse", why)
+        for sig in self.extra:
+            if sig.metric and sig.metric.startswith("moe/load_"):
+                self.cannot_show.setdefault(sig.name, why)
 
     def _mismatch(self, m: dict[str, float]) -> tuple[bool, str, int]:
         t = self.thresholds
@@ -270,7 +309,7 @@ class FailureDetector:
         return bool(why), "; ".join(why), t.mismatch_patience
 
     def _record_baseline(self, m: dict[str, float]) -> None:
-        for key in (*BASELINE_METRICS, *(k for k in m if k.startswith(LAYER_SHARE))):
+        for key in (*BASELINE_METRICS, *(k for k in m if k.startswith((LAYER_SHARE, LAYER_EXCESS)))):
             values = self._baseline.setdefault(key, [])
             if len(values) < self.thresholds.baseline_steps and key in m and _finite(m[key]):
                 values.append(m[key])

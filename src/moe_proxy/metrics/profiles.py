@@ -27,6 +27,8 @@ ROLES = {
     "skipped_steps": "numerics/grad_overflow",  # non-finite gradients: the step was skipped
     "router_logit_max": "moe/router_logit_max",
     "expert_load": "moe/load_max_share",  # per layer: moe/load_max_share/layer_N
+    # the same from uniform (0) to one expert in every token's top-k (1); what collapse reads first
+    "expert_load_excess": "moe/load_max_excess",
     "max_activation": "numerics/max_activation",
     "nonfinite_activations": "numerics/nonfinite_activations",
     "params_nonfinite": "numerics/params_nonfinite",
@@ -44,7 +46,8 @@ NEEDS = {
     "underflow": (("dense_grad_zero_frac",), "no share of zero gradients"),
     "divergence": (("grad_norm", "kl", "router_logit_max", "max_activation"),
                    "no grad norm, KL, router logit max or max activation"),
-    "collapse": (("expert_load",), "no per-expert load (moe/load_max_share: the probes write it)"),
+    "collapse": (("expert_load", "expert_load_excess"),
+                 "no per-expert load (moe/load_max_excess or moe/load_max_share: the probes write them)"),
     "mismatch": (("rollout_kl", "rollout_probs_corr", "rollout_is_high"),
                  "no rollout/trainer gap (training/rollout_kl, rollout probs correlation or IS weights)"),
 }

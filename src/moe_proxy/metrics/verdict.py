@@ -12,7 +12,7 @@ from moe_proxy.metrics.metrics_io import finite_or_none
 
 # Metrics copied into the operator's termination log (it must stay under 4 KB).
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/rewards/mean",
-            "moe/load_max_share", "numerics/max_activation", "numerics/loss_scale")
+            "moe/load_max_share", "moe/load_max_excess", "numerics/max_activation", "numerics/loss_scale")
 # What a fix costs (`moe-proxy diagnose`'s cost columns), step by step in the termination message:
 # the operator's Diagnosis judges its runs from their pods' messages alone.
 COST_SERIES = {"reward": "critic/rewards/mean", "loss": "actor/pg_loss", "time": "perf/time_per_step"}
@@ -41,7 +41,8 @@ def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: d
                    stopped: str | None = None) -> dict:
     """The termination message of a finished run (reports.repro_report): the verdict's step with
     that step's headline metrics (the last step's when nothing was found), and every other
-    failure seen at its onset (a Diagnosis never reads a run that collapsed as clean)."""
+    failure seen at its onset (a Diagnosis never reads a run that collapsed as clean), and the
+    failures these metrics cannot show (`cannot_show`: a run that could not collapse is no cure)."""
     signature, step = first_failure(detector, fail_on)
     shown = rows.get(step) if step is not None else None
     if shown is None:
@@ -49,6 +50,8 @@ def verdict_report(detector: FailureDetector, fail_on: Signature | None, rows: d
     headline = {k: finite_or_none(shown.get(k)) for k in HEADLINE if k in shown}
     others = {name: onset.step for name, onset in detector.onsets.items() if name != signature}
     report = repro_report(signature is not None, signature, step, headline, len(rows), stopped, others)
+    if detector.cannot_show:
+        report["cannot_show"] = dict(detector.cannot_show)
     return {**report, "series": cost_series(rows)} if rows else report
 
 
@@ -88,20 +91,24 @@ def series_rows(series: dict | None) -> dict[int, dict[str, float]]:
 
 
 def verdict_lines(fail_on: Signature | None, signature: str | None, step: int | None, steps: int,
-                  failures: dict[str, dict]) -> list[str]:
+                  failures: dict[str, dict], cannot_show: dict[str, str] | None = None) -> list[str]:
     """What `repro` and `watch` print: the verdict, and any failure seen that was not the one
     asked for, each with its own step (never a failure asked for reported as absent while
     another one is shown as detected, without saying which is which). A NaN before the failure
     asked for ended the run: it is the failure, never a clean run (metrics.incident's rule), and
-    the line says the one asked for was not seen before it."""
+    the line says the one asked for was not seen before it. Then each failure the run's metrics
+    cannot show (FailureDetector.cannot_show), the one asked for first."""
     nan_first = fail_on is not None and signature is None and "nan" in failures
     others = [f"  {name} seen at step {onset['step']} (not the failure asked for)"
               for name, onset in failures.items() if name != signature and not (nan_first and name == "nan")
               ] if fail_on else []
+    asked = fail_on.name if fail_on else None
+    notes = [f"  {name} cannot show in this run: {why}"
+             for name, why in sorted((cannot_show or {}).items(), key=lambda item: item[0] != asked)]
     if signature:
-        return [f"{signature} at step {step}" + (" (reproduced)" if fail_on else "")] + others
+        return [f"{signature} at step {step}" + (" (reproduced)" if fail_on else "")] + others + notes
     if nan_first:
-        return [f"failed on nan at step {failures['nan']['step']} (no {fail_on.name} before it)"] + others
+        return [f"failed on nan at step {failures['nan']['step']} (no {fail_on.name} before it)"] + others + notes
     if others:
-        return [f"{fail_on.name} not reproduced in {steps} steps"] + others
-    return [f"no failure in {steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else "")]
+        return [f"{fail_on.name} not reproduced in {steps} steps"] + others + notes
+    return [f"no failure in {steps} steps" + (f" ({fail_on.name} not reproduced)" if fail_on else "")] + notes

@@ -56,10 +56,22 @@ def router_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
     return output[0], chosen
 
 
+def load_max_excess(max_share: float, uniform_share: float) -> float | None:
+    """The busiest expert's share of the tokens on a scale from uniform routing (0: top_k /
+    experts, what every expert gets when routing is even) to collapse (1: one expert in every
+    token's top-k); None when experts <= top_k, where every token uses every expert and no
+    collapse can show. Scale-free: a 4-of-32 proxy's clean routing and its original's read alike,
+    where the raw share of a clean proxy keeping 4 experts under top-2 is 0.5 at the very least."""
+    if uniform_share >= 1.0:
+        return None
+    return (max_share - uniform_share) / (1.0 - uniform_share)
+
+
 def moe_metrics(per_layer: dict[int, dict[str, float]], uniform_share: float) -> dict[str, float]:
     """The moe/ metrics from each layer's router_entropy (per token), load_max_share and
     load_min_share (share of tokens routed to an expert; uniform routing gives top_k / experts,
-    `uniform_share`) and router_logit_max: per layer, and summed up over the layers."""
+    `uniform_share`) and router_logit_max: per layer, and summed up over the layers; and
+    load_max_excess (see there) per layer and of the busiest layer, unless experts <= top_k."""
     out = {f"moe/{key}/layer_{layer}": value for layer, row in per_layer.items() for key, value in row.items()}
     rows = list(per_layer.values())
     max_shares = [r["load_max_share"] for r in rows]
@@ -70,6 +82,10 @@ def moe_metrics(per_layer: dict[int, dict[str, float]], uniform_share: float) ->
     out["moe/load_min_share"] = min(r["load_min_share"] for r in rows)
     out["moe/router_logit_max"] = max(r["router_logit_max"] for r in rows)
     out["moe/load_uniform_share"] = uniform_share
+    if uniform_share < 1.0:  # every layer has the same experts and top-k: the busiest layer's is the max
+        for layer, row in per_layer.items():
+            out[f"moe/load_max_excess/layer_{layer}"] = load_max_excess(row["load_max_share"], uniform_share)
+        out["moe/load_max_excess"] = load_max_excess(max(max_shares), uniform_share)
     return out
 
 

@@ -64,6 +64,7 @@ class RunResult:
     signature: str | None
     step: int | None
     last_metrics: dict[str, float] = field(default_factory=dict)
+    cannot_show: dict[str, str] = field(default_factory=dict)  # FailureDetector.cannot_show
 
 
 def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail_on: Signature | None = None,
@@ -115,6 +116,7 @@ def run_repro(checkpoint: str, out_dir: str | Path, config: ReproConfig, *, fail
                 "checkpoint": checkpoint, "device": device_used, "ranks": comm.world, "prompts": prompts,
                 "steps_requested": config.steps, "steps_completed": done.steps, "stopped": done.stop_reason,
                 "wall_s": round(time.time() - started, 3), "failures": result.failures,
+                "cannot_show": result.cannot_show,
                 "first_failure": ({"signature": result.signature, "step": result.step} if result.signature else None),
                 "fail_on": fail_on.name if fail_on else None,
                 # a run that ended in error has no verdict: its steps are a partial run
@@ -197,7 +199,8 @@ def _write_outputs(out: Path, termination_log: str | Path | None, verdict: dict,
 
 def _result(detector: FailureDetector, fail_on: Signature | None, steps: int, last: dict) -> RunResult:
     signature, step = first_failure(detector, fail_on)
-    return RunResult(steps, detector.to_dict(), signature is not None, signature, step, last)
+    return RunResult(steps, detector.to_dict(), signature is not None, signature, step, last,
+                     dict(detector.cannot_show))
 
 
 def _aggregate(updates: list[dict[str, float]]) -> dict[str, float]:
