@@ -15,8 +15,16 @@ checkpoint (the log is written, not trained: what the loop must find is the chec
 (scenario, build) cell it prints whether triage's first bad checkpoint, its `fixed_by` and each
 candidate's verdict equal the original's (the `--keep-ratio 1` triage), and the loop's cost.
 
+The inherited scenarios (INHERITED, `--inherited`) plant outside the routed experts, in what every
+proxy keeps: dense-fp16 and attention-fp16 (a dense MLP's or an attention output past fp16's range:
+`overflow`, cured by bf16 and fp32) and sharp-head (the LM head in a state where the run's learning
+rate diverges: `divergence`, cured by lower-lr). Random builds should reproduce them too; their goal
+is the original's own floor: the original's triage again on other seed sets (`--floor-seeds`,
+default 2 for these), each counted against its first like a build (OUT/floor.json and a table).
+
     nice -n 10 .venv/bin/python bench/loop_fidelity.py --out bench/out/loop-fidelity   # hours on 2 cores
     .venv/bin/python bench/loop_fidelity.py --quick --out /tmp/lf   # a smoke run: tiny original, 3 checkpoints
+    .venv/bin/python bench/loop_fidelity.py --quick --inherited --out /tmp/lfi   # the inherited ones, their floor
 
 Full size uses the fidelity lab's trained Qwen3-MoE original (bench/fidelity.py, 64 experts, top-4;
 `--dataset` then calibrates each probe, the default build); `--quick` a tiny random Qwen3-MoE
@@ -317,7 +325,7 @@ def main() -> int:
                    help="default: all expert-carried ones (quick: super-fp16)")
     p.add_argument("--inherited", action="store_true", help="the inherited scenarios (%s), besides --scenarios"
                    % ", ".join(INHERITED))
-    p.add_argument("--floor-seeds", type=int, help="the original's triage again on N other seed sets (the floor; "
+    p.add_argument("--floor-seeds", type=int, metavar="N", help="the original's triage again on N other seed sets (the floor; "
                    "default: 2 for the inherited scenarios, 0 for the others)")
     p.add_argument("--ratios", nargs="+", type=float, help="default: 0.5 0.125 (quick: 0.5)")
     p.add_argument("--seeds", type=int, help="default 2 (quick: 1)")
