@@ -132,7 +132,11 @@ def plant_inherited(checkpoint: Path, kind: str, layer: int) -> None:
     from moe_proxy.demo.run import scale
 
     for name, factor in INHERITED_PLANTS[kind].items():
-        scale(checkpoint, name.replace("LAYER", str(layer)), factor)
+        name = name.replace("LAYER", str(layer))
+        try:
+            scale(checkpoint, name, factor)
+        except KeyError:  # e.g. the lab's full-size original has no dense layer
+            raise SystemExit(f"the {kind} plant: {checkpoint} has no tensor {name}") from None
 
 
 def planted_run(base: Path, run: Path, steps: tuple[int, ...], planted_from: int, kind: str, layer: int,
