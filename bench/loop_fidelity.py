@@ -248,7 +248,7 @@ def agrees(a: dict) -> bool:
 
 
 def floor_summary(result: dict) -> dict:
-    """Per scenario and in total, [agreeing, cells] against the original on its first seeds: `floor`
+    """Per scenario and in total, (agreeing, cells) against the original on its first seeds: `floor`
     counts the original's own triages on other seeds (original-seed*), every other build its own
     cell. Scenarios without floor cells are left out."""
     per, total = {}, {}
@@ -329,8 +329,8 @@ def main() -> int:
                    help="default: all expert-carried ones (quick: super-fp16)")
     p.add_argument("--inherited", action="store_true", help="the inherited scenarios (%s), besides --scenarios"
                    % ", ".join(INHERITED))
-    p.add_argument("--floor-seeds", type=int, metavar="N", help="the original's triage again on N other seed sets (the floor; "
-                   "default: 2 for the inherited scenarios, 0 for the others)")
+    p.add_argument("--floor-seeds", type=int, metavar="N", help="the original's triage again on N other seed "
+                   "sets (the floor; default: 2 for the inherited scenarios, 0 for the others)")
     p.add_argument("--ratios", nargs="+", type=float, help="default: 0.5 0.125 (quick: 0.5)")
     p.add_argument("--seeds", type=int, help="default 2 (quick: 1)")
     p.add_argument("--dataset", type=Path, help="with --quick: calibrate the default builds on this text "
@@ -354,14 +354,12 @@ def main() -> int:
         s = {**SCENARIOS, **INHERITED}[name]
         run = planted_run(base, args.out / name / "run", steps, planted_from, s.plant, args.layer, args.expert)
         log = original_log(args.out / name / "metrics.jsonl", s, steps[-1], planted_from + 5)
-        cells = {}
-        for build, flags in builds(ratios, dataset).items():
-            report = triage(run, log, args.out / name / build, s, flags, seeds)
-            cells[build] = {"report": report}
-            print(f"{name} {build}: {report.get('answer') or report.get('error')}", flush=True)
         floor_seeds = (2 if name in INHERITED else 0) if args.floor_seeds is None else args.floor_seeds
-        for build, seed in floor_builds(floor_seeds, seeds).items():
-            report = triage(run, log, args.out / name / build, s, BUILDS_ORIGINAL, seeds, seed)
+        runs = {build: (flags, 0) for build, flags in builds(ratios, dataset).items()}
+        runs |= {build: (BUILDS_ORIGINAL, seed) for build, seed in floor_builds(floor_seeds, seeds).items()}
+        cells = {}
+        for build, (flags, seed) in runs.items():
+            report = triage(run, log, args.out / name / build, s, flags, seeds, seed)
             cells[build] = {"report": report}
             print(f"{name} {build}: {report.get('answer') or report.get('error')}", flush=True)
         for c in cells.values():
