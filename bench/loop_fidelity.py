@@ -16,8 +16,16 @@ checkpoint (the log is written, not trained: what the loop must find is the chec
 (scenario, build) cell it prints whether triage's first bad checkpoint, its `fixed_by` and each
 candidate's verdict equal the original's (the `--keep-ratio 1` triage), and the loop's cost.
 
+The inherited scenarios (INHERITED, `--inherited`) plant outside the routed experts, in what every
+proxy keeps: dense-fp16 and attention-fp16 (a dense MLP's or an attention output past fp16's range:
+`overflow`, cured by bf16 and fp32) and sharp-head (the LM head in a state where the run's learning
+rate diverges: `divergence`, cured by lower-lr). Random builds should reproduce them too; their goal
+is the original's own floor: the original's triage again on other seed sets (`--floor-seeds`,
+default 2 for these), each counted against its first like a build (OUT/floor.json and a table).
+
     nice -n 10 .venv/bin/python bench/loop_fidelity.py --out bench/out/loop-fidelity   # hours on 2 cores
     .venv/bin/python bench/loop_fidelity.py --quick --out /tmp/lf   # a smoke run: tiny original, 3 checkpoints
+    .venv/bin/python bench/loop_fidelity.py --quick --inherited --out /tmp/lfi   # the inherited ones, their floor
 
 Full size uses the fidelity lab's trained Qwen3-MoE original (bench/fidelity.py, 64 experts, top-4;
 `--dataset` then calibrates each probe, the default build); `--quick` a tiny random Qwen3-MoE
@@ -62,6 +70,25 @@ SCENARIOS = {
 }
 BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself
 
+# Inherited: failures carried by what every proxy keeps (attention, the dense layers, the final norm
+# and the LM head), planted from the same checkpoint on. Every build should reproduce them, random
+# ones too; the goal is the original's own floor (its triage again on other seeds, --floor-seeds).
+INHERITED = {
+    # the dense layer 0 MLP's down_proj x 1e6: the largest hidden value 1.45e4 in fp32 and in bf16, not
+    # finite in fp16 (31k values); 0.127 clean in all three (repro, 1 step, seed 0)
+    "dense-fp16": Scenario("the dense MLP's output past fp16's range, fp16 training", "overflow",
+                           ("--precision", "fp16", "--steps", "1"), ("bf16", "fp32", "lower-lr"), "dense"),
+    # the MoE layer's attention o_proj x 1e6: 7.0e4 in fp32 and bf16, not finite in fp16 (29k values)
+    "attention-fp16": Scenario("an attention output past fp16's range, fp16 training", "overflow",
+                               ("--precision", "fp16", "--steps", "1"), ("bf16", "fp32", "lower-lr"), "attention"),
+    # the final norm's gain x 1e4 and the LM head / 1e4: the same logits at the checkpoint, but an Adam
+    # step on the head moves them 1e4 times as far. At the run's lr (1e-5) the KL to the reference is
+    # 1.3-2.0 at step 1 and 3.1 at step 2 (seeds 0, 1); at lr 1e-6 at most 0.053 by step 3 (seeds 0-2);
+    # clean at 1e-5: 2e-6 (repro, seed 0)
+    "sharp-head": Scenario("the LM head in a sharp state: the run's learning rate diverges", "divergence",
+                           ("--steps", "3"), ("lower-lr", "z-loss"), "sharp-head"),
+}
+
 
 def builds(ratios: tuple[float, ...], dataset: Path | None) -> dict[str, tuple[str, ...]]:
     """The original, then per ratio the default build (calibrated with --dataset) and a random one."""
@@ -96,6 +123,24 @@ def plant(checkpoint: Path, kind: str, layer: int, expert: int) -> None:
             save_file(tensors, file, metadata={"format": "pt"})
 
 
+# The inherited plants: factors on weights outside the routed experts (Qwen3-MoE names; LAYER: the
+# MoE layer planted). Layer 0 is dense in the tiny models.
+INHERITED_PLANTS = {"dense": {"model.layers.0.mlp.down_proj.weight": 1e6},
+                    "attention": {"model.layers.LAYER.self_attn.o_proj.weight": 1e6},
+                    "sharp-head": {"model.norm.weight": 1e4, "lm_head.weight": 1e-4}}
+
+
+def plant_inherited(checkpoint: Path, kind: str, layer: int) -> None:
+    from moe_proxy.demo.run import scale
+
+    for name, factor in INHERITED_PLANTS[kind].items():
+        name = name.replace("LAYER", str(layer))
+        try:
+            scale(checkpoint, name, factor)
+        except KeyError:  # e.g. the lab's full-size original has no dense layer
+            raise SystemExit(f"the {kind} plant: {checkpoint} has no tensor {name}") from None
+
+
 def planted_run(base: Path, run: Path, steps: tuple[int, ...], planted_from: int, kind: str, layer: int,
                 expert: int) -> Path:
     """The run's checkpoints run/global_step_N/actor/huggingface, planted from `planted_from` on;
@@ -111,7 +156,10 @@ def planted_run(base: Path, run: Path, steps: tuple[int, ...], planted_from: int
         target = checkpoint_dir(run, step)
         shutil.copytree(base, target)
         if step >= planted_from:
-            plant(target, kind, layer, expert)
+            if kind in INHERITED_PLANTS:
+                plant_inherited(target, kind, layer)
+            else:
+                plant(target, kind, layer, expert)
     (run / "planted.json").write_text(json.dumps(stamp))
     return run
 
@@ -122,7 +170,11 @@ def original_log(path: Path, scenario: Scenario, last_step: int, fails_from: int
 
     if scenario.fail_on == "overflow":
         return write_log(path, last_step, fails_from)
-    metric, value = scenario.fail_on.split(">")
+    from moe_proxy.metrics.detect import Thresholds
+
+    # divergence: the KL to the reference past the detector's limit (half a nat) from `fails_from` on
+    divergence = f"actor/kl_loss>{Thresholds().kl_limit}"
+    metric, value = (divergence if scenario.fail_on == "divergence" else scenario.fail_on).split(">")
     rows = [{"step": s, "data": {"actor/pg_loss": 0.5, "actor/grad_norm": 1.0, "critic/rewards/mean": 0.2,
                                  metric: float(value) * (10 if s >= fails_from else 0.1)}}
             for s in range(1, last_step + 1)]
@@ -134,10 +186,13 @@ def original_log(path: Path, scenario: Scenario, last_step: int, fails_from: int
 # --- the loop on each build ----------------------------------------------------------------------
 
 
-def triage(run: Path, log: Path, out: Path, scenario: Scenario, build: tuple[str, ...], seeds: int) -> dict:
-    """`moe-proxy triage` (a process of its own, one thread), or its report from before."""
+def triage(run: Path, log: Path, out: Path, scenario: Scenario, build: tuple[str, ...], seeds: int,
+           seed: int = 0) -> dict:
+    """`moe-proxy triage` (a process of its own, one thread) on seeds seed..seed+seeds-1, or its
+    report from before."""
     argv = [sys.executable, "-m", "moe_proxy", "triage", str(log), str(run), "--out", str(out),
             "--fail-on", scenario.fail_on, *build, *scenario.repro, "--seeds", str(seeds),
+            *(("--seed", str(seed)) if seed else ()),
             *(("--candidates", ",".join(scenario.candidates)) if scenario.candidates else ())]
     ran = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if ran.returncode not in (0, 3) or not (out / "report.json").is_file():  # 3: nothing to diagnose
@@ -180,6 +235,74 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# --- the original's own floor ---------------------------------------------------------------------
+
+
+def floor_builds(floor_seeds: int, seeds: int) -> dict[str, int]:
+    """The original's triage again on `floor_seeds` other seed sets, none shared with seed 0's
+    (a triage runs seeds --seed..--seed+seeds-1): cell name -> its --seed."""
+    return {f"original-seed{i * seeds}": i * seeds for i in range(1, floor_seeds + 1)}
+
+
+def agrees(a: dict) -> bool:
+    """A cell gives the original's answer: the same first bad checkpoint, fixed_by and every verdict."""
+    return "error" not in a and a["first_bad_equal"] and a["fixed_by_equal"] and a["verdicts_equal"] == a["verdicts"]
+
+
+def floor_summary(result: dict) -> dict:
+    """Per scenario and in total, (agreeing, cells) against the original on its first seeds: `floor`
+    counts the original's own triages on other seeds (original-seed*), every other build its own
+    cell. Scenarios without floor cells are left out."""
+    per, total = {}, {}
+    for name, cells in result.items():
+        if not any(b.startswith("original-seed") for b in cells):
+            continue
+        counts = {}
+        for build, c in cells.items():
+            if build == "original":
+                continue
+            column = "floor" if build.startswith("original-seed") else build
+            k, n = counts.get(column, (0, 0))
+            counts[column] = (k + agrees(c["agreement"]), n + 1)
+        per[name] = counts
+        for column, (k, n) in counts.items():
+            tk, tn = total.get(column, (0, 0))
+            total[column] = (tk + k, tn + n)
+    return {"scenarios": per, "total": total}
+
+
+def _differs(a: dict) -> str:
+    """What a cell got other than the original's answer, in a few words."""
+    if "error" in a:
+        return f"error: {a['error'][:60]}"
+    if not a["first_bad_equal"]:
+        return f"first bad {a['first_bad']}" if a["first_bad"] is not None else "no checkpoint reproduces"
+    if not a["fixed_by_equal"]:
+        return f"fixed by {', '.join(a['fixed_by']) or 'none'}"
+    return f"verdicts {a['verdicts_equal']}/{a['verdicts']}"
+
+
+def floor_table(result: dict, summary: dict) -> str:
+    """Markdown: per scenario the original's answer, how often it gives it again on other seeds (the
+    floor) and each build's cell; a last row of totals."""
+    columns = [c for c in summary["total"] if c != "floor"]
+    lines = ["| scenario (signature) | original: first bad; fixed by | the original, other seeds (floor) | "
+             + " | ".join(columns) + " |", "|---" * (3 + len(columns)) + "|"]
+    for name, counts in summary["scenarios"].items():
+        truth = result[name]["original"]["report"]
+        step = (truth.get("first_bad") or {}).get("step")
+        k, n = counts["floor"]
+        fixed = ", ".join(truth.get("fixed_by") or []) or "none"
+        row = [f"{name} (`{truth.get('signature', '?')}`)", f"{step}; {fixed}", f"{k}/{n}"]
+        for column in columns:
+            a = result[name][column]["agreement"]
+            row.append("agrees" if agrees(a) else _differs(a))
+        lines.append("| " + " | ".join(row) + " |")
+    cells = [f"{k}/{n} ({100 * k / n:.0f}%)" for k, n in (summary["total"][c] for c in ["floor", *columns])]
+    lines.append("| **cells that agree** | | " + " | ".join(f"**{c}**" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def base_checkpoint(out: Path, quick: bool, dataset: Path | None = None) -> tuple[Path, Path | None]:
     """(the original's checkpoint, the calibration text or None): tiny with --quick (calibrated
     with --dataset if given), else the lab's."""
@@ -205,7 +328,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny original, 3 checkpoints")
-    p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), help="default: all (quick: super-fp16)")
+    p.add_argument("--scenarios", nargs="+", choices=[*SCENARIOS, *INHERITED],
+                   help="default: all expert-carried ones (quick: super-fp16)")
+    p.add_argument("--inherited", action="store_true", help="the inherited scenarios (%s), besides --scenarios"
+                   % ", ".join(INHERITED))
+    p.add_argument("--floor-seeds", type=int, metavar="N", help="the original's triage again on N other seed "
+                   "sets (the floor; default: 2 for the inherited scenarios, 0 for the others)")
     p.add_argument("--ratios", nargs="+", type=float, help="default: 0.5 0.125 (quick: 0.5)")
     p.add_argument("--seeds", type=int, help="default 2 (quick: 1)")
     p.add_argument("--dataset", type=Path, help="with --quick: calibrate the default builds on this text "
@@ -214,7 +342,10 @@ def main() -> int:
     p.add_argument("--expert", type=int, default=0, help="the expert planted (default 0)")
     args = p.parse_args()
     quick = args.quick
-    scenarios = args.scenarios or (["super-fp16"] if quick else list(SCENARIOS))
+    scenarios = args.scenarios or ([] if args.inherited else ["super-fp16"] if quick else list(SCENARIOS))
+    scenarios += [n for n in INHERITED if args.inherited and n not in scenarios]
+    if args.floor_seeds is not None and args.floor_seeds < 0:
+        p.error(f"--floor-seeds {args.floor_seeds}: must be 0 or more")
     ratios = tuple(args.ratios or ((0.5,) if quick else (0.5, 0.125)))
     steps = (10, 20, 30) if quick else tuple(range(10, 90, 10))
     planted_from = 20 if quick else 60
@@ -223,12 +354,15 @@ def main() -> int:
     base, dataset = base_checkpoint(args.out, quick, args.dataset)
     result = {}
     for name in scenarios:
-        s = SCENARIOS[name]
+        s = {**SCENARIOS, **INHERITED}[name]
         run = planted_run(base, args.out / name / "run", steps, planted_from, s.plant, args.layer, args.expert)
         log = original_log(args.out / name / "metrics.jsonl", s, steps[-1], planted_from + 5)
+        floor_seeds = (2 if name in INHERITED else 0) if args.floor_seeds is None else args.floor_seeds
+        runs = {build: (flags, 0) for build, flags in builds(ratios, dataset).items()}
+        runs |= {build: (BUILDS_ORIGINAL, seed) for build, seed in floor_builds(floor_seeds, seeds).items()}
         cells = {}
-        for build, flags in builds(ratios, dataset).items():
-            report = triage(run, log, args.out / name / build, s, flags, seeds)
+        for build, (flags, seed) in runs.items():
+            report = triage(run, log, args.out / name / build, s, flags, seeds, seed)
             cells[build] = {"report": report}
             print(f"{name} {build}: {report.get('answer') or report.get('error')}", flush=True)
         for c in cells.values():
@@ -236,6 +370,10 @@ def main() -> int:
         result[name] = cells
     (args.out / "loop-fidelity.json").write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
+    summary = floor_summary(result)
+    if summary["scenarios"]:
+        (args.out / "floor.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(floor_table(result, summary))
     return 0
 
 
