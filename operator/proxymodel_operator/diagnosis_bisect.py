@@ -31,7 +31,8 @@ from types import SimpleNamespace
 
 from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_probe, next_round
 
-from .diagnosis_rows import RUN_DONE, RUN_ERROR, RUN_RUNNING, finished_row, plan_price, run_hours, seed_run
+from .diagnosis_rows import (RUN_DONE, RUN_ERROR, RUN_RUNNING, could_not_judge, finished_row, plan_price, run_hours,
+                             seed_run)
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet, RunVariant, baseline_of, proxy_built, run_manifest
 from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
                                FAILED_CONDITION, RUNNING_CONDITION, DiagnosisDecision, condition_changed, refused,
@@ -217,7 +218,14 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
         return None
     if outcome.state == OUTCOME_RUNNING:
         return None
-    row = finished_row({}, outcome, baseline.steps)
+    row = finished_row({}, outcome, baseline.steps, baseline.spec.reproduction.fail_on.cli())
+    if could_not_judge(row):
+        # its metrics cannot show the failure asked for: never a clean checkpoint. Its one seed judged
+        # nothing, so the probe failed (the CLI's bisect stops so too), and every probe's proxy keeps the
+        # template's experts: the next would say the same
+        p.update(reproduced=None, state=PROBE_STATES[None], note=row["message"], stepsCompleted=row["stepsCompleted"],
+                 deviceHours=_device_hours(child, row["stepsCompleted"]))
+        return f"probe step {p['step']}: {row['message']}"
     if row["phase"] == RUN_ERROR:
         return f"the run of probe step {p['step']} failed: {row['message']}"
     # the CLI's rule for a probe: a run stopped early by another failure (NaN) cannot say clean

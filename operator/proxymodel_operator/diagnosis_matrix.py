@@ -23,9 +23,9 @@ from moe_proxy.investigate.diagnose import FIXED, FIXED_BUT
 
 from .diagnosis_baseline import changes as baseline_changes
 from .diagnosis_spec import DiagnosisSpec, InvalidDiagnosis, parse_diagnosis
-from .diagnosis_rows import (FINISHED, RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING, any_reproduced, finished_row,
-                             judge_baseline, judge_candidate, not_run, recorded_running, row_phase, run_hours,
-                             run_rows, said, stop_early)
+from .diagnosis_rows import (COULD_NOT_JUDGE, FINISHED, RUN_DONE, RUN_ERROR, RUN_PENDING, RUN_RUNNING, any_reproduced,
+                             could_not_judge, finished_row, judge_baseline, judge_candidate, not_run, recorded_running,
+                             row_phase, run_hours, run_rows, said, stop_early)
 from .diagnosis_runs import (Baseline, NotYet, RunVariant, baseline_of, changes, run_manifest, run_name,
                              variants)
 from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, FAILED_CONDITION,
@@ -216,7 +216,7 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
                         for row in [base, *cands]}
     maker = RunMaker(name, namespace, generation, d.proxy_model, baseline, variants_by_name)
     price = (status.get("proxyModel") or {}).get("price") or {}
-    running = _follow([base, *cands], seen, steps, maker, price, out)
+    running = _follow([base, *cands], seen, steps, maker, price, out, status.get("failOn"))
     if not status.get("allSeeds", d.all_seeds):
         running -= _stop_early(status, cands, out)
     running = _start_next(base, cands, running, d.parallelism, maker, out)
@@ -227,11 +227,12 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
 
 
 def _follow(variant_rows: list[dict], seen: dict[str, Outcome], steps: int, maker: RunMaker, price: dict,
-            out: DiagnosisDecision) -> int:
+            out: DiagnosisDecision, fail_on: str | None = None) -> int:
     """Record the runs that finished, each with its deviceHours (by sizing.RUN_COST_RULE, as a
     probe's: `price`, the pinned plan's, x its steps completed; a candidate at another precision is
-    left unpriced); create again a run recorded as running whose workload is not there (the
-    operator stopped before creating it). How many run now."""
+    left unpriced); a run that cannot show `fail_on` (status.failOn, the --fail-on its runs were
+    given) could not judge (finished_row). Create again a run recorded as running whose workload
+    is not there (the operator stopped before creating it). How many run now."""
     running = 0
     for row in variant_rows:
         runs = [dict(r) for r in row["runs"]]
@@ -245,8 +246,8 @@ def _follow(variant_rows: list[dict], seen: dict[str, Outcome], steps: int, make
             elif outcome.state == OUTCOME_RUNNING:
                 running += 1
             else:
-                runs[i] = finished_row(run, outcome, steps)
-                if runs[i]["phase"] == RUN_DONE:
+                runs[i] = finished_row(run, outcome, steps, fail_on)
+                if "stepsCompleted" in runs[i]:  # it ran (one that could not judge too): priced
                     runs[i]["deviceHours"] = run_hours(price, runs[i]["stepsCompleted"],
                                                        (row.get("changes") or {}).get("precision"))
                 out.events.append(("Normal" if runs[i]["phase"] == RUN_DONE else "Warning", "RunFinished",
@@ -319,7 +320,9 @@ def _conclude(status: dict, s: dict, base: dict, cands: list[dict], running: int
         message = f"{done}/{len(all_runs)} runs done, {running} running"
         set_condition(status, s, RUNNING_CONDITION, True, "RunsInProgress", message, generation)
     elif base.get("verdict") == "error":
-        s["phase"], s["message"] = DIAGNOSIS_FAILED, f"the baseline failed to run on every seed: {base['note']}"[:1024]
+        # every seed failed, or could not show the failure asked for (the CLI's BaselineFailed either way)
+        what = COULD_NOT_JUDGE if all(map(could_not_judge, base["runs"])) else "failed to run"
+        s["phase"], s["message"] = DIAGNOSIS_FAILED, f"the baseline {what} on every seed: {base['note']}"[:1024]
         set_condition(status, s, RUNNING_CONDITION, False, "Finished", "every run finished", generation)
         set_condition(status, s, FAILED_CONDITION, True, "BaselineFailed", s["message"], generation)
         out.events.append(("Warning", "BaselineFailed", s["message"]))

@@ -24,6 +24,7 @@ RUN_PENDING, RUN_RUNNING, RUN_DONE, RUN_ERROR = "Pending", "Running", "Succeeded
 RUN_NOT_RUN = "NotRun"  # a candidate's run left out: the baseline reproduced on no seed, or (stop_early) the
 # candidate reproduced on another seed
 FINISHED = (RUN_DONE, RUN_ERROR, RUN_NOT_RUN)
+COULD_NOT_JUDGE = "could not judge"  # a run whose metrics cannot show the failure asked for: never clean, never cured
 
 
 # --- the rows in status -----------------------------------------------------------------------------
@@ -64,11 +65,22 @@ def seed_run(row: dict) -> SeedRun:
                    row.get("stopped") or "", dict(row.get("otherFailures") or {}), error=row.get("message"))
 
 
-def finished_row(row: dict, seen: Outcome, steps: int) -> dict:
+def cannot_show(report: dict, fail_on: str | None) -> str | None:
+    """Why a run's metrics cannot show `fail_on` (the --fail-on name the run was given), from its
+    termination message's `cannot_show` (FailureDetector's, e.g. collapse on a proxy keeping <=
+    top-k experts), in the CLI's words (diagnose.seed_outcome); None when they can."""
+    said = report.get("cannot_show")
+    why = said.get(fail_on) if isinstance(said, dict) and fail_on else None
+    return f"{fail_on} cannot show in this run: {why}" if why else None
+
+
+def finished_row(row: dict, seen: Outcome, steps: int, fail_on: str | None = None) -> dict:
     """A run's row once its workload has an outcome. The termination message carries the
     verdict (reproduced, signature, step) and the other failures seen (`also_seen`, kept as
     otherFailures: the verdict reports them); a run that did not reproduce counts as having run
-    all `steps` unless the message says how many it completed (`steps_completed`)."""
+    all `steps` unless the message says how many it completed (`steps_completed`). A run whose
+    metrics cannot show `fail_on` is judged as the CLI judges it: as one that failed (`could not
+    judge: ...`), neither clean nor cured nor reproduced; its steps completed price it."""
     report = seen.report
     if seen.state == OUTCOME_FAILED or "reproduced" not in report:
         message = (f"{seen.reason}: {seen.message}" if seen.state == OUTCOME_FAILED
@@ -79,12 +91,20 @@ def finished_row(row: dict, seen: Outcome, steps: int) -> dict:
     completed = report.get("steps_completed")
     if not isinstance(completed, int):
         completed = (report.get("step") or 0) + 1 if reproduced else steps
+    if why := cannot_show(report, fail_on):
+        return {**row, "phase": RUN_ERROR, "reproduced": None, "signature": None, "step": None,
+                "stepsCompleted": completed, "message": f"{COULD_NOT_JUDGE}: {why}"[:512]}
     return {**row, "phase": RUN_DONE, "reproduced": reproduced, "signature": report.get("signature") if reproduced
             else None, "step": report.get("step") if reproduced else None, "stepsCompleted": completed,
             **({"stopped": str(report["stopped"])} if report.get("stopped") else {}), "message": None,
             **({"otherFailures": others} if (others := _other_failures(report)) else {}),
             # its metrics step by step, kept until its variant's cost is worked out
             **({"series": report["series"]} if isinstance(report.get("series"), dict) else {})}
+
+
+def could_not_judge(row: dict) -> bool:
+    """A finished run's row is one whose metrics could not show the failure asked for."""
+    return row.get("phase") == RUN_ERROR and str(row.get("message")).startswith(COULD_NOT_JUDGE)
 
 
 def _other_failures(report: dict) -> dict[str, int]:
@@ -96,7 +116,7 @@ def _other_failures(report: dict) -> dict[str, int]:
 def said(row: dict) -> str:
     """A finished run's row in words (its RunFinished event)."""
     if row["phase"] == RUN_ERROR:
-        return f"error: {row.get('message')}"
+        return row["message"] if could_not_judge(row) else f"error: {row.get('message')}"
     others = "".join(f"; {name} at step {step}" for name, step in (row.get("otherFailures") or {}).items())
     if row.get("reproduced"):
         return f"{row['signature']} at step {row['step']}{others}"
@@ -193,8 +213,10 @@ def judge_baseline(base: dict, fail_on: str | None, steps: int) -> None:
     else:
         hits = [f"seed {r['seed']} step {r['step']}" for r in base["runs"] if r.get("reproduced")]
         base["verdict"] = "reproduced" if hits else "not reproduced"
+        # a seed that failed or could not judge is said: "no X" holds for the others only
+        unjudged = [f"seed {r['seed']}: {r.get('message')}" for r in base["runs"] if r["phase"] == RUN_ERROR]
         base["note"] = "; ".join([", ".join(hits) if hits else f"no {fail_on} in {steps} steps",
-                                  *findings(runs, steps)])[:1024]
+                                  *findings(runs, steps), *unjudged])[:1024]
     if base.get("cost") is None:
         base["cost"] = variant_cost(base, cost_window(runs, steps))
 

@@ -180,6 +180,38 @@ def test_a_probe_whose_run_fails_fails_the_bisection():
     assert [c["reason"] for c in failed.status["conditions"] if c["type"] == "Failed"] == ["ProbeFailed"]
 
 
+def _probe_ends(report: dict, **spec):
+    """The first probe (the last checkpoint's) of a bisection whose run ends with `report`."""
+    listed = [{"step": s, "uri": f"s3://{BUCKET}/run/s{s}"} for s in (10, 20, 30)]
+    body = _body(**spec)
+    body = _apply(body, start({}, parse_bisection(body["spec"]), checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
+    first = progress(body, None, {}, Settings())
+    body = _apply(body, first)
+    (_, pm), = first.create
+    body = _apply(body, progress(body, _built(pm), {}, Settings()))
+    probe = in_flight(body["status"])
+    return progress(body, _built(pm), {probe["workload"]: Outcome(SUCCEEDED, report=report)}, Settings())
+
+
+def test_a_probe_that_cannot_show_the_failure_asked_for_is_never_clean():
+    """Collapse on a proxy keeping <= top-k experts: the probe's run could not judge (the CLI's
+    rule: as a run that failed), so the probe is inconclusive, not clean, and with its one seed the
+    bisection stops saying why (every probe's proxy keeps the template's experts)."""
+    why = "experts <= top-k (moe/load_uniform_share 1): every token uses every expert"
+    clean = {"reproduced": False, "signature": None, "step": None, "steps_completed": 1}
+    failed = _probe_ends({**clean, "cannot_show": {"collapse": why}}, failOn={"signature": "collapse"})
+    said = f"probe step 30: could not judge: collapse cannot show in this run: {why}"
+    assert failed.status["phase"] == DIAGNOSIS_FAILED and failed.status["message"] == said
+    (probe,) = failed.status["probes"]
+    assert (probe["reproduced"], probe["state"], probe["note"]) == (None, "inconclusive", said.split(": ", 1)[1])
+    assert [c["message"] for c in failed.status["conditions"] if c["type"] == "Failed"] == [said]
+    assert ("Warning", "ProbeFailed", said) in failed.events
+    # the same message, the failure asked for another one: a clean probe, as before
+    judged = _probe_ends({**clean, "cannot_show": {"collapse": why}})  # the template's overflow
+    (probe,) = judged.status["probes"]
+    assert (probe["reproduced"], probe["state"]) == (False, "clean") and judged.status["phase"] != DIAGNOSIS_FAILED
+
+
 @pytest.mark.parametrize("spec, text", [
     ({"proxyModel": "pm"}, "give one or the other"),
     ({"checkpoints": {"watch": "w", "source": {"uri": "s3://b/r"}}}, "not both"),
