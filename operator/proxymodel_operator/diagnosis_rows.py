@@ -17,7 +17,7 @@ from moe_proxy.errors import InvalidOptions
 from moe_proxy.metrics.verdict import series_rows
 from moe_proxy.sizing import run_device_hours
 
-from .outcome import FAILED as OUTCOME_FAILED, Outcome
+from .outcome import FAILED as OUTCOME_FAILED, Outcome, cannot_show
 
 # A run's phase.
 RUN_PENDING, RUN_RUNNING, RUN_DONE, RUN_ERROR = "Pending", "Running", "Succeeded", "Failed"
@@ -63,15 +63,6 @@ def seed_run(row: dict) -> SeedRun:
     """A finished run's row as the CLI's SeedRun (reproduced None: it failed to run)."""
     return SeedRun(row.get("reproduced"), row.get("signature"), row.get("step"), int(row.get("stepsCompleted") or 0),
                    row.get("stopped") or "", dict(row.get("otherFailures") or {}), error=row.get("message"))
-
-
-def cannot_show(report: dict, fail_on: str | None) -> str | None:
-    """Why a run's metrics cannot show `fail_on` (the --fail-on name the run was given), from its
-    termination message's `cannot_show` (FailureDetector's, e.g. collapse on a proxy keeping <=
-    top-k experts), in the CLI's words (diagnose.seed_outcome); None when they can."""
-    said = report.get("cannot_show")
-    why = said.get(fail_on) if isinstance(said, dict) and fail_on else None
-    return f"{fail_on} cannot show in this run: {why}" if why else None
 
 
 def finished_row(row: dict, seen: Outcome, steps: int, fail_on: str | None = None) -> dict:

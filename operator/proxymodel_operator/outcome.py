@@ -196,3 +196,12 @@ def count_indexes(ranges: str | None) -> int:
         first, _, last = part.partition("-")
         count += int(last or first) - int(first) + 1
     return count
+
+
+def cannot_show(report: dict, fail_on: str | None) -> str | None:
+    """Why a run's metrics cannot show `fail_on` (the --fail-on name the run was given), from its
+    termination message's `cannot_show` (FailureDetector's, e.g. collapse on a proxy keeping <=
+    top-k experts), in the CLI's words (diagnose.seed_outcome); None when they can."""
+    said = report.get("cannot_show")
+    why = said.get(fail_on) if isinstance(said, dict) and fail_on else None
+    return f"{fail_on} cannot show in this run: {why}" if why else None

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, replace
 
 from .children import FINALIZE, REPRODUCTION, TRANSFORMER
-from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome
+from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome, cannot_show
 from .reproduction import headless_service, reproduction_workload
 from .resources import JOBS, SERVICES, Resource
 from .runtimes import RUNTIMES, Runtime
@@ -605,6 +605,12 @@ def _step_verdict(pm: _ProxyModel, child: Child, step: str) -> list[Action]:
             Log(f"{what} done: {following} Job {job_name}")]
 
 
+def _asked(pm: _ProxyModel) -> str | None:
+    """The --fail-on name the reproduction was given (the key of its report's cannot_show)."""
+    fail_on = pm.parsed().reproduction.fail_on
+    return fail_on.cli() if fail_on else None
+
+
 def _reproduction_verdict(pm: _ProxyModel, verdict: Outcome) -> list[Action]:
     status = pm.status
     unfinished = _unfinished(status, verdict, REPRODUCED_CONDITION, None, "reproduction")
@@ -623,13 +629,16 @@ def _reproduction_verdict(pm: _ProxyModel, verdict: Outcome) -> list[Action]:
         phase, ok = REPRODUCED, True
         reason = SIGNATURE_REASONS.get(signature, "MetricThreshold" if signature else "FailureReproduced")
         message = verdict.report["stopped"] if "crash" in result else f"{signature} at step {result['step']}"
+    elif why := cannot_show(verdict.report, _asked(pm)):  # not seen because it could not be: no verdict
+        phase, ok, reason = NOT_REPRODUCED, None, "CannotShow"
+        message = f"could not judge: {why}"
     else:
         phase, ok, reason = NOT_REPRODUCED, False, "NotObserved"
         message = "the failure signature was not seen within the run"
     conditions = with_condition(status.get("conditions"),
                                 condition(REPRODUCED_CONDITION, ok, reason, message, _generation(status)))
     return [PatchStatus({"phase": phase, "reproduction": result, "conditions": conditions}),
-            Emit("Normal" if ok else "Warning", reason if ok or reason == CRASHED_REASON else "NotReproduced",
+            Emit("Normal" if ok else "Warning", reason if ok or reason in (CRASHED_REASON, "CannotShow") else "NotReproduced",
                  message[:MAX_EVENT]),
             Log(f"reproduction: {phase} ({message})")]
 

@@ -383,6 +383,22 @@ def test_reproduction_verdicts(verdict, phase, reason, event):
     assert decide(after, child("q3-repro-g1", verdict, REPRODUCTION), SETTINGS) == []  # judged once
 
 
+def test_a_reproduction_that_cannot_show_the_failure_asked_for_is_no_verdict():
+    """A proxy keeping <= top-k experts cannot collapse: not seeing it says nothing (Unknown, CannotShow)."""
+    body = reproducing(reproduction={"failOn": {"signature": "collapse"}})
+    report = {"reproduced": False, "signature": None, "step": None,
+              "cannot_show": {"collapse": "2 experts <= top-2", "overflow": "not asked"}}
+    actions = decide(body, child("q3-repro-g1", succeeded(report), REPRODUCTION), SETTINGS)
+    said = condition(walk(body, actions), "FailureReproduced")
+    assert (said["status"], said["reason"]) == ("Unknown", "CannotShow")
+    assert said["message"] == "could not judge: collapse cannot show in this run: 2 experts <= top-2"
+    assert (only(actions, Emit)[0].type, only(actions, Emit)[0].reason) == ("Warning", "CannotShow")
+    other = reproducing(reproduction={"failOn": {"signature": "overflow", "stopOnReproduce": False}})
+    report = {**report, "cannot_show": {"collapse": "2 experts <= top-2"}}  # not the failure asked for
+    after = walk(other, decide(other, child("q3-repro-g1", succeeded(report), REPRODUCTION), SETTINGS))
+    assert condition(after, "FailureReproduced")["reason"] == "NotObserved"
+
+
 def test_a_running_reproduction_reports_an_unschedulable_gang():
     body = reproducing(reproduction={"runtime": "VolcanoJob"})
     verdict = Outcome(RUNNING, "PodGroupPending", "gang of 2 cannot be scheduled")
