@@ -39,7 +39,7 @@ from .diagnosis_rows import recorded_running, refused_create
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet
 from .diagnosis_status import DIAGNOSED, DIAGNOSIS_FAILED, DiagnosisDecision
 from .preflight import PreflightError, read_credentials, redact
-from .outcome import outcome
+from .outcome import RUNNING, outcome
 from .resources import DIAGNOSES, GROUP, LABEL_CHILD, PODS, PROXYMODELS, VERSION
 from . import runtimes
 from .runtimes import RUNTIMES
@@ -99,10 +99,12 @@ async def bisect(body: dict, status: dict, namespace: str, name: str, settings) 
             "the bisection in status; create another Diagnosis for the new spec"))])
     flying = bisection.flying(status)
     children = {p["proxyModel"]: await _proxymodel(namespace, p["proxyModel"]) for p in flying}
-    # before a round: the CheckpointWatches' ProxyModels, each probe's proxy perhaps among them
-    found = {} if flying else bisection.reusable(await kube.list_(PROXYMODELS, namespace, {}))
-    return bisection.progress(body, None, await observe(namespace, name, status), settings, children=children,
-                              found=found)
+    seen = await observe(namespace, name, status)
+    # a round may come now (every run in flight has ended): the CheckpointWatches' ProxyModels,
+    # each probe's proxy perhaps among them
+    found = bisection.reusable(await kube.list_(PROXYMODELS, namespace, {})) if all(
+        (o := seen.get(p.get("workload"))) is not None and o.state != RUNNING for p in flying) else {}
+    return bisection.progress(body, None, seen, settings, children=children, found=found)
 
 
 async def observe(namespace: str, diagnosis: str, status: dict) -> dict:

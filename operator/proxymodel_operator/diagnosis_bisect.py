@@ -314,7 +314,7 @@ def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: 
         said += "; could not judge step " + ", ".join(str(i["step"]) for i in found["inconclusive"])
     s.update(probes=probes, firstBad=found["first_bad"], boundary=found["boundary"], monotone=found["monotone"],
              notMonotone=found.get("not_monotone"), inconclusive=found["inconclusive"] or None,
-             builds=found["builds"], phase=DIAGNOSED, message=said[:1024],
+             builds=found["builds"] - sum(1 for p in probes if p.get("reused")), phase=DIAGNOSED, message=said[:1024],
              done=len(probes), progress=f"{len(probes)} probed of {len(checkpoints)}")
     out.events.append(("Normal" if found["monotone"] and not found["inconclusive"] else "Warning",
                        "BisectionComplete", said))

@@ -125,7 +125,7 @@ async def test_a_watched_run_reports_the_first_bad_checkpoint_and_the_cure(clust
     watchs = [f"run-step-{s}" for s in (10, 20, 30)]
     assert sorted(cluster.names(PROXYMODELS, NS)) == watchs
     assert sorted((p["step"], p["reused"]) for p in d["probes"]) == [(int(n.split("-")[-1]), n) for n in watchs]
-    assert "ProbeReused" in cluster.event_reasons(NS, "run-incident-33")
+    assert d["builds"] == 0 and "ProbeReused" in cluster.event_reasons(NS, "run-incident-33")
     report = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/moe-proxy/incident-33/report.json")["Body"]
                         .read())
     assert (report["failing_step"], report["signature"], report["first_bad"]) == (33, "overflow", 30)
