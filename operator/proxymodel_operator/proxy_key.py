@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 from .resources import GROUP
 from .settings import Settings
-from .spec import parse
+from .spec import InvalidSpec, parse
 
 LABEL_CONTENT_KEY = f"{GROUP}/content-key"
 ANNOTATION_CONTENT = f"{GROUP}/content"
@@ -50,9 +50,13 @@ def content_key(what: dict) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def label(manifest: dict, fingerprint: str | None, settings: Settings) -> str:
-    """Put the key and its content on a ProxyModel manifest (in place); returns the key."""
-    what = content(manifest["spec"], fingerprint, settings)
+def label(manifest: dict, fingerprint: str | None, settings: Settings) -> str | None:
+    """Put the key and its content on a ProxyModel manifest (in place); returns the key. A spec the
+    ProxyModel will refuse gets none (its refusal says why; nothing reuses it)."""
+    try:
+        what = content(manifest["spec"], fingerprint, settings)
+    except InvalidSpec:
+        return None
     key = content_key(what)
     manifest["metadata"].setdefault("labels", {})[LABEL_CONTENT_KEY] = key
     manifest["metadata"].setdefault("annotations", {})[ANNOTATION_CONTENT] = json.dumps(what, sort_keys=True,

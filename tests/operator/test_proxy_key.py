@@ -140,3 +140,11 @@ def test_a_reused_proxymodel_that_fails_before_its_proxy_is_built_gives_way_to_t
     assert (probe["proxyModel"], probe["reused"], probe["phase"]) == ("grpo-incident-250-step-200", None, "Building")
     assert [m["metadata"]["name"] for _, m in second.create] == ["grpo-incident-250-step-200"]
     assert [r for _, r, _ in second.events] == ["ReusedProxyModelLost"]
+
+
+def test_a_spec_the_proxymodel_will_refuse_gets_no_key():
+    watch = {"apiVersion": "moeproxy.io/v1alpha1", "kind": "CheckpointWatch",
+             "metadata": {"name": "grpo", "namespace": "rl", "uid": "w-1"}}
+    w = parse_watch({"source": SOURCE, "template": TEMPLATE})
+    pm = proxymodel_for(watch, w, 300, "not-s3://anywhere", "f300", Settings())  # a source no ProxyModel takes
+    assert LABEL_CONTENT_KEY not in pm["metadata"]["labels"] and reusable([pm]) == {}
