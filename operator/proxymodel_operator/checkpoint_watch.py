@@ -34,10 +34,11 @@ from moe_proxy.storage.s3 import S3Store
 
 from . import handlers, kube, watched_run  # noqa: F401 - handlers' startup handler puts the settings in memo
 from .preflight import PreflightError, read_credentials, redact
-from .resources import GROUP, PROXYMODELS, VERSION, Resource
+from .resources import DIAGNOSES, GROUP, PROXYMODELS, VERSION, Resource
+from .settings import Settings
 from .status import ACCEPTED, SUSPENDED_CONDITION, condition, now, with_condition
 from .watch_decisions import (LABEL_STEP, LABEL_WATCH, MadeProxyModel, children_status, considered, decide,
-                              newly_skipped, proxymodel_for, status_after, watch_label)
+                              in_use_by, newly_skipped, proxymodel_for, status_after, watch_label)
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 
 CHECKPOINT_WATCHES = Resource(GROUP, VERSION, "checkpointwatches", "CheckpointWatch")
@@ -67,14 +68,14 @@ def list_checkpoints(watch: WatchSpec, credentials: dict[str, str], made: set[in
                      retired_through: int | None, seen: dict) -> list[ListedCheckpoint]:
     """The prefix's checkpoints still to decide (blocking: runs in a thread). Directories of
     steps already made, retired or before startAfterStep are found but not read, nor is a
-    directory whose files (names and sizes) are as the last poll saw them: `seen` keeps
+    directory whose files (names, sizes, ETags) are as the last poll saw them: `seen` keeps
     those answers between polls, so a pending or incomplete checkpoint costs one listing."""
     store = S3Store(watch.source.uri, endpoint_url=watch.source.endpoint or None,
                     region=watch.source.region or "us-east-1", credentials=credentials,
                     max_attempts=2, connect_timeout=3, read_timeout=20)
     candidates = [c for c in find(store, watch.pattern, watch.step_regex)
                   if considered(watch, c.step, made, retired_through)]
-    keys = {c.path: (c.path, c.step, tuple(sorted(c.files.items()))) for c in candidates}
+    keys = {c.path: (c.path, c.step, c.fingerprint) for c in candidates}  # a rewrite (new ETags) is read again
     new = [c for c in candidates if keys[c.path] not in seen]
     # Deep: a checkpoint about to become a ProxyModel is worth its whole index and headers
     # (read once: answers are kept while its files are unchanged).
@@ -154,12 +155,25 @@ async def poll(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: kopf
     if failing:
         kopf.event(body, type="Normal", reason="SourceReachable", message=f"listing {watch.source.uri} works again")
 
-    decision = decide(watch, children, found, retired)
-    await act(body, watch, decision, children, status, patch, memo.setdefault("warned", set()), logger)
+    # retention keeps the ProxyModels an unfinished Diagnosis uses (a probe reuses the watch's, proxy_key)
+    decision = decide(watch, children, found, retired, await _in_use(namespace) if watch.keep_last else frozenset())
+    await act(body, watch, decision, children, status, patch, memo.setdefault("warned", set()), logger,
+              memo.settings)
+
+
+async def _in_use(namespace: str) -> frozenset[str]:
+    """The ProxyModels the namespace's unfinished Diagnoses name (watch_decisions.in_use_by)."""
+    try:
+        return in_use_by(await kube.list_(DIAGNOSES, namespace, {}))
+    except kube.ApiError as exc:
+        if exc.status == 404:  # no Diagnosis resource served: nothing uses the watch's ProxyModels
+            return frozenset()
+        raise
 
 
 async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[MadeProxyModel], status: dict,
-              patch: kopf.Patch, warned: set[int], logger: logging.Logger) -> None:
+              patch: kopf.Patch, warned: set[int], logger: logging.Logger,
+              settings: Settings | None = None) -> None:
     """Carry out a decision and record it in status. `warned`: the steps whose skipping this
     process has reported already (status keeps only the newest few)."""
     namespace = body["metadata"]["namespace"]
@@ -170,7 +184,8 @@ async def act(body: kopf.Body, watch: WatchSpec, decision, children: list[MadePr
             logger.info("retired ProxyModel %s (step %d)", child.name, child.step)
     kept, rejected, not_made = [c for c in children if c not in decision.delete], None, []
     for i, checkpoint in enumerate(decision.create):
-        manifest = proxymodel_for(dict(body), watch, checkpoint.step, checkpoint.uri)
+        manifest = proxymodel_for(dict(body), watch, checkpoint.step, checkpoint.uri, checkpoint.fingerprint,
+                                  settings)
         pxm = manifest["metadata"]["name"]
         try:
             _, created = await kube.create(PROXYMODELS, namespace, manifest)

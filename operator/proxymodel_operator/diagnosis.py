@@ -13,7 +13,8 @@ A finished Diagnosis (Complete or Failed for its generation) reads nothing more.
 
 A bisection (spec.checkpoints, diagnosis_bisect) lists the run's checkpoints once (its
 CheckpointWatch's prefix, or its own; `moe_proxy.investigate.bisect.sources`, the CLI's listing),
-then reads only its probes in flight (a round's, spec.parallelism at most): their ProxyModels and runs.
+then reads only its probes in flight (a round's, spec.parallelism at most): their ProxyModels and runs;
+before each round, the namespace's ProxyModels, to reuse a CheckpointWatch's of the same content key.
 
 Registered (`register`) by the operator's main at start-up, as checkpoint_watch is (kopf takes
 the timer's interval when it is registered). Importing this module registers nothing.
@@ -38,7 +39,7 @@ from .diagnosis_rows import recorded_running, refused_create
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet
 from .diagnosis_status import DIAGNOSED, DIAGNOSIS_FAILED, DiagnosisDecision
 from .preflight import PreflightError, read_credentials, redact
-from .outcome import outcome
+from .outcome import RUNNING, outcome
 from .resources import DIAGNOSES, GROUP, LABEL_CHILD, PODS, PROXYMODELS, VERSION
 from . import runtimes
 from .runtimes import RUNTIMES
@@ -54,7 +55,7 @@ async def _proxymodel(namespace: str, name: str) -> dict | None:
 
 
 async def list_checkpoints(namespace: str, b: bisection.BisectSpec, settings) -> tuple[dict, list[dict]]:
-    """(the watch-like spec the probes are made from, the checkpoints [{step, uri}] to bisect),
+    """(the watch-like spec the probes are made from, the checkpoints [{step, uri, fingerprint}] to bisect),
     as `moe-proxy bisect` lists them; NotYet (temporary: a missing watch or Secret, an
     unreachable store) or InvalidDiagnosis (fewer than 2 checkpoints, good/bad at no checkpoint)."""
     raw = b.inline
@@ -79,7 +80,7 @@ async def list_checkpoints(namespace: str, b: bisection.BisectSpec, settings) ->
         raise InvalidDiagnosis(type(exc).__name__, str(exc)) from None
     except MoeProxyError as exc:  # another refusal of the listing (e.g. a step regex without a group)
         raise InvalidDiagnosis("InvalidSpec", str(exc)) from None
-    return raw, [{"step": c.step, "uri": c.uri} for c in found]
+    return raw, [{"step": c.step, "uri": c.uri, "fingerprint": c.fingerprint} for c in found]
 
 
 async def bisect(body: dict, status: dict, namespace: str, name: str, settings) -> DiagnosisDecision:
@@ -96,8 +97,14 @@ async def bisect(body: dict, status: dict, namespace: str, name: str, settings) 
         return DiagnosisDecision({"observedGeneration": generation}, [], [("Warning", "SpecChangeIgnored", (
             f"spec changed (generation {generation}) after the checkpoints were listed: this Diagnosis goes on with "
             "the bisection in status; create another Diagnosis for the new spec"))])
-    children = {p["proxyModel"]: await _proxymodel(namespace, p["proxyModel"]) for p in bisection.flying(status)}
-    return bisection.progress(body, None, await observe(namespace, name, status), settings, children=children)
+    flying = bisection.flying(status)
+    children = {p["proxyModel"]: await _proxymodel(namespace, p["proxyModel"]) for p in flying}
+    seen = await observe(namespace, name, status)
+    # a round may come now (every run in flight has ended): the CheckpointWatches' ProxyModels,
+    # each probe's proxy perhaps among them
+    found = bisection.reusable(await kube.list_(PROXYMODELS, namespace, {})) if all(
+        (o := seen.get(p.get("workload"))) is not None and o.state != RUNNING for p in flying) else {}
+    return bisection.progress(body, None, seen, settings, children=children, found=found)
 
 
 async def observe(namespace: str, diagnosis: str, status: dict) -> dict:

@@ -17,6 +17,12 @@ what it took: each probe's run priced as the CLI's bisect and triage price their
 (sizing.run_device_hours: its ProxyModel's plan, at the reproduction's precision, per RL step x
 the steps the run completed; a run stopped at its failure costs the steps it ran).
 
+A CheckpointWatch's ProxyModel of the same content key (proxy_key: the same checkpoint, rewritten or
+not, and the same build) serves as the probe's, when it is built or building: the row says
+`reused: <name>`, an Event ProbeReused says so, and nothing is created (nor owned: the watch's
+retention keeps a ProxyModel an unfinished Diagnosis names, watch_decisions.decide). One that
+fails before its proxy is built, or goes, is replaced by the probe's own.
+
 Status is the single source of truth, as for the matrix: the listed checkpoints and the spec
 they were listed with (`status.bisection`) are fixed once recorded, and a probe's row says
 Building (with its ProxyModel's name) before the ProxyModel is created, Running (with its
@@ -34,6 +40,7 @@ from moe_proxy.investigate.bisect import PROBE_STATES, Probe, findings, judge_pr
 from .diagnosis_rows import (RUN_DONE, RUN_ERROR, RUN_RUNNING, could_not_judge, finished_row, plan_price, run_hours,
                              seed_run)
 from .diagnosis_runs import LABEL_DIAGNOSIS, NotYet, RunVariant, baseline_of, proxy_built, run_manifest
+from .proxy_key import key_of
 from .diagnosis_status import (COMPLETE_CONDITION, DIAGNOSED, DIAGNOSING, DIAGNOSIS_FAILED, DIAGNOSIS_PENDING,
                                FAILED_CONDITION, RUNNING_CONDITION, DiagnosisDecision, condition_changed, refused,
                                set_condition)
@@ -42,7 +49,7 @@ from .outcome import RUNNING as OUTCOME_RUNNING, Outcome
 from .resources import LABEL_ROLE, PROXYMODELS, SERVICES
 from .settings import Settings
 from .status import ACCEPTED
-from .watch_decisions import LABEL_WATCH, proxymodel_for
+from .watch_decisions import ACTIVE_PHASES, LABEL_WATCH, proxymodel_for
 from .watch_spec import InvalidWatch, WatchSpec, parse_watch
 
 BUILDING = "Building"  # a probe's phase while its ProxyModel builds the proxy
@@ -87,10 +94,10 @@ def start(status: dict, b: BisectSpec, raw: dict, checkpoints: list[dict], gener
 
 def probe_proxymodel(body: dict, raw: dict, checkpoint: dict, settings: Settings) -> dict:
     """The ProxyModel of a probe: the template's, as a CheckpointWatch makes it (name
-    `<diagnosis>-step-<N>`, the source with the checkpoint's URI), owned by the Diagnosis,
-    labelled as its probe, its own reproduction off (the Diagnosis runs it)."""
+    `<diagnosis>-step-<N>`, the source with the checkpoint's URI, the content key), owned by the
+    Diagnosis, labelled as its probe, its own reproduction off (the Diagnosis runs it)."""
     manifest = proxymodel_for(body, watch_spec(raw, "spec.checkpoints", settings), checkpoint["step"],
-                              checkpoint["uri"])
+                              checkpoint["uri"], checkpoint.get("fingerprint"), settings)
     labels = manifest["metadata"]["labels"]
     labels.pop(LABEL_WATCH, None)
     labels.update({LABEL_DIAGNOSIS: body["metadata"]["name"], LABEL_ROLE: PROBE_ROLE})
@@ -100,6 +107,21 @@ def probe_proxymodel(body: dict, raw: dict, checkpoint: dict, settings: Settings
     if queue:  # the Diagnosis's Kueue queue over the template's, for the probe's build
         spec["queueName"] = queue
     return manifest
+
+
+def reusable(proxymodels: list[dict]) -> dict[str, dict]:
+    """The ProxyModels a probe uses instead of building its own, by content key (proxy_key): a
+    CheckpointWatch's, not being deleted, its proxy built or still building (waiting for it costs
+    less than a second build of the same proxy). A failed one is not: the probe builds its own."""
+    out: dict[str, dict] = {}
+    for pm in proxymodels:
+        meta = pm.get("metadata") or {}
+        phase = (pm.get("status") or {}).get("phase")
+        if (LABEL_WATCH in (meta.get("labels") or {}) and key_of(pm) and not meta.get("deletionTimestamp")
+                and (proxy_built(pm) or phase in ACTIVE_PHASES)):
+            if key_of(pm) not in out or proxy_built(pm):  # a built one before one still building
+                out[key_of(pm)] = pm
+    return out
 
 
 def in_flight(status: dict) -> dict | None:
@@ -113,11 +135,13 @@ def flying(status: dict) -> list[dict]:
 
 
 def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings: Settings,
-             children: dict[str, dict | None] | None = None) -> DiagnosisDecision:
+             children: dict[str, dict | None] | None = None, found: dict[str, dict] | None = None
+             ) -> DiagnosisDecision:
     """From the Diagnosis, the ProxyModels of the probes in flight (`children`, by name, None:
     absent; or `child`, the one probe's when one is in flight) and the outcomes of their runs
     (`seen`, by workload name): what to write and create now. A round's probes (next_round, the
-    spec's parallelism of them) are made together; the next round comes when all have finished."""
+    spec's parallelism of them) are made together; the next round comes when all have finished.
+    `found`: the ProxyModels to reuse by content key (`reusable`), read before a round."""
     meta, status = body["metadata"], dict(body.get("status") or {})
     generation = meta.get("generation") or 1
     rec = status["bisection"]
@@ -139,7 +163,7 @@ def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings:
             return complete
         number = max((p.get("round") or 0 for p in probes), default=0) + 1
         for index in nxt.probes:
-            _make_probe(body, rec, checkpoints[index], index, number, nxt.kind, probes, settings, out)
+            _make_probe(body, rec, checkpoints[index], index, number, nxt.kind, probes, settings, out, found or {})
     done = sum(p["phase"] == RUN_DONE for p in probes)
     out.status.update(probes=probes, done=done, progress=f"{done} probed of {len(checkpoints)}", phase=DIAGNOSING,
                       **round_figures(probes))
@@ -151,11 +175,21 @@ def progress(body: dict, child: dict | None, seen: dict[str, Outcome], settings:
 
 
 def _make_probe(body: dict, rec: dict, c: dict, index: int, number: int, kind: str, probes: list[dict],
-                settings: Settings, out: DiagnosisDecision) -> None:
-    """A probe of round `number`: its row (Building, its ProxyModel's name) and its ProxyModel."""
+                settings: Settings, out: DiagnosisDecision, found: dict[str, dict]) -> None:
+    """A probe of round `number`: its row (Building, its ProxyModel's name) and its ProxyModel, or
+    the row of a CheckpointWatch's ProxyModel of the same content key (`found`), used as it is."""
     row = {"index": index, "checkpoint": c["uri"], "step": c["step"], "phase": BUILDING, "proxyModel": None,
            "workload": None, "reproduced": None, "signature": None, "onset": None, "round": number, "roundKind": kind}
     manifest = probe_proxymodel(body, rec["spec"], c, settings)
+    same = found.get(key_of(manifest)) if c.get("fingerprint") else None  # unknown identity: never reused
+    if same is not None:
+        row["proxyModel"] = row["reused"] = same["metadata"]["name"]
+        probes.append(row)
+        watch = same["metadata"]["labels"][LABEL_WATCH]
+        out.events.append(("Normal", "ProbeReused", f"probe {len(probes)} (round {number}): step {c['step']} "
+                           f"({c['uri']}): reuses ProxyModel {row['proxyModel']} of CheckpointWatch {watch} "
+                           f"(the same checkpoint and build: content key {key_of(manifest)})"))
+        return
     row["proxyModel"] = manifest["metadata"]["name"]
     probes.append(row)
     out.create.append((PROXYMODELS, manifest))
@@ -185,16 +219,20 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
     """Move the probe in flight on (in place); the message of a probe that cannot finish."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation") or 1
+    checkpoint = {"step": p["step"], "uri": p["checkpoint"], "fingerprint": _fingerprint(rec, p["step"])}
     if child is None:  # recorded, not there: the operator stopped before creating it (or it was deleted)
         if p["phase"] == RUN_RUNNING:
             return f"ProxyModel {p['proxyModel']} of probe step {p['step']} is gone"
-        out.create.append((PROXYMODELS, probe_proxymodel(body, rec["spec"], {"step": p["step"], "uri": p["checkpoint"]},
-                                                         settings)))
+        if p.get("reused"):
+            return _build_own(p, body, rec, checkpoint, settings, out, "is gone")
+        out.create.append((PROXYMODELS, probe_proxymodel(body, rec["spec"], checkpoint, settings)))
         return None
     d = DiagnosisSpec(p["proxyModel"], (), rec.get("failOn"), steps=rec.get("steps"))
     if p["phase"] == BUILDING:
         if not proxy_built(child):
             state = child.get("status") or {}
+            if state.get("phase") == "Failed" and p.get("reused"):
+                return _build_own(p, body, rec, checkpoint, settings, out, "failed")
             if state.get("phase") == "Failed":
                 return f"ProxyModel {p['proxyModel']} failed: {state.get('message') or 'see its conditions'}"
             return None
@@ -239,6 +277,22 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
     return None
 
 
+def _fingerprint(rec: dict, step: int) -> str | None:
+    return next((c.get("fingerprint") for c in rec["checkpoints"] if c["step"] == step), None)
+
+
+def _build_own(p: dict, body: dict, rec: dict, checkpoint: dict, settings: Settings, out: DiagnosisDecision,
+               what: str) -> None:
+    """The CheckpointWatch's ProxyModel a probe reused is gone or failed before its proxy was
+    built: the probe builds its own after all (a failed one is never waited for again)."""
+    manifest = probe_proxymodel(body, rec["spec"], checkpoint, settings)
+    out.events.append(("Warning", "ReusedProxyModelLost", f"probe step {p['step']}: ProxyModel {p['reused']} {what} "
+                       f"before its proxy was built; building {manifest['metadata']['name']}"))
+    p.update(proxyModel=manifest["metadata"]["name"], reused=None)
+    out.create.append((PROXYMODELS, manifest))
+    return None
+
+
 def _failed(status: dict, probes: list[dict], p: dict, message: str, generation: int,
             out: DiagnosisDecision) -> DiagnosisDecision:
     """A probe that cannot finish ends the bisection (as the CLI's, which stops with exit 1)."""
@@ -266,7 +320,7 @@ def _complete(status: dict, probes: list[dict], checkpoints: list[dict], first: 
         said += "; could not judge step " + ", ".join(str(i["step"]) for i in found["inconclusive"])
     s.update(probes=probes, firstBad=found["first_bad"], boundary=found["boundary"], monotone=found["monotone"],
              notMonotone=found.get("not_monotone"), inconclusive=found["inconclusive"] or None,
-             builds=found["builds"], phase=DIAGNOSED, message=said[:1024],
+             builds=found["builds"] - sum(1 for p in probes if p.get("reused")), phase=DIAGNOSED, message=said[:1024],
              done=len(probes), progress=f"{len(probes)} probed of {len(checkpoints)}")
     out.events.append(("Normal" if found["monotone"] and not found["inconclusive"] else "Warning",
                        "BisectionComplete", said))

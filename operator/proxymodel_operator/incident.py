@@ -234,7 +234,9 @@ def answer(incident: dict, diagnosis: dict | None) -> dict:
     first = (st.get("firstBad") or {}).get("step")
     out = {"firstBad": first, "firstBadCheckpoint": (st.get("firstBad") or {}).get("checkpoint"),
            "fixedBy": st.get("fixedBy") or None, "fixedWithOtherFailures": st.get("fixedWithOtherFailures") or None,
-           "spentRuns": spent(st), "spentDeviceHours": cost(st, incident.get("runHours")).hours}
+           "spentRuns": spent(st), "spentDeviceHours": cost(st, incident.get("runHours")).hours,
+           # the CheckpointWatch's own ProxyModels its probes used (proxy_key), not built again
+           "reusedProxyModels": sorted({p["reused"] for p in st.get("probes") or [] if p.get("reused")}) or None}
     if st.get("phase") == "Failed":
         return out | {"state": S_DIAGNOSIS_FAILED, "message": (st.get("message") or "")[:512]}
     if st.get("phase") != "Complete":
@@ -330,6 +332,7 @@ def report(watch: str, namespace: str, incident: dict) -> dict:
             "fixed_with_other_failures": names(incident.get("fixedWithOtherFailures")),
             "candidates": incident.get("candidates") or [], "left_out_for_budget": incident.get("leftOut") or [],
             "previous_incident": incident.get("previous"),
+            "reused_proxy_models": incident.get("reusedProxyModels") or [],
             "cost": {"runs": (incident.get("budget") or {}).get("spent", {}).get("runs"),
                      "device_hours": (incident.get("budget") or {}).get("spent", {}).get("deviceHours"),
                      "left": (incident.get("budget") or {}).get("left")}}
@@ -343,6 +346,7 @@ def report_md(r: dict) -> str:
             ("candidates tried", ", ".join(r["candidates"]) or "-"),
             ("not tried (budget)", ", ".join(r["left_out_for_budget"]) or "-"),
             ("cost", f"{r['cost']['runs']} run(s), {r['cost']['device_hours'] or 'unpriced'} device-hours"),
+            ("proxies reused from the watch", ", ".join(r["reused_proxy_models"]) or "-"),
             ("Diagnosis", r["incident"] or "-"), ("previous incident", r["previous_incident"] or "-")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return (f"# {r['watch']}: {r['signature']} at step {r['failing_step']}\n\n{r['summary']}\n\n"

@@ -13,8 +13,11 @@ import kopf
 
 from moe_proxy.checkpoint.listing import MOE, PROXY, ListedCheckpoint
 
+from . import proxy_key
 from .children import MAX_NAME
+from .diagnosis_status import DIAGNOSED, DIAGNOSIS_FAILED
 from .resources import GROUP, PROXYMODELS
+from .settings import Settings
 from .status import PENDING, TRANSFORMING
 from .watch_spec import WatchSpec
 
@@ -46,9 +49,10 @@ def watch_label(watch: str) -> str:
     return short_name(watch)
 
 
-def proxymodel_for(watch_body: dict, watch: WatchSpec, step: int, uri: str) -> dict:
-    """The ProxyModel for checkpoint `uri` at `step`: the template's spec with the watch's
-    source, labelled with the watch and step, owned by the watch."""
+def proxymodel_for(watch_body: dict, watch: WatchSpec, step: int, uri: str, fingerprint: str | None = None,
+                   settings: Settings | None = None) -> dict:
+    """The ProxyModel for checkpoint `uri` at `step` (`fingerprint`: its listing's): the template's
+    spec with the watch's source, labelled with the watch, step and content key, owned by the watch."""
     watch_name = watch_body["metadata"]["name"]
     name = proxymodel_name(watch_name, step)
     spec = copy.deepcopy(watch.template_spec)
@@ -68,6 +72,7 @@ def proxymodel_for(watch_body: dict, watch: WatchSpec, step: int, uri: str) -> d
         },
         "spec": spec,
     }
+    proxy_key.label(body, fingerprint, settings or Settings())  # found again by a Diagnosis's probe of `uri`
     kopf.adopt(body, owner=watch_body)  # namespace and owner reference: deleting the watch deletes it
     return body
 
@@ -107,8 +112,9 @@ def considered(watch: WatchSpec, step: int | None, made: set[int], retired_throu
 
 
 def decide(watch: WatchSpec, children: list[MadeProxyModel], found: list[ListedCheckpoint],
-           retired_through: int | None) -> Decision:
-    """From the ProxyModels that exist and the checkpoints listed, what to do now."""
+           retired_through: int | None, in_use: frozenset[str] = frozenset()) -> Decision:
+    """From the ProxyModels that exist and the checkpoints listed, what to do now. `in_use`: the
+    ProxyModels an unfinished Diagnosis names (a probe reused it): retention deletes them later."""
     made = {c.step for c in children}
     out = Decision(retired_through=retired_through)
     fresh = [c for c in found if considered(watch, c.step, made, retired_through)]
@@ -138,7 +144,7 @@ def decide(watch: WatchSpec, children: list[MadeProxyModel], found: list[ListedC
         dropped = taken - keep
         if dropped:
             out.retired_through = max(retired_through or 0, max(dropped))
-    out.delete = sorted((c for c in children if c.step not in keep), key=lambda c: c.step)
+    out.delete = sorted((c for c in children if c.step not in keep and c.name not in in_use), key=lambda c: c.step)
     chosen = [c for c in chosen if c.step in keep]
 
     # maxConcurrent: new ProxyModels only while fewer than that are transforming.
@@ -152,6 +158,21 @@ def decide(watch: WatchSpec, children: list[MadeProxyModel], found: list[ListedC
 
 
 # --- what a poll writes to status ------------------------------------------------------------------
+
+
+def in_use_by(diagnoses: list[dict]) -> frozenset[str]:
+    """The ProxyModels the unfinished Diagnoses name: spec.proxyModel, their probes' (a probe may
+    use a watch's, proxy_key) and the candidates' (candidatesOn). A finished one needs none."""
+    names = set()
+    for d in diagnoses:
+        st = d.get("status") or {}
+        if st.get("phase") in (DIAGNOSED, DIAGNOSIS_FAILED) and st.get("observedGeneration") == (
+                d.get("metadata") or {}).get("generation"):
+            continue
+        names.add((d.get("spec") or {}).get("proxyModel"))
+        names.update(p.get("proxyModel") for p in st.get("probes") or [])
+        names.add((st.get("candidatesOn") or {}).get("proxyModel"))
+    return frozenset(n for n in names if isinstance(n, str) and n)
 
 
 def children_status(children: list[MadeProxyModel]) -> dict:

@@ -4,7 +4,7 @@ startAfterStep, keepLast, maxConcurrent, names, and the ProxyModel it makes."""
 from __future__ import annotations
 
 from moe_proxy.checkpoint.listing import DENSE, MOE, PROXY, UNKNOWN, ListedCheckpoint
-from proxymodel_operator.watch_decisions import MadeProxyModel, decide, proxymodel_for, proxymodel_name
+from proxymodel_operator.watch_decisions import MadeProxyModel, decide, in_use_by, proxymodel_for, proxymodel_name
 from proxymodel_operator.watch_spec import parse_watch
 
 SOURCE = {"uri": "s3://runs/grpo", "credentialsSecret": "creds"}
@@ -67,6 +67,23 @@ def test_keep_last_retires_oldest_and_skips_older_new_ones():
     assert d.create == [] and d.delete == [] and d.retired_through == 200
 
 
+def test_keep_last_keeps_a_proxymodel_an_unfinished_diagnosis_uses_until_it_finishes():
+    def diagnosis(phase: str, **status) -> dict:
+        return {"metadata": {"generation": 1}, "spec": {},
+                "status": {"phase": phase, "observedGeneration": 1, **status}}
+
+    probing = diagnosis("Running", probes=[{"proxyModel": "w-step-100", "reused": "w-step-100"}])
+    on_it = diagnosis("Running", candidatesOn={"proxyModel": "w-step-200"})
+    done = diagnosis("Complete", probes=[{"proxyModel": "w-step-300"}])
+    in_use = in_use_by([probing, on_it, done])
+    assert in_use == {"w-step-100", "w-step-200"}
+    d = decide(watch(keepLast=1), [child(100), child(200), child(300)], [ckpt(400)], None, in_use)
+    assert steps(d.create) == [400] and steps(d.delete) == [300] and d.retired_through == 300
+    # once the Diagnoses are over, the next poll retires them
+    d = decide(watch(keepLast=1), [child(100), child(200), child(400)], [], 300, in_use_by([done]))
+    assert steps(d.delete) == [100, 200]
+
+
 def test_max_concurrent_counts_transforming_proxymodels():
     found = [ckpt(s) for s in (200, 300, 400)]
     d = decide(watch(maxConcurrent=2), [child(100, "Transforming")], found, None)
@@ -93,8 +110,9 @@ def test_proxymodel_manifest():
             "metadata": {"name": "grpo", "namespace": "rl", "uid": "u-1", "labels": {}}}
     pxm = proxymodel_for(body, w, 300, "s3://runs/grpo/global_step_300")
     assert pxm["metadata"]["name"] == "grpo-step-300" and pxm["metadata"]["namespace"] == "rl"
+    key = pxm["metadata"]["labels"].pop("moeproxy.io/content-key")  # proxy_key's (tests/operator/test_proxy_key.py)
     assert pxm["metadata"]["labels"] == {"team": "rl", "moeproxy.io/checkpoint-watch": "grpo",
-                                         "moeproxy.io/step": "300"}
+                                         "moeproxy.io/step": "300"} and len(key) == 16
     assert pxm["metadata"]["annotations"]["moeproxy.io/checkpoint-uri"] == "s3://runs/grpo/global_step_300"
     assert pxm["spec"]["source"] == {"uri": "s3://runs/grpo/global_step_300", "credentialsSecret": "creds",
                                      "endpoint": "http://minio:9000"}

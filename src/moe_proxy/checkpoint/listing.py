@@ -29,6 +29,7 @@ or both at once with `list_checkpoints(uri)`.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import posixpath
 import re
@@ -59,6 +60,15 @@ class Candidate:
     path: str  # relative to the listed prefix ("" for the prefix itself)
     step: int | None
     files: dict[str, int]  # file name (relative to `path`) -> size in bytes
+    etags: dict[str, str] = field(default_factory=dict)  # file name -> ETag, where the store lists them (S3)
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes when a file of the directory is added, removed or rewritten: a digest of its
+        listing (names, sizes, and ETags where the store gives them; a rewrite of the same size
+        changes the ETag). What tells one save of a checkpoint from the next at the same path."""
+        files = sorted((n, s, self.etags.get(n, "")) for n, s in self.files.items())
+        return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -76,6 +86,7 @@ class ListedCheckpoint:
     model_type: str | None = None
     bytes: int = 0  # every file in the directory
     shards: int = 0
+    fingerprint: str | None = None  # Candidate.fingerprint: this save of the checkpoint
 
     @property
     def source(self) -> bool:
@@ -83,6 +94,7 @@ class ListedCheckpoint:
 
     def to_json(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if v is not None or k == "step"}
+        out.pop("fingerprint", None)  # store-specific (S3's ETags): the same checkpoint reads alike anywhere
         out["source"] = self.source
         return out
 
@@ -139,7 +151,12 @@ def _directories(names: list[str]) -> set[str]:
 def find(store: Store, pattern: str | None = None, step_regex: str | None = None,
          sizes: dict[str, int] | None = None) -> list[Candidate]:
     """The directories that may hold a checkpoint: those matching `pattern` (relative to the
-    store), or by default every directory holding a config.json. Sorted by step, then path."""
+    store), or by default every directory holding a config.json. Sorted by step, then path.
+    An S3 store's listing gives each file's ETag too, for the candidates' fingerprints."""
+    etags: dict[str, str] = {}
+    if sizes is None and hasattr(store, "list_entries"):
+        entries = store.list_entries()
+        sizes, etags = {n: e[0] for n, e in entries.items()}, {n: e[1] for n, e in entries.items()}
     sizes = store.list_sizes() if sizes is None else sizes
     names = [n for n in sizes if not posixpath.basename(n).startswith(".")]
     if pattern:
@@ -147,9 +164,12 @@ def find(store: Store, pattern: str | None = None, step_regex: str | None = None
     else:
         dirs = sorted({posixpath.dirname(n) for n in names if posixpath.basename(n) == CONFIG})
     files_in: dict[str, dict[str, int]] = {}  # directory -> its own files (not its subfolders')
+    etags_in: dict[str, dict[str, str]] = {}
     for n in names:
         files_in.setdefault(posixpath.dirname(n), {})[posixpath.basename(n)] = sizes[n]
-    out = [Candidate(d, step_of(d, step_regex), files_in.get(d, {})) for d in dirs]
+        if n in etags:
+            etags_in.setdefault(posixpath.dirname(n), {})[posixpath.basename(n)] = etags[n]
+    out = [Candidate(d, step_of(d, step_regex), files_in.get(d, {}), etags_in.get(d, {})) for d in dirs]
     return sorted(out, key=_order)
 
 
@@ -292,7 +312,7 @@ def inspect(store: Store, candidate: Candidate, pool: ThreadPoolExecutor | None 
     decide, or with `deep`) the whole index and each shard's header."""
     d, files = _Dir(store, candidate.path), candidate.files
     entry = ListedCheckpoint(step=candidate.step, uri=d.uri, path=candidate.path, complete=False, kind=UNKNOWN,
-                       bytes=sum(files.values()))
+                       bytes=sum(files.values()), fingerprint=candidate.fingerprint)
     is_proxy = MANIFEST in files or any(p.endswith(PROXIES_SUFFIX) for p in candidate.path.split("/"))
     if CONFIG not in files:
         entry.reason = f"{CONFIG} missing"
