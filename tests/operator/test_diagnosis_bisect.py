@@ -163,15 +163,21 @@ def test_a_probe_lost_between_status_and_create_is_made_again_under_its_name():
     assert body["status"]["firstBad"]["step"] == 60 and body["status"]["phase"] == DIAGNOSED
 
 
-def test_a_probe_whose_run_fails_fails_the_bisection():
+def _first_probe_running(**spec) -> tuple[dict, dict, dict]:
+    """A bisection over 3 checkpoints whose first probe (the last checkpoint's) runs: (the
+    Diagnosis, the probe's ProxyModel, the probe)."""
     listed = [{"step": s, "uri": f"s3://{BUCKET}/run/s{s}"} for s in (10, 20, 30)]
-    body = _body()
+    body = _body(**spec)
     body = _apply(body, start({}, parse_bisection(body["spec"]), checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
     first = progress(body, None, {}, Settings())
     body = _apply(body, first)
     (_, pm), = first.create
     body = _apply(body, progress(body, _built(pm), {}, Settings()))
-    probe = in_flight(body["status"])
+    return body, pm, in_flight(body["status"])
+
+
+def test_a_probe_whose_run_fails_fails_the_bisection():
+    body, pm, probe = _first_probe_running()
     assert probe["phase"] == RUN_RUNNING
     assert progress(body, _built(pm), {probe["workload"]: Outcome(RUNNING)}, Settings()).create == []
     failed = progress(body, _built(pm), {probe["workload"]: Outcome("Failed", "OOMKilled", "container exited")},
@@ -182,14 +188,7 @@ def test_a_probe_whose_run_fails_fails_the_bisection():
 
 def _probe_ends(report: dict, **spec):
     """The first probe (the last checkpoint's) of a bisection whose run ends with `report`."""
-    listed = [{"step": s, "uri": f"s3://{BUCKET}/run/s{s}"} for s in (10, 20, 30)]
-    body = _body(**spec)
-    body = _apply(body, start({}, parse_bisection(body["spec"]), checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
-    first = progress(body, None, {}, Settings())
-    body = _apply(body, first)
-    (_, pm), = first.create
-    body = _apply(body, progress(body, _built(pm), {}, Settings()))
-    probe = in_flight(body["status"])
+    body, pm, probe = _first_probe_running(**spec)
     return progress(body, _built(pm), {probe["workload"]: Outcome(SUCCEEDED, report=report)}, Settings())
 
 
