@@ -39,6 +39,7 @@ from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
 from moe_proxy.rl.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, check_rows, join,
                                          local, shard)
 from moe_proxy.rl.faults import FaultInjector
+from moe_proxy.rl.grad_sums import grad_sums
 from moe_proxy.metrics.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
 from moe_proxy.rl.policy_loss import gap_metrics, gap_sums, importance_ratio, rollout_is_weights
 from moe_proxy.rl.precision import autocast, compute_in_fp32, fp32_modules
@@ -303,20 +304,6 @@ def adamw(params: list[torch.nn.Parameter], config: ReproConfig, device: torch.d
     fused = device.type in _get_fused_kernels_supported_devices() and all(p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, eps=config.adam_eps,
                              **({"fused": True} if fused else {"foreach": True}))
-
-
-def zero_count(flat: torch.Tensor) -> int:
-    """How many elements of a 1-D tensor are 0 (+0.0 or -0.0). fp32 by its bit patterns:
-    count_nonzero of the int32 view is 2-3x as fast as of the floats on CPU (bench/rl_step.py:
-    79 -> 50 ms a step of 54M gradients with the check below), +0.0 being the pattern 0; -0.0
-    (fp16 underflow of a negative value) is the least int32 pattern, counted only where present."""
-    if flat.dtype != torch.float32:
-        return flat.numel() - int(torch.count_nonzero(flat))
-    bits = flat.view(torch.int32)
-    zeros = flat.numel() - int(torch.count_nonzero(bits))
-    if flat.numel() and int(bits.min()) == -2**31:
-        zeros += int((bits == -2**31).sum())
-    return zeros
 
 
 def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
@@ -672,17 +659,14 @@ class _Loop:
         nonfinite, zeros, total, dense_zeros, dense_total, norm_sq = 0, 0, 0, 0, 0, 0.0
         layer_sq = {int(m.group(1)): 0.0 for m in map(_LAYER.search, (self.names[id(p)] for p in self.params)) if m}
         grads = [(p, local(p.grad.detach()).reshape(-1)) for p in self.params if p.grad is not None]
-        # Two passes over each gradient, no temporaries: the norms (one multi-tensor kernel; the
-        # clipping takes its total), then the zeros. A NaN or inf anywhere makes a norm non-finite
-        # (so may an overflow of finite values: then they are counted). bench/rl_step.py: a norm
-        # per figure (the sum's finiteness, a dot product, clip_grad_norm_'s own) cost 1.6x as much.
-        norms = (torch.stack(torch._foreach_norm([g for _, g in grads], 2, dtype=torch.float32)).tolist()
-                 if grads else [])
-        for (p, flat), norm in zip(grads, norms):
+        # Each gradient's sum of squares and zero count, in one pass where it is large (grad_sums);
+        # the clipping takes the total norm. A NaN or inf anywhere makes a sum non-finite (so may an
+        # overflow of finite values: then they are counted). bench/rl_step.py: a norm per figure (the
+        # sum's finiteness, a dot product, clip_grad_norm_'s own) cost 1.6x as much as one.
+        for (p, flat), (square, zero) in zip(grads, grad_sums([g for _, g in grads])):
             name = self.names[id(p)]
-            if not math.isfinite(norm):
+            if not math.isfinite(square):
                 nonfinite += int((~torch.isfinite(flat)).sum())
-            zero = zero_count(flat)
             zeros += zero
             total += flat.numel()
             # Dense weights get a gradient from every token, so in fp32 none of its elements is
@@ -693,8 +677,8 @@ class _Loop:
                 dense_total += flat.numel()
             match = _LAYER.search(name)
             if match:
-                layer_sq[int(match.group(1))] += norm * norm
-            norm_sq += norm * norm
+                layer_sq[int(match.group(1))] += square
+            norm_sq += square
         layers = sorted(layer_sq)
         nonfinite, zeros, total, dense_zeros, dense_total, norm_sq, *squares = self.comm.sum(
             [nonfinite, zeros, total, dense_zeros, dense_total, norm_sq, *(layer_sq[k] for k in layers)])
