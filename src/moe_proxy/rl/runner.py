@@ -49,6 +49,7 @@ from moe_proxy.rl.routing import RoutingRecorder, RoutingReplay, mismatch_counts
 from moe_proxy.rl.sharded_load import load_shards, meta_model
 from moe_proxy.rl.source import check_source, local_checkpoint
 from moe_proxy.rl.task import Codec, PromptSet, load_prompts, make_prompts
+from moe_proxy.rl.weight_check import WeightBound
 from moe_proxy.metrics.verdict import first_failure, stop_reason as stop_reason_of, verdict_report
 
 log = logging.getLogger(__name__)
@@ -366,6 +367,7 @@ class _Loop:
         # of an expert no token chose gets no gradient (exactly 0 in fp16, rounding noise in fp32).
         self.router_params = {id(p) for r in self.tap.routers for p in r.module.parameters()}
         self.optimizer = adamw(self.params, config, self.device)
+        self.weight_bound = WeightBound()  # numerics/params_nonfinite reads the weights only where needed
         if comm.distributed:  # found-inf agreed over ranks, so all skip the same steps
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -465,10 +467,9 @@ class _Loop:
         m["numerics/half_precision"] = float(precision != "fp32")
         if scaled:
             m["numerics/loss_scale"] = float(self.scaler.get_scale())
-        # a parameter bad on any rank (its sum is finite when all its values are, unless it overflows)
-        bad = [float(not torch.isfinite(local(p).detach().sum()) and not torch.isfinite(local(p)).all())
-               for p in self.params]
-        m["numerics/params_nonfinite"] = float(sum(v > 0 for v in self.comm.max(bad)))
+        # a weight bad on any rank; read only where the updates' bound cannot rule it out (weight_check)
+        bound = self.weight_bound
+        m["numerics/params_nonfinite"] = 0.0 if bound.finite() else float(bound.read(self.params, self.comm))
         m.update(_batch_metrics(batch, cfg.max_new_tokens))
         # The slowest rank's times: the step takes as long as it does.
         gen, old, ref, update, total = self.comm.max(times)
@@ -639,14 +640,18 @@ class _Loop:
         metrics = self._grad_stats()  # with the full gradient's norm (reduced over the ranks)
         clip_grads(self.params, metrics["actor/grad_norm"], cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         found_inf = metrics["numerics/nonfinite_grads"] > 0
-        backoff = 0.0
+        backoff, stepped = 0.0, False
         if scaled:
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skips the update when gradients overflowed
             self.scaler.update()
-            backoff = float(self.scaler.get_scale() < before)
+            backoff = float(self.scaler.get_scale() < before)  # the scale backs off where it skipped
+            stepped = not backoff
         elif not found_inf or cfg.skip_nonfinite is False:
             self.optimizer.step()
+            stepped = True
+        if stepped:
+            self.weight_bound.stepped(metrics["actor/grad_norm"], self.optimizer.param_groups[0])
         # Otherwise skip the update, as verl's actor does when grad_norm is not finite.
         metrics["numerics/skipped_steps"] = float(found_inf and cfg.skip_nonfinite is not False)
         metrics["numerics/loss_scale_backoffs"] = backoff
