@@ -13,7 +13,7 @@ from moe_proxy.rl.config import ReproConfig
 from moe_proxy.rl.distributed import Comm
 from moe_proxy.rl import grad_sums as sums
 from moe_proxy.rl.grad_sums import grad_sums, zero_count
-from moe_proxy.rl.runner import _LAYER, _Loop, clip_grads
+from moe_proxy.rl.runner import _LAYER, _Loop, clip_grads, clipped_step
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,25 @@ def test_clipping_is_clip_grad_norm(loop, max_norm):
     assert all(torch.allclose(a, s.grad, rtol=1e-6, atol=0) for a, s in zip(ours, shadow))
     after = torch.nn.utils.get_total_norm(ours).item()
     assert after == pytest.approx(1.0, rel=1e-5) if max_norm == 1.0 else after > 1.0
+
+
+@pytest.mark.parametrize("fused", [True, False])  # the factor in the fused kernel; clip_grads, then the step
+def test_a_clipped_step_is_clip_grad_norm_then_the_step(fused):
+    gen = torch.Generator().manual_seed(4)
+    ours = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (50, 300)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kernel = {"fused": True} if fused else {"foreach": True}
+    optimizers = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, **kernel) for ps in (ours, theirs)]
+    for step in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen) * (step + 1)
+            b.grad = a.grad.clone()
+        norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0).item()
+        optimizers[1].step()
+        clipped_step(optimizers[0], ours, norm, 1.0)
+        assert norm > 1.0 and not hasattr(optimizers[0], "grad_scale")
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_a_non_finite_gradient_is_counted_and_makes_the_norm_and_the_clipped_gradients_so(loop):

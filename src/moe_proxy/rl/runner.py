@@ -316,6 +316,24 @@ def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
 
 
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], norm: float,
+                 max_norm: float) -> None:
+    """optimizer.step() on the gradients as `clip_grads` clips them. The fused kernel takes a
+    factor below 1 itself, as its grad_scale input (every gradient divided by 1 / factor, as
+    GradScaler uses it): no pass of its own over the gradients (bench/grad_stats.py: 85 -> 68 CPU
+    ms a step of 54M with clipping on); the weights differ from multiply-then-step in the last bit."""
+    factor = min(max_norm / (norm + 1e-6), 1.0)
+    if factor != 1.0 and math.isfinite(factor) and factor > 0 and optimizer.defaults.get("fused"):
+        optimizer.grad_scale = torch.tensor(1 / factor, device=params[0].device)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return
+    clip_grads(params, norm, max_norm)
+    optimizer.step()
+
+
 class _Loop:
     """Models, optimiser and per-step state of one run."""
 
@@ -638,20 +656,21 @@ class _Loop:
         if scaled:
             self.scaler.unscale_(self.optimizer)
         metrics = self._grad_stats()  # with the full gradient's norm (reduced over the ranks)
-        clip_grads(self.params, metrics["actor/grad_norm"], cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        norm, max_norm = metrics["actor/grad_norm"], cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         found_inf = metrics["numerics/nonfinite_grads"] > 0
         backoff, stepped = 0.0, False
         if scaled:
+            clip_grads(self.params, norm, max_norm)
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skips the update when gradients overflowed
             self.scaler.update()
             backoff = float(self.scaler.get_scale() < before)  # the scale backs off where it skipped
             stepped = not backoff
         elif not found_inf or cfg.skip_nonfinite is False:
-            self.optimizer.step()
+            clipped_step(self.optimizer, self.params, norm, max_norm)
             stepped = True
         if stepped:
-            self.weight_bound.stepped(metrics["actor/grad_norm"], self.optimizer.param_groups[0])
+            self.weight_bound.stepped(norm, self.optimizer.param_groups[0])
         # Otherwise skip the update, as verl's actor does when grad_norm is not finite.
         metrics["numerics/skipped_steps"] = float(found_inf and cfg.skip_nonfinite is not False)
         metrics["numerics/loss_scale_backoffs"] = backoff
