@@ -1,7 +1,9 @@
 """The update's numerics figures on bench/rl_step.py's proxy, one CPU thread: each gradient's sum
 of squares and zero count (rl.grad_sums) in two eager passes against the compiled one-pass
-kernel, and the weight check's read (rl.weight_check) against the per-tensor sum it replaced.
-The gradients are those of one backward of 32 random byte rows; CPU ms, the median of --repeats.
+kernel; the weight check's read (rl.weight_check) against the per-tensor sum it replaced; and a
+clipped AdamW step (rl.runner.clipped_step: the factor as the fused kernel's grad_scale) against
+the multiply, then the step. The gradients are those of one backward of 32 random byte rows; CPU
+ms, the median of --repeats.
 
     .venv/bin/python bench/grad_stats.py [--width 512] [--repeats 9]
 """
@@ -43,6 +45,7 @@ def main() -> int:
 
     from moe_proxy.rl import grad_sums as sums
     from moe_proxy.rl.distributed import Comm
+    from moe_proxy.rl.runner import clip_grads, clipped_step
     from moe_proxy.rl.weight_check import WeightBound
 
     torch.set_num_threads(1)
@@ -70,11 +73,22 @@ def main() -> int:
     def per_tensor_sum():  # the weight check before rl.weight_check
         return [bool(torch.isfinite(p.detach().sum())) for p in params]
 
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
+    optimizer.step()  # its states
+
+    def multiply_then_step():  # clipping at norm 2 against 1: the factor 0.5
+        clip_grads(params, 2.0, 1.0)
+        optimizer.step()
+
     rows = [("gradient figures, two eager passes (norms, then zeros)", cpu_ms(two_passes, args.repeats)),
             ("gradient figures, one compiled pass", cpu_ms(lambda: sums.grad_sums(flats), args.repeats)),
             ("weight check, a sum per tensor (before)", cpu_ms(per_tensor_sum, args.repeats)),
             ("weight check, a read (first step, or bound too large)",
-             cpu_ms(lambda: WeightBound().read(params, Comm()), args.repeats))]
+             cpu_ms(lambda: WeightBound().read(params, Comm()), args.repeats)),
+            ("fused AdamW step, unclipped", cpu_ms(optimizer.step, args.repeats)),
+            ("clipped step, the multiply then the step (before)", cpu_ms(multiply_then_step, args.repeats)),
+            ("clipped step, the factor in the fused kernel", cpu_ms(lambda: clipped_step(optimizer, params, 2.0, 1.0),
+                                                                    args.repeats))]
     total = sum(f.numel() for f in flats)
     print(f"\nwidth {args.width}: {len(flats)} gradients, {total / 1e6:.1f}M elements, 1 thread; "
           f"first one-pass call (compile or cache load) {compile_s:.1f} s\n")
