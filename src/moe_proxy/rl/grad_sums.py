@@ -4,8 +4,8 @@
 
 Eager torch takes two passes over a gradient for them (the multi-tensor norm, then a count of
 zeros, itself slower than the norm). A compiled reduction (torch.compile: Inductor's C++ on CPU)
-takes both in one pass: at width 512, 54M fp32 gradients on one CPU thread, 71 -> 27 ms a step
-(docs/performance.md). It is compiled once a process, at the first large gradient, for a one-off
+takes both in one pass: at width 512, 54M fp32 gradients on one CPU thread, 68 -> 25 ms a step
+(bench/grad_stats.py). It is compiled once a process, at the first large gradient, for a one-off
 3-10 s; so only fp32 CPU gradients of at least `FUSED_MIN` elements take it (the small models of
 tests and the demo never compile). Where compiling fails (no C++ compiler in the image), every
 gradient takes the eager passes, with the same figures."""

@@ -320,7 +320,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramet
                  max_norm: float) -> None:
     """optimizer.step() on the gradients as `clip_grads` clips them. The fused kernel takes a
     factor below 1 itself, as its grad_scale input (every gradient divided by 1 / factor, as
-    GradScaler uses it): no pass of its own over the gradients (bench/grad_stats.py: 85 -> 68 CPU
+    GradScaler uses it): no pass of its own over the gradients (bench/grad_stats.py: 84 -> 64 CPU
     ms a step of 54M with clipping on); the weights differ from multiply-then-step in the last bit."""
     factor = min(max_norm / (norm + 1e-6), 1.0)
     if factor != 1.0 and math.isfinite(factor) and factor > 0 and optimizer.defaults.get("fused"):
