@@ -1,7 +1,9 @@
-"""The update's gradient figures and clipping (rl.runner: `_Loop._grad_stats`, `clip_grads`): the
-per-parameter norms are taken once, in one multi-tensor kernel, and give the per-layer norms, the
-total norm (`actor/grad_norm`) and the clipping's factor; they are torch's own figures."""
+"""The update's gradient figures and clipping (rl.runner: `_Loop._grad_stats`, `clip_grads`): each
+gradient's sum of squares and zero count are taken once (rl.grad_sums: one compiled pass for a
+large one, else torch's multi-tensor norm and a zero count) and give the per-layer norms, the total
+norm (`actor/grad_norm`), the clipping's factor and the zero fractions; they are torch's own figures."""
 
+import logging
 import math
 
 import pytest
@@ -9,7 +11,9 @@ import torch
 
 from moe_proxy.rl.config import ReproConfig
 from moe_proxy.rl.distributed import Comm
-from moe_proxy.rl.runner import _LAYER, _Loop, clip_grads, zero_count
+from moe_proxy.rl import grad_sums as sums
+from moe_proxy.rl.grad_sums import grad_sums, zero_count
+from moe_proxy.rl.runner import _LAYER, _Loop, clip_grads, clipped_step
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +57,25 @@ def test_clipping_is_clip_grad_norm(loop, max_norm):
     assert after == pytest.approx(1.0, rel=1e-5) if max_norm == 1.0 else after > 1.0
 
 
+@pytest.mark.parametrize("fused", [True, False])  # the factor in the fused kernel; clip_grads, then the step
+def test_a_clipped_step_is_clip_grad_norm_then_the_step(fused):
+    gen = torch.Generator().manual_seed(4)
+    ours = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (50, 300)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kernel = {"fused": True} if fused else {"foreach": True}
+    optimizers = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, **kernel) for ps in (ours, theirs)]
+    for step in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen) * (step + 1)
+            b.grad = a.grad.clone()
+        norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0).item()
+        optimizers[1].step()
+        clipped_step(optimizers[0], ours, norm, 1.0)
+        assert norm > 1.0 and not hasattr(optimizers[0], "grad_scale")
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
 def test_a_non_finite_gradient_is_counted_and_makes_the_norm_and_the_clipped_gradients_so(loop):
     _random_grads(loop, 2, 0.1)
     loop.params[0].grad[0, 0], loop.params[5].grad.view(-1)[1] = math.nan, math.inf
@@ -70,3 +93,48 @@ def test_zeros_are_counted_with_their_sign_and_nothing_else(dtype):
     assert zero_count(flat[:0]) == 0 and zero_count(torch.full((4,), -0.0, dtype=dtype)) == 4
     tiny = torch.tensor([-1e-45, 1e-45, -2.0**-126], dtype=torch.float32)  # the least patterns near -0.0
     assert zero_count(tiny) == 0
+
+
+def _mixed_grads() -> list[torch.Tensor]:
+    """Gradients as a step has them: zeros of both signs, a NaN in one, an inf in another, one that
+    overflows when squared, one empty, and two below the fused pass's size."""
+    gen = torch.Generator().manual_seed(3)
+    flats = [torch.randn(n, generator=gen) for n in (300, 5000, 4096, 4096, 4096, 0, 4096)]
+    flats[1][::7], flats[1][3::14] = 0.0, -0.0
+    flats[2][10], flats[3][11], flats[4][12] = math.nan, -math.inf, 3e19
+    flats[6][:] = -0.0
+    return flats
+
+
+def test_the_one_pass_figures_are_the_two_passes(monkeypatch):
+    """The compiled pass (here for every fp32 gradient of 1000 elements or more) gives the eager
+    passes' figures: the same zero counts, sums of squares to fp32 rounding, non-finite alike."""
+    flats = _mixed_grads()
+    monkeypatch.setattr(sums, "FUSED_MIN", 10**9)
+    eager = grad_sums(flats)
+    monkeypatch.setattr(sums, "FUSED_MIN", 1000)
+    monkeypatch.setattr(sums, "_compiled", None)
+    fused = grad_sums(flats)
+    assert sums._compiled not in (None, False)  # compiled, not fallen back
+    assert [z for _, z in fused] == [z for _, z in eager] == [zero_count(f) for f in flats]
+    assert fused[1][1] == 715 + 357 and fused[6][1] == 4096  # +0.0 at every 7th, -0.0 at every 14th from 3; all -0.0
+    assert math.isnan(fused[2][0]) and fused[3][0] == fused[4][0] == math.inf  # 3e19 squared overflows fp32
+    for (a, _), (b, _), f in zip(fused, eager, flats):
+        if math.isfinite(b):
+            assert a == pytest.approx(b, rel=1e-5) == float(torch.dot(f.double(), f.double()))
+
+
+def test_without_a_compiler_the_eager_passes_give_the_figures(monkeypatch, caplog):
+    flats = _mixed_grads()
+    monkeypatch.setattr(sums, "FUSED_MIN", 1000)
+    monkeypatch.setattr(sums, "_compiled", None)
+
+    def no_compiler(*_args, **_kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=sums.__name__):
+        figures = grad_sums(flats)
+    assert "no C++ compiler" in caplog.text and sums._compiled is False
+    assert [z for _, z in figures] == [zero_count(f) for f in flats]
+    assert figures[1][0] == pytest.approx(float(torch.dot(flats[1], flats[1])), rel=1e-5)

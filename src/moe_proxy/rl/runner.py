@@ -39,6 +39,7 @@ from moe_proxy.metrics.detect import FailureDetector, Signature, Thresholds
 from moe_proxy.rl.distributed import (DEFAULT_TIMEOUT_S, Comm, RankFailed, check_rows, join,
                                          local, shard)
 from moe_proxy.rl.faults import FaultInjector
+from moe_proxy.rl.grad_sums import grad_sums
 from moe_proxy.metrics.metrics_io import METRICS_FILE, SUMMARY_FILE, append_step
 from moe_proxy.rl.policy_loss import gap_metrics, gap_sums, importance_ratio, rollout_is_weights
 from moe_proxy.rl.precision import autocast, compute_in_fp32, fp32_modules
@@ -48,6 +49,7 @@ from moe_proxy.rl.routing import RoutingRecorder, RoutingReplay, mismatch_counts
 from moe_proxy.rl.sharded_load import load_shards, meta_model
 from moe_proxy.rl.source import check_source, local_checkpoint
 from moe_proxy.rl.task import Codec, PromptSet, load_prompts, make_prompts
+from moe_proxy.rl.weight_check import WeightBound
 from moe_proxy.metrics.verdict import first_failure, stop_reason as stop_reason_of, verdict_report
 
 log = logging.getLogger(__name__)
@@ -308,20 +310,6 @@ def adamw(params: list[torch.nn.Parameter], config: ReproConfig, device: torch.d
                              **({"fused": True} if fused else {"foreach": True}))
 
 
-def zero_count(flat: torch.Tensor) -> int:
-    """How many elements of a 1-D tensor are 0 (+0.0 or -0.0). fp32 by its bit patterns:
-    count_nonzero of the int32 view is 2-3x as fast as of the floats on CPU (bench/rl_step.py:
-    79 -> 50 ms a step of 54M gradients with the check below), +0.0 being the pattern 0; -0.0
-    (fp16 underflow of a negative value) is the least int32 pattern, counted only where present."""
-    if flat.dtype != torch.float32:
-        return flat.numel() - int(torch.count_nonzero(flat))
-    bits = flat.view(torch.int32)
-    zeros = flat.numel() - int(torch.count_nonzero(bits))
-    if flat.numel() and int(bits.min()) == -2**31:
-        zeros += int((bits == -2**31).sum())
-    return zeros
-
-
 def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
     """clip_grad_norm_'s rule with the gradient's norm already taken (`norm`, of the full gradient:
     `_Loop._grad_stats` reduces it over the ranks): every gradient times max_norm / (norm + 1e-6)
@@ -329,6 +317,24 @@ def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -
     factor = min(max_norm / (norm + 1e-6), 1.0)
     if factor != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], norm: float,
+                 max_norm: float) -> None:
+    """optimizer.step() on the gradients as `clip_grads` clips them. The fused kernel takes a
+    factor below 1 itself, as its grad_scale input (every gradient divided by 1 / factor, as
+    GradScaler uses it): no pass of its own over the gradients (bench/grad_stats.py: 84 -> 64 CPU
+    ms a step of 54M with clipping on); the weights differ from multiply-then-step in the last bit."""
+    factor = min(max_norm / (norm + 1e-6), 1.0)
+    if factor != 1.0 and math.isfinite(factor) and factor > 0 and optimizer.defaults.get("fused"):
+        optimizer.grad_scale = torch.tensor(1 / factor, device=params[0].device)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return
+    clip_grads(params, norm, max_norm)
+    optimizer.step()
 
 
 class _Loop:
@@ -382,6 +388,7 @@ class _Loop:
         # of an expert no token chose gets no gradient (exactly 0 in fp16, rounding noise in fp32).
         self.router_params = {id(p) for r in self.tap.routers for p in r.module.parameters()}
         self.optimizer = adamw(self.params, config, self.device)
+        self.weight_bound = WeightBound()  # numerics/params_nonfinite reads the weights only where needed
         if comm.distributed:  # found-inf agreed over ranks, so all skip the same steps
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -481,10 +488,9 @@ class _Loop:
         m["numerics/half_precision"] = float(precision != "fp32")
         if scaled:
             m["numerics/loss_scale"] = float(self.scaler.get_scale())
-        # a parameter bad on any rank (its sum is finite when all its values are, unless it overflows)
-        bad = [float(not torch.isfinite(local(p).detach().sum()) and not torch.isfinite(local(p)).all())
-               for p in self.params]
-        m["numerics/params_nonfinite"] = float(sum(v > 0 for v in self.comm.max(bad)))
+        # a weight bad on any rank; read only where the updates' bound cannot rule it out (weight_check)
+        bound = self.weight_bound
+        m["numerics/params_nonfinite"] = 0.0 if bound.finite() else float(bound.read(self.params, self.comm))
         m.update(_batch_metrics(batch, cfg.max_new_tokens))
         # The slowest rank's times: the step takes as long as it does.
         gen, old, ref, update, total = self.comm.max(times)
@@ -653,16 +659,21 @@ class _Loop:
         if scaled:
             self.scaler.unscale_(self.optimizer)
         metrics = self._grad_stats()  # with the full gradient's norm (reduced over the ranks)
-        clip_grads(self.params, metrics["actor/grad_norm"], cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        norm, max_norm = metrics["actor/grad_norm"], cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         found_inf = metrics["numerics/nonfinite_grads"] > 0
-        backoff = 0.0
+        backoff, stepped = 0.0, False
         if scaled:
+            clip_grads(self.params, norm, max_norm)
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skips the update when gradients overflowed
             self.scaler.update()
-            backoff = float(self.scaler.get_scale() < before)
+            backoff = float(self.scaler.get_scale() < before)  # the scale backs off where it skipped
+            stepped = not backoff
         elif not found_inf or cfg.skip_nonfinite is False:
-            self.optimizer.step()
+            clipped_step(self.optimizer, self.params, norm, max_norm)
+            stepped = True
+        if stepped:
+            self.weight_bound.stepped(norm, self.optimizer.param_groups[0])
         # Otherwise skip the update, as verl's actor does when grad_norm is not finite.
         metrics["numerics/skipped_steps"] = float(found_inf and cfg.skip_nonfinite is not False)
         metrics["numerics/loss_scale_backoffs"] = backoff
@@ -675,17 +686,14 @@ class _Loop:
         nonfinite, zeros, total, dense_zeros, dense_total, norm_sq = 0, 0, 0, 0, 0, 0.0
         layer_sq = {int(m.group(1)): 0.0 for m in map(_LAYER.search, (self.names[id(p)] for p in self.params)) if m}
         grads = [(p, local(p.grad.detach()).reshape(-1)) for p in self.params if p.grad is not None]
-        # Two passes over each gradient, no temporaries: the norms (one multi-tensor kernel; the
-        # clipping takes its total), then the zeros. A NaN or inf anywhere makes a norm non-finite
-        # (so may an overflow of finite values: then they are counted). bench/rl_step.py: a norm
-        # per figure (the sum's finiteness, a dot product, clip_grad_norm_'s own) cost 1.6x as much.
-        norms = (torch.stack(torch._foreach_norm([g for _, g in grads], 2, dtype=torch.float32)).tolist()
-                 if grads else [])
-        for (p, flat), norm in zip(grads, norms):
+        # Each gradient's sum of squares and zero count, in one pass where it is large (grad_sums);
+        # the clipping takes the total norm. A NaN or inf anywhere makes a sum non-finite (so may an
+        # overflow of finite values: then they are counted). bench/rl_step.py: a norm per figure (the
+        # sum's finiteness, a dot product, clip_grad_norm_'s own) cost 1.6x as much as one.
+        for (p, flat), (square, zero) in zip(grads, grad_sums([g for _, g in grads])):
             name = self.names[id(p)]
-            if not math.isfinite(norm):
+            if not math.isfinite(square):
                 nonfinite += int((~torch.isfinite(flat)).sum())
-            zero = zero_count(flat)
             zeros += zero
             total += flat.numel()
             # Dense weights get a gradient from every token, so in fp32 none of its elements is
@@ -696,8 +704,8 @@ class _Loop:
                 dense_total += flat.numel()
             match = _LAYER.search(name)
             if match:
-                layer_sq[int(match.group(1))] += norm * norm
-            norm_sq += norm * norm
+                layer_sq[int(match.group(1))] += square
+            norm_sq += square
         layers = sorted(layer_sq)
         nonfinite, zeros, total, dense_zeros, dense_total, norm_sq, *squares = self.comm.sum(
             [nonfinite, zeros, total, dense_zeros, dense_total, norm_sq, *(layer_sq[k] for k in layers)])
