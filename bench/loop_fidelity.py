@@ -7,8 +7,9 @@ control), on the fidelity lab's failure kinds planted into a run's checkpoints f
   `--fail-on overflow` (the lab's super-fp16 scenario);
 - expert-blowup: one expert's weights blow up (gate, up and down x 30), fp32: its output crosses
   `numerics/max_activation>50`;
-- router-collapse: one expert's router row x 100, so it takes most tokens: `moe/load_max_excess>0.5`
-  (scale-free: a proxy keeping few experts is not past it for having few, docs/metrics.md).
+- router-collapse: one expert's router row turned onto the mean direction of its inputs (collapse_row),
+  so it is in nearly every token's top-k: `moe/load_max_excess>0.5` (scale-free: a proxy keeping
+  few experts is not past it for having few, docs/metrics.md).
 
 Each scenario's run is the base checkpoint copied once per step (verl's layout), the plant in the
 checkpoints from `--planted-from` on, and the original's metrics log failing the step after that
@@ -63,10 +64,10 @@ SCENARIOS = {
     # the tiny original's largest hidden value is 0.13 clean and 221 with the blown-up expert (probe, seed 0)
     "expert-blowup": Scenario("one expert's weights x 30 (gate, up, down), fp32", "numerics/max_activation>50",
                               ("--steps", "2"), ("lower-lr", "z-loss"), "blowup"),
-    # x 100 puts it in the top-2 of 72% of the tiny original's tokens, 0.70 of the way from uniform routing
-    # (1/16) to collapse; its clean checkpoints read 0.20-0.26 (probe runs, seed 0): 0.5 lies between
-    "router-collapse": Scenario("one expert's router row x 100: it takes most tokens", "moe/load_max_excess>0.5",
-                                ("--steps", "2"), ("aux-loss", "lower-lr"), "collapse"),
+    # collapse_row puts it in the top-2 of 97% of the tiny original's tokens (moe/load_max_excess 0.97; x 100
+    # alone: 72%, 0.70); its clean checkpoints read 0.16-0.26 (probe runs, seeds 0 and 1): 0.5 lies between
+    "router-collapse": Scenario("one expert's router row onto its inputs' mean: it takes nearly every token",
+                                "moe/load_max_excess>0.5", ("--steps", "2"), ("aux-loss", "lower-lr"), "collapse"),
 }
 BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself
 
@@ -90,20 +91,52 @@ INHERITED = {
 }
 
 
-def builds(ratios: tuple[float, ...], dataset: Path | None) -> dict[str, tuple[str, ...]]:
-    """The original, then per ratio the default build (calibrated with --dataset) and a random one."""
+def builds(ratios: tuple[float, ...], dataset: Path | None, base: Path, draws: int = 1) -> dict[str, tuple[str, ...]]:
+    """The original, then per ratio the default build (calibrated with --dataset) and `draws` random
+    ones: random-R is the build's own draw (seed 0), random-R#s the draw seed s would make."""
     out = {"original": BUILDS_ORIGINAL}
     for r in ratios:
         out[f"default-{r:g}"] = ("--keep-ratio", f"{r:g}", *(("--dataset", str(dataset)) if dataset else ()))
         out[f"random-{r:g}"] = ("--keep-ratio", f"{r:g}", "--method", "random")
+        for s in range(1, draws):
+            out[f"random-{r:g}#{s}"] = ("--keep-ratio", f"{r:g}", "--method", "random", *random_draw(base, r, s))
     return out
+
+
+def random_draw(base: Path, ratio: float, seed: int) -> tuple[str, ...]:
+    """`--pin` flags keeping exactly the experts `build --method random --seed SEED` keeps. Triage's
+    --seed is the runs' (the probe's build seed is always 0), so other draws are passed as pins:
+    selection.py's draw (rng [seed, layer, group 0]) over every expert, as many as the keep ratio's
+    count (raised to 2 x top-k, as the planner does when the device holds it: on CPU it does)."""
+    import numpy as np
+
+    top_k = json.loads((base / "config.json").read_text())["num_experts_per_tok"]
+    pins = []
+    for layer, n in routers(base).items():
+        k = min(n, max(round(ratio * n), 2 * top_k))
+        chosen = np.random.default_rng([seed, layer, 0]).choice(n, k, replace=False)
+        pins += [f"{layer}:{e}" for e in sorted(chosen.tolist())]
+    return ("--pin", ",".join(pins)) if pins else ()
+
+
+def routers(base: Path) -> dict[int, int]:
+    """MoE layer -> its routed experts, from the routers (Qwen3-MoE names: model.layers.L.mlp.gate.weight)."""
+    from safetensors import safe_open
+
+    layers = {}
+    for file in base.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            layers |= {int(k.split(".")[2]): f.get_slice(k).get_shape()[0] for k in f.keys()
+                       if k.endswith(".mlp.gate.weight")}
+    return dict(sorted(layers.items()))
 
 
 # --- the planted run ----------------------------------------------------------------------------
 
 
-def plant(checkpoint: Path, kind: str, layer: int, expert: int) -> None:
-    """Plant a failure of `kind` into one routed expert of MoE layer `layer` (Qwen3-MoE names)."""
+def plant(checkpoint: Path, kind: str, layer: int, expert: int, row=None) -> None:
+    """Plant a failure of `kind` into one routed expert of MoE layer `layer` (Qwen3-MoE names);
+    `row`: the collapse's router row (collapse_row)."""
     from safetensors.torch import load_file, save_file
 
     files = sorted(checkpoint.glob("*.safetensors"))
@@ -116,7 +149,7 @@ def plant(checkpoint: Path, kind: str, layer: int, expert: int) -> None:
         hit = [n for n in factors if n in tensors]
         for name in hit:
             if factors[name] is None:  # the router: expert's row only
-                tensors[name][expert] *= 100.0
+                tensors[name][expert] = row.to(tensors[name].dtype)
             else:
                 tensors[name] = tensors[name] * factors[name]
         if hit:
@@ -141,6 +174,36 @@ def plant_inherited(checkpoint: Path, kind: str, layer: int) -> None:
             raise SystemExit(f"the {kind} plant: {checkpoint} has no tensor {name}") from None
 
 
+COLLAPSE_PROMPT_SEED = 1000  # prompts no probe trains on (their seeds are 0, 1, ...)
+
+
+def collapse_row(base: Path, layer: int, expert: int):
+    """The collapsed router row: the row x 100 plus, at the same norm, the mean direction of the
+    router's inputs on the RL task's prompts (repro's default task, which the probes train on), run
+    through the original. A router collapses when one expert's logit rises on every token: the
+    gradient of that rise is the inputs' mean. The direction does not carry across text: the mean
+    over CAL.txt's tokens puts the expert in the top-2 of 84% of CAL.txt's tokens and of 60% of a
+    probe's (seed 0 runs, 6 December 2026), the prompts' mean in 97% of a probe's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moe_proxy.rl.task import Codec, make_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    gate = model.model.layers[layer].mlp.gate
+    inputs = []
+    hook = gate.register_forward_pre_hook(lambda _, a: inputs.append(a[0].reshape(-1, a[0].shape[-1])))
+    codec = Codec(base, model.config.vocab_size)
+    with torch.no_grad():
+        for step in range(4):
+            for prompt in make_prompts("arithmetic", COLLAPSE_PROMPT_SEED, step, 16):
+                model(torch.tensor([codec.encode(codec.render(prompt))]))
+    hook.remove()
+    mean = torch.cat(inputs).mean(0)
+    row = gate.weight.detach()[expert] * 100.0
+    return row + mean / mean.norm() * row.norm()
+
+
 def planted_run(base: Path, run: Path, steps: tuple[int, ...], planted_from: int, kind: str, layer: int,
                 expert: int) -> Path:
     """The run's checkpoints run/global_step_N/actor/huggingface, planted from `planted_from` on;
@@ -148,10 +211,11 @@ def planted_run(base: Path, run: Path, steps: tuple[int, ...], planted_from: int
     from moe_proxy.demo.run import checkpoint_dir
 
     stamp = {"steps": list(steps), "planted_from": planted_from, "kind": kind, "layer": layer, "expert": expert,
-             "base": str(base)}
+             "base": str(base), **({"row": "x100 + mean direction"} if kind == "collapse" else {})}
     if (run / "planted.json").is_file() and json.loads((run / "planted.json").read_text()) == stamp:
         return run
     shutil.rmtree(run, ignore_errors=True)
+    row = collapse_row(base, layer, expert) if kind == "collapse" else None
     for step in steps:
         target = checkpoint_dir(run, step)
         shutil.copytree(base, target)
@@ -159,7 +223,7 @@ def planted_run(base: Path, run: Path, steps: tuple[int, ...], planted_from: int
             if kind in INHERITED_PLANTS:
                 plant_inherited(target, kind, layer)
             else:
-                plant(target, kind, layer, expert)
+                plant(target, kind, layer, expert, row)
     (run / "planted.json").write_text(json.dumps(stamp))
     return run
 
@@ -303,6 +367,17 @@ def floor_table(result: dict, summary: dict) -> str:
     return "\n".join(lines)
 
 
+def tally(result: dict) -> dict[str, str]:
+    """Per build (the random draws of a ratio together): cells that agree / cells, over the scenarios."""
+    counts: dict[str, list[int]] = {}
+    for cells in result.values():
+        for build, c in cells.items():
+            n = counts.setdefault(build.split("#")[0], [0, 0])
+            n[0] += agrees(c["agreement"])
+            n[1] += 1
+    return {build: f"{a}/{n}" for build, (a, n) in counts.items()}
+
+
 def base_checkpoint(out: Path, quick: bool, dataset: Path | None = None) -> tuple[Path, Path | None]:
     """(the original's checkpoint, the calibration text or None): tiny with --quick (calibrated
     with --dataset if given), else the lab's."""
@@ -340,6 +415,8 @@ def main() -> int:
                    "(without it, quick's default builds are data-free)")
     p.add_argument("--layer", type=int, default=1, help="the MoE layer planted (default 1)")
     p.add_argument("--expert", type=int, default=0, help="the expert planted (default 0)")
+    p.add_argument("--random-draws", type=int, help="random builds per ratio, each a cell (default 3; quick: 1 "
+                   "for super-fp16 alone, else 3)")
     args = p.parse_args()
     quick = args.quick
     scenarios = args.scenarios or ([] if args.inherited else ["super-fp16"] if quick else list(SCENARIOS))
@@ -350,6 +427,8 @@ def main() -> int:
     steps = (10, 20, 30) if quick else tuple(range(10, 90, 10))
     planted_from = 20 if quick else 60
     seeds = args.seeds or (1 if quick else 2)
+    # one draw says little of the control (it may keep the planted expert or not): 3 unless quick's smoke
+    draws = args.random_draws or (1 if quick and scenarios == ["super-fp16"] else 3)
     args.out.mkdir(parents=True, exist_ok=True)
     base, dataset = base_checkpoint(args.out, quick, args.dataset)
     result = {}
@@ -358,9 +437,9 @@ def main() -> int:
         run = planted_run(base, args.out / name / "run", steps, planted_from, s.plant, args.layer, args.expert)
         log = original_log(args.out / name / "metrics.jsonl", s, steps[-1], planted_from + 5)
         floor_seeds = (2 if name in INHERITED else 0) if args.floor_seeds is None else args.floor_seeds
-        runs = {build: (flags, 0) for build, flags in builds(ratios, dataset).items()}
-        runs |= {build: (BUILDS_ORIGINAL, seed) for build, seed in floor_builds(floor_seeds, seeds).items()}
         cells = {}
+        runs = {build: (flags, 0) for build, flags in builds(ratios, dataset, base, draws).items()}
+        runs |= {build: (BUILDS_ORIGINAL, seed) for build, seed in floor_builds(floor_seeds, seeds).items()}
         for build, (flags, seed) in runs.items():
             report = triage(run, log, args.out / name / build, s, flags, seeds, seed)
             cells[build] = {"report": report}
@@ -370,6 +449,7 @@ def main() -> int:
         result[name] = cells
     (args.out / "loop-fidelity.json").write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
+    print("cells that agree (random draws together): " + ", ".join(f"{b} {n}" for b, n in tally(result).items()))
     summary = floor_summary(result)
     if summary["scenarios"]:
         (args.out / "floor.json").write_text(json.dumps(summary, indent=2) + "\n")
