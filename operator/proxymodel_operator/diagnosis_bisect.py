@@ -257,6 +257,11 @@ def _advance_probe(p: dict, body: dict, rec: dict, child: dict | None, seen: dic
     if outcome.state == OUTCOME_RUNNING:
         return None
     row = finished_row({}, outcome, baseline.steps, baseline.spec.reproduction.fail_on.cli())
+    return _judge(p, row, child, out)
+
+
+def _judge(p: dict, row: dict, child: dict, out: DiagnosisDecision) -> str | None:
+    """A probe whose run finished (its row): judged in place; the message of one that cannot say."""
     if could_not_judge(row):
         # its metrics cannot show the failure asked for: never a clean checkpoint. Its one seed judged
         # nothing, so the probe failed (the CLI's bisect stops so too), and every probe's proxy keeps the

@@ -26,7 +26,7 @@ import numpy as np
 
 from moe_proxy.errors import MalformedMetrics
 from moe_proxy.metrics.plots import plot_curves
-from moe_proxy.metrics.detect import FailureDetector
+from moe_proxy.metrics.detect import UNIFORM, FailureDetector
 from moe_proxy.metrics.metrics_io import read_summary
 from moe_proxy.metrics.readers import read_metrics
 
@@ -43,7 +43,6 @@ CONTROL_P = 0.05  # a shuffled-step control p above this does not support a "tra
 # from repro's `moe/load_uniform_share` in each row. `moe/load_max_excess` is scale-free already
 # (0 for uniform routing, 1 for collapse, whatever the count) and is compared as written.
 COUNT_DEPENDENT = ("moe/load_max_share", "moe/load_min_share")
-UNIFORM = "moe/load_uniform_share"
 
 
 @dataclass
