@@ -116,11 +116,11 @@ def reusable(proxymodels: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for pm in proxymodels:
         meta = pm.get("metadata") or {}
-        phase = (pm.get("status") or {}).get("phase")
-        if (LABEL_WATCH in (meta.get("labels") or {}) and key_of(pm) and not meta.get("deletionTimestamp")
-                and (proxy_built(pm) or phase in ACTIVE_PHASES)):
-            if key_of(pm) not in out or proxy_built(pm):  # a built one before one still building
-                out[key_of(pm)] = pm
+        phase, key, built = (pm.get("status") or {}).get("phase"), key_of(pm), proxy_built(pm)
+        if (LABEL_WATCH in (meta.get("labels") or {}) and key and not meta.get("deletionTimestamp")
+                and (built or phase in ACTIVE_PHASES)):
+            if key not in out or built:  # a built one before one still building
+                out[key] = pm
     return out
 
 

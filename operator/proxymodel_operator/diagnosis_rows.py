@@ -17,14 +17,13 @@ from moe_proxy.errors import InvalidOptions
 from moe_proxy.metrics.verdict import series_rows
 from moe_proxy.sizing import run_device_hours
 
-from .outcome import FAILED as OUTCOME_FAILED, Outcome, cannot_show
+from .outcome import COULD_NOT_JUDGE, FAILED as OUTCOME_FAILED, Outcome, cannot_show
 
 # A run's phase.
 RUN_PENDING, RUN_RUNNING, RUN_DONE, RUN_ERROR = "Pending", "Running", "Succeeded", "Failed"
 RUN_NOT_RUN = "NotRun"  # a candidate's run left out: the baseline reproduced on no seed, or (stop_early) the
 # candidate reproduced on another seed
 FINISHED = (RUN_DONE, RUN_ERROR, RUN_NOT_RUN)
-COULD_NOT_JUDGE = "could not judge"  # a run whose metrics cannot show the failure asked for: never clean, never cured
 
 
 # --- the rows in status -----------------------------------------------------------------------------

@@ -198,6 +198,9 @@ def count_indexes(ranges: str | None) -> int:
     return count
 
 
+COULD_NOT_JUDGE = "could not judge"  # a run whose metrics cannot show the failure asked for: never clean, never cured
+
+
 def cannot_show(report: dict, fail_on: str | None) -> str | None:
     """Why a run's metrics cannot show `fail_on` (the --fail-on name the run was given), from its
     termination message's `cannot_show` (FailureDetector's, e.g. collapse on a proxy keeping <=

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, replace
 
 from .children import FINALIZE, REPRODUCTION, TRANSFORMER
-from .outcome import FAILED, RUNNING, SUCCEEDED, Outcome, cannot_show
+from .outcome import COULD_NOT_JUDGE, FAILED, RUNNING, SUCCEEDED, Outcome, cannot_show
 from .reproduction import headless_service, reproduction_workload
 from .resources import JOBS, SERVICES, Resource
 from .runtimes import RUNTIMES, Runtime
@@ -631,7 +631,7 @@ def _reproduction_verdict(pm: _ProxyModel, verdict: Outcome) -> list[Action]:
         message = verdict.report["stopped"] if "crash" in result else f"{signature} at step {result['step']}"
     elif why := cannot_show(verdict.report, _asked(pm)):  # not seen because it could not be: no verdict
         phase, ok, reason = NOT_REPRODUCED, None, "CannotShow"
-        message = f"could not judge: {why}"
+        message = f"{COULD_NOT_JUDGE}: {why}"
     else:
         phase, ok, reason = NOT_REPRODUCED, False, "NotObserved"
         message = "the failure signature was not seen within the run"

@@ -310,11 +310,16 @@ def adamw(params: list[torch.nn.Parameter], config: ReproConfig, device: torch.d
                              **({"fused": True} if fused else {"foreach": True}))
 
 
+def clip_factor(norm: float, max_norm: float) -> float:
+    """clip_grad_norm_'s factor with the gradient's norm already taken (`norm`, of the full
+    gradient: `_Loop._grad_stats` reduces it over the ranks): max_norm / (norm + 1e-6), at most 1."""
+    return min(max_norm / (norm + 1e-6), 1.0)
+
+
 def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
-    """clip_grad_norm_'s rule with the gradient's norm already taken (`norm`, of the full gradient:
-    `_Loop._grad_stats` reduces it over the ranks): every gradient times max_norm / (norm + 1e-6)
-    where that is below 1 (a non-finite norm makes every gradient so); a factor of 1 is no pass."""
-    factor = min(max_norm / (norm + 1e-6), 1.0)
+    """Every gradient times clip_factor where that is below 1 (a non-finite norm makes every
+    gradient so); a factor of 1 is no pass."""
+    factor = clip_factor(norm, max_norm)
     if factor != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
 
@@ -325,7 +330,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramet
     factor below 1 itself, as its grad_scale input (every gradient divided by 1 / factor, as
     GradScaler uses it): no pass of its own over the gradients (bench/grad_stats.py: 84 -> 64 CPU
     ms a step of 54M with clipping on); the weights differ from multiply-then-step in the last bit."""
-    factor = min(max_norm / (norm + 1e-6), 1.0)
+    factor = clip_factor(norm, max_norm)
     if factor != 1.0 and math.isfinite(factor) and factor > 0 and optimizer.defaults.get("fused"):
         optimizer.grad_scale = torch.tensor(1 / factor, device=params[0].device)
         try:
