@@ -35,6 +35,29 @@ async def test_a_stale_resource_version_gets_409_and_each_write_bumps_it(cluster
     assert int(unconditional["metadata"]["resourceVersion"]) > int(second)
 
 
+async def test_a_json_patch_bumps_the_version_and_a_failed_test_is_422(cluster):
+    """kopf writes finalizers by JSON patch opening with a test of metadata.resourceVersion: as an
+    API server, the emulator bumps the version on such a patch and answers a stale test 422 (kopf
+    then tries again on its next cycle; a 500 would have it retry the stale patch for minutes)."""
+    created = await cluster.create(PROXYMODELS, NS, proxymodel("j1"))
+    first = created["metadata"]["resourceVersion"]
+
+    async def json_patch(version: str) -> tuple[int, dict]:
+        ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": version},
+               {"op": "add", "path": "/metadata/finalizers", "value": ["moeproxy.io/test"]}]
+        async with cluster.session.patch(PROXYMODELS.path(NS, "j1").lstrip("/"), json=ops,
+                                         headers={"Content-Type": "application/json-patch+json"}) as response:
+            return response.status, await response.json(content_type=None)
+
+    status, body = await json_patch(first)
+    assert status == 200 and body["metadata"]["finalizers"] == ["moeproxy.io/test"], body
+    second = cluster.get(PROXYMODELS, NS, "j1")["metadata"]["resourceVersion"]
+    assert int(second) > int(first)
+    status, body = await json_patch(first)  # the object left `first` behind
+    assert (status, body["code"]) == (422, 422), body
+    assert cluster.get(PROXYMODELS, NS, "j1")["metadata"]["resourceVersion"] == second
+
+
 async def test_a_conflict_between_read_and_patch_is_retried_and_loses_nothing(cluster, operator):
     """Another controller writes the ProxyModel's status between the operator's read and its
     versioned patch of the transformer's verdict: the patch gets 409, the operator reads the
