@@ -229,8 +229,9 @@ def _advance(status: dict, patch: dict, d: DiagnosisSpec, baseline: Baseline | N
 def _follow(variant_rows: list[dict], seen: dict[str, Outcome], steps: int, maker: RunMaker, price: dict,
             out: DiagnosisDecision, fail_on: str | None = None) -> int:
     """Record the runs that finished, each with its deviceHours (by sizing.RUN_COST_RULE, as a
-    probe's: `price`, the pinned plan's, x its steps completed; a candidate at another precision is
-    left unpriced); a run that cannot show `fail_on` (status.failOn, the --fail-on its runs were
+    probe's: `price`, the pinned plan's, at the run's precision x its steps completed; a candidate
+    at another precision is priced by the plan's figure for it, unpriced only where an older
+    operator's plan has none); a run that cannot show `fail_on` (status.failOn, the --fail-on its runs were
     given) could not judge (finished_row). Create again a run recorded as running whose workload
     is not there (the operator stopped before creating it). How many run now."""
     running = 0

@@ -118,22 +118,29 @@ def said(row: dict) -> str:
 
 def plan_price(proxymodel: dict) -> dict:
     """What a run on this ProxyModel is priced by: its plan's device-hours per RL step
-    (status.plan.deviceHoursPerStep.total.proxy: the proxy's devices x its step's time) and the
-    precision the plan priced it at; {} without a plan."""
+    (status.plan.deviceHoursPerStep.total.proxy: the proxy's devices x its step's time), the
+    precision the plan priced it at, and the per step at each precision a run could take
+    (status.plan.proxyDeviceHoursPerStep, when an operator wrote it); {} without a plan."""
     plan = (proxymodel.get("status") or {}).get("plan") or {}
     per_step = ((plan.get("deviceHoursPerStep") or {}).get("total") or {}).get("proxy")
-    return {"deviceHoursPerStep": per_step, "precision": plan.get("precision")} if per_step is not None else {}
+    if per_step is None:
+        return {}
+    by_precision = plan.get("proxyDeviceHoursPerStep")
+    return {"deviceHoursPerStep": per_step, "precision": plan.get("precision"),
+            **({"byPrecision": dict(by_precision)} if isinstance(by_precision, dict) and by_precision else {})}
 
 
 def run_hours(price: dict, steps_completed: int, precision: str | None = None) -> str | None:
-    """A finished run's device-hours by sizing.run_device_hours: `price`'s per step (plan_price) x
-    the steps it completed. None: no price, or the run ran at another `precision` than the plan
-    priced (that plan is not the operator's to make: the one who reads it prices it as planned)."""
+    """A finished run's device-hours by sizing.run_device_hours: `price`'s per step (plan_price) at
+    the precision it ran at x the steps it completed. A run at another `precision` than the plan's
+    (a candidate that changes it) is priced by the plan's figure for that precision
+    (`byPrecision`); None: no price, or none for that precision (an older operator's plan)."""
+    per_step = price.get("deviceHoursPerStep")
     if precision is not None and precision != price.get("precision"):
-        return None
+        per_step = (price.get("byPrecision") or {}).get(precision)
     try:
-        return f"{run_device_hours(float(price['deviceHoursPerStep']), steps_completed):.4g}"
-    except (KeyError, TypeError, ValueError, InvalidOptions):
+        return f"{run_device_hours(float(per_step), steps_completed):.4g}"
+    except (TypeError, ValueError, InvalidOptions):
         return None
 
 

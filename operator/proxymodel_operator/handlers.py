@@ -347,16 +347,17 @@ async def validate(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, body: 
                        "spec.reproduction.accelerator.devices is auto, which needs the preflight read of config.json "
                        "(disabled in this operator): set a device count", depended, logger)
 
-    plan = None
+    plan, prices = None, None
     if config.preflight:
         try:
-            plan = (await preflight(namespace, parsed, config, depended)).plan
+            planned = await preflight(namespace, parsed, config, depended)
+            plan, prices = planned.plan, planned.prices
         except PreflightError as exc:
             return _refuse(body, patch, dict(status), generation, exc.reason, exc.message, depended, logger,
                            temporary=exc.retry)
 
     REFUSALS.refusing.pop((namespace, name), None)
-    accepted, message = pipeline.accepted(dict(status), dict(spec), generation, parsed, plan)
+    accepted, message = pipeline.accepted(dict(status), dict(spec), generation, parsed, plan, prices)
     patch.status.update(accepted)
     logger.info(message)
 

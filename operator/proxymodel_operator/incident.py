@@ -178,7 +178,8 @@ def cost(diagnosis_status: dict, run_hours: float | None) -> Cost:
     """The finished runs by the one run-cost rule (sizing.run_device_hours): each at the
     deviceHours its Diagnosis recorded (a probe's or a matrix run's: its plan's device-hours per
     step x the steps it completed, so one stopped at its failure costs less than planned). One
-    finished without it (failed to run, a candidate at another precision, an older operator's) at
+    finished without it (failed to run, a candidate at a precision its plan did not price, an
+    older operator's) at
     the planned `run_hours`: what it may have cost."""
     hours, unpriced, to_run = 0.0, 0, 0
     for run in [*(diagnosis_status.get("probes") or []), *_matrix_runs(diagnosis_status)]:

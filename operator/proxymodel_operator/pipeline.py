@@ -240,14 +240,16 @@ def refused(status: dict, spec: dict, generation: int, reason: str, message: str
     return _ready_kept(status, patch, spec), before is None or before.get("reason") != reason
 
 
-def accepted(status: dict, spec: dict, generation: int, parsed: ProxyModelSpec, plan) -> tuple[dict, str]:
+def accepted(status: dict, spec: dict, generation: int, parsed: ProxyModelSpec, plan,
+             prices: dict[str, float] | None = None) -> tuple[dict, str]:
     """The status an accepted spec starts its pipeline with, and the Accepted condition's message.
-    `plan`: the preflight's sizing.Sizing (None when the preflight is off). The steps' conditions
+    `plan`: the preflight's sizing.Sizing (None when the preflight is off), `prices` its per-step
+    device-hours by precision (preflight.precision_prices). The steps' conditions
     belong to the spec before: only Accepted and Ready stay (each keeps its lastTransitionTime
     while its status does not change)."""
     notes = parsed.pruning.notes
     patch = {"observedGeneration": generation, "refusal": None, "phase": PENDING, "message": None, "proxy": None, "reproduction": None,
-             "workers": None, "plan": plan_summary(plan, notes) if plan else None,
+             "workers": None, "plan": plan_summary(plan, notes, prices) if plan else None,
              "pipeline": {"specHash": spec_hash(spec), "generation": generation, "transformerJob": None,
                           "transformerStep": None, "reproductionJob": None, "reproductionKind": None}}
     if plan:

@@ -14,10 +14,11 @@ import base64
 import hashlib
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from moe_proxy.errors import AccessDenied, EndpointUnreachable, MoeProxyError, ObjectNotFound, StorageError
-from moe_proxy.sizing import Sizing, SizingOptions, auto_plan, estimate, rollout_copy, rollout_snapshots
+from moe_proxy.sizing import (BYTES_PER_PARAM, Sizing, SizingOptions, auto_plan, estimate, rollout_copy,
+                              rollout_snapshots)
 from moe_proxy.storage.s3 import S3Store
 
 from . import kube
@@ -41,6 +42,7 @@ class PreflightError(Exception):
 class Preflight:
     config: dict
     plan: Sizing
+    prices: dict[str, float] = field(default_factory=dict)  # precision_prices: per step at each precision
 
 
 def redact(text: str, secrets: dict[str, str]) -> str:
@@ -128,24 +130,47 @@ def read_source_config(spec: ProxyModelSpec, credentials: dict[str, str], seen: 
     return config
 
 
-def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Sizing:
-    """The planner's verdict on this spec; its errors become a reason named after the error."""
+def plan_options(spec: ProxyModelSpec, settings: Settings, precision: str | None = None) -> SizingOptions:
+    """The planner's options for this spec, at `precision` (default the reproduction's): the
+    rollout copy follows the training precision as repro makes it."""
     r, p = spec.reproduction, spec.pruning
-    options = SizingOptions(
-        experts=p.experts, keep_ratio=p.keep_ratio, top_k=p.top_k, precision=r.precision,
+    precision = precision or r.precision
+    return SizingOptions(
+        experts=p.experts, keep_ratio=p.keep_ratio, top_k=p.top_k, precision=precision,
         accelerator=r.accelerator.resource, device_memory_gb=r.accelerator.memory_gb or settings.device_memory_gb,
         devices_per_node=r.accelerator.devices_per_node,
         max_devices=r.accelerator.devices,  # an explicit device count is the budget for the kept experts
-        rollout_copy=rollout_copy(r.precision, r.config.rollout_precision, r.config.rollout_kernels,
+        rollout_copy=rollout_copy(precision, r.config.rollout_precision, r.config.rollout_kernels,
                                   r.config.rollout_staleness),
         rollout_snapshots=rollout_snapshots(r.config.rollout_staleness),
     )
+
+
+def plan_for(config: dict, spec: ProxyModelSpec, settings: Settings) -> Sizing:
+    """The planner's verdict on this spec; its errors become a reason named after the error."""
+    options = plan_options(spec, settings)
     try:
-        if p.auto:  # `experts: auto`: sized for the largest count the build may choose
+        if spec.pruning.auto:  # `experts: auto`: sized for the largest count the build may choose
             return auto_plan(config, options)
         return estimate(config, options)
     except MoeProxyError as exc:
         raise PreflightError(type(exc).__name__, str(exc)) from None
+
+
+def precision_prices(config: dict, spec: ProxyModelSpec, settings: Settings, plan: Sizing) -> dict[str, float]:
+    """The proxy's device-hours per RL step at each precision a run could take (a Diagnosis's
+    candidate may change it), so that every finished run is priced at the precision it ran at.
+    `plan`'s kept experts and top-k are given explicitly: a precision cannot change the proxy's
+    shape. A precision the planner refuses (e.g. over the device budget) is left out."""
+    prices = {plan.precision: plan.proxy.device_hours_per_step}
+    for precision in BYTES_PER_PARAM.keys() - prices.keys():
+        options = replace(plan_options(spec, settings, precision), experts=plan.proxy.experts_per_layer,
+                          keep_ratio=None, top_k=plan.proxy.top_k)
+        try:
+            prices[precision] = estimate(config, options).proxy.device_hours_per_step
+        except MoeProxyError:
+            continue
+    return {p: prices[p] for p in BYTES_PER_PARAM if p in prices}
 
 
 async def preflight(namespace: str, spec: ProxyModelSpec, settings: Settings, seen: dict | None = None) -> Preflight:
@@ -154,7 +179,8 @@ async def preflight(namespace: str, spec: ProxyModelSpec, settings: Settings, se
     credentials = await read_credentials(namespace, spec.source.credentials_secret, seen)
     try:
         config = await asyncio.to_thread(read_source_config, spec, credentials, seen)
-        return Preflight(config, plan_for(config, spec, settings))
+        plan = plan_for(config, spec, settings)
+        return Preflight(config, plan, precision_prices(config, spec, settings, plan))
     except PreflightError as exc:
         raise PreflightError(exc.reason, redact(exc.message, credentials), exc.retry) from None
 

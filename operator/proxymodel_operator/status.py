@@ -171,9 +171,10 @@ def _camel(name: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-def plan_summary(plan, notes: tuple[str, ...] = ()) -> dict:
+def plan_summary(plan, notes: tuple[str, ...] = (), prices: dict[str, float] | None = None) -> dict:
     """A moe_proxy.sizing.Sizing, in status's camelCase; `notes`: the spec's own (Pruning.notes)
-    after the plan's."""
+    after the plan's; `prices`: the proxy's device-hours per RL step by precision
+    (preflight.precision_prices), what a run at another precision is priced by."""
 
     def side(s) -> dict:
         return {"devices": s.devices, "nodes": s.nodes, "expertsPerLayer": s.experts_per_layer, "topK": s.top_k,
@@ -190,6 +191,8 @@ def plan_summary(plan, notes: tuple[str, ...] = ()) -> dict:
         "deviceHoursPerStep": {_camel(name): {"original": f"{row['original']:.4g}", "proxy": f"{row['proxy']:.4g}",
                                               "ratio": "-" if row["ratio"] is None else f"{row['ratio']:.3f}"}
                                for name, row in plan.phase_table().items()},
+        # precision -> the proxy's total per step there: a Diagnosis's candidate may change the precision
+        **({"proxyDeviceHoursPerStep": {p: f"{x:.4g}" for p, x in prices.items()}} if prices else {}),
         # e.g. kept experts raised to 2 x top-k; one-pass statistics where sequential cannot serve
         **({"notes": [*plan.notes, *notes]} if plan.notes or notes else {}),
     }

@@ -261,16 +261,15 @@ def test_a_bisection_with_candidates_and_no_bad_checkpoint_ends_as_before():
     assert body["status"]["phase"] == DIAGNOSED and not body["status"].get("candidatesOn")
 
 
-def test_the_candidates_runs_are_priced_as_the_probes_and_the_incident_spends_them():
-    """A matrix run records deviceHours as a probe does (its ProxyModel's plan per step x the steps
-    it completed); a candidate that changes the precision is not priced by that plan (null), and
-    the incident counts it as planned."""
+def _priced_matrix(plan: dict) -> dict:
+    """The status of a matrix (baseline, fp32, lower-lr; one seed) on the first bad probe's
+    ProxyModel whose status.plan is `plan`, once every run finished."""
     listed = [{"step": 10 * (i + 1), "uri": f"s3://{BUCKET}/run/global_step_{10 * (i + 1)}/{HF}"} for i in range(4)]
     body = _body(candidates=["fp32", "lower-lr"], failOn={"signature": "nan"}, seeds=1, steps=4)
     body = _apply(body, start({}, parse_bisection(body["spec"]), checkpoints_spec(f"s3://{BUCKET}/run"), listed, 1))
     body, made = _drive(body, bad_from=2)
     child = _built(made["bx-step-30"])
-    child["status"]["plan"] = {"precision": "fp16", "deviceHoursPerStep": {"total": {"original": "9", "proxy": "0.25"}}}
+    child["status"]["plan"] = plan
     matrix = {**body, "spec": candidates_spec(body["spec"], "bx-step-30")}
     completed = {"baseline": 2, "fp32": 4, "lower-lr": 3}  # the baseline and lower-lr stop at their NaN
     for _ in range(6):
@@ -280,8 +279,31 @@ def test_the_candidates_runs_are_priced_as_the_probes_and_the_incident_spends_th
                 for row in [matrix["status"].get("baseline") or {"runs": []}, *matrix["status"].get("candidates", [])]
                 for r in row["runs"] if r["phase"] == "Running"}
         matrix = _apply(matrix, matrix_decide(matrix, child, seen, Settings()))
-    st = matrix["status"]
-    assert st["phase"] == DIAGNOSED and st["proxyModel"]["price"] == {"deviceHoursPerStep": "0.25", "precision": "fp16"}
+    assert matrix["status"]["phase"] == DIAGNOSED
+    return matrix["status"]
+
+
+FP16_PLAN = {"precision": "fp16", "deviceHoursPerStep": {"total": {"original": "9", "proxy": "0.25"}}}
+
+
+def test_the_candidates_runs_are_priced_as_the_probes_and_the_incident_spends_them():
+    """A matrix run records deviceHours as a probe does (its ProxyModel's plan per step x the steps
+    it completed); a candidate that changes the precision is priced by the plan's figure for that
+    precision (status.plan.proxyDeviceHoursPerStep), and the incident spends it."""
+    st = _priced_matrix({**FP16_PLAN, "proxyDeviceHoursPerStep": {"bf16": "0.25", "fp16": "0.25", "fp32": "0.4"}})
+    assert st["proxyModel"]["price"] == {"deviceHoursPerStep": "0.25", "precision": "fp16",
+                                         "byPrecision": {"bf16": "0.25", "fp16": "0.25", "fp32": "0.4"}}
+    hours = {row["name"]: row["runs"][0]["deviceHours"] for row in [st["baseline"], *st["candidates"]]}
+    assert hours == {"baseline": "0.5", "fp32": "1.6", "lower-lr": "0.75"}  # fp32: 4 steps x 0.4
+    probes = sum(1 for p in st["probes"])  # the probes' ProxyModels had no plan: each as planned
+    assert inc.cost(st, 1.0) == inc.Cost(probes * 1.0 + 0.5 + 1.6 + 0.75, 0)
+
+
+def test_an_older_plan_leaves_a_candidate_at_another_precision_unpriced():
+    """An older operator's plan has no price by precision: the fp32 candidate's run is not priced
+    by the fp16 plan (null), and the incident counts it as planned."""
+    st = _priced_matrix(FP16_PLAN)
+    assert st["proxyModel"]["price"] == {"deviceHoursPerStep": "0.25", "precision": "fp16"}
     hours = {row["name"]: row["runs"][0]["deviceHours"] for row in [st["baseline"], *st["candidates"]]}
     assert hours == {"baseline": "0.5", "fp32": None, "lower-lr": "0.75"}
     probes = sum(1 for p in st["probes"])  # the probes' ProxyModels had no plan: each as planned

@@ -67,6 +67,8 @@ async def test_apply_to_reproduced(cluster, operator, caplog):
     assert status["plan"]["proxy"]["devices"] < status["plan"]["original"]["devices"]
     hours = status["plan"]["deviceHoursPerStep"]  # by phase of an RL step, through the API server
     assert float(hours["rolloutDecode"]["ratio"]) < float(hours["train"]["ratio"]) and "allToAll" in hours
+    by_precision = status["plan"]["proxyDeviceHoursPerStep"]  # what a candidate at another precision costs
+    assert by_precision["bf16"] == hours["total"]["proxy"] and float(by_precision["fp32"]) > float(by_precision["bf16"])
     assert cluster.condition(NS, "q3", "Accepted")["status"] == "True"
 
     # The transformer succeeds: ProxyReady with its summary, then the reproduction Job.

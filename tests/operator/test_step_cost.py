@@ -169,3 +169,71 @@ def test_a_run_costs_the_steps_it_completed_at_the_precision_it_ran_at():
                                   (math.nan, 1, "device-hours per step nan")):
         with pytest.raises(InvalidOptions, match=said):
             run_device_hours(per_step, steps)
+
+
+# --- the operator's plan prices a run at each precision (a Diagnosis's candidate may change it) --------
+
+BF16_PROXYMODEL = {"source": {"uri": "s3://runs/ckpt", "credentialsSecret": "c"}, "output": {"uri": "s3://runs/proxy"},
+                   "pruning": {"keepRatio": 0.125}, "reproduction": {"precision": "bf16"}}
+
+
+def _bf16_plan():
+    """A bf16 ProxyModel's spec, its plan (keep ratio: the kept experts are the planner's choice)
+    and its per-step prices by precision, as the operator's preflight makes them."""
+    from proxymodel_operator.preflight import plan_for, precision_prices
+    from proxymodel_operator.settings import Settings
+    from proxymodel_operator.spec import parse
+
+    parsed = parse(BF16_PROXYMODEL, "ns", "pm", Settings())
+    plan = plan_for(QWEN3_30B, parsed, Settings())
+    return parsed, plan, precision_prices(QWEN3_30B, parsed, Settings(), plan)
+
+
+def _at(parsed, plan, precision: str) -> float:
+    """sizing.estimate of the proxy's step at `precision`, the main plan's kept experts given."""
+    from proxymodel_operator.preflight import plan_options
+    from proxymodel_operator.settings import Settings
+
+    options = replace(plan_options(parsed, Settings()), precision=precision, experts=plan.proxy.experts_per_layer,
+                      keep_ratio=None)
+    return estimate(QWEN3_30B, options).proxy.device_hours_per_step
+
+
+def test_the_operator_plan_prices_the_proxy_step_at_each_precision():
+    from proxymodel_operator.pipeline import accepted
+
+    parsed, plan, prices = _bf16_plan()
+    summary = plan_summary(plan, prices=prices)
+    by_precision = summary["proxyDeviceHoursPerStep"]
+    assert plan.precision == "bf16" and list(by_precision) == ["bf16", "fp16", "fp32"]
+    for precision, per_step in by_precision.items():
+        assert per_step == f"{_at(parsed, plan, precision):.4g}"
+    assert by_precision["bf16"] == summary["deviceHoursPerStep"]["total"]["proxy"]
+    assert float(by_precision["fp32"]) > float(by_precision["bf16"])  # fp32 moves twice the bytes
+    assert "proxyDeviceHoursPerStep" not in plan_summary(plan)  # no prices given: the plan as before
+    patch, _ = accepted({}, BF16_PROXYMODEL, 1, parsed, plan, prices)  # the validate step's status
+    assert patch["plan"]["proxyDeviceHoursPerStep"] == by_precision
+
+
+def test_a_run_at_another_precision_is_priced_by_the_plan_for_it():
+    """diagnosis_rows.run_hours: a candidate's fp32 run on a bf16 ProxyModel costs the fp32 step
+    (sizing.run_device_hours of plan's fp32 figure) x the steps it completed."""
+    from moe_proxy.sizing import run_device_hours
+    from proxymodel_operator.diagnosis_rows import plan_price, run_hours
+
+    parsed, plan, prices = _bf16_plan()
+    price = plan_price({"status": {"plan": plan_summary(plan, prices=prices)}})
+    fp32 = float(run_hours(price, 7, "fp32"))
+    assert fp32 == pytest.approx(run_device_hours(_at(parsed, plan, "fp32"), 7), rel=1e-3)
+    assert fp32 > float(run_hours(price, 7, "bf16")) and run_hours(price, 7, "bf16") == run_hours(price, 7)
+    assert run_hours(price, 7, "int8") is None  # a precision the plan did not price
+
+
+def test_an_older_plan_without_prices_by_precision_leaves_another_precision_unpriced():
+    from proxymodel_operator.diagnosis_rows import plan_price, run_hours
+
+    _, plan, _ = _bf16_plan()
+    price = plan_price({"status": {"plan": plan_summary(plan)}})  # an older operator's status.plan
+    assert set(price) == {"deviceHoursPerStep", "precision"}
+    assert run_hours(price, 7, "fp32") is None and run_hours(price, 7, "fp16") is None
+    assert float(run_hours(price, 7, "bf16")) == pytest.approx(7 * plan.proxy.device_hours_per_step, rel=1e-3)
