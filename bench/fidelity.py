@@ -376,6 +376,22 @@ def code_checked(path: Path, make):
 # ---------------------------------------------------------------- 2. a planted super expert
 
 @torch.no_grad()
+def task_super_expert(model: torch.nn.Module, layer_stats, layer: int) -> tuple[int, dict, torch.Tensor]:
+    """`layer`'s natural super expert among those the RL task's tokens reach (the largest max
+    |output| in the calibration statistics `layer_stats`), with what its experts saw of the task's
+    tokens (x, idx) and those tokens."""
+    experts = model.model.layers[layer].mlp.experts
+    seen = {}
+    hook = experts.register_forward_pre_hook(lambda _m, args: seen.update(x=args[0], idx=args[1]))
+    ids = torch.tensor(np.stack([np.frombuffer(task_lines(random.Random(100 + i), 64), dtype=np.uint8)
+                                 for i in range(32)]), dtype=torch.long)
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    reached = torch.unique(seen["idx"])
+    return int(reached[layer_stats.max_abs[reached].argmax()]), seen, ids
+
+
 def plant_super_expert(original: Path, stats: Path, dst: Path, layer: int = 1) -> dict:
     """A copy of `original` whose natural super expert in `layer` (of the experts the RL task's
     tokens reach, the one with the largest output magnitude in the calibration statistics) has
@@ -388,14 +404,7 @@ def plant_super_expert(original: Path, stats: Path, dst: Path, layer: int = 1) -
     s = next(v for v in load_calibration(str(stats)).layers.values() if v.layer == layer)
     model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
     experts = model.model.layers[layer].mlp.experts
-    seen = {}
-    hook = experts.register_forward_pre_hook(lambda _m, args: seen.update(x=args[0], idx=args[1]))
-    ids = torch.tensor(np.stack([np.frombuffer(task_lines(random.Random(100 + i), 64), dtype=np.uint8)
-                                 for i in range(32)]), dtype=torch.long)
-    model(input_ids=ids)
-    hook.remove()
-    reached = torch.unique(seen["idx"])
-    expert = int(reached[s.max_abs[reached].argmax()])
+    expert, seen, ids = task_super_expert(model, s, layer)
     key = {"source": weights_stamp(original), "layer": layer, "expert": expert, "code": lab_code_version()}
     stamp = dst / "planted.json"
     if stamp.exists() and json.loads(stamp.read_text())["key"] == key:

@@ -399,6 +399,21 @@ def base_checkpoint(out: Path, quick: bool, dataset: Path | None = None) -> tupl
     return original, dataset
 
 
+def super_expert(original: Path, layer: int) -> int:
+    """The full-size original's natural super expert of `layer` among the experts the RL task's
+    tokens reach (fidelity.task_super_expert, the fidelity lab's plant): a failure carried by an
+    expert the task never routes to could not show on the original itself."""
+    import fidelity
+    import torch
+    import verdicts
+    from transformers import AutoModelForCausalLM
+
+    _, stats = verdicts.original_and_stats(fidelity)
+    layer_stats = next(v for v in fidelity.load_calibration(str(stats)).layers.values() if v.layer == layer)
+    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
+    return fidelity.task_super_expert(model, layer_stats, layer)[0]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -414,7 +429,8 @@ def main() -> int:
     p.add_argument("--dataset", type=Path, help="with --quick: calibrate the default builds on this text "
                    "(without it, quick's default builds are data-free)")
     p.add_argument("--layer", type=int, default=1, help="the MoE layer planted (default 1)")
-    p.add_argument("--expert", type=int, default=0, help="the expert planted (default 0)")
+    p.add_argument("--expert", type=int, help="the expert planted (default: quick 0; full size the layer's "
+                   "natural super expert among those the RL task reaches, as the fidelity lab plants)")
     p.add_argument("--random-draws", type=int, help="random builds per ratio, each a cell (default 3; quick: 1 "
                    "for super-fp16 alone, else 3)")
     args = p.parse_args()
@@ -431,10 +447,11 @@ def main() -> int:
     draws = args.random_draws or (1 if quick and scenarios == ["super-fp16"] else 3)
     args.out.mkdir(parents=True, exist_ok=True)
     base, dataset = base_checkpoint(args.out, quick, args.dataset)
+    expert = args.expert if args.expert is not None else 0 if quick else super_expert(base, args.layer)
     result = {}
     for name in scenarios:
         s = {**SCENARIOS, **INHERITED}[name]
-        run = planted_run(base, args.out / name / "run", steps, planted_from, s.plant, args.layer, args.expert)
+        run = planted_run(base, args.out / name / "run", steps, planted_from, s.plant, args.layer, expert)
         log = original_log(args.out / name / "metrics.jsonl", s, steps[-1], planted_from + 5)
         floor_seeds = (2 if name in INHERITED else 0) if args.floor_seeds is None else args.floor_seeds
         cells = {}

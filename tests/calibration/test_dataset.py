@@ -83,13 +83,30 @@ def test_short_dataset_gives_fewer_samples(with_tokenizer, tmp_path, caplog):
     assert 1 <= tokens.ids.shape[0] < 50 and "instead of 50" in caplog.text
 
 
-def test_without_tokenizer_random_ids_said_plainly(tmp_path):
-    make_tiny("qwen3_moe", tmp_path / "q")  # ships no tokenizer
+def test_without_tokenizer_the_text_is_read_as_bytes_as_repro_feeds_it(tmp_path):
+    make_tiny("qwen3_moe", tmp_path / "q")  # ships no tokenizer, a vocabulary of 256
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello é"}, {"text": "1+2="}])
+    tokens = calibration_tokens(LocalStore(tmp_path / "q"), str(data), samples=1, seq_len=12, seed=3, vocab_size=256)
+    assert not tokens.random and "read as bytes" in tokens.origin
+    # the UTF-8 bytes, each document ended by a newline (repro's byte codec ends an answer there)
+    assert tokens.ids[0].tolist() == list("hello é\n1+2".encode())  # 12 of the 14 bytes
+
+
+def test_without_tokenizer_or_byte_vocabulary_random_ids_said_plainly(tmp_path):
+    make_tiny("qwen3_moe", tmp_path / "q")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    tokens = calibration_tokens(LocalStore(tmp_path / "q"), str(data), samples=2, seq_len=4, seed=3, vocab_size=200)
+    assert tokens.random and "no usable tokenizer" in tokens.origin and "200 < 256" in tokens.origin
+    again = calibration_tokens(LocalStore(tmp_path / "q"), None, samples=2, seq_len=4, seed=3, vocab_size=200)
+    assert torch.equal(tokens.ids, again.ids)  # seeded: the same ids every time
+
+
+def test_a_tokenizer_that_cannot_load_is_not_read_as_bytes(tmp_path):
+    make_tiny("qwen3_moe", tmp_path / "q")
+    (tmp_path / "q" / "tokenizer.json").write_text("{not a tokenizer")
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     tokens = calibration_tokens(LocalStore(tmp_path / "q"), str(data), samples=2, seq_len=4, seed=3, vocab_size=256)
-    assert tokens.random and "no usable tokenizer" in tokens.origin
-    again = calibration_tokens(LocalStore(tmp_path / "q"), None, samples=2, seq_len=4, seed=3, vocab_size=256)
-    assert torch.equal(tokens.ids, again.ids)  # seeded: the same ids every time
+    assert tokens.random and "could not be loaded" in tokens.origin
 
 
 def verl_rows(questions):

@@ -42,4 +42,4 @@ def test_dataset_from_s3(s3_ckpt, seaweed, prefix, tmp_path):  # noqa: F811
         read_documents(f"s3://proxy/{prefix}/missing.jsonl", opts)
     summary = cal.calibrate(s3_ckpt, str(tmp_path / "s"), dataset=f"s3://proxy/{prefix}/data.jsonl",
                             samples=2, seq_len=8, store_options=opts)
-    assert "no usable tokenizer" in summary["tokens"]["origin"]  # the tiny checkpoint ships none
+    assert "read as bytes" in summary["tokens"]["origin"]  # the tiny checkpoint ships no tokenizer

@@ -1,6 +1,8 @@
 """Calibration tokens: documents from a dataset file, tokenised with the checkpoint's own
-tokenizer, packed into `samples` rows of `seq_len` tokens. Without a dataset, or when the
-checkpoint ships no usable tokenizer, seeded random token ids (the caller says so plainly).
+tokenizer, packed into `samples` rows of `seq_len` tokens. A checkpoint that ships no usable
+tokenizer reads its text as bytes (id = byte value, the UTF-8 encoding), as repro feeds such a
+checkpoint (rl/task.Codec), when its vocabulary holds the 256 byte values. Without a dataset, or
+with neither a tokenizer nor a byte vocabulary, seeded random token ids (the caller says so plainly).
 
 Dataset formats (by file name):
 - `.jsonl` / `.json`: one JSON object per line with a `text` string, a `prompt` string, or a
@@ -115,13 +117,19 @@ def _parquet(p: Path) -> list:
     return [_record(r, f"dataset {p}, row {i}") for i, r in enumerate(rows)]
 
 
+def ships_tokenizer(store: Store) -> bool:
+    """Whether the checkpoint has a vocabulary file (side files alone, as tiny checkpoints carry,
+    do not count: the rule of repro's rl/task.Codec)."""
+    return any(store.exists(f) for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
 def load_tokenizer(store: Store):
     """The checkpoint's tokenizer, or None when it ships none that transformers can load."""
     from transformers import AutoTokenizer
 
-    present = [f for f in TOKENIZER_FILES if store.exists(f)]
-    if "tokenizer.json" not in present and "tokenizer.model" not in present and "vocab.json" not in present:
+    if not ships_tokenizer(store):
         return None
+    present = [f for f in TOKENIZER_FILES if store.exists(f)]
     with tempfile.TemporaryDirectory(prefix="moe-proxy-tok-") as tmp:
         for f in present:
             Path(tmp, f).write_bytes(store.read_bytes(f))
@@ -146,16 +154,22 @@ def calibration_tokens(store: Store, dataset: str | None, samples: int, seq_len:
         raise MoeProxyError(f"--samples and --seq-len must be positive (got {samples}, {seq_len})")
     docs = read_documents(dataset, store_options) if dataset else None
     tokenizer = load_tokenizer(store) if docs else None
-    if docs is None or tokenizer is None:
-        why = "no --dataset given" if docs is None else "the checkpoint has no usable tokenizer"
+    # No tokenizer at all: the checkpoint is byte-level (repro feeds it bytes) if its vocabulary
+    # holds them; one that ships a tokenizer transformers cannot load is not.
+    as_bytes = docs is not None and tokenizer is None and vocab_size >= 256 and not ships_tokenizer(store)
+    if docs is None or (tokenizer is None and not as_bytes):
+        why = ("no --dataset given" if docs is None else "the checkpoint's tokenizer could not be loaded"
+               if ships_tokenizer(store) else
+               f"the checkpoint has no usable tokenizer and a vocabulary of {vocab_size} < 256 byte values")
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab_size, (samples, seq_len), generator=g)
         return Tokens(ids, f"seeded random token ids (seed {seed}; {why}): routing statistics of random text", True)
 
     stream: list[int] = []
-    eos = tokenizer.eos_token_id
+    eos = ord("\n") if as_bytes else tokenizer.eos_token_id  # repro's byte codec ends an answer at a newline
     for doc in docs:
-        stream += tokenizer(_render(doc, tokenizer), add_special_tokens=True)["input_ids"]
+        stream += (list(_render(doc, None).encode("utf-8")) if as_bytes
+                   else tokenizer(_render(doc, tokenizer), add_special_tokens=True)["input_ids"])
         if eos is not None:
             stream.append(eos)
         if len(stream) >= samples * seq_len:
@@ -171,4 +185,6 @@ def calibration_tokens(store: Store, dataset: str | None, samples: int, seq_len:
     bad = int(ids.max())
     if bad >= vocab_size:
         raise BadDataset(f"the tokenizer produced id {bad}, outside the model's vocabulary of {vocab_size}")
-    return Tokens(ids, f"{dataset}, {len(docs)} documents, tokenised with the checkpoint's tokenizer", False)
+    how = ("read as bytes (id = byte value: the checkpoint has no usable tokenizer; repro feeds it bytes too)"
+           if as_bytes else "tokenised with the checkpoint's tokenizer")
+    return Tokens(ids, f"{dataset}, {len(docs)} documents, {how}", False)
