@@ -69,6 +69,10 @@ SCENARIOS = {
     "router-collapse": Scenario("one expert's router row onto its inputs' mean: it takes nearly every token",
                                 "moe/load_max_excess>0.5", ("--steps", "2"), ("aux-loss", "lower-lr"), "collapse"),
 }
+# Full size: the trained original routes the RL task's arithmetic to a few hot experts by itself; its
+# busiest layer reads moe/load_max_excess 0.90 clean (layer 2, probe, seed 0), past the quick
+# original's 0.5, while the planted layer 1 reads 0.58 clean and 0.92 planted: watch that layer.
+FULL_SIZE_FAIL_ON = {"router-collapse": "moe/load_max_excess/layer_{layer}>0.75"}
 BUILDS_ORIGINAL = ("--keep-ratio", "1")  # every expert kept, data-free: the checkpoint itself
 
 # Inherited: failures carried by what every proxy keeps (attention, the dense layers, the final norm
@@ -451,6 +455,8 @@ def main() -> int:
     result = {}
     for name in scenarios:
         s = {**SCENARIOS, **INHERITED}[name]
+        if not quick and name in FULL_SIZE_FAIL_ON:
+            s = dataclasses.replace(s, fail_on=FULL_SIZE_FAIL_ON[name].format(layer=args.layer))
         run = planted_run(base, args.out / name / "run", steps, planted_from, s.plant, args.layer, expert)
         log = original_log(args.out / name / "metrics.jsonl", s, steps[-1], planted_from + 5)
         floor_seeds = (2 if name in INHERITED else 0) if args.floor_seeds is None else args.floor_seeds
