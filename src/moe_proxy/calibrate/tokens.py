@@ -1,8 +1,9 @@
 """Calibration tokens: documents from a dataset file, tokenised with the checkpoint's own
-tokenizer, packed into `samples` rows of `seq_len` tokens. A checkpoint that ships no usable
-tokenizer reads its text as bytes (id = byte value, the UTF-8 encoding), as repro feeds such a
-checkpoint (rl/task.Codec), when its vocabulary holds the 256 byte values. Without a dataset, or
-with neither a tokenizer nor a byte vocabulary, seeded random token ids (the caller says so plainly).
+tokenizer, packed into `samples` rows of `seq_len` tokens. A checkpoint that ships no tokenizer
+reads its text as bytes (id = byte value, the UTF-8 encoding), as repro feeds such a checkpoint
+(rl/task.Codec), when its vocabulary holds the 256 byte values. Without a dataset, with a tokenizer
+that cannot be loaded, or with neither a tokenizer nor a byte vocabulary, seeded random token ids
+(the caller says so plainly).
 
 Dataset formats (by file name):
 - `.jsonl` / `.json`: one JSON object per line with a `text` string, a `prompt` string, or a
