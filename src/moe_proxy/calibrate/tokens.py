@@ -154,13 +154,14 @@ def calibration_tokens(store: Store, dataset: str | None, samples: int, seq_len:
     if samples < 1 or seq_len < 1:
         raise MoeProxyError(f"--samples and --seq-len must be positive (got {samples}, {seq_len})")
     docs = read_documents(dataset, store_options) if dataset else None
-    tokenizer = load_tokenizer(store) if docs else None
+    ships = docs is not None and ships_tokenizer(store)  # looked up once: on S3 each file is a request
+    tokenizer = load_tokenizer(store) if ships else None
     # No tokenizer at all: the checkpoint is byte-level (repro feeds it bytes) if its vocabulary
     # holds them; one that ships a tokenizer transformers cannot load is not.
-    as_bytes = docs is not None and tokenizer is None and vocab_size >= 256 and not ships_tokenizer(store)
+    as_bytes = docs is not None and not ships and vocab_size >= 256
     if docs is None or (tokenizer is None and not as_bytes):
         why = ("no --dataset given" if docs is None else "the checkpoint's tokenizer could not be loaded"
-               if ships_tokenizer(store) else
+               if ships else
                f"the checkpoint has no usable tokenizer and a vocabulary of {vocab_size} < 256 byte values")
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab_size, (samples, seq_len), generator=g)
