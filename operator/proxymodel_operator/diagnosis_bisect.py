@@ -95,7 +95,8 @@ def start(status: dict, b: BisectSpec, raw: dict, checkpoints: list[dict], gener
 def probe_proxymodel(body: dict, raw: dict, checkpoint: dict, settings: Settings) -> dict:
     """The ProxyModel of a probe: the template's, as a CheckpointWatch makes it (name
     `<diagnosis>-step-<N>`, the source with the checkpoint's URI, the content key), owned by the
-    Diagnosis, labelled as its probe, its own reproduction off (the Diagnosis runs it)."""
+    Diagnosis, labelled as its probe, its own reproduction off (the Diagnosis runs it), dead
+    experts filling a count a collapsed router leaves short (spec.pruning.fillDead)."""
     manifest = proxymodel_for(body, watch_spec(raw, "spec.checkpoints", settings), checkpoint["step"],
                               checkpoint["uri"], checkpoint.get("fingerprint"), settings)
     labels = manifest["metadata"]["labels"]
@@ -103,6 +104,8 @@ def probe_proxymodel(body: dict, raw: dict, checkpoint: dict, settings: Settings
     labels.update({LABEL_DIAGNOSIS: body["metadata"]["name"], LABEL_ROLE: PROBE_ROLE})
     spec = manifest["spec"]
     spec["reproduction"] = {**(spec.get("reproduction") or {}), "enabled": False}
+    # as the CLI's probes: a collapsed checkpoint (fewer alive experts than the count) still builds
+    spec["pruning"] = {**(spec.get("pruning") or {}), "fillDead": True}
     queue = (body.get("spec") or {}).get("queueName")
     if queue:  # the Diagnosis's Kueue queue over the template's, for the probe's build
         spec["queueName"] = queue

@@ -10,7 +10,8 @@ What goes in:
   left to its default is the same build), sequential, spec.calibration, and what runs the build
   (the transformer's image, command, args and env); for a keep ratio, the accelerator request
   its expert count is sized for (as the build's own build id counts the device budget).
-What does not: where the proxy is written, where its pods run (resources, nodes, queue, workers)
+What does not: spec.pruning.fillDead (it changes no proxy a build without it makes, only makes
+one where that refuses: a failed ProxyModel is never reused), where the proxy is written, where its pods run (resources, nodes, queue, workers)
 and the ProxyModel's own reproduction, none of which changes the proxy.
 
 Every ProxyModel the operator makes carries the key as a label (LABEL_CONTENT_KEY, 16 hex
@@ -36,7 +37,9 @@ def content(spec: dict, fingerprint: str | None, settings: Settings) -> dict:
     checkpoint whose listing has `fingerprint` (None: not known, and then never reused)."""
     s = parse(spec, "namespace", "name", settings)  # the defaults the build will see
     w = s.transformer
-    build = {"pruning": asdict(s.pruning.options), "sequential": s.pruning.sequential,
+    # fillDead (a probe's) makes the same proxy as a build without it, or one where that refuses
+    pruning = {k: v for k, v in asdict(s.pruning.options).items() if k != "fill_dead"}
+    build = {"pruning": pruning, "sequential": s.pruning.sequential,
              "calibration": asdict(s.calibration) if s.calibration else None,
              "transformer": {"image": w.image, "command": w.command, "args": w.args, "env": w.env}}
     if s.pruning.options.keep_ratio is not None:  # its count is sized for the devices asked for

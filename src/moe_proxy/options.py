@@ -107,6 +107,10 @@ class PruningOptions:
                                      "and the operator passes their location")
     keep_super: bool = option(True, "bool", "force super experts (massive output activations) into the proxy, with "
                               "calibration", crd="keepSuper")
+    fill_dead: bool = option(False, "bool", "with calibration: where a layer has fewer alive experts than the count "
+                             "(a collapsed router), keep its most-routed dead experts to fill it, named in the "
+                             "manifest (dead_kept) and the notes, instead of refusing; bisect's and triage's probes "
+                             "and the operator's bisection probes always do", crd="fillDead")
     super_range_share: float = option(SUPER_RANGE_SHARE, "float", "with calibration: in every MoE layer, an expert "
                                       f"whose max |output| on the calibration tokens reaches this share of fp16's "
                                       f"range ({FP16_MAX:g}) is super: it can overflow in half precision (above 1: "
@@ -168,9 +172,10 @@ class PruningOptions:
 
 # The build's options `moe-proxy calibrate --experts N` takes besides the count, to make sequential
 # statistics for the very proxy a build with them makes (calibrate.criteria.selection_key; not seed:
-# calibrate's --seed is the tokens').
+# calibrate's --seed is the tokens'; fill_dead is not in the key either: it changes no selection
+# that would be made without it, it only makes one where that refuses).
 SELECTION = ("top_k", "method", "features", "clustering", "representative", "keep_super", "super_range_share",
-             "super_outlier")
+             "super_outlier", "fill_dead")
 
 
 def statistics_flags(options: PruningOptions, sequential: bool = True) -> list[str]:

@@ -89,6 +89,49 @@ def test_experts_that_dead_exclusion_cannot_fill(planted, tmp_path):
     assert m["layers"]["model.layers.1.mlp"]["kept"] == list(range(16))
 
 
+def test_fill_dead_keeps_the_dead_a_count_needs_and_says_so(planted, tmp_path):
+    """The loop's probes build a collapsed checkpoint (fewer alive experts than the count) with
+    --fill-dead: the dead experts fill the count, named in the manifest and the notes; sequential
+    statistics for that proxy are made the same way (calibrate --experts N --fill-dead)."""
+    from .conftest import DEAD
+
+    stats, proxy = tmp_path / "s", tmp_path / "p"
+    assert main(["calibrate", str(planted), "--out", str(stats), "--samples", "16", "--seq-len", "32",
+                 "--experts", "16", "--fill-dead", "--no-progress"]) == 0
+    assert main(["build", str(planted), str(proxy), "--experts", "16", "--calibration", str(stats),
+                 "--fill-dead", "--no-reconstruct", "--no-progress"]) == 0
+    m = json.loads((proxy / MANIFEST).read_text())
+    layer = m["layers"]["model.layers.1.mlp"]
+    assert layer["kept"] == list(range(16)) and layer["dead_kept"] == sorted(DEAD)
+    assert any(n.startswith("layer 1: fewer alive experts than the 16 kept") and "[1, 9]" in n
+               for n in m["notes"]), m["notes"]
+    # without the flag the same statistics still refuse: filling is asked for, never silent
+    with pytest.raises(InvalidExpertCount, match="only 7 of 8 experts are alive"):
+        build_proxy(str(planted), str(tmp_path / "q"), experts=16, calibration=str(stats), reconstruct=False)
+
+
+def test_fill_dead_takes_the_most_routed_dead_experts_first():
+    """Gate mass first, then saliency, then the number; pinned experts count towards the count."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from moe_proxy.pruning.usage import _fill_dead
+
+    block = SimpleNamespace(n_experts=8)
+    stats = SimpleNamespace(gate_mass=torch.tensor([.5, .4, 0, .003, .001, 0, 0, .003]),
+                            saliency=torch.tensor([1., 1., .2, .1, 0, 0, .3, .2]))
+    alive = np.array([True, True] + [False] * 6)
+    assert _fill_dead(block, alive, [], 4, 1, stats) == [3, 7]  # .003 each: 7 has more saliency
+    assert alive.tolist() == [True, True, False, True, False, False, False, True]
+    alive = np.array([True, True] + [False] * 6)
+    assert _fill_dead(block, alive, [5], 4, 1, stats) == [7]  # the pin is kept already: one short
+    assert _fill_dead(block, np.ones(8, bool), [], 4, 1, stats) == []  # enough alive: nothing filled
+    # two routing groups of 4, 2 kept in each: group 1 (experts 4..7) has none alive
+    alive = np.array([True, True, False, False, False, False, False, False])
+    assert _fill_dead(block, alive, [], 2, 2, stats) == [4, 7]  # .003 and .001 beat the unrouted 5, 6
+
+
 def test_super_experts_beyond_the_budget_are_said_not_dropped_silently(planted, tmp_path):
     """Pins come first; a super expert that no longer fits its routing group is named in the
     notes and the manifest with its rule and max |output| (issue 30). Pins beyond it still fail."""

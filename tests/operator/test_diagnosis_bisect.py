@@ -365,7 +365,7 @@ async def test_an_operator_restart_mid_probe_makes_no_second_proxymodel_or_run(c
     third.check_handler_errors()
     status = _status(cluster, "rx")
     assert status.get("firstBad") is None and [(p["step"], p["phase"]) for p in status["probes"]] == [(40, RUN_DONE)]
-    assert status["bisection"]["watch"] == "w" and pm["spec"]["pruning"] == {"experts": 4}
+    assert status["bisection"]["watch"] == "w" and pm["spec"]["pruning"] == {"experts": 4, "fillDead": True}
     assert (posts("proxymodels"), posts("jobs")) == (1, 2)  # its ProxyModel and its run, each once
     assert cluster.names(PROXYMODELS, NS) == ["rx-step-40"]
 

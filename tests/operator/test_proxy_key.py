@@ -44,6 +44,8 @@ def test_the_key_is_stable_for_the_same_checkpoint_and_build():
                          "reproduction": {"enabled": False, "maxSteps": 3}})
     # a default spelled out is the same build
     assert key() == key({"pruning": {"experts": 8, "method": "cluster", "seed": 0}})
+    # fillDead (a probe's) builds the same proxy, or one where the build without it refuses
+    assert key() == key({"pruning": {"experts": 8, "fillDead": True}})
 
 
 @pytest.mark.parametrize("change", [
@@ -122,6 +124,8 @@ def test_a_probe_builds_its_own_where_the_watchs_differs_or_failed(theirs):
         (PROXYMODELS.plural, "grpo-incident-250-step-200")]
     assert decision.create[0][1]["metadata"]["labels"][LABEL_CONTENT_KEY] != theirs["metadata"]["labels"][
         LABEL_CONTENT_KEY] or theirs["status"]["phase"] == "Failed"
+    # the probe's own build keeps dead experts where a collapsed router leaves too few alive (the CLI's probes too)
+    assert decision.create[0][1]["spec"]["pruning"] == {**TEMPLATE["spec"]["pruning"], "fillDead": True}
 
 
 def test_a_reused_proxymodel_that_fails_before_its_proxy_is_built_gives_way_to_the_probes_own():

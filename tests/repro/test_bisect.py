@@ -112,3 +112,17 @@ def test_bad_input_is_one_line_and_runs_nothing(run, tmp_path, capsys, extra, me
 def test_a_size_is_required(run, tmp_path, capsys):
     assert main(["bisect", str(run), "--out", str(tmp_path / "b"), "--fail-on", "nan"]) == 2
     assert "one of the arguments --experts --keep-ratio is required" in capsys.readouterr().err
+
+
+def test_probes_fill_dead_experts_so_a_collapsed_checkpoint_builds(tmp_path):
+    """A probe's build and its sequential statistics keep the most-routed dead experts where a
+    layer has fewer alive ones than the count (--fill-dead, tests/calibration): a collapsed
+    router is a failure to reproduce, not a reason to stop the search. Asked once, not twice."""
+    data = tmp_path / "cal.txt"
+    data.write_text("some text")
+    s = bisect_module.probe_settings("collapse", ["--experts", "4"], ["--dataset", str(data)], [], 1)
+    assert s.build_flags == ["--experts", "4", "--fill-dead"]
+    assert "--fill-dead" in s.calibrate_flags and "--sequential" in s.calibrate_flags
+    again = bisect_module.probe_settings("collapse", s.build_flags, ["--dataset", str(data)], [], 1)
+    assert again.build_flags.count("--fill-dead") == 1
+    assert bisect_module.build_options(s.build_flags).fill_dead

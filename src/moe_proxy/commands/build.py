@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
     add_size_arguments(p)
     add_arguments(p, PruningOptions, only=("method", "features", "clustering", "top_k", "pins", "seed"))
     usage = p.add_argument_group("usage-aware selection (statistics from moe-proxy calibrate)")
-    add_arguments(usage, PruningOptions, only=("calibration", "keep_super", "super_range_share", "super_outlier",
-                                               "representative", "heal", "reconstruct", "merge"))
+    add_arguments(usage, PruningOptions, only=("calibration", "keep_super", "fill_dead", "super_range_share",
+                                               "super_outlier", "representative", "heal", "reconstruct", "merge"))
     auto = p.add_argument_group("--experts auto (fidelity-driven count; measured on the calibration tokens)")
     add_arguments(auto, PruningOptions, only=("max_kl",))
     auto.add_argument("--max-experts", type=int, metavar="N", help="largest count to try")

@@ -2,8 +2,9 @@
 
 The run's complete checkpoints (the `checkpoints` listing) are probed by binary search: a probe
 builds the checkpoint's proxy (with `--dataset`, calibrated on that checkpoint first, as the
-default calibrated build does; else the data-free build) and runs the reproduction from it on
-`seeds` seeds. The last checkpoint (or `--bad`) is probed first: if it does not reproduce there
+default calibrated build does; else the data-free build; always with --fill-dead, so that a
+collapsed checkpoint, whose layers route to fewer experts than the count, builds) and runs the
+reproduction from it on `seeds` seeds. The last checkpoint (or `--bad`) is probed first: if it does not reproduce there
 is nothing to find. O(log n) builds; every probe is kept in `DIR/probes/step-<N>/` (stats,
 proxy, runs/seed-<s>/). A rerun resumes: each step of a probe is reused only when what made it
 is the same (its arguments, the moe-proxy version, the content it read: processes.Recipe), and
@@ -125,6 +126,9 @@ def probe_settings(fail_on: str, build_flags: list[str], calibrate_flags: list[s
     Signature.parse(fail_on)
     if seeds < 1:
         raise MoeProxyError(f"--seeds {seeds}: at least 1")
+    # A probe of a collapsed checkpoint must still build: a layer with fewer alive experts than the
+    # count keeps its most-routed dead ones (the manifest says so) instead of stopping the search.
+    build_flags = [*build_flags, *(["--fill-dead"] if "--fill-dead" not in build_flags else [])]
     try:
         options = build_options(build_flags)
     except MoeProxyError as exc:

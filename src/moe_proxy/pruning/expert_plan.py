@@ -71,6 +71,20 @@ def proxy_counts(arch: Arch, config: dict, options: PruningOptions, sizing: Sizi
     return ExpertPlan(arch, n, k, k0, new_top_k, n_group, topk_group, {}, notes)
 
 
+def _usage_notes(layer: int, record: dict, k: int, n_group: int) -> list[str]:
+    """What a usage-aware selection did that the user must hear of (usage.usage_select's record)."""
+    notes = []
+    keeps = f"{'in ' + str(n_group) + ' routing groups' if n_group > 1 else 'experts'}"
+    if record.get("super_not_kept"):  # said, never dropped silently (issue 30)
+        notes.append(f"layer {layer}: super experts not kept, the layer keeps {k} ({keeps}): " + ", ".join(
+            f"{e} ({f['rule']}, max |output| {f['max_abs']:.4g})" for e, f in record["super_not_kept"].items()))
+    if record.get("dead_kept"):  # --fill-dead: fewer alive experts than the count
+        notes.append(f"layer {layer}: fewer alive experts than the {k} kept ({keeps}) on the calibration data (a "
+                     f"collapsed router?); {len(record['dead_kept'])} dead experts kept to fill the count "
+                     f"(--fill-dead), the most routed first: {record['dead_kept']}")
+    return notes
+
+
 def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, progress: bool = False,
               calibration=None, sizing: SizingOptions | None = None) -> ExpertPlan:
     """`calibration`: a calibration.Calibration of this checkpoint, for usage-aware selection."""
@@ -105,11 +119,7 @@ def plan_experts(ckpt: Checkpoint, layout: Layout, options: PruningOptions, prog
         if stats is not None:
             sel = selections[block.prefix] = usage_select(ckpt, block, stats, calibration.super.get(block.prefix, {}),
                                                           k, n_group, options, sorted(set(pins)))
-            if sel.record.get("super_not_kept"):  # said, never dropped silently (issue 30)
-                notes.append(f"layer {block.layer}: super experts not kept, the layer keeps {k} "
-                             f"({'in ' + str(n_group) + ' routing groups' if n_group > 1 else 'experts'}): " + ", ".join(
-                                 f"{e} ({f['rule']}, max |output| {f['max_abs']:.4g})"
-                                 for e, f in sel.record["super_not_kept"].items()))
+            notes += _usage_notes(block.layer, sel.record, k, n_group)
             continue
         if calibration is not None:
             notes.append(f"{block.prefix}: no calibration statistics (MTP layer), selected without them")

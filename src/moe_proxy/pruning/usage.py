@@ -1,6 +1,9 @@
 """Usage-aware selection for one MoE block, from `moe-proxy calibrate` statistics.
 
-- Dead experts (criteria.DEAD_SHARE) are never kept unless pinned.
+- Dead experts (criteria.DEAD_SHARE) are never kept unless pinned, or, with `fill_dead`, where
+  a layer has fewer alive experts than the count (a collapsed router): then its most-routed dead
+  experts fill the count (`dead_kept` in the manifest). A user's build refuses such a count; the
+  loop's probes fill it, since a collapsed checkpoint is what they are there to reproduce.
 - Super experts (criteria.super_experts) are pinned, unless `keep_super` is off; a super
   expert is never dead, however rarely it is routed (`super_rarely_routed` in the manifest).
 - `--method frequency` keeps the experts with the most gate mass, `--method saliency` the
@@ -39,6 +42,7 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: d
     k_per = k // n_group
     peak = stats.max_abs.tolist()
     forced, left_out = _forced(block, supers, peak, k_per, n_group, options, pins)
+    filled = _fill_dead(block, alive, forced, k_per, n_group, stats) if options.fill_dead else []
     _check_alive(block, alive, forced, k_per, n_group)
     if options.features in PROBES:
         feats = getattr(stats, PROBES[options.features]).double().numpy()
@@ -60,6 +64,8 @@ def usage_select(ckpt: Checkpoint, block: MoeBlock, stats: LayerStats, supers: d
         "super_dropped": sorted(e for e in supers if e not in sel.kept),
         "dead": sorted(dead),
     }
+    if filled:
+        sel.record["dead_kept"] = filled
     if rare := stats.rarely_routed(supers):  # super although the gate-mass rule would call it dead
         sel.record["super_rarely_routed"] = rare
     if left_out:  # more super experts than the layer (or its routing group) keeps
@@ -88,6 +94,23 @@ def _forced(block: MoeBlock, supers: dict[int, str], peak: list[float], k_per: i
             forced += candidates[:room]
             left_out += candidates[room:]
     return sorted(forced), left_out
+
+
+def _fill_dead(block: MoeBlock, alive: np.ndarray, forced: list[int], k_per: int, n_group: int,
+               stats: LayerStats) -> list[int]:
+    """Mark as alive (in place) the dead experts a routing group needs to keep k_per, the most
+    routed first (gate mass, then saliency, then number); returns them, sorted."""
+    per = block.n_experts // n_group
+    mass, salience = stats.gate_mass.tolist(), stats.saliency.tolist()
+    filled = []
+    for g in range(n_group):
+        group = range(g * per, (g + 1) * per)
+        short = k_per - sum(1 for e in group if alive[e] or e in forced)
+        dead = sorted((e for e in group if not alive[e] and e not in forced),
+                      key=lambda e: (-mass[e], -salience[e], e))
+        filled += dead[:max(short, 0)]
+    alive[filled] = True
+    return sorted(filled)
 
 
 def _check_alive(block: MoeBlock, alive: np.ndarray, forced: list[int], k_per: int, n_group: int) -> None:
