@@ -10,9 +10,10 @@ What goes in:
   left to its default is the same build), sequential, spec.calibration, and what runs the build
   (the transformer's image, command, args and env); for a keep ratio, the accelerator request
   its expert count is sized for (as the build's own build id counts the device budget).
-What does not: spec.pruning.fillDead (it changes no proxy a build without it makes, only makes
-one where that refuses: a failed ProxyModel is never reused), where the proxy is written, where its pods run (resources, nodes, queue, workers)
-and the ProxyModel's own reproduction, none of which changes the proxy.
+What does not: where the proxy is written, where its pods run (resources, nodes, queue, workers)
+and the ProxyModel's own reproduction, none of which changes the proxy; nor spec.pruning.fillDead
+(a probe's), which changes no proxy a build without it makes, only makes one where that build
+refuses (and a failed ProxyModel is never reused).
 
 Every ProxyModel the operator makes carries the key as a label (LABEL_CONTENT_KEY, 16 hex
 characters: listable by label selector) and what went into it as an annotation (ANNOTATION_CONTENT).
