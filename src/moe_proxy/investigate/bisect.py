@@ -5,8 +5,8 @@ builds the checkpoint's proxy (with `--dataset`, calibrated on that checkpoint f
 default calibrated build does; else the data-free build; always with --fill-dead, so that a
 collapsed checkpoint, whose layers route to fewer experts than the count, builds) and runs the
 reproduction from it on `seeds` seeds. The last checkpoint (or `--bad`) is probed first: if it
-does not reproduce there is nothing to find. O(log n) builds; every probe is kept in `DIR/probes/step-<N>/` (stats,
-proxy, runs/seed-<s>/). A rerun resumes: each step of a probe is reused only when what made it
+does not reproduce there is nothing to find. O(log n) builds; every probe is kept in
+`DIR/probes/step-<N>/` (stats, proxy, runs/seed-<s>/). A rerun resumes: each step of a probe is reused only when what made it
 is the same (its arguments, the moe-proxy version, the content it read: processes.Recipe), and
 `DIR` holds one bisection (another one's settings are refused, processes.claim_out).
 

@@ -74,7 +74,7 @@ def proxy_counts(arch: Arch, config: dict, options: PruningOptions, sizing: Sizi
 def _usage_notes(layer: int, record: dict, k: int, n_group: int) -> list[str]:
     """What a usage-aware selection did that the user must hear of (usage.usage_select's record)."""
     notes = []
-    keeps = f"{'in ' + str(n_group) + ' routing groups' if n_group > 1 else 'experts'}"
+    keeps = f"in {n_group} routing groups" if n_group > 1 else "experts"
     if record.get("super_not_kept"):  # said, never dropped silently (issue 30)
         notes.append(f"layer {layer}: super experts not kept, the layer keeps {k} ({keeps}): " + ", ".join(
             f"{e} ({f['rule']}, max |output| {f['max_abs']:.4g})" for e, f in record["super_not_kept"].items()))
